@@ -1,0 +1,52 @@
+# kvserve developer entry points. Every target that needs the toolchain or the models
+# depends on `deps` / `models`, which are idempotent and fast when nothing is missing.
+
+SHELL       := /bin/bash
+PYTHON      ?= python3
+BUILD_DIR   ?= build
+BUILD_TYPE  ?= Release
+JOBS        ?= 2
+MODEL       ?= models/SmolLM2-135M-Instruct.Q4_1.gguf
+PROMPT      ?= The three most important ideas in computer science are
+N_TOKENS    ?= 64
+
+.PHONY: all deps models build test serve bench peer clean distclean
+
+all: build
+
+deps:
+	scripts/setup_deps.sh
+
+models:
+	scripts/fetch_models.sh
+
+build: deps
+	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE)
+	cmake --build $(BUILD_DIR) -j$(JOBS)
+
+# pytest exits 5 when it collects no test: not a failure while tests/py is still empty.
+test: deps models build
+	ctest --test-dir $(BUILD_DIR) --output-on-failure -j$(JOBS)
+	$(PYTHON) -m pytest -q tests/py; rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest: no tests collected in tests/py"; rc=0; fi; \
+	  exit $$rc
+	if [ -x scripts/run_fuzz.sh ]; then scripts/run_fuzz.sh; \
+	  elif [ -f scripts/run_fuzz.sh ]; then bash scripts/run_fuzz.sh; fi
+
+serve: deps models build
+	./$(BUILD_DIR)/kvserve generate -m $(MODEL) -p "$(PROMPT)" -n $(N_TOKENS)
+
+bench: deps models build
+	if [ -f bench/run_bench.py ]; then $(PYTHON) bench/run_bench.py; \
+	  else echo "bench/run_bench.py not present yet"; fi
+
+peer:
+	bench/peer/build_llama.sh
+
+clean:
+	rm -rf $(BUILD_DIR)
+
+# Also drops the pip stamp, bench output and the llama.cpp peer build (slow to redo).
+# Models are kept: scripts/fetch_models.sh re-verifies them.
+distclean: clean
+	rm -rf .stamps bench/out bench/peer/work

@@ -1,0 +1,37 @@
+// Element-wise and row-wise operators of the forward pass. Each has a scalar *_ref twin in
+// ops_ref.cpp; the fast versions are tested against them with two-sided tolerances.
+#pragma once
+#include <cstdint>
+
+namespace kv {
+
+// Two RoPE conventions as GGUF models use them. kNorm (llama arch in GGUF, whose converter
+// permuted Q/K rows) rotates adjacent pairs (x[2i], x[2i+1]); kNeox (gemma, qwen, ...) rotates
+// (x[i], x[i + n_rot/2]). Pair i turns by pos * freq_base^(-2i/n_rot) * freq_scale.
+enum class RopeStyle { kNorm, kNeox };
+
+// y[n] = x / sqrt(mean(x²) + eps) * w   (w may be null: no weight). y may alias x.
+void rms_norm(const float* x, const float* w, float* y, int64_t n, float eps);
+void rms_norm_ref(const float* x, const float* w, float* y, int64_t n, float eps);
+
+// x: [n_head, head_dim] for one token at position pos; rotates the first n_rot of each head.
+void rope(float* x, int n_head, int head_dim, int n_rot, int64_t pos, float freq_base,
+          float freq_scale, RopeStyle style);
+void rope_ref(float* x, int n_head, int head_dim, int n_rot, int64_t pos, float freq_base,
+              float freq_scale, RopeStyle style);
+
+// y[n] = silu(gate) * up. y may alias gate.
+void silu_mul(const float* gate, const float* up, float* y, int64_t n);
+void silu_mul_ref(const float* gate, const float* up, float* y, int64_t n);
+// y[n] = gelu_tanh(gate) * up (Gemma).
+void gelu_mul(const float* gate, const float* up, float* y, int64_t n);
+void gelu_mul_ref(const float* gate, const float* up, float* y, int64_t n);
+
+// In-place softmax over n values; returns log(sum(exp(x - max))) + max (the log-partition).
+float softmax(float* x, int64_t n);
+float softmax_ref(float* x, int64_t n);
+
+// y[n] += x[n]
+void add_inplace(float* y, const float* x, int64_t n);
+
+}  // namespace kv

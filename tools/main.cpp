@@ -1,0 +1,30 @@
+// kvserve: the command line over the kvserve library.
+#include <sys/stat.h>
+
+#include <cstdio>
+
+#include "commands.h"
+
+namespace kvtools {
+std::string missing_model_hint(const std::string& path) {
+  struct stat st {};
+  if (stat(path.c_str(), &st) == 0) return "";
+  std::string hint = "model file not found: " + path;
+  if (path == kDefaultModel) hint += " (run `make models` to fetch it)";
+  return hint;
+}
+}  // namespace kvtools
+
+int main(int argc, char** argv) {
+  CLI::App app{"kvserve: a KV-cache-centred LLM inference engine for CPUs"};
+  app.require_subcommand(1);
+  kvtools::add_inspect_command(app);
+  kvtools::add_generate_command(app);
+  kvtools::add_bench_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  return 0;
+}
