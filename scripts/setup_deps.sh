@@ -49,7 +49,7 @@ key="$( { sha256sum "$REQ" | cut -d' ' -f1; echo "$pyver"; } | sha256sum | cut -
 stamp="$STAMPS/pip-$key"
 
 if [[ -f "$stamp" && "${FORCE:-0}" != 1 ]]; then
-  log "pip: requirements unchanged (stamp ${stamp#$ROOT/}), skipping"
+  log "pip: requirements unchanged (stamp ${stamp#"$ROOT"/}), skipping"
   exit 0
 fi
 

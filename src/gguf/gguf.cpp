@@ -5,6 +5,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -14,12 +16,19 @@ namespace {
 
 constexpr int kMaxArrayDepth = 4;
 constexpr uint32_t kMaxDims = 4;
+// Each metadata value costs sizeof(GgufValue) (~100 bytes) in memory but may take 1 byte in
+// the file, so the file length alone would let a hostile file allocate ~100x its size. Real
+// files hold well under 2M values (a 262K-token vocabulary with scores and types, or ~300K
+// BPE merges), so a fixed budget bounds memory at a few hundred MB without refusing them.
+constexpr uint64_t kMaxMetadataValues = uint64_t{1} << 22;
 
 // Bounds-checked little-endian reader over the file. Every read checks the remaining length;
 // the first failure sticks and names what was being read.
 class Reader {
  public:
   Reader(const uint8_t* p, size_t n) : p_(p), n_(n) {}
+  // Values that metadata may still allocate (see kMaxMetadataValues).
+  uint64_t values_left = kMaxMetadataValues;
   size_t pos() const { return pos_; }
   size_t remaining() const { return n_ - pos_; }
   bool failed() const { return !err_.empty(); }
@@ -113,6 +122,12 @@ bool read_value(Reader& r, GgufType type, GgufValue* v, int depth, const std::st
         r.fail("metadata '" + key + "': array count " + std::to_string(count) + " exceeds what the file can hold");
         return false;
       }
+      if (count > r.values_left) {
+        r.fail("metadata '" + key + "': array count " + std::to_string(count) + " exceeds the limit of " +
+               std::to_string(kMaxMetadataValues) + " metadata values per file");
+        return false;
+      }
+      r.values_left -= count;
       v->arr.resize(count);
       for (uint64_t k = 0; k < count; ++k)
         if (!read_value(r, v->arr_type, &v->arr[k], depth + 1, key)) return false;
@@ -168,7 +183,8 @@ int64_t GgufTensor::rows() const {
 }
 
 Result<std::unique_ptr<GgufFile>> GgufFile::open(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY);
+  // O_NONBLOCK: opening a FIFO must not hang; the S_ISREG check below rejects it.
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return Result<std::unique_ptr<GgufFile>>::error(path + ": cannot open: " + std::strerror(errno));
   struct stat st {};
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
@@ -210,10 +226,12 @@ GgufFile::~GgufFile() {
 Status GgufFile::parse_impl() {
   Reader r(base_, size_);
   uint32_t magic = 0;
-  if (!r.read(&magic, "magic")) return Status::error("too short to be a GGUF file (" + std::to_string(size_) + " bytes)");
+  if (!r.read(&magic, "magic")) return Status::error("too short to be a GGUF file (" + std::to_string(size_) + " bytes): not a GGUF file");
   if (std::memcmp(&magic, "GGUF", 4) != 0) return Status::error("wrong magic: not a GGUF file");
   if (!r.read(&version_, "version")) return Status::error(r.error());
   if (version_ == 1) return Status::error("GGUF version 1 is not supported (re-convert the model; v2 and v3 are)");
+  if (version_ == (2u << 24) || version_ == (3u << 24))
+    return Status::error("big-endian GGUF (version " + std::to_string(version_ >> 24) + ") is not supported");
   if (version_ != 2 && version_ != 3) return Status::error("unsupported GGUF version " + std::to_string(version_));
   uint64_t n_tensors = 0, n_kv = 0;
   if (!r.read(&n_tensors, "tensor count") || !r.read(&n_kv, "metadata count")) return Status::error(r.error());
@@ -300,8 +318,15 @@ const GgufTensor* GgufFile::find_tensor(const std::string& name) const {
 Result<int64_t> GgufFile::get_int(const std::string& key, int64_t dflt) const {
   const GgufValue* v = find(key);
   if (!v) return dflt;
+  if (v->type == GgufType::U64 && v->u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+    return Result<int64_t>::error("metadata '" + key + "' = " + std::to_string(v->u) + " is out of range");
   if (v->is_int()) return v->i;
-  if (v->is_float()) return static_cast<int64_t>(v->f);
+  if (v->is_float()) {
+    // Casting NaN or a value outside int64 is undefined behaviour: reject it instead.
+    if (!std::isfinite(v->f) || v->f < -9.2e18 || v->f > 9.2e18)
+      return Result<int64_t>::error("metadata '" + key + "' = " + std::to_string(v->f) + " is not a valid integer");
+    return static_cast<int64_t>(v->f);
+  }
   return Result<int64_t>::error("metadata '" + key + "' should be a number, is " + gguf_type_name(v->type));
 }
 

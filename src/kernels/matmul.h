@@ -10,8 +10,10 @@
 // scales applied in float). Batch invariance: row r of Y is bit-identical whatever n_rows
 // is and whichever thread computes it (each output is reduced in the same fixed order).
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -27,6 +29,20 @@ struct RawMatrix {
   const void* data;
   int64_t n_in;
   int64_t n_out;
+};
+
+// std::allocator gives only 16-byte alignment; packed weights want whole cache lines.
+template <typename T>
+struct AlignedAllocator {
+  using value_type = T;
+  static constexpr std::align_val_t kAlign{64};
+  AlignedAllocator() = default;
+  template <typename U>
+  AlignedAllocator(const AlignedAllocator<U>&) {}  // NOLINT: rebinding
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kAlign)); }
+  void deallocate(T* p, size_t) { ::operator delete(p, kAlign); }
+  template <typename U>
+  bool operator==(const AlignedAllocator<U>&) const { return true; }
 };
 
 enum class Isa { kScalar, kAvx2, kAvx512 };
@@ -52,8 +68,18 @@ class PackedMatrix {
   GgmlType type_ = GgmlType::F32;
   int64_t n_in_ = 0, n_out_ = 0;
   Isa isa_ = Isa::kScalar;
-  int layout_ = 0;                 // kernel-defined
-  std::vector<uint8_t> data_;      // 64-byte aligned start is guaranteed by the allocator used
+  // Layouts (matmul_detail::Layout). kInterleaved16 (Q4_0, Q4_1, Q8_0): output rows in groups
+  // of 16 (n_out padded with zero rows), group-major, then one record per 32-element block:
+  //   f16 d[16] | (Q4_1 only) f16 m[16] | quants
+  // where quants is an array of 64-byte vectors; byte 4*c+t of vector j holds, for output c of
+  // the group, Q4: the raw qs[4j+t] (low nibble = element 4j+t, high = element 16+4j+t),
+  // j = 0..3; Q8_0: raw qs[4j+t] + 128 as unsigned (element 4j+t), j = 0..7. One 64-byte load
+  // is then 4 consecutive elements of 16 outputs: the operand vpdpbusd wants.
+  // kF32Rows (F32, F16): rows of f32 padded to a multiple of 16 elements.
+  // kRawRows (Q4_K, Q6_K, BF16): the GGUF bytes as they are; dequantized a row at a time.
+  int layout_ = 0;
+  int64_t row_stride_ = 0;  // kF32Rows: floats per padded row; kRawRows: bytes per row
+  std::vector<uint8_t, AlignedAllocator<uint8_t>> data_;
   friend void matmul(const PackedMatrix&, const float*, int64_t, float*, ThreadPool&);
 };
 
@@ -62,5 +88,59 @@ void matmul(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, Thr
 // Scalar reference on the unpacked matrix: dequantize W with dequantize_row_ref and
 // accumulate in double (no activation quantization: it is the exact answer).
 void matmul_ref(const RawMatrix& w, const float* x, int64_t n_rows, float* y);
+
+// Internals shared by matmul.cpp and the per-ISA kernel files; not for callers.
+namespace matmul_detail {
+
+enum Layout { kInterleaved16 = 1, kF32Rows = 2, kRawRows = 3 };
+enum class QFmt { kQ4_0, kQ4_1, kQ8_0 };
+constexpr int kGroup = 16;  // outputs interleaved per group
+constexpr int kQK = 32;     // elements per quant block
+// Bytes of one 16-output record of one 32-element block.
+constexpr int64_t record_bytes(QFmt f) {
+  return f == QFmt::kQ4_1 ? 64 + 256 : f == QFmt::kQ4_0 ? 32 + 256 : 32 + 512;
+}
+constexpr int64_t quant_offset(QFmt f) { return f == QFmt::kQ4_1 ? 64 : 32; }
+
+// Activations quantized per 32-element block: q = nearbyint(x * 127/amax), d = amax/127.
+// Rows are n_in bytes / nb entries apart.
+struct QAct {
+  int8_t* q;        // [n_rows, n_in]
+  float* d;         // [n_rows, nb] block scale
+  float* s;         // [n_rows, nb] Σq of the block, as float (Q4 min / offset term)
+  int32_t* s128;    // [n_rows, nb] 128·Σq (Q8_0: removes the +128 weight offset)
+  int64_t n_in, nb;
+};
+
+// Weight side of a quantized matmul: the packed records of groups [0, n_groups).
+struct QWeights {
+  QFmt fmt;
+  const uint8_t* data;
+  int64_t nb;        // blocks per output row
+  int64_t n_out;     // real outputs (the last group may be partial)
+};
+
+// Per-ISA kernels. Every one computes each output with the same sequence of float
+// operations, so all ISAs give bit-identical results:
+//   for each block b in order: i = Σ u·q (exact int32; Q8_0: minus 128·Σq)
+//     Q4: t = fma(m_w, s_x, d_w * float(i));  Q8_0: t = d_w * float(i)
+//     acc = fma(t, d_x, acc)
+// quantize_rows: rows [r0, r1) of x [*, n_in] into a.
+// q_gemm: y[r, c] for rows [0, n_rows), outputs of groups [g0, g1).
+void quantize_rows_scalar(const float* x, int64_t r0, int64_t r1, const QAct& a);
+void q_gemm_scalar(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1,
+                   float* y);
+// 16-lane fused-multiply-add dot over n elements, reduced by the tree 8,4,2,1.
+float dot_f32_scalar(const float* x, const float* w, int64_t n);
+void quantize_rows_avx512(const float* x, int64_t r0, int64_t r1, const QAct& a);
+void q_gemm_avx512(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1,
+                   float* y);
+float dot_f32_avx512(const float* x, const float* w, int64_t n);
+void quantize_rows_avx2(const float* x, int64_t r0, int64_t r1, const QAct& a);
+void q_gemm_avx2(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1,
+                 float* y);
+float dot_f32_avx2(const float* x, const float* w, int64_t n);
+
+}  // namespace matmul_detail
 
 }  // namespace kv

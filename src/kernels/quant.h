@@ -25,12 +25,16 @@ uint16_t fp32_to_bf16(float f);  // round-to-nearest-even, NaN preserved
 struct BlockQ4_0 { uint16_t d; uint8_t qs[16]; };             // x = d * (q - 8)
 struct BlockQ4_1 { uint16_t d; uint16_t m; uint8_t qs[16]; }; // x = d * q + m
 struct BlockQ8_0 { uint16_t d; int8_t qs[32]; };              // x = d * q
+// Not a kvserve compute format, but gemma-3 Q4_K_M files store most attention/FFN weights in it,
+// so the reference dequantizer reads it (q = low nibble | bit j of qh << 4).
+struct BlockQ5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; }; // x = d * (q - 16)
 struct BlockQ4_K { uint16_t d; uint16_t dmin; uint8_t scales[12]; uint8_t qs[128]; };
 struct BlockQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
 #pragma pack(pop)
 static_assert(sizeof(BlockQ4_0) == 18);
 static_assert(sizeof(BlockQ4_1) == 20);
 static_assert(sizeof(BlockQ8_0) == 34);
+static_assert(sizeof(BlockQ5_0) == 22);
 static_assert(sizeof(BlockQ4_K) == 144);
 static_assert(sizeof(BlockQ6_K) == 210);
 

@@ -187,7 +187,7 @@ def rope(x, positions, n_rot, base, style):
 
 
 class KVCache:
-    """Per layer K and V, [n_past, n_head_kv, head_dim], grown by concatenation."""
+    """Per layer K and V, [n_past, n_head_kv, head_dim], in buffers grown by doubling."""
 
     def __init__(self, n_layer):
         self.k = [None] * n_layer
@@ -195,12 +195,17 @@ class KVCache:
         self.n_past = 0
 
     def append(self, il, k, v):
-        if self.k[il] is None:
-            self.k[il], self.v[il] = k, v
-        else:
-            self.k[il] = np.concatenate([self.k[il], k], axis=0)
-            self.v[il] = np.concatenate([self.v[il], v], axis=0)
-        return self.k[il], self.v[il]
+        n0, n1 = self.n_past, self.n_past + len(k)
+        buf = self.k[il]
+        if buf is None or n1 > len(buf):
+            cap = max(n1, 2 * (0 if buf is None else len(buf)), 64)
+            nk = np.empty((cap,) + k.shape[1:], k.dtype)
+            nv = np.empty((cap,) + v.shape[1:], v.dtype)
+            if buf is not None:
+                nk[:n0], nv[:n0] = self.k[il][:n0], self.v[il][:n0]
+            self.k[il], self.v[il] = nk, nv
+        self.k[il][n0:n1], self.v[il][n0:n1] = k, v
+        return self.k[il][:n1], self.v[il][:n1]
 
 
 def attention(q, k, v, q_pos0):
@@ -209,16 +214,19 @@ def attention(q, k, v, q_pos0):
     T, H, D = q.shape
     S, Hkv, _ = k.shape
     G = H // Hkv
-    qg = q.reshape(T, Hkv, G, D)                                  # head h = kv*G + g
-    scores = np.einsum("tkgd,skd->kgts", qg, k) / np.sqrt(D)      # [Hkv, G, T, S]
+    # head h = kv*G + g: group the G query heads of one kv head as extra rows
+    qg = q.reshape(T, Hkv, G, D).transpose(1, 2, 0, 3).reshape(Hkv, G * T, D)
+    kt = k.transpose(1, 2, 0)                                     # [Hkv, D, S]
+    scores = np.matmul(qg, kt).reshape(Hkv, G, T, S) / np.sqrt(D)
     qpos = q_pos0 + np.arange(T)
     mask = np.arange(S)[None, :] > qpos[:, None]                  # [T, S] future keys
-    scores = np.where(mask[None, None], -np.inf, scores)
-    scores = scores - scores.max(axis=-1, keepdims=True)
+    if mask.any():
+        scores += np.where(mask, -np.inf, 0.0)                    # broadcast over heads
+    scores -= scores.max(axis=-1, keepdims=True)
     p = np.exp(scores)
     p /= p.sum(axis=-1, keepdims=True)
-    out = np.einsum("kgts,skd->tkgd", p, v)                       # [T, Hkv, G, D]
-    return out.reshape(T, H, D)
+    out = np.matmul(p.reshape(Hkv, G * T, S), v.transpose(1, 0, 2))  # [Hkv, G*T, D]
+    return out.reshape(Hkv, G, T, D).transpose(2, 0, 1, 3).reshape(T, H, D)
 
 
 def forward_hidden(model: Model, tokens, cache: KVCache | None = None, rope_style=None):
@@ -266,17 +274,28 @@ def log_softmax(logits, axis=-1):
 def greedy(model: Model, tokens, n, rope_style=None, return_logits=False):
     """Greedy continuation of n tokens, using a KV cache. Returns the list of new ids
     (and, with return_logits, the float64 logits that chose each of them: [n, vocab])."""
+    _, cont, rows = forward_and_greedy(model, tokens, n, rope_style, all_logits=False)
+    return (cont, rows) if return_logits else cont
+
+
+def forward_and_greedy(model: Model, tokens, n, rope_style=None, all_logits=True):
+    """One prefill over `tokens` (kept in a KV cache), then n greedy steps from it.
+    Returns (teacher-forced logits [T, vocab] float64 or None, greedy ids [n],
+    logits that chose each greedy id [n, vocab] float64)."""
     cache = KVCache(model.cfg.n_layer)
-    h = forward_hidden(model, tokens, cache, rope_style)[-1:]
-    out, logit_rows = [], []
+    h = forward_hidden(model, tokens, cache, rope_style)
+    tf = (h @ model.output.T) if all_logits else None
+    h = h[-1:]
+    out, rows = [], []
     for i in range(n):
         logits = (h @ model.output.T)[0]
         nxt = int(np.argmax(logits))
         out.append(nxt)
-        logit_rows.append(logits)
+        rows.append(logits)
         if i + 1 < n:
             h = forward_hidden(model, [nxt], cache, rope_style)
-    return (out, np.stack(logit_rows)) if return_logits else out
+    rows = np.stack(rows) if rows else np.zeros((0, model.cfg.vocab))
+    return tf, out, rows
 
 
 def perplexity(model: Model, tokens, rope_style=None) -> float:

@@ -1,0 +1,48 @@
+#include "common/units.h"
+
+#include <unistd.h>
+
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+
+namespace kv {
+
+int64_t physical_ram_bytes() {
+  long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? int64_t(pages) * page : 0;
+}
+
+Result<int64_t> parse_memory_size(const std::string& s) {
+  auto bad = [&] { return Result<int64_t>::error("cannot read memory size '" + s + "' (examples: 2GiB, 512MiB, 0.25 for a quarter of RAM)"); };
+  if (s.empty()) return bad();
+  char* end = nullptr;
+  double v = std::strtod(s.c_str(), &end);
+  if (end == s.c_str() || !std::isfinite(v) || v <= 0) return bad();
+  std::string unit(end);
+  for (auto& ch : unit) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  double mult = 1;
+  if (unit.empty()) {
+    if (v <= 1.0 && s.find('.') != std::string::npos) return static_cast<int64_t>(v * physical_ram_bytes());
+  } else if (unit == "k" || unit == "kb" || unit == "kib") mult = 1024.0;
+  else if (unit == "m" || unit == "mb" || unit == "mib") mult = 1024.0 * 1024;
+  else if (unit == "g" || unit == "gb" || unit == "gib") mult = 1024.0 * 1024 * 1024;
+  else if (unit == "b") mult = 1;
+  else return bad();
+  double bytes = v * mult;
+  if (bytes > 9.0e18) return bad();
+  return static_cast<int64_t>(bytes);
+}
+
+std::string format_bytes(int64_t b) {
+  char buf[64];
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(b);
+  int u = 0;
+  while (v >= 1024 && u < 4) { v /= 1024; ++u; }
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", v, units[u]);
+  return buf;
+}
+
+}  // namespace kv

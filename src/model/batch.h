@@ -1,0 +1,37 @@
+// The work of one forward pass: runs of consecutive tokens from one or more sequences.
+// Built by the engine (or a CLI loop), read by Model::forward. The pages a run writes must be
+// allocated in the sequence's block table before forward is called.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace kv {
+
+struct BatchSeq {
+  const int32_t* pages = nullptr;  // the sequence's block table (covers pos0 + n_tokens)
+  int64_t pos0 = 0;                // position of the run's first token (= tokens already in KV)
+  int32_t n_tokens = 0;            // run length; the run's tokens are tokens[offset, offset+n)
+  int32_t offset = 0;
+  bool want_logits = false;        // logits for the run's last token
+};
+
+struct Batch {
+  std::vector<int32_t> tokens;   // [n_tokens_total]
+  std::vector<BatchSeq> seqs;
+
+  // Appends one sequence's run; returns its index.
+  int add(const int32_t* pages, int64_t pos0, const int32_t* toks, int32_t n, bool want_logits) {
+    BatchSeq s{pages, pos0, n, static_cast<int32_t>(tokens.size()), want_logits};
+    tokens.insert(tokens.end(), toks, toks + n);
+    seqs.push_back(s);
+    return static_cast<int>(seqs.size()) - 1;
+  }
+  int32_t n_logit_rows() const {
+    int32_t n = 0;
+    for (const auto& s : seqs) n += s.want_logits;
+    return n;
+  }
+  void clear() { tokens.clear(); seqs.clear(); }
+};
+
+}  // namespace kv

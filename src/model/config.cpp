@@ -1,0 +1,59 @@
+#include "model/config.h"
+
+#include "gguf/gguf.h"
+
+namespace kv {
+
+Result<ModelConfig> ModelConfig::from_gguf(const GgufFile& f) {
+  ModelConfig c;
+  auto arch = f.get_string("general.architecture", "");
+  if (!arch) return arch.status();
+  c.arch = *arch;
+  if (c.arch.empty()) return Result<ModelConfig>::error("general.architecture is missing");
+  auto name = f.get_string("general.name", c.arch);
+  c.name = name ? *name : c.arch;
+  const std::string p = c.arch + ".";
+  Status err;
+  auto geti = [&](const std::string& k, int64_t d, int32_t* out) {
+    auto v = f.get_int(p + k, d);
+    if (!v) { if (err) err = v.status(); return; }
+    if (*v < 0 || *v > (1 << 30)) { if (err) err = Status::error("metadata " + p + k + " out of range: " + std::to_string(*v)); return; }
+    *out = static_cast<int32_t>(*v);
+  };
+  auto getf = [&](const std::string& k, double d, float* out) {
+    auto v = f.get_float(p + k, d);
+    if (!v) { if (err) err = v.status(); return; }
+    *out = static_cast<float>(*v);
+  };
+  geti("block_count", 0, &c.n_layer);
+  geti("embedding_length", 0, &c.n_embd);
+  geti("feed_forward_length", 0, &c.n_ff);
+  geti("attention.head_count", 0, &c.n_head);
+  geti("attention.head_count_kv", c.n_head, &c.n_head_kv);
+  geti("context_length", 2048, &c.n_ctx_train);
+  getf("rope.freq_base", 10000.0, &c.rope_base);
+  getf("attention.layer_norm_rms_epsilon", 1e-5, &c.rms_eps);
+  float scale = 1.f;
+  getf("rope.scaling.factor", 1.0, &scale);
+  if (!err) return err;
+  c.rope_scale = scale > 0 ? 1.f / scale : 1.f;
+  if (c.n_layer <= 0 || c.n_embd <= 0 || c.n_ff <= 0 || c.n_head <= 0 || c.n_head_kv <= 0)
+    return Result<ModelConfig>::error("model metadata incomplete: block_count, embedding_length, feed_forward_length and head_count must be positive");
+  if (c.n_head % c.n_head_kv != 0)
+    return Result<ModelConfig>::error("head_count " + std::to_string(c.n_head) + " is not a multiple of head_count_kv " + std::to_string(c.n_head_kv));
+  int32_t hd_default = c.n_embd / c.n_head;
+  geti("attention.key_length", hd_default, &c.head_dim);
+  geti("rope.dimension_count", c.head_dim, &c.n_rot);
+  if (!err) return err;
+  if (c.head_dim <= 0 || c.head_dim > 1024 || c.n_rot <= 0 || c.n_rot > c.head_dim || c.n_rot % 2)
+    return Result<ModelConfig>::error("bad head_dim " + std::to_string(c.head_dim) + " / rope dimension " + std::to_string(c.n_rot));
+  if (const GgufValue* toks = f.find("tokenizer.ggml.tokens")) c.n_vocab = static_cast<int32_t>(toks->arr.size());
+  int32_t nv = c.n_vocab;
+  geti("vocab_size", nv, &c.n_vocab);
+  if (!err) return err;
+  // llama-family GGUFs were permuted by the converter for adjacent-pair RoPE.
+  c.rope_style = (c.arch == "llama" || c.arch == "mistral" || c.arch == "granite") ? RopeStyle::kNorm : RopeStyle::kNeox;
+  return c;
+}
+
+}  // namespace kv

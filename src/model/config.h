@@ -1,0 +1,37 @@
+// Hyperparameters of a model, read from GGUF metadata ({arch}.* keys).
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "common/status.h"
+#include "kernels/ops.h"
+
+namespace kv {
+
+class GgufFile;
+
+struct ModelConfig {
+  std::string arch;       // general.architecture
+  std::string name;       // general.name
+  int32_t n_layer = 0;
+  int32_t n_embd = 0;
+  int32_t n_ff = 0;
+  int32_t n_head = 0;
+  int32_t n_head_kv = 0;
+  int32_t head_dim = 0;   // key_length, or n_embd / n_head
+  int32_t n_rot = 0;      // rope.dimension_count, or head_dim
+  int32_t n_vocab = 0;
+  int32_t n_ctx_train = 0;
+  float rope_base = 10000.f;
+  float rope_scale = 1.f;  // frequency scale (1 / linear scaling factor)
+  float rms_eps = 1e-5f;
+  RopeStyle rope_style = RopeStyle::kNorm;
+
+  // Reads and validates the config: every size positive, n_head a multiple of n_head_kv,
+  // head_dim × n_head consistent with the tensors (checked by the loader).
+  static Result<ModelConfig> from_gguf(const GgufFile& f);
+  int32_t n_group() const { return n_head / n_head_kv; }  // query heads per KV head
+  const char* attention_kind() const { return n_head_kv == n_head ? "MHA" : n_head_kv == 1 ? "MQA" : "GQA"; }
+};
+
+}  // namespace kv

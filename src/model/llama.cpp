@@ -1,0 +1,237 @@
+#include "model/llama.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "gguf/gguf.h"
+#include "kernels/attention.h"
+#include "kernels/ops.h"
+#include "kernels/quant.h"
+
+namespace kv {
+
+namespace {
+
+// Finds a 2-D weight [n_out][n_in] (GGUF ne = {n_in, n_out}) and checks its shape.
+Result<RawMatrix> get_matrix(const GgufFile& f, const std::string& name, int64_t n_in, int64_t n_out) {
+  const GgufTensor* t = f.find_tensor(name);
+  if (!t) return Result<RawMatrix>::error("tensor '" + name + "' is missing");
+  if (t->ne.size() != 2 || t->ne[0] != n_in || t->ne[1] != n_out)
+    return Result<RawMatrix>::error("tensor '" + name + "' has shape [" + std::to_string(t->ne[0]) +
+                                    (t->ne.size() > 1 ? ", " + std::to_string(t->ne[1]) : "") + "], expected [" +
+                                    std::to_string(n_in) + ", " + std::to_string(n_out) + "]");
+  return RawMatrix{t->type, t->data, n_in, n_out};
+}
+
+Result<std::vector<float>> get_vector(const GgufFile& f, const std::string& name, int64_t n) {
+  const GgufTensor* t = f.find_tensor(name);
+  if (!t) return Result<std::vector<float>>::error("tensor '" + name + "' is missing");
+  if (t->n_elements != n) return Result<std::vector<float>>::error("tensor '" + name + "' has " + std::to_string(t->n_elements) + " elements, expected " + std::to_string(n));
+  std::vector<float> v(n);
+  if (!dequantize_row_ref(t->type, t->data, v.data(), n))
+    return Result<std::vector<float>>::error("tensor '" + name + "' has unsupported type " + type_name(t->type));
+  return v;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<LlamaModel>> LlamaModel::load(const GgufFile& f, Isa isa, LoadProgress* progress) {
+  auto cfg = ModelConfig::from_gguf(f);
+  if (!cfg) return cfg.status();
+  if (cfg->arch != "llama")
+    return Result<std::unique_ptr<LlamaModel>>::error("architecture '" + cfg->arch + "' is not supported by the llama forward");
+  std::unique_ptr<LlamaModel> m(new LlamaModel());
+  m->cfg_ = *cfg;
+  const ModelConfig& c = m->cfg_;
+  if (c.head_dim > kAttnMaxHeadDim) return Result<std::unique_ptr<LlamaModel>>::error("head_dim " + std::to_string(c.head_dim) + " exceeds the attention kernel's limit");
+  const int64_t n_q = int64_t(c.n_head) * c.head_dim, n_kv = int64_t(c.n_head_kv) * c.head_dim;
+
+  const GgufTensor* emb = f.find_tensor("token_embd.weight");
+  if (!emb || emb->ne.size() != 2 || emb->ne[0] != c.n_embd)
+    return Result<std::unique_ptr<LlamaModel>>::error("tensor 'token_embd.weight' is missing or not [n_embd, n_vocab]");
+  if (c.n_vocab != emb->ne[1]) m->cfg_.n_vocab = static_cast<int32_t>(emb->ne[1]);
+  TypeTraits tt;
+  if (!type_traits(static_cast<uint32_t>(emb->type), &tt) || !tt.supported)
+    return Result<std::unique_ptr<LlamaModel>>::error("token_embd.weight has unsupported type");
+  m->tok_embd_ = RawMatrix{emb->type, emb->data, c.n_embd, emb->ne[1]};
+
+  const int total = c.n_layer + 1;
+  auto fail = [](const Status& s) { return Result<std::unique_ptr<LlamaModel>>(s); };
+  for (int il = 0; il < c.n_layer; ++il) {
+    const std::string p = "blk." + std::to_string(il) + ".";
+    Layer L;
+    auto an = get_vector(f, p + "attn_norm.weight", c.n_embd);
+    auto fn = get_vector(f, p + "ffn_norm.weight", c.n_embd);
+    auto wq = get_matrix(f, p + "attn_q.weight", c.n_embd, n_q);
+    auto wk = get_matrix(f, p + "attn_k.weight", c.n_embd, n_kv);
+    auto wv = get_matrix(f, p + "attn_v.weight", c.n_embd, n_kv);
+    auto wo = get_matrix(f, p + "attn_output.weight", n_q, c.n_embd);
+    auto wg = get_matrix(f, p + "ffn_gate.weight", c.n_embd, c.n_ff);
+    auto wu = get_matrix(f, p + "ffn_up.weight", c.n_embd, c.n_ff);
+    auto wd = get_matrix(f, p + "ffn_down.weight", c.n_ff, c.n_embd);
+    for (const Status* s : {&an.status(), &fn.status(), &wq.status(), &wk.status(), &wv.status(), &wo.status(),
+                            &wg.status(), &wu.status(), &wd.status()})
+      if (!*s) return fail(*s);
+    L.attn_norm = std::move(*an);
+    L.ffn_norm = std::move(*fn);
+    // Q, K, V share their input: one packed matrix when the types agree.
+    if (wq->type != wk->type || wq->type != wv->type || wg->type != wu->type)
+      return Result<std::unique_ptr<LlamaModel>>::error(p + ": mixed weight types within attn_q/k/v or ffn_gate/up are not supported yet");
+    auto qkv = PackedMatrix::pack({*wq, *wk, *wv}, isa);
+    auto o = PackedMatrix::pack(*wo, isa);
+    auto gu = PackedMatrix::pack({*wg, *wu}, isa);
+    auto d = PackedMatrix::pack(*wd, isa);
+    for (const Status* s : {&qkv.status(), &o.status(), &gu.status(), &d.status()})
+      if (!*s) return fail(Status::error(p + ": " + s->message()));
+    L.wqkv = std::move(*qkv);
+    L.wo = std::move(*o);
+    L.wgu = std::move(*gu);
+    L.wdown = std::move(*d);
+    m->weight_bytes_ += L.wqkv.bytes() + L.wo.bytes() + L.wgu.bytes() + L.wdown.bytes() + 2 * 4 * c.n_embd;
+    m->layers_.push_back(std::move(L));
+    if (progress) progress->on_tensor(il + 1, total);
+  }
+  auto on = get_vector(f, "output_norm.weight", c.n_embd);
+  if (!on) return fail(on.status());
+  m->output_norm_ = std::move(*on);
+  RawMatrix out_raw = m->tok_embd_;  // tied embeddings unless the file has its own output
+  if (f.find_tensor("output.weight")) {
+    auto ow = get_matrix(f, "output.weight", c.n_embd, m->cfg_.n_vocab);
+    if (!ow) return fail(ow.status());
+    out_raw = *ow;
+  }
+  auto out = PackedMatrix::pack(out_raw, isa);
+  if (!out) return fail(Status::error("output: " + out.message()));
+  m->output_ = std::move(*out);
+  m->weight_bytes_ += m->output_.bytes() + row_bytes(m->tok_embd_.type, c.n_embd) + 4 * c.n_embd;
+  if (progress) progress->on_tensor(total, total);
+  return Result<std::unique_ptr<LlamaModel>>(std::move(m));
+}
+
+KvLayout LlamaModel::kv_layout(int32_t block_size, KvDtype dtype) const {
+  KvLayout l;
+  l.n_layer = cfg_.n_layer;
+  l.n_head_kv = cfg_.n_head_kv;
+  l.head_dim = cfg_.head_dim;
+  l.block_size = block_size;
+  l.dtype = dtype;
+  return l;
+}
+
+void LlamaModel::ensure_scratch(int64_t n_tokens, int64_t n_logits) {
+  const ModelConfig& c = cfg_;
+  if (n_tokens > cap_tokens_) {
+    cap_tokens_ = n_tokens;
+    const int64_t n_qkv = int64_t(c.n_head + 2 * c.n_head_kv) * c.head_dim;
+    x_.resize(n_tokens * c.n_embd);
+    h_.resize(n_tokens * std::max<int64_t>(std::max(c.n_embd, c.n_ff), int64_t(c.n_head) * c.head_dim));
+    qkv_.resize(n_tokens * n_qkv);
+    attn_.resize(n_tokens * int64_t(c.n_head) * c.head_dim);
+    gu_.resize(n_tokens * 2 * int64_t(c.n_ff));
+    tmp_.resize(n_tokens * c.n_embd);
+  }
+  if (n_logits > cap_logits_) {
+    cap_logits_ = n_logits;
+    last_.resize(n_logits * c.n_embd);
+  }
+}
+
+Status LlamaModel::forward(const Batch& batch, PagePool& pool, ThreadPool& tp, float* logits) {
+  const ModelConfig& c = cfg_;
+  const KvLayout& kl = pool.layout();
+  if (kl.n_layer != c.n_layer || kl.n_head_kv != c.n_head_kv || kl.head_dim != c.head_dim)
+    return Status::error("page pool layout does not match the model");
+  const int64_t n_tok = static_cast<int64_t>(batch.tokens.size());
+  if (n_tok == 0) return Status::ok();
+  for (int32_t t : batch.tokens)
+    if (t < 0 || t >= c.n_vocab) return Status::error("token id " + std::to_string(t) + " out of range");
+  ensure_scratch(n_tok, batch.n_logit_rows());
+
+  const int64_t E = c.n_embd, HD = c.head_dim;
+  const int64_t n_q = int64_t(c.n_head) * HD, n_kv = int64_t(c.n_head_kv) * HD;
+  const int64_t n_qkv = n_q + 2 * n_kv;
+  const float scale = 1.f / std::sqrt(static_cast<float>(HD));
+  const KvElem elem = kl.dtype == KvDtype::kF32 ? KvElem::kF32 : KvElem::kF16;
+
+  // x: [n_tok][E] ← embedding rows
+  const int64_t emb_row = row_bytes(tok_embd_.type, E);
+  for (int64_t t = 0; t < n_tok; ++t)
+    dequantize_row_ref(tok_embd_.type, static_cast<const uint8_t*>(tok_embd_.data) + batch.tokens[t] * emb_row,
+                       x_.data() + t * E, E);
+
+  // Attention work units: (sequence, kv head, tile of query tokens), spread over threads.
+  struct Unit { int32_t seq, head, t0, n; };
+  std::vector<Unit> units;  // small; rebuilt per forward, not per token-layer
+  constexpr int kUnitTokens = 32;
+  for (int32_t s = 0; s < static_cast<int32_t>(batch.seqs.size()); ++s)
+    for (int32_t t0 = 0; t0 < batch.seqs[s].n_tokens; t0 += kUnitTokens)
+      for (int32_t h = 0; h < c.n_head_kv; ++h)
+        units.push_back({s, h, t0, std::min(kUnitTokens, batch.seqs[s].n_tokens - t0)});
+
+  for (int il = 0; il < c.n_layer; ++il) {
+    const Layer& L = layers_[il];
+    // h = rmsnorm(x) ; qkv = h · Wqkvᵀ     [n_tok][n_qkv]
+    for (int64_t t = 0; t < n_tok; ++t) rms_norm(x_.data() + t * E, L.attn_norm.data(), h_.data() + t * E, E, c.rms_eps);
+    matmul(L.wqkv, h_.data(), n_tok, qkv_.data(), tp);
+    // RoPE on q and k, then write k and v into the pages.
+    for (const BatchSeq& s : batch.seqs) {
+      for (int32_t i = 0; i < s.n_tokens; ++i) {
+        const int64_t t = s.offset + i, pos = s.pos0 + i;
+        float* row = qkv_.data() + t * n_qkv;
+        rope(row, c.n_head, c.head_dim, c.n_rot, pos, c.rope_base, c.rope_scale, c.rope_style);
+        rope(row + n_q, c.n_head_kv, c.head_dim, c.n_rot, pos, c.rope_base, c.rope_scale, c.rope_style);
+        const int32_t page = s.pages[pos / kl.block_size];
+        const int slot = static_cast<int>(pos % kl.block_size);
+        write_kv_token(pool.k_data(il, page), elem, c.n_head_kv, kl.block_size, c.head_dim, slot, row + n_q);
+        write_kv_token(pool.v_data(il, page), elem, c.n_head_kv, kl.block_size, c.head_dim, slot, row + n_q + n_kv);
+      }
+    }
+    // attn: [n_tok][n_q]
+    tp.run([&](int ith, int nth) {
+      int64_t b, e;
+      ThreadPool::split(static_cast<int64_t>(units.size()), ith, nth, 1, &b, &e);
+      for (int64_t u = b; u < e; ++u) {
+        const Unit& w = units[u];
+        const BatchSeq& s = batch.seqs[w.seq];
+        PagedKvView v;
+        v.k_base = pool.k_data(il, 0);
+        v.v_base = pool.v_data(il, 0);
+        v.page_bytes = kl.layer_page_bytes();
+        v.pages = s.pages;
+        v.n_head_kv = c.n_head_kv;
+        v.block_size = kl.block_size;
+        v.head_dim = c.head_dim;
+        v.elem = elem;
+        const int64_t t = s.offset + w.t0;
+        paged_attention(v, w.head, c.n_group(), qkv_.data() + t * n_qkv, n_qkv, s.pos0 + w.t0, w.n, scale,
+                        attn_.data() + t * n_q, n_q);
+      }
+    });
+    // x += attn · Woᵀ
+    matmul(L.wo, attn_.data(), n_tok, tmp_.data(), tp);
+    add_inplace(x_.data(), tmp_.data(), n_tok * E);
+    // x += down(silu(gate(h)) * up(h)),  h = rmsnorm(x)
+    for (int64_t t = 0; t < n_tok; ++t) rms_norm(x_.data() + t * E, L.ffn_norm.data(), h_.data() + t * E, E, c.rms_eps);
+    matmul(L.wgu, h_.data(), n_tok, gu_.data(), tp);
+    for (int64_t t = 0; t < n_tok; ++t) {
+      const float* g = gu_.data() + t * 2 * c.n_ff;
+      silu_mul(g, g + c.n_ff, h_.data() + t * c.n_ff, c.n_ff);
+    }
+    matmul(L.wdown, h_.data(), n_tok, tmp_.data(), tp);
+    add_inplace(x_.data(), tmp_.data(), n_tok * E);
+  }
+
+  // Logits for the last token of each run that asked.
+  int64_t r = 0;
+  for (const BatchSeq& s : batch.seqs) {
+    if (!s.want_logits) continue;
+    const int64_t t = s.offset + s.n_tokens - 1;
+    rms_norm(x_.data() + t * E, output_norm_.data(), last_.data() + r * E, E, c.rms_eps);
+    ++r;
+  }
+  if (r > 0) matmul(output_, last_.data(), r, logits, tp);
+  return Status::ok();
+}
+
+}  // namespace kv

@@ -1,0 +1,70 @@
+// The Llama-family forward (MHA / GQA / MQA by n_head_kv; RoPE; RMSNorm; SwiGLU; tied or
+// separate output) over paged KV storage.
+//
+// Weights are packed once at load from the mmap'd GGUF (which must outlive the model). One
+// forward() processes a Batch: every run's K/V is written into its pages, attention reads
+// K/V straight from pages, and logits come out for the runs that asked. Called from one
+// thread (the engine thread); parallelism is inside, on the ThreadPool passed in.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "common/status.h"
+#include "common/thread_pool.h"
+#include "kernels/matmul.h"
+#include "kv/page_pool.h"
+#include "model/batch.h"
+#include "model/config.h"
+
+namespace kv {
+
+class GgufFile;
+
+struct LoadProgress {
+  virtual ~LoadProgress() = default;
+  virtual void on_tensor(int done, int total) = 0;
+};
+
+class LlamaModel {
+ public:
+  static Result<std::unique_ptr<LlamaModel>> load(const GgufFile& f, Isa isa, LoadProgress* progress = nullptr);
+
+  const ModelConfig& config() const { return cfg_; }
+  KvLayout kv_layout(int32_t block_size, KvDtype dtype) const;
+  // Bytes of weights one decode token reads (every matrix once + one embedding row).
+  int64_t weight_bytes_per_token() const { return weight_bytes_; }
+
+  // Runs the batch. logits: [batch.n_logit_rows()][n_vocab], rows in batch.seqs order.
+  // The pool's layout must equal kv_layout(...) for some block size and dtype.
+  Status forward(const Batch& batch, PagePool& pool, ThreadPool& tp, float* logits);
+
+ private:
+  struct Layer {
+    std::vector<float> attn_norm, ffn_norm;  // [n_embd]
+    PackedMatrix wqkv;                       // [n_embd] -> [(n_head + 2 n_head_kv) head_dim]
+    PackedMatrix wo;                         // [n_head head_dim] -> [n_embd]
+    PackedMatrix wgu;                        // [n_embd] -> [2 n_ff] (gate rows, then up rows)
+    PackedMatrix wdown;                      // [n_ff] -> [n_embd]
+  };
+  LlamaModel() = default;
+  void ensure_scratch(int64_t n_tokens, int64_t n_logits);
+
+  ModelConfig cfg_;
+  RawMatrix tok_embd_{};                     // [n_vocab][n_embd], read one row per token
+  std::vector<float> output_norm_;           // [n_embd]
+  PackedMatrix output_;                      // [n_embd] -> [n_vocab]
+  std::vector<Layer> layers_;
+  int64_t weight_bytes_ = 0;
+
+  // Scratch, grown to the largest batch seen; never allocated per token.
+  int64_t cap_tokens_ = 0, cap_logits_ = 0;
+  std::vector<float> x_;     // [n_tokens][n_embd] residual stream
+  std::vector<float> h_;     // [n_tokens][max(n_embd, n_ff)] normed input / activation
+  std::vector<float> qkv_;   // [n_tokens][(n_head + 2 n_head_kv) head_dim]
+  std::vector<float> attn_;  // [n_tokens][n_head head_dim]
+  std::vector<float> gu_;    // [n_tokens][2 n_ff]
+  std::vector<float> last_;  // [n_logits][n_embd]
+  std::vector<float> tmp_;   // [n_tokens][n_embd]
+};
+
+}  // namespace kv

@@ -1,0 +1,67 @@
+#include <cstdio>
+
+#include "commands.h"
+#include "common/units.h"
+#include "kernels/attention.h"
+#include "loaded_model.h"
+
+namespace kvtools {
+
+void fail(const std::string& msg) {
+  std::fprintf(stderr, "error: %s\n", msg.c_str());
+  throw CLI::RuntimeError(1);
+}
+
+void add_kv_options(CLI::App* cmd, KvOptions* kvo) {
+  cmd->add_option("--kv-cache-memory", kvo->memory, "KV cache budget: bytes (2GiB, 512MiB) or a fraction of RAM (0.25)")
+      ->capture_default_str();
+  cmd->add_option("--block-size", kvo->block_size, "token positions per KV page")
+      ->check(CLI::Range(1, kv::kAttnMaxBlockSize))
+      ->capture_default_str();
+  cmd->add_option("--kv-cache-dtype", kvo->dtype, "KV page element type: auto (f16), f16, f32")->capture_default_str();
+}
+
+namespace {
+struct StderrProgress : kv::LoadProgress {
+  void on_tensor(int done, int total) override {
+    std::fprintf(stderr, "\rloading weights: %d/%d layers", done, total);
+    if (done == total) std::fprintf(stderr, "\n");
+  }
+};
+}  // namespace
+
+LoadedModel load_model(const std::string& path, int n_threads, const KvOptions& kvo, bool quiet) {
+  if (std::string hint = missing_model_hint(path); !hint.empty()) fail(hint);
+  LoadedModel lm;
+  auto f = kv::GgufFile::open(path);
+  if (!f) fail(f.message());
+  lm.file = std::move(*f);
+  auto tok = kv::Tokenizer::from_gguf(*lm.file);
+  if (!tok) fail(path + ": tokenizer: " + tok.message());
+  lm.tokenizer = std::move(*tok);
+  StderrProgress progress;
+  auto m = kv::LlamaModel::load(*lm.file, kv::detect_isa(), quiet ? nullptr : &progress);
+  if (!m) fail(path + ": " + m.message());
+  lm.model = std::move(*m);
+  auto dtype = kv::parse_kv_dtype(kvo.dtype);
+  if (!dtype) fail(dtype.message());
+  auto bytes = kv::parse_memory_size(kvo.memory);
+  if (!bytes) fail(bytes.message());
+  kv::KvLayout layout = lm.model->kv_layout(kvo.block_size, *dtype);
+  int64_t n_pages = kv::PagePool::pages_for_bytes(layout, *bytes);
+  if (n_pages < 1) fail("--kv-cache-memory " + kvo.memory + " holds no page (one page is " + kv::format_bytes(layout.page_bytes()) + ")");
+  if (n_pages > (int64_t(1) << 30)) n_pages = int64_t(1) << 30;
+  lm.pool = std::make_unique<kv::PagePool>(layout, static_cast<int32_t>(n_pages));
+  lm.threads = std::make_unique<kv::ThreadPool>(n_threads > 0 ? n_threads : kv::default_thread_count());
+  if (!quiet) {
+    const auto& c = lm.model->config();
+    std::fprintf(stderr, "model: %s (%s, %d layers, %s %d/%d heads), kernels: %s, threads: %d\n", c.name.c_str(), c.arch.c_str(),
+                 c.n_layer, c.attention_kind(), c.n_head, c.n_head_kv, kv::isa_name(kv::detect_isa()), lm.threads->size());
+    std::fprintf(stderr, "KV cache: %s %s in %lld pages of %d tokens = %lld tokens (%s per token)\n",
+                 kv::format_bytes(lm.pool->total_bytes()).c_str(), kv::kv_dtype_name(*dtype), static_cast<long long>(n_pages),
+                 kvo.block_size, static_cast<long long>(n_pages * kvo.block_size), kv::format_bytes(layout.bytes_per_token()).c_str());
+  }
+  return lm;
+}
+
+}  // namespace kvtools

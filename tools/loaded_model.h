@@ -1,0 +1,35 @@
+// Loading shared by the commands that run a model: file, weights, tokenizer, KV pool, with
+// progress on stderr and one-line errors (thrown as CLI::RuntimeError after printing).
+#pragma once
+#include <memory>
+#include <string>
+
+#include "common/thread_pool.h"
+#include "gguf/gguf.h"
+#include "kv/page_pool.h"
+#include "model/llama.h"
+#include "tokenizer/tokenizer.h"
+
+namespace kvtools {
+
+struct KvOptions {
+  std::string memory = "1GiB";
+  int block_size = 16;
+  std::string dtype = "auto";
+};
+
+struct LoadedModel {
+  std::unique_ptr<kv::GgufFile> file;
+  std::unique_ptr<kv::LlamaModel> model;
+  std::unique_ptr<kv::Tokenizer> tokenizer;
+  std::unique_ptr<kv::PagePool> pool;
+  std::unique_ptr<kv::ThreadPool> threads;
+};
+
+// quiet: no progress lines (for --json output).
+LoadedModel load_model(const std::string& path, int n_threads, const KvOptions& kvo, bool quiet);
+void add_kv_options(CLI::App* cmd, KvOptions* kvo);
+
+[[noreturn]] void fail(const std::string& msg);
+
+}  // namespace kvtools
