@@ -40,7 +40,7 @@ void run_bench(const BenchOptions& o) {
   LoadedModel lm = load_model(o.model, o.threads, o.kvo, o.json);
   const auto& cfg = lm.model->config();
   // Deterministic pseudo-random prompt tokens, away from the control-token range.
-  std::vector<int32_t> prompt(std::max(o.prompt_tokens, o.context));
+  std::vector<int32_t> prompt(std::max({o.prompt_tokens, o.context, 1}));
   uint64_t s = 12345;
   for (auto& t : prompt) {
     s = s * 6364136223846793005ull + 1442695040888963407ull;

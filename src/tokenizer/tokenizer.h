@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "common/status.h"
@@ -23,9 +24,17 @@ class Tokenizer {
   static Result<std::unique_ptr<Tokenizer>> from_gguf(const GgufFile& f);
   virtual ~Tokenizer() = default;
 
+  // Errors (never crashes) on missing or inconsistent tokenizer.ggml.* metadata: no token list,
+  // token_type / scores of the wrong length or type, merges naming unknown tokens, special ids
+  // out of range, an unknown tokenizer.ggml.pre. tokenizer.ggml.model "gpt2" (byte-level BPE) is
+  // supported; "llama" (SentencePiece) answers "not supported yet".
+
   // add_special: prepend BOS / append EOS as the metadata says (tokenizer.ggml.add_bos_token…).
-  // parse_special: control / user-defined tokens spelled in the text become their single id
-  // (as HuggingFace does for added tokens); otherwise they are tokenized as plain text.
+  // parse_special: control tokens spelled in the text become their single id (leftmost-longest
+  // match, as HuggingFace does for added special tokens); otherwise they are tokenized as plain
+  // text. User-defined tokens (type 4) are always matched whole, as in HF and llama.cpp.
+  // Text that is not well-formed UTF-8 is accepted: each ill-formed byte becomes a pre-token of
+  // its own (encoded as its byte token), valid runs around it are tokenized normally.
   virtual std::vector<int32_t> encode(std::string_view text, bool add_special,
                                       bool parse_special) const = 0;
   // The bytes a token stands for (may be part of a UTF-8 character). Control tokens give
@@ -40,6 +49,8 @@ class Tokenizer {
   // End of generation: EOS, EOT and similar ids from the metadata.
   bool is_eog(int32_t id) const;
   const std::string& token_text(int32_t id) const { return tokens_[id]; }
+  // The id whose vocab text is exactly `text` (as stored: byte-level spelling for BPE), or -1.
+  int32_t find_token(std::string_view text) const;
   TokenType token_type(int32_t id) const { return types_[id]; }
   const std::string& model_kind() const { return kind_; }      // "gpt2", "llama", ...
   const std::string& pre_kind() const { return pre_; }         // "smollm", ...
@@ -47,10 +58,31 @@ class Tokenizer {
  protected:
   std::vector<std::string> tokens_;
   std::vector<TokenType> types_;
-  std::vector<int32_t> eog_ids_;
+  std::vector<int32_t> eog_ids_;  // sorted
+  std::unordered_map<std::string, int32_t> token_to_id_;  // duplicates: the last id wins (as HF)
+
+  // Reads tokens, token_type, special ids and add_* flags; fills the members above.
+  Status load_common(const GgufFile& f);
+
+  // Text split around special tokens: a segment is either plain text [off, off + len) or one
+  // special token id.
+  struct Segment {
+    int32_t id;  // -1 for plain text
+    size_t off, len;
+  };
+  // Builds the matcher over control (type 3) and user-defined (type 4) tokens.
+  void build_special_matcher();
+  void split_special(std::string_view text, bool parse_special, std::vector<Segment>& out) const;
+
   int32_t bos_ = -1, eos_ = -1;
   bool add_bos_ = false, add_eos_ = false;
   std::string kind_, pre_;
+
+ private:
+  // Byte trie over the special tokens' texts: node -> (byte -> child); id_at_[node] ends there.
+  std::unordered_map<uint64_t, int32_t> trie_;  // key (node << 8) | byte
+  std::vector<int32_t> trie_id_;                 // per node: token id or -1
+  std::vector<bool> trie_control_;               // per node: the token there is CONTROL
 };
 
 // Turns a stream of token ids into text without ever emitting half a UTF-8 character: bytes
