@@ -1,0 +1,40 @@
+// Shared access to the real default model for tests: opened once per test binary.
+#pragma once
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+
+#include "gguf/gguf.h"
+#include "kernels/matmul.h"
+#include "model/llama.h"
+
+namespace kvtest {
+
+inline std::string smollm2_path() { return std::string(KV_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf"; }
+
+// Fails the calling test (never skips) when the model is missing: CI must fetch it.
+inline const kv::GgufFile* smollm2_file() {
+  static std::unique_ptr<kv::GgufFile> file = [] {
+    auto f = kv::GgufFile::open(smollm2_path());
+    return f ? std::move(*f) : nullptr;
+  }();
+  if (!file) ADD_FAILURE() << "cannot open " << smollm2_path() << ": run `make models`";
+  return file.get();
+}
+
+inline kv::LlamaModel* smollm2_model() {
+  static std::unique_ptr<kv::LlamaModel> model = []() -> std::unique_ptr<kv::LlamaModel> {
+    const kv::GgufFile* f = smollm2_file();
+    if (!f) return nullptr;
+    auto m = kv::LlamaModel::load(*f, kv::detect_isa());
+    if (!m) {
+      ADD_FAILURE() << m.message();
+      return nullptr;
+    }
+    return std::move(*m);
+  }();
+  return model.get();
+}
+
+}  // namespace kvtest
