@@ -9,6 +9,15 @@ namespace kv {
 namespace {
 constexpr int kSpinIters = 1 << 16;
 inline void cpu_relax() { _mm_pause(); }
+// Spin while the wait is short (the common case: threads finish within one kernel), then
+// yield so an oversubscribed machine (parallel test runs, a busy host) still makes progress.
+struct Backoff {
+  int n = 0;
+  void pause() {
+    if (++n < 2048) cpu_relax();
+    else std::this_thread::yield();
+  }
+};
 }  // namespace
 
 ThreadPool::ThreadPool(int n_threads) : n_threads_(std::max(1, n_threads)) {
@@ -33,7 +42,8 @@ void ThreadPool::run(const std::function<void(int, int)>& fn) {
   generation_.notify_all();
   fn(0, n_threads_);
   // Wait for the workers; they finish within one kernel's time, so spinning is right.
-  while (pending_.load(std::memory_order_acquire) != 0) cpu_relax();
+  Backoff b;
+  while (pending_.load(std::memory_order_acquire) != 0) b.pause();
   job_ = nullptr;
 }
 
@@ -44,7 +54,7 @@ void ThreadPool::worker(int ith) {
     int spins = 0;
     while ((g = generation_.load(std::memory_order_acquire)) == seen) {
       if (++spins < kSpinIters) {
-        cpu_relax();
+        if (spins > 2048) std::this_thread::yield(); else cpu_relax();
       } else {
         generation_.wait(seen, std::memory_order_acquire);
       }
@@ -63,7 +73,8 @@ void ThreadPool::barrier() {
     barrier_count_.store(0, std::memory_order_relaxed);
     barrier_phase_.fetch_add(1, std::memory_order_acq_rel);
   } else {
-    while (barrier_phase_.load(std::memory_order_acquire) == phase) cpu_relax();
+    Backoff b;
+    while (barrier_phase_.load(std::memory_order_acquire) == phase) b.pause();
   }
 }
 

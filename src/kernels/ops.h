@@ -28,10 +28,19 @@ void gelu_mul(const float* gate, const float* up, float* y, int64_t n);
 void gelu_mul_ref(const float* gate, const float* up, float* y, int64_t n);
 
 // In-place softmax over n values; returns log(sum(exp(x - max))) + max (the log-partition).
+// -inf entries (masked) get 0. If every entry is -inf (or n == 0) all become 0 and -inf is
+// returned: no probability mass, rather than NaN.
 float softmax(float* x, int64_t n);
 float softmax_ref(float* x, int64_t n);
 
 // y[n] += x[n]
 void add_inplace(float* y, const float* x, int64_t n);
+
+// Which implementation the fast entry points above run. Chosen once, on first use, from the
+// CPU (AVX-512F) and env KV_ISA (scalar|avx2|avx512; avx2 has no ops of its own and means
+// scalar here). Tests override it to exercise every path in one process. Thread-safe.
+enum class OpsPath { kScalar, kAvx512 };
+OpsPath ops_path();
+void set_ops_path_for_testing(OpsPath p);  // kAvx512 is ignored on a CPU without AVX-512F
 
 }  // namespace kv

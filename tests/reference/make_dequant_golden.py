@@ -26,7 +26,7 @@ conversions.bin:
   u32      n_cases; then per case: u32 float32 bits, u16 numpy float16 bits,
            u16 gguf BF16 bits (ggml's fp32->bf16 rule)
 
-Run from anywhere:  python3 tests/reference/make_dequant_golden.py
+Run from anywhere:  python3 tests/reference/make_dequant_golden.py [--conversions-only]
 """
 
 from __future__ import annotations
@@ -114,10 +114,11 @@ def tensor_file(model_rel: str, name: str) -> None:
 
 def conversion_cases() -> np.ndarray:
     """float32 bit patterns that stress rounding: ties and their neighbours around every
-    4th half value, the subnormal/normal and overflow boundaries, specials, random values."""
+    7th half value (an odd stride, so both even and odd halves: ties-to-even tells them
+    apart), the subnormal/normal and overflow boundaries, specials, random values."""
     rng = np.random.default_rng(1234)
-    halves = np.arange(0, 0x7C00, 4, dtype=np.uint16).view(np.float16).astype(np.float64)
-    nxt = (np.arange(0, 0x7C00, 4, dtype=np.uint16) + 1).view(np.float16).astype(np.float64)
+    halves = np.arange(0, 0x7C00, 7, dtype=np.uint16).view(np.float16).astype(np.float64)
+    nxt = (np.arange(0, 0x7C00, 7, dtype=np.uint16) + 1).view(np.float16).astype(np.float64)
     mid = ((halves + nxt) / 2).astype(np.float32)   # exact: a tie in float32
     cases = [mid.view(np.uint32)]
     cases += [mid.view(np.uint32) + 1, mid.view(np.uint32) - 1]
@@ -150,8 +151,9 @@ def conversions_file() -> None:
 
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    for model_rel, name in CHOICES:
-        tensor_file(model_rel, name)
+    if "--conversions-only" not in sys.argv:  # the tensor checksums take a few minutes
+        for model_rel, name in CHOICES:
+            tensor_file(model_rel, name)
     conversions_file()
     total = sum(p.stat().st_size for p in OUT.iterdir())
     print(f"total {total} bytes")

@@ -1,0 +1,72 @@
+// Scalar references for ops.h: plain loops, float64 arithmetic throughout, so that the fast
+// versions' tolerances measure their own error and not the reference's.
+#include <cmath>
+#include <limits>
+
+#include "kernels/ops.h"
+
+namespace kv {
+
+void rms_norm_ref(const float* x, const float* w, float* y, int64_t n, float eps) {
+  double ss = 0;
+  for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
+  const double scale = 1.0 / std::sqrt(ss / static_cast<double>(n) + eps);
+  for (int64_t i = 0; i < n; ++i)
+    y[i] = static_cast<float>(x[i] * scale * (w ? static_cast<double>(w[i]) : 1.0));
+}
+
+void rope_ref(float* x, int n_head, int head_dim, int n_rot, int64_t pos, float freq_base,
+              float freq_scale, RopeStyle style) {
+  const int half = n_rot / 2;
+  for (int h = 0; h < n_head; ++h) {
+    float* v = x + static_cast<int64_t>(h) * head_dim;  // [head_dim]
+    for (int i = 0; i < half; ++i) {
+      const double theta = static_cast<double>(pos) * freq_scale *
+                           std::pow(static_cast<double>(freq_base), -2.0 * i / n_rot);
+      const double c = std::cos(theta), s = std::sin(theta);
+      const int i0 = style == RopeStyle::kNorm ? 2 * i : i;
+      const int i1 = style == RopeStyle::kNorm ? 2 * i + 1 : i + half;
+      const double x0 = v[i0], x1 = v[i1];
+      v[i0] = static_cast<float>(x0 * c - x1 * s);
+      v[i1] = static_cast<float>(x0 * s + x1 * c);
+    }
+  }
+}
+
+void silu_mul_ref(const float* gate, const float* up, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const double g = gate[i];
+    y[i] = static_cast<float>(g / (1.0 + std::exp(-g)) * up[i]);
+  }
+}
+
+void gelu_mul_ref(const float* gate, const float* up, float* y, int64_t n) {
+  // ggml's gelu (tanh approximation), the one Gemma was trained with:
+  // 0.5·g·(1 + tanh z), z = sqrt(2/pi)·(g + 0.044715·g³). Evaluated as g·sigmoid(2z), the same
+  // value: spelled with tanh, 1 + tanh z cancels catastrophically for z < -10 even in float64
+  // (0.3% error at g = -6.6).
+  constexpr double kSqrt2OverPi = 0.79788456080286535587989211986876;
+  constexpr double kCoefA = 0.044715;
+  for (int64_t i = 0; i < n; ++i) {
+    const double g = gate[i];
+    const double z = kSqrt2OverPi * g * (1.0 + kCoefA * g * g);
+    y[i] = static_cast<float>(g / (1.0 + std::exp(-2.0 * z)) * up[i]);
+  }
+}
+
+float softmax_ref(float* x, int64_t n) {
+  double max = -std::numeric_limits<double>::infinity();
+  for (int64_t i = 0; i < n; ++i) max = std::fmax(max, x[i]);
+  if (n == 0 || max == -std::numeric_limits<double>::infinity()) {
+    // No finite score (e.g. every position masked): no probability mass anywhere. Zeros keep
+    // a weighted sum over values at zero instead of spreading NaN.
+    for (int64_t i = 0; i < n; ++i) x[i] = 0.0f;
+    return -std::numeric_limits<float>::infinity();
+  }
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += std::exp(x[i] - max);
+  for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(std::exp(x[i] - max) / sum);
+  return static_cast<float>(max + std::log(sum));
+}
+
+}  // namespace kv

@@ -1,0 +1,238 @@
+// Fast ops against their float64 references, on every implementation path this CPU has
+// (scalar always; AVX-512 when present), over sizes that hit every tail case.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/ops.h"
+
+namespace kv {
+namespace {
+
+std::vector<int64_t> sizes() {
+  std::vector<int64_t> s;
+  for (int64_t n = 1; n <= 70; ++n) s.push_back(n);  // every 16-lane tail, 1..4 full vectors
+  for (int64_t n : {576, 640, 1023, 1536, 2048, 4097, 8191}) s.push_back(n);
+  return s;
+}
+
+std::vector<float> randn(int64_t n, uint32_t seed, float scale) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, scale);
+  std::vector<float> v(static_cast<size_t>(n));  // [n]
+  for (auto& x : v) x = nd(rng);
+  return v;
+}
+
+// Runs each test once per path. Restores the automatic choice afterwards.
+class OpsTest : public ::testing::TestWithParam<OpsPath> {
+ protected:
+  void SetUp() override {
+    set_ops_path_for_testing(GetParam());
+    if (ops_path() != GetParam()) GTEST_SKIP() << "CPU lacks this path";
+  }
+  void TearDown() override { set_ops_path_for_testing(saved_); }
+  OpsPath saved_ = ops_path();
+};
+
+std::string path_name(const ::testing::TestParamInfo<OpsPath>& p) {
+  return p.param == OpsPath::kScalar ? "scalar" : "avx512";
+}
+
+TEST_P(OpsTest, RmsNorm) {
+  for (int64_t n : sizes()) {
+    auto x = randn(n, static_cast<uint32_t>(n), 3.0f);
+    const auto w = randn(n, static_cast<uint32_t>(n) + 7, 1.0f);
+    for (const float* wp : {w.data(), static_cast<const float*>(nullptr)}) {
+      std::vector<float> want(x.size()), got(x.size());  // [n]
+      rms_norm_ref(x.data(), wp, want.data(), n, 1e-6f);
+      rms_norm(x.data(), wp, got.data(), n, 1e-6f);
+      for (int64_t i = 0; i < n; ++i)
+        ASSERT_NEAR(got[i], want[i], 2e-6 * std::fabs(want[i]) + 1e-30) << "n=" << n << " i=" << i;
+      // In place (y aliases x) gives the same answer.
+      std::vector<float> inplace = x;
+      rms_norm(inplace.data(), wp, inplace.data(), n, 1e-6f);
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(inplace[i], got[i]);
+    }
+  }
+  // eps dominates an all-zero row: output zero, not NaN.
+  std::vector<float> z(37, 0.0f), y(37, 1.0f);
+  rms_norm(z.data(), nullptr, y.data(), 37, 1e-5f);
+  for (float v : y) EXPECT_EQ(v, 0.0f);
+}
+
+TEST_P(OpsTest, SiluMul) {
+  for (int64_t n : sizes()) {
+    auto g = randn(n, static_cast<uint32_t>(n) * 3, 4.0f);
+    const auto u = randn(n, static_cast<uint32_t>(n) * 3 + 1, 1.0f);
+    // Saturation regions, where exp over/underflows.
+    const float extremes[] = {-200.0f, -90.0f, -88.0f, -30.0f, 0.0f, -0.0f, 1e-30f, 30.0f, 90.0f, 200.0f};
+    for (int64_t i = 0; i < n && i < 10; ++i) g[static_cast<size_t>(i * 7 % n)] = extremes[i];
+    std::vector<float> want(g.size()), got(g.size());  // [n]
+    silu_mul_ref(g.data(), u.data(), want.data(), n);
+    silu_mul(g.data(), u.data(), got.data(), n);
+    for (int64_t i = 0; i < n; ++i)
+      // Below 1e-30 an activation is zero for every purpose (exp saturates at g < -88).
+      ASSERT_NEAR(got[i], want[i], 1e-6 * std::fabs(want[i]) + 1e-30)
+          << "n=" << n << " g=" << g[i] << " u=" << u[i];
+    std::vector<float> inplace = g;  // y aliases gate
+    silu_mul(inplace.data(), u.data(), inplace.data(), n);
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(inplace[i], got[i]);
+  }
+}
+
+TEST_P(OpsTest, GeluMul) {
+  constexpr double kSqrt2OverPi = 0.79788456080286535587989211986876;
+  for (int64_t n : sizes()) {
+    auto g = randn(n, static_cast<uint32_t>(n) * 5, 3.0f);
+    const auto u = randn(n, static_cast<uint32_t>(n) * 5 + 1, 1.0f);
+    const float extremes[] = {-200.0f, -12.0f, -5.0f, 0.0f, 1e-30f, 5.0f, 12.0f, 200.0f};
+    for (int64_t i = 0; i < n && i < 8; ++i) g[static_cast<size_t>(i * 5 % n)] = extremes[i];
+    std::vector<float> want(g.size()), got(g.size());  // [n]
+    gelu_mul_ref(g.data(), u.data(), want.data(), n);
+    gelu_mul(g.data(), u.data(), got.data(), n);
+    for (int64_t i = 0; i < n; ++i) {
+      // sigmoid(2z) for z < 0 has relative sensitivity |2z| to a relative error in z, and z is
+      // formed in float: the bound grows with |z| (only where the output is already tiny).
+      const double z = kSqrt2OverPi * g[i] * (1 + 0.044715 * g[i] * g[i]);
+      const double tol = 1e-6 * (1 + 2 * std::fabs(z)) * std::fabs(want[i]) + 1e-30;
+      ASSERT_NEAR(got[i], want[i], tol) << "n=" << n << " g=" << g[i] << " u=" << u[i];
+    }
+  }
+}
+
+TEST_P(OpsTest, Softmax) {
+  for (int64_t n : sizes()) {
+    for (float scale : {0.1f, 10.0f, 1000.0f}) {
+      auto x = randn(n, static_cast<uint32_t>(n) * 11, scale);
+      if (n > 3) x[2] = -std::numeric_limits<float>::infinity();  // a masked position
+      std::vector<float> want = x, got = x;  // [n]
+      const float lse_want = softmax_ref(want.data(), n);
+      const float lse_got = softmax(got.data(), n);
+      ASSERT_NEAR(lse_got, lse_want, 1e-6 * std::max(1.0f, std::fabs(lse_want)))
+          << "n=" << n << " scale=" << scale;
+      float max = -std::numeric_limits<float>::infinity();
+      for (float v : x) max = std::max(max, v);
+      double sum = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        // x - max is formed in float: an absolute error of half an ulp of |x - max| becomes
+        // that relative error in exp, so the bound grows with the distance from the max.
+        const double dist = std::isinf(x[i]) ? 0.0 : std::fabs(double(x[i]) - max);
+        const double tol = want[i] * (1e-6 + 1.2e-7 * dist);
+        ASSERT_NEAR(got[i], want[i], tol + 1e-37) << "n=" << n << " i=" << i;
+        sum += got[i];
+      }
+      ASSERT_NEAR(sum, 1.0, 1e-5);
+      if (n > 3) {
+        ASSERT_EQ(got[2], 0.0f);
+      }
+    }
+  }
+}
+
+TEST_P(OpsTest, SoftmaxEdgeCases) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  float one[1] = {-3.0f};
+  EXPECT_EQ(softmax(one, 1), -3.0f);
+  EXPECT_EQ(one[0], 1.0f);
+  std::vector<float> masked(19, ninf);
+  EXPECT_EQ(softmax(masked.data(), 19), ninf);
+  for (float v : masked) EXPECT_EQ(v, 0.0f);
+  std::vector<float> flat(33, 2.0f);
+  EXPECT_NEAR(softmax(flat.data(), 33), 2.0f + std::log(33.0f), 1e-6);
+  for (float v : flat) EXPECT_NEAR(v, 1.0f / 33, 1e-7);
+}
+
+struct RopeCase {
+  int n_head, head_dim, n_rot;
+  float base, scale;
+};
+
+TEST_P(OpsTest, RopeMatchesReference) {
+  const RopeCase cases[] = {
+      {9, 64, 64, 10000.0f, 1.0f},      // SmolLM2 Q
+      {3, 64, 64, 10000.0f, 1.0f},      // SmolLM2 K
+      {4, 256, 256, 1000000.0f, 1.0f},  // gemma-3 global layers
+      {4, 256, 256, 10000.0f, 0.125f},  // freq_scale (linear position scaling)
+      {5, 128, 64, 10000.0f, 1.0f},     // partial rotary: n_rot < head_dim
+      {2, 80, 32, 500000.0f, 1.0f},
+      {1, 2, 2, 10000.0f, 1.0f},
+  };
+  for (RopeStyle style : {RopeStyle::kNorm, RopeStyle::kNeox}) {
+    for (const auto& c : cases) {
+      for (int64_t pos : {0, 1, 2, 7, 100, 4095, 8000, 32767, 131071}) {
+        const int64_t n = static_cast<int64_t>(c.n_head) * c.head_dim;
+        const auto x = randn(n, static_cast<uint32_t>(pos + n), 1.0f);
+        std::vector<float> want = x, got = x;  // [n_head, head_dim]
+        rope_ref(want.data(), c.n_head, c.head_dim, c.n_rot, pos, c.base, c.scale, style);
+        rope(got.data(), c.n_head, c.head_dim, c.n_rot, pos, c.base, c.scale, style);
+        SCOPED_TRACE("style=" + std::to_string(int(style)) + " pos=" + std::to_string(pos) +
+                     " head_dim=" + std::to_string(c.head_dim) + " n_rot=" + std::to_string(c.n_rot));
+        for (int64_t i = 0; i < n; ++i) {
+          const int d = static_cast<int>(i % c.head_dim);
+          if (d >= c.n_rot || pos == 0) {
+            ASSERT_EQ(got[i], x[i]) << "d=" << d;  // untouched tail; identity at pos 0
+          } else {
+            // Each output mixes two unit-scale inputs with float cos/sin (rounded from float64
+            // angles): a few float ulps of the pair's magnitude.
+            ASSERT_NEAR(got[i], want[i], 5e-7 * (std::fabs(x[i]) + 1.0)) << "d=" << d;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_P(OpsTest, RopeCacheFollowsArguments) {
+  // Same position with different n_head (Q then K), then a new base, then a new position:
+  // each must equal a fresh reference, i.e. the cached table never goes stale.
+  const struct { int n_head, n_rot; int64_t pos; float base; } seq[] = {
+      {9, 64, 42, 10000.0f}, {3, 64, 42, 10000.0f}, {3, 64, 42, 500000.0f},
+      {3, 32, 42, 500000.0f}, {3, 32, 43, 500000.0f}, {9, 64, 42, 10000.0f}};
+  for (const auto& s : seq) {
+    const auto x = randn(s.n_head * 64, 99, 1.0f);
+    std::vector<float> want = x, got = x;  // [n_head, 64]
+    rope_ref(want.data(), s.n_head, 64, s.n_rot, s.pos, s.base, 1.0f, RopeStyle::kNeox);
+    rope(got.data(), s.n_head, 64, s.n_rot, s.pos, s.base, 1.0f, RopeStyle::kNeox);
+    for (size_t i = 0; i < x.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-6) << i;
+  }
+}
+
+TEST(OpsRef, RopeConventions) {
+  // head_dim 4, n_rot 4, base 100: pair 0 turns by pos, pair 1 by pos·100^(-1/2) = pos/10.
+  const double a0 = 3.0, a1 = 0.3;
+  float x[4] = {1, 0, 0, 0};
+  rope_ref(x, 1, 4, 4, 3, 100.0f, 1.0f, RopeStyle::kNorm);  // pairs (0,1), (2,3)
+  EXPECT_NEAR(x[0], std::cos(a0), 1e-7);
+  EXPECT_NEAR(x[1], std::sin(a0), 1e-7);
+  float y[4] = {0, 0, 1, 0};
+  rope_ref(y, 1, 4, 4, 3, 100.0f, 1.0f, RopeStyle::kNorm);
+  EXPECT_NEAR(y[2], std::cos(a1), 1e-7);
+  EXPECT_NEAR(y[3], std::sin(a1), 1e-7);
+  float z[4] = {0, 1, 0, 0};
+  rope_ref(z, 1, 4, 4, 3, 100.0f, 1.0f, RopeStyle::kNeox);  // pairs (0,2), (1,3)
+  EXPECT_NEAR(z[1], std::cos(a1), 1e-7);
+  EXPECT_NEAR(z[3], std::sin(a1), 1e-7);
+  EXPECT_EQ(z[0], 0.0f);
+  EXPECT_EQ(z[2], 0.0f);
+}
+
+TEST_P(OpsTest, AddInplace) {
+  for (int64_t n : sizes()) {
+    auto y = randn(n, 1, 1.0f);
+    const auto x = randn(n, 2, 1.0f);
+    const auto y0 = y;
+    add_inplace(y.data(), x.data(), n);
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(y[i], y0[i] + x[i]);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Paths, OpsTest, ::testing::Values(OpsPath::kScalar, OpsPath::kAvx512),
+                         path_name);
+
+}  // namespace
+}  // namespace kv
