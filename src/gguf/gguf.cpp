@@ -119,7 +119,7 @@ bool read_value(Reader& r, GgufType type, GgufValue* v, int depth, const std::st
       if (!valid_value_type(et)) { r.fail("metadata '" + key + "': unknown array element type " + std::to_string(et)); return false; }
       v->arr_type = static_cast<GgufType>(et);
       if (count > r.remaining() / min_encoded_size(v->arr_type)) {
-        r.fail("metadata '" + key + "': array count " + std::to_string(count) + " exceeds what the file can hold");
+        r.fail("metadata '" + key + "': array count " + std::to_string(count) + " exceeds what the file can hold (truncated or corrupt?)");
         return false;
       }
       if (count > r.values_left) {
@@ -237,8 +237,8 @@ Status GgufFile::parse_impl() {
   if (!r.read(&n_tensors, "tensor count") || !r.read(&n_kv, "metadata count")) return Status::error(r.error());
   // Each metadata entry takes at least 8 (key len) + 4 (type) + 1 bytes; each tensor info
   // at least 8 + 4 + 8 + 4 + 8.
-  if (n_kv > r.remaining() / 13) return Status::error("metadata count " + std::to_string(n_kv) + " exceeds what the file can hold");
-  if (n_tensors > r.remaining() / 32) return Status::error("tensor count " + std::to_string(n_tensors) + " exceeds what the file can hold");
+  if (n_kv > r.remaining() / 13) return Status::error("metadata count " + std::to_string(n_kv) + " exceeds what the file can hold (truncated or corrupt?)");
+  if (n_tensors > r.remaining() / 32) return Status::error("tensor count " + std::to_string(n_tensors) + " exceeds what the file can hold (truncated or corrupt?)");
 
   for (uint64_t k = 0; k < n_kv; ++k) {
     std::string key;

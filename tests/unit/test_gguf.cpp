@@ -96,8 +96,7 @@ struct GgufWriter {
   }
 
   Bytes build() const {
-    Bytes b;
-    b.insert(b.end(), {'G', 'G', 'U', 'F'});
+    Bytes b{'G', 'G', 'U', 'F'};
     put<uint32_t>(b, version);
     put<uint64_t>(b, n_tensors_override >= 0 ? n_tensors_override : tensors.size());
     put<uint64_t>(b, n_kv_override >= 0 ? n_kv_override : n_kv);
@@ -403,6 +402,21 @@ TEST(GgufHostile, ArrayCountPastEnd) {
   GgufWriter w2;
   w2.kv("x", GgufType::ARRAY, arr_payload(GgufType::U8, 100, {1, 2, 3}));
   expect_error(w2.build(), "exceeds what the file can hold");
+}
+
+TEST(GgufHostile, MetadataValueBudget) {
+  // 1-byte elements cost ~100 bytes each in memory: past 4M values the file is refused even
+  // though it holds the bytes, so a big hostile file cannot make us allocate 100x its size.
+  const uint64_t n = (uint64_t{1} << 22) + 1;
+  GgufWriter w;
+  w.kv("huge", GgufType::ARRAY, arr_payload(GgufType::U8, n, Bytes(n, 0)));
+  expect_error(w.build(), "metadata values per file");
+  // The budget is per file, not per array.
+  const uint64_t half = (uint64_t{1} << 21) + 1;
+  GgufWriter w2;
+  w2.kv("a", GgufType::ARRAY, arr_payload(GgufType::U8, half, Bytes(half, 0)));
+  w2.kv("b", GgufType::ARRAY, arr_payload(GgufType::U8, half, Bytes(half, 0)));
+  expect_error(w2.build(), "metadata values per file");
 }
 
 TEST(GgufHostile, NestedArrayDepthBomb) {
