@@ -183,7 +183,7 @@ PROMPTS = [
     ("chat_single", "chat", [{"role": "user", "content":
                               "What are three simple habits that help people sleep better?"}], None),
     ("code_python", "text", PY_CODE, 100),
-    ("prose_gettysburg", "text", GETTYSBURG, 128),
+    ("prose_gettysburg", "text", GETTYSBURG, 112),
     ("code_c", "text", C_CODE, 200),
     ("csv_numbers", "text", CSV_NUMBERS, 256),
     ("chat_multi_turn", "chat", [
