@@ -6,6 +6,7 @@ PYTHON      ?= python3
 BUILD_DIR   ?= build
 BUILD_TYPE  ?= Release
 JOBS        ?= 2
+CTEST_TIMEOUT ?= 900
 MODEL       ?= models/SmolLM2-135M-Instruct.Q4_1.gguf
 PROMPT      ?= The three most important ideas in computer science are
 N_TOKENS    ?= 64
@@ -24,9 +25,10 @@ build: deps
 	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE)
 	cmake --build $(BUILD_DIR) -j$(JOBS)
 
+# A hung test fails after CTEST_TIMEOUT seconds instead of eating the CI budget.
 # pytest exits 5 when it collects no test: not a failure while tests/py is still empty.
 test: deps models build
-	ctest --test-dir $(BUILD_DIR) --output-on-failure -j$(JOBS)
+	ctest --test-dir $(BUILD_DIR) --output-on-failure -j$(JOBS) --timeout $(CTEST_TIMEOUT)
 	$(PYTHON) -m pytest -q tests/py; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest: no tests collected in tests/py"; rc=0; fi; \
 	  exit $$rc
