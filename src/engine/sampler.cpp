@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace kv {
@@ -24,7 +25,15 @@ double Sampler::next_uniform() {
   return static_cast<double>(z >> 11) * (1.0 / 9007199254740992.0);
 }
 
-int32_t Sampler::sample(float* logits, int32_t n_vocab, const std::vector<int32_t>& history) {
+int32_t Sampler::sample(float* logits, int32_t n_vocab, const std::vector<int32_t>& history, size_t n_prompt) {
+  if ((p_.presence_penalty != 0.f || p_.frequency_penalty != 0.f) && history.size() > n_prompt) {
+    std::unordered_map<int32_t, int32_t> counts;
+    for (size_t i = n_prompt; i < history.size(); ++i) ++counts[history[i]];
+    for (auto [id, c] : counts) {
+      if (id < 0 || id >= n_vocab) continue;
+      logits[id] -= p_.presence_penalty + p_.frequency_penalty * static_cast<float>(c);
+    }
+  }
   if (p_.repetition_penalty != 1.f && !history.empty()) {
     std::unordered_set<int32_t> seen(history.begin(), history.end());
     for (int32_t id : seen) {

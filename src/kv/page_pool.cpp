@@ -58,6 +58,14 @@ void PagePool::release(int32_t page) {
   if (--refcount_[page] == 0) free_list_.push_back(page);
 }
 
+void PagePool::copy_page(int32_t src, int32_t dst) {
+  const int64_t n = layout_.layer_page_bytes();
+  for (int32_t l = 0; l < layout_.n_layer; ++l) {
+    std::memcpy(k_data(l, dst), k_data(l, src), n);
+    std::memcpy(v_data(l, dst), v_data(l, src), n);
+  }
+}
+
 Status PagePool::check_integrity() const {
   std::vector<uint8_t> on_free(n_pages_, 0);
   for (int32_t p : free_list_) {

@@ -41,6 +41,8 @@ class PagePool {
   void retain(int32_t page);   // another holder shares the page
   void release(int32_t page);  // a holder lets go; the page is free when none is left
   int32_t refcount(int32_t page) const { return refcount_[page]; }
+  // Copies every layer's K and V of page src into page dst (copy-on-write of a shared page).
+  void copy_page(int32_t src, int32_t dst);
 
   // Page contents: [n_head_kv][block_size][head_dim] of dtype for (layer, page).
   uint8_t* k_data(int32_t layer, int32_t page) { return base(layer, 0) + int64_t(page) * layout_.layer_page_bytes(); }

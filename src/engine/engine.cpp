@@ -1,0 +1,446 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "common/units.h"
+#include "engine/sampler.h"
+
+namespace kv {
+
+using Clock = std::chrono::steady_clock;
+
+namespace {
+double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+// Longest suffix of `text` that is a proper prefix of some stop string: that much must be
+// held back, since the next token may complete the stop string.
+size_t stop_holdback(const std::string& text, const std::vector<std::string>& stops) {
+  size_t keep = 0;
+  for (const auto& s : stops)
+    for (size_t k = std::min(text.size(), s.size() - 1); k > keep; --k)
+      if (text.compare(text.size() - k, k, s, 0, k) == 0) {
+        keep = k;
+        break;
+      }
+  return keep;
+}
+}  // namespace
+
+// Shared by every choice (sequence) of one request.
+struct RequestState {
+  Request req;
+  int32_t n_unfinished = 0;
+  int32_t completion_tokens = 0;
+  bool forked = false;      // n > 1: children created after the prompt's prefill
+  bool first_token = false;
+};
+
+struct Engine::Sequence {
+  uint64_t id = 0;
+  std::shared_ptr<RequestState> rs;
+  int32_t index = 0;               // choice index
+  std::vector<int32_t> tokens;     // prompt + generated
+  int32_t n_prompt = 0;
+  int64_t n_computed = 0;          // positions whose K/V are in pages
+  BlockTable table;
+  Sampler sampler;
+  IncrementalDetokenizer detok;
+  std::string held;                // decoded text not yet emitted (stop-string holdback)
+  int32_t n_generated = 0;
+  Clock::time_point last_token_time;
+
+  Sequence(const Tokenizer& tok, const SamplingParams& sp) : sampler(sp), detok(tok) {}
+  int64_t to_compute() const { return static_cast<int64_t>(tokens.size()) - n_computed; }
+};
+
+struct Engine::Plan {
+  struct Item {
+    Sequence* seq;
+    int32_t n;
+    bool logits;
+  };
+  std::vector<Item> items;
+  Batch batch;
+};
+
+Engine::Engine(LlamaModel& model, const Tokenizer& tok, const EngineConfig& cfg) : model_(model), tok_(tok), cfg_(cfg) {
+  KvLayout layout = model.kv_layout(cfg.block_size, cfg.kv_dtype);
+  int64_t n_pages = std::min<int64_t>(PagePool::pages_for_bytes(layout, cfg.kv_cache_bytes), int64_t(1) << 30);
+  pool_ = std::make_unique<PagePool>(layout, static_cast<int32_t>(std::max<int64_t>(n_pages, 0)));
+  threads_ = std::make_unique<ThreadPool>(cfg.n_threads);
+  metrics_.set_gauges(0, 0, pool_->n_pages(), 0);
+}
+
+Engine::~Engine() {
+  stop();
+  std::lock_guard<std::mutex> l(state_mu_);
+  for (auto& s : running_) s->table.release_all(*pool_);
+  for (auto& s : waiting_) s->table.release_all(*pool_);
+}
+
+Rejection Engine::submit(Request req) {
+  Rejection r;
+  const RequestParams& p = req.params;
+  const int64_t n_prompt = static_cast<int64_t>(req.prompt.size());
+  auto reject = [&](int32_t status, std::string msg, std::string param) {
+    metrics_.add_rejected();
+    return Rejection{status, std::move(msg), std::move(param)};
+  };
+  if (n_prompt == 0) return reject(400, "The prompt is empty.", "prompt");
+  for (int32_t t : req.prompt)
+    if (t < 0 || t >= model_.config().n_vocab) return reject(400, "Token id " + std::to_string(t) + " is out of range.", "prompt");
+  if (p.n < 1 || p.n > cfg_.max_n) return reject(400, "n must be between 1 and " + std::to_string(cfg_.max_n) + ".", "n");
+  if (p.max_tokens < 1) return reject(400, "max_tokens must be at least 1.", "max_tokens");
+  if (n_prompt + p.max_tokens > cfg_.max_model_len)
+    return reject(400,
+                  "This model's maximum context length is " + std::to_string(cfg_.max_model_len) + " tokens. However, you requested " +
+                      std::to_string(n_prompt + p.max_tokens) + " tokens (" + std::to_string(n_prompt) + " in the messages, " +
+                      std::to_string(p.max_tokens) + " in the completion). Please reduce the length of the messages or completion.",
+                  n_prompt >= cfg_.max_model_len ? "messages" : "max_tokens");
+  const int64_t pages_one = BlockTable::pages_for(n_prompt + p.max_tokens, cfg_.block_size);
+  if (pages_one > pool_->n_pages())
+    return reject(400,
+                  "The request needs " + std::to_string(pages_one) + " KV pages (" + std::to_string(n_prompt + p.max_tokens) +
+                      " tokens) but the whole KV cache has " + std::to_string(pool_->n_pages()) + "; raise --kv-cache-memory.",
+                  "max_tokens");
+  {
+    std::lock_guard<std::mutex> l(in_mu_);
+    if (n_waiting_total_.load() >= cfg_.max_queue)
+      return reject(429, "The server is busy: " + std::to_string(cfg_.max_queue) + " requests are waiting. Retry later.", "");
+    n_waiting_total_.fetch_add(1);
+    incoming_.push_back(std::move(req));
+  }
+  in_cv_.notify_one();
+  return r;
+}
+
+void Engine::start() {
+  if (thread_.joinable()) return;
+  stop_.store(false);
+  thread_ = std::thread([this] { loop(); });
+}
+
+void Engine::stop() {
+  if (!thread_.joinable()) return;
+  stop_.store(true);
+  in_cv_.notify_all();
+  thread_.join();
+}
+
+void Engine::loop() {
+  while (!stop_.load()) {
+    if (!step()) {
+      std::unique_lock<std::mutex> l(in_mu_);
+      in_cv_.wait_for(l, std::chrono::milliseconds(20), [&] { return !incoming_.empty() || stop_.load(); });
+    }
+  }
+}
+
+void Engine::drain_incoming() {
+  std::deque<Request> got;
+  {
+    std::lock_guard<std::mutex> l(in_mu_);
+    got.swap(incoming_);
+  }
+  for (Request& r : got) {
+    auto rs = std::make_shared<RequestState>();
+    rs->req = std::move(r);
+    rs->n_unfinished = rs->req.params.n;
+    auto s = std::make_unique<Sequence>(tok_, rs->req.params.sampling);
+    s->id = next_seq_id_++;
+    s->rs = rs;
+    s->tokens = rs->req.prompt;
+    s->n_prompt = static_cast<int32_t>(s->tokens.size());
+    waiting_.push_back(std::move(s));
+  }
+}
+
+bool Engine::ensure_pages(Sequence& s, int64_t n_new) {
+  const int32_t bs = cfg_.block_size;
+  const int64_t end = s.n_computed + n_new;
+  int32_t need = BlockTable::pages_for(end, bs) - static_cast<int32_t>(s.table.pages.size());
+  need = std::max(need, 0);
+  // Copy-on-write: the page receiving position n_computed may be shared (n > 1 forks).
+  const int64_t first_page = s.n_computed / bs;
+  const bool cow = first_page < static_cast<int64_t>(s.table.pages.size()) && pool_->refcount(s.table.pages[first_page]) > 1;
+  if (!pool_->can_allocate(need + (cow ? 1 : 0))) return false;
+  if (cow) {
+    std::vector<int32_t> fresh;
+    pool_->allocate(1, &fresh);
+    const int32_t old = s.table.pages[first_page];
+    pool_->copy_page(old, fresh[0]);
+    pool_->release(old);
+    s.table.pages[first_page] = fresh[0];
+  }
+  pool_->allocate(need, &s.table.pages);
+  return true;
+}
+
+void Engine::preempt(Sequence& s) {
+  // Recompute later: drop every page; the tokens (prompt + generated) stay.
+  s.table.release_all(*pool_);
+  s.n_computed = 0;
+  metrics_.add_preemption();
+}
+
+bool Engine::schedule(Plan* plan) {
+  // Cancelled requests leave first: their pages are free for this very step.
+  for (auto it = running_.begin(); it != running_.end();) {
+    Sequence& s = **it;
+    if (s.rs->req.stream->cancelled()) {
+      finish(s, "abort");
+      it = running_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    Sequence& s = **it;
+    if (s.rs->req.stream->cancelled()) {
+      finish(s, "abort");
+      n_waiting_total_.fetch_sub(1);
+      it = waiting_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+
+  int64_t budget = cfg_.max_num_batched_tokens;
+  // 1. Decodes of running sequences, oldest first. Out of pages: preempt the newest.
+  for (auto it = running_.begin(); it != running_.end() && budget > 0;) {
+    Sequence& s = **it;
+    if (s.to_compute() != 1) { ++it; continue; }
+    bool ok = ensure_pages(s, 1);
+    while (!ok) {
+      auto victim = std::prev(running_.end());
+      Sequence* v = victim->get();
+      preempt(*v);
+      waiting_.push_front(std::move(*victim));
+      n_waiting_total_.fetch_add(1);
+      running_.erase(victim);
+      if (v == &s) break;  // s itself was the newest: it waits
+      ok = ensure_pages(s, 1);
+    }
+    if (!ok) break;  // s was preempted and removed; everything after it was too
+    plan->items.push_back({&s, 1, true});
+    --budget;
+    ++it;
+  }
+  // 2. Running sequences still in their prompt (chunked prefill), then 3. admissions.
+  for (auto& sp : running_) {
+    Sequence& s = *sp;
+    if (budget <= 0) break;
+    if (s.to_compute() <= 1) continue;
+    int32_t n = static_cast<int32_t>(std::min<int64_t>(budget, s.to_compute()));
+    if (!ensure_pages(s, n)) continue;
+    plan->items.push_back({&s, n, n == s.to_compute()});
+    budget -= n;
+  }
+  while (budget > 0 && !waiting_.empty() && static_cast<int32_t>(running_.size()) < cfg_.max_num_seqs) {
+    Sequence& s = *waiting_.front();
+    int32_t n = static_cast<int32_t>(std::min<int64_t>(budget, s.to_compute()));
+    if (!ensure_pages(s, n)) break;  // FCFS: no overtaking the head of the queue
+    running_.push_back(std::move(waiting_.front()));
+    waiting_.pop_front();
+    n_waiting_total_.fetch_sub(1);
+    plan->items.push_back({&s, n, n == s.to_compute()});
+    budget -= n;
+  }
+  for (const auto& it : plan->items)
+    plan->batch.add(it.seq->table.pages.data(), it.seq->n_computed, it.seq->tokens.data() + it.seq->n_computed, it.n, it.logits);
+  return !plan->items.empty();
+}
+
+Engine::Sequence* Engine::fork(Sequence& parent, int32_t index) {
+  SamplingParams sp = parent.rs->req.params.sampling;
+  sp.seed = sp.seed + static_cast<uint64_t>(index) * 0x9E3779B97F4A7C15ull;
+  auto c = std::make_unique<Sequence>(tok_, sp);
+  c->id = next_seq_id_++;
+  c->rs = parent.rs;
+  c->index = index;
+  c->tokens = parent.tokens;
+  c->n_prompt = parent.n_prompt;
+  c->n_computed = parent.n_computed;
+  c->table.pages = parent.table.pages;
+  c->table.n_tokens = parent.table.n_tokens;
+  for (int32_t p : c->table.pages) pool_->retain(p);  // shared until written (copy-on-write)
+  Sequence* raw = c.get();
+  running_.push_back(std::move(c));
+  return raw;
+}
+
+void Engine::postprocess(Plan& plan, const float* logits) {
+  const int32_t nv = model_.config().n_vocab;
+  const auto now = Clock::now();
+  std::vector<float> row(nv);
+  int64_t r = 0;
+  std::vector<Sequence*> emitters;
+  for (auto& it : plan.items) {
+    Sequence& s = *it.seq;
+    s.n_computed += it.n;
+    s.table.n_tokens = s.n_computed;
+    if (s.n_computed <= s.n_prompt) metrics_.add_prompt_tokens(std::min<int64_t>(it.n, s.n_prompt - (s.n_computed - it.n)));
+    if (!it.logits) continue;
+    const float* lg = logits + r++ * nv;
+    RequestState& rs = *s.rs;
+    emitters.clear();
+    emitters.push_back(&s);
+    if (rs.req.params.n > 1 && !rs.forked && s.index == 0) {
+      rs.forked = true;
+      for (int32_t i = 1; i < rs.req.params.n; ++i) emitters.push_back(fork(s, i));
+    }
+    if (!rs.first_token) {
+      rs.first_token = true;
+      metrics_.observe_ttft(seconds(rs.req.arrival, now));
+    }
+    for (Sequence* e : emitters) {
+      const RequestParams& p = rs.req.params;
+      std::copy(lg, lg + nv, row.begin());
+      StreamEvent ev;
+      ev.index = e->index;
+      if (p.logprobs >= 0) {
+        // Log-probabilities of the model's distribution (before penalties and temperature).
+        float mx = *std::max_element(lg, lg + nv);
+        double z = 0;
+        for (int32_t i = 0; i < nv; ++i) z += std::exp(double(lg[i]) - mx);
+        const double lz = mx + std::log(z);
+        TokenLogprob tl;
+        if (p.logprobs > 0) {
+          std::vector<int32_t> idx(nv);
+          for (int32_t i = 0; i < nv; ++i) idx[i] = i;
+          const int32_t k = std::min(p.logprobs, nv);
+          std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int32_t a, int32_t b) { return lg[a] > lg[b] || (lg[a] == lg[b] && a < b); });
+          for (int32_t i = 0; i < k; ++i) tl.top.emplace_back(idx[i], static_cast<float>(lg[idx[i]] - lz));
+        }
+        tl.logprob = static_cast<float>(-lz);  // completed below once the token is known
+        ev.logprobs.push_back(tl);
+      }
+      const int32_t tok = e->sampler.sample(row.data(), nv, e->tokens, static_cast<size_t>(e->n_prompt));
+      if (!ev.logprobs.empty()) {
+        ev.logprobs[0].token = tok;
+        ev.logprobs[0].logprob += lg[tok];
+      }
+      e->tokens.push_back(tok);
+      ++e->n_generated;
+      ++rs.completion_tokens;
+      metrics_.add_generation_tokens(1);
+      if (e->n_generated > 1) metrics_.observe_itl(seconds(e->last_token_time, now));
+      e->last_token_time = now;
+
+      const char* reason = nullptr;
+      if (!p.ignore_eos && tok_.is_eog(tok)) {
+        reason = "stop";
+        ev.logprobs.clear();  // the end-of-generation token is not part of the text
+      } else {
+        e->held += e->detok.push(tok);
+        const bool at_limit = e->n_generated >= p.max_tokens || static_cast<int64_t>(e->tokens.size()) >= cfg_.max_model_len;
+        if (at_limit) e->held += e->detok.flush();
+        size_t cut = std::string::npos;
+        for (const auto& st : p.stop) {
+          size_t at = e->held.find(st);
+          if (at != std::string::npos) cut = std::min(cut, at);
+        }
+        if (cut != std::string::npos) {
+          ev.text = e->held.substr(0, cut);
+          e->held.clear();
+          reason = "stop";
+        } else if (at_limit) {
+          ev.text.swap(e->held);
+          reason = "length";
+        } else {
+          const size_t keep = stop_holdback(e->held, p.stop);
+          ev.text = e->held.substr(0, e->held.size() - keep);
+          e->held.erase(0, e->held.size() - keep);
+        }
+      }
+      if (!ev.text.empty() || !ev.logprobs.empty()) rs.req.stream->push(std::move(ev));
+      if (reason) e->rs->req.stream->push(StreamEvent{StreamEvent::kFinish, e->index, "", {}, reason, "", 0});
+      if (reason) e->n_prompt = -1;  // marks finished; removed from running below
+    }
+  }
+  // Finished sequences leave the batch and give their pages back.
+  for (auto it = running_.begin(); it != running_.end();) {
+    Sequence& s = **it;
+    if (s.n_prompt == -1) {
+      release(s);
+      maybe_finish_request(s);
+      it = running_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void Engine::release(Sequence& s) { s.table.release_all(*pool_); }
+
+void Engine::maybe_finish_request(Sequence& s) {
+  RequestState& rs = *s.rs;
+  if (--rs.n_unfinished > 0) return;
+  const bool aborted = rs.req.stream->cancelled();
+  Usage u;
+  u.prompt_tokens = static_cast<int32_t>(rs.req.prompt.size());
+  u.completion_tokens = rs.completion_tokens;
+  rs.req.stream->finish_all(u);
+  metrics_.add_finished(aborted);
+  metrics_.observe_e2e(seconds(rs.req.arrival, Clock::now()));
+}
+
+void Engine::finish(Sequence& s, const char* reason) {
+  s.rs->req.stream->push(StreamEvent{StreamEvent::kFinish, s.index, "", {}, reason, "", 0});
+  release(s);
+  // A request with n > 1 whose children do not exist yet finishes them all at once.
+  RequestState& rs = *s.rs;
+  if (rs.req.params.n > 1 && !rs.forked) {
+    rs.forked = true;
+    for (int32_t i = 1; i < rs.req.params.n; ++i) {
+      rs.req.stream->push(StreamEvent{StreamEvent::kFinish, i, "", {}, reason, "", 0});
+      --rs.n_unfinished;
+    }
+  }
+  maybe_finish_request(s);
+}
+
+bool Engine::step() {
+  std::lock_guard<std::mutex> l(state_mu_);
+  drain_incoming();
+  Plan plan;
+  const bool work = schedule(&plan);
+  if (work) {
+    const size_t n_logits = static_cast<size_t>(plan.batch.n_logit_rows()) * model_.config().n_vocab;
+    if (logits_.size() < n_logits) logits_.resize(n_logits);
+    Status st = model_.forward(plan.batch, *pool_, *threads_, logits_.data());
+    if (!st) {
+      // A forward failure is a bug or a bad token; fail the affected requests, keep serving.
+      for (auto& it : plan.items) it.seq->rs->req.stream->push(StreamEvent{StreamEvent::kError, it.seq->index, "", {}, "", st.message(), 500});
+      for (auto& it : plan.items) it.seq->rs->req.stream->cancel();
+    } else {
+      postprocess(plan, logits_.data());
+    }
+  }
+  pages_in_use_.store(pool_->n_used());
+  metrics_.set_gauges(static_cast<int64_t>(running_.size()), n_waiting_total_.load(), pool_->n_pages(), pool_->n_used());
+  return work;
+}
+
+MetricsSnapshot Engine::metrics() const { return metrics_.snapshot(); }
+
+Status Engine::check_integrity() const {
+  std::lock_guard<std::mutex> l(state_mu_);
+  if (Status st = pool_->check_integrity(); !st) return st;
+  // Every page reference is held by exactly one sequence's table entry.
+  std::vector<int32_t> held(pool_->n_pages(), 0);
+  auto count = [&](const std::list<std::unique_ptr<Sequence>>& q) {
+    for (const auto& s : q)
+      for (int32_t p : s->table.pages) ++held[p];
+  };
+  count(running_);
+  count(waiting_);
+  for (int32_t p = 0; p < pool_->n_pages(); ++p)
+    if (held[p] != pool_->refcount(p))
+      return Status::error("page " + std::to_string(p) + " has refcount " + std::to_string(pool_->refcount(p)) + " but " +
+                           std::to_string(held[p]) + " holders");
+  return Status::ok();
+}
+
+}  // namespace kv

@@ -1,0 +1,116 @@
+// The engine: one thread that owns every KV page, batches all running sequences into one
+// forward per step (continuous batching), and streams tokens back to requests.
+//
+//   step() = schedule → forward → postprocess
+//
+// Scheduling: running decodes first, then prefills chunked into what is left of
+// max_num_batched_tokens, at most max_num_seqs sequences. When pages run out the newest
+// running sequence is preempted (pages freed, recomputed later). Requests that can never
+// fit are rejected by submit(); a full waiting queue rejects with 429.
+//
+// Threading: submit()/metrics() may be called from any thread; step() and everything it
+// touches belong to the engine thread started by start() (or to the caller of step() in
+// tests, when start() was not called).
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "common/status.h"
+#include "common/thread_pool.h"
+#include "engine/metrics.h"
+#include "engine/request.h"
+#include "kv/page_pool.h"
+#include "model/llama.h"
+#include "tokenizer/tokenizer.h"
+
+namespace kv {
+
+struct EngineConfig {
+  int32_t max_num_batched_tokens = 512;
+  int32_t max_num_seqs = 64;
+  int32_t max_model_len = 4096;   // prompt + generated tokens per sequence
+  int32_t max_queue = 256;        // waiting requests before submit() answers 429
+  int32_t max_n = 16;             // largest `n` accepted
+  int32_t block_size = 16;
+  KvDtype kv_dtype = KvDtype::kF16;
+  int64_t kv_cache_bytes = int64_t(1) << 30;
+  int32_t n_threads = 2;
+};
+
+// Why submit() refused: an HTTP status and a message for the client.
+struct Rejection {
+  int32_t http_status = 0;  // 0: accepted
+  std::string message;
+  std::string param;        // the request field at fault, if any
+};
+
+class Engine {
+ public:
+  Engine(LlamaModel& model, const Tokenizer& tok, const EngineConfig& cfg);
+  ~Engine();
+
+  // Thread-safe. Validates against the limits (max_model_len, pool capacity, max_n, queue)
+  // and enqueues. On rejection nothing is enqueued and the stream receives nothing.
+  Rejection submit(Request req);
+  uint64_t next_request_id() { return next_id_.fetch_add(1); }
+
+  void start();  // engine thread runs step() until stop()
+  void stop();
+  // One iteration; returns false when there was nothing to do. Engine thread only.
+  bool step();
+
+  MetricsSnapshot metrics() const;           // thread-safe
+  // Pool integrity, and every page's refcount equals the number of block-table entries
+  // holding it. Thread-safe: waits for the current step to end.
+  Status check_integrity() const;
+  const EngineConfig& config() const { return cfg_; }
+  const PagePool& pool() const { return *pool_; }
+  int32_t pages_in_use() const { return pages_in_use_.load(); }
+
+ private:
+  struct Sequence;
+  struct Plan;
+  void drain_incoming();
+  bool schedule(Plan* plan);
+  bool ensure_pages(Sequence& s, int64_t n_new);
+  void preempt(Sequence& s);
+  void postprocess(Plan& plan, const float* logits);
+  void finish(Sequence& s, const char* reason);
+  void release(Sequence& s);
+  void maybe_finish_request(Sequence& s);
+  Sequence* fork(Sequence& parent, int32_t index);
+  void loop();
+
+  LlamaModel& model_;
+  const Tokenizer& tok_;
+  EngineConfig cfg_;
+  std::unique_ptr<PagePool> pool_;
+  std::unique_ptr<ThreadPool> threads_;
+  Metrics metrics_;
+
+  // Submission queue (any thread → engine thread).
+  mutable std::mutex in_mu_;
+  std::condition_variable in_cv_;
+  std::deque<Request> incoming_;
+  std::atomic<int32_t> n_waiting_total_{0};  // incoming + waiting, for the 429 check
+
+  // Engine-thread state; state_mu_ is held for a whole step so other threads can inspect it.
+  mutable std::mutex state_mu_;
+  std::list<std::unique_ptr<Sequence>> waiting_;   // FCFS; preempted go to the front
+  std::list<std::unique_ptr<Sequence>> running_;   // admission order (oldest first)
+  std::vector<float> logits_;
+  std::atomic<int32_t> pages_in_use_{0};
+  std::atomic<uint64_t> next_id_{1};
+  uint64_t next_seq_id_ = 1;
+
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+};
+
+}  // namespace kv

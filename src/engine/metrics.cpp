@@ -1,0 +1,91 @@
+#include "engine/metrics.h"
+
+#include <cstdio>
+
+namespace kv {
+
+void Histogram::observe(double v) {
+  size_t i = 0;
+  while (i < bounds_.size() && v > bounds_[i]) ++i;
+  ++counts_[i];
+  sum_ += v;
+  ++count_;
+}
+
+Metrics::Metrics() {
+  // Buckets as vLLM uses for the same series (seconds).
+  m_.ttft = Histogram({0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0});
+  m_.itl = Histogram({0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0});
+  m_.e2e = Histogram({0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0});
+}
+
+void Metrics::set_gauges(int64_t running, int64_t waiting, int64_t pages_total, int64_t pages_used) {
+  std::lock_guard<std::mutex> l(mu_);
+  m_.num_requests_running = running;
+  m_.num_requests_waiting = waiting;
+  m_.kv_pages_total = pages_total;
+  m_.kv_pages_used = pages_used;
+  m_.kv_cache_usage_perc = pages_total > 0 ? double(pages_used) / pages_total : 0;
+}
+void Metrics::add_preemption() { std::lock_guard<std::mutex> l(mu_); ++m_.num_preemptions_total; }
+void Metrics::add_prompt_tokens(int64_t n) { std::lock_guard<std::mutex> l(mu_); m_.prompt_tokens_total += n; }
+void Metrics::add_generation_tokens(int64_t n) { std::lock_guard<std::mutex> l(mu_); m_.generation_tokens_total += n; }
+void Metrics::add_finished(bool aborted) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (aborted) ++m_.request_aborted_total; else ++m_.request_success_total;
+}
+void Metrics::add_rejected() { std::lock_guard<std::mutex> l(mu_); ++m_.request_rejected_total; }
+void Metrics::observe_ttft(double s) { std::lock_guard<std::mutex> l(mu_); m_.ttft.observe(s); }
+void Metrics::observe_itl(double s) { std::lock_guard<std::mutex> l(mu_); m_.itl.observe(s); }
+void Metrics::observe_e2e(double s) { std::lock_guard<std::mutex> l(mu_); m_.e2e.observe(s); }
+MetricsSnapshot Metrics::snapshot() const { std::lock_guard<std::mutex> l(mu_); return m_; }
+
+namespace {
+void gauge(std::string& out, const char* name, const char* help, double v) {
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "# HELP %s %s\n# TYPE %s gauge\n%s %.17g\n", name, help, name, name, v);
+  out += buf;
+}
+void counter(std::string& out, const char* name, const char* help, double v) {
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "# HELP %s %s\n# TYPE %s counter\n%s %.17g\n", name, help, name, name, v);
+  out += buf;
+}
+void histogram(std::string& out, const char* name, const char* help, const Histogram& h) {
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+  out += buf;
+  uint64_t cum = 0;
+  for (size_t i = 0; i < h.counts().size(); ++i) {
+    cum += h.counts()[i];
+    if (i < h.bounds().size())
+      std::snprintf(buf, sizeof buf, "%s_bucket{le=\"%g\"} %llu\n", name, h.bounds()[i], static_cast<unsigned long long>(cum));
+    else
+      std::snprintf(buf, sizeof buf, "%s_bucket{le=\"+Inf\"} %llu\n", name, static_cast<unsigned long long>(cum));
+    out += buf;
+  }
+  std::snprintf(buf, sizeof buf, "%s_sum %.17g\n%s_count %llu\n", name, h.sum(), name, static_cast<unsigned long long>(h.count()));
+  out += buf;
+}
+}  // namespace
+
+std::string render_prometheus(const MetricsSnapshot& m) {
+  std::string out;
+  gauge(out, "kvserve:num_requests_running", "Sequences in the running batch.", double(m.num_requests_running));
+  gauge(out, "kvserve:num_requests_waiting", "Requests waiting to be scheduled.", double(m.num_requests_waiting));
+  gauge(out, "kvserve:kv_cache_usage_perc", "Fraction of KV pages in use (1 = full).", m.kv_cache_usage_perc);
+  gauge(out, "kvserve:kv_cache_pages_total", "KV pages in the pool.", double(m.kv_pages_total));
+  gauge(out, "kvserve:kv_cache_pages_used", "KV pages held by sequences.", double(m.kv_pages_used));
+  counter(out, "kvserve:num_preemptions_total", "Sequences preempted for lack of KV pages.", double(m.num_preemptions_total));
+  counter(out, "kvserve:prompt_tokens_total", "Prompt tokens processed.", double(m.prompt_tokens_total));
+  counter(out, "kvserve:generation_tokens_total", "Tokens generated.", double(m.generation_tokens_total));
+  counter(out, "kvserve:request_success_total", "Requests finished normally.", double(m.request_success_total));
+  counter(out, "kvserve:request_aborted_total", "Requests cancelled by the client.", double(m.request_aborted_total));
+  counter(out, "kvserve:request_rejected_total", "Requests refused at admission.", double(m.request_rejected_total));
+  histogram(out, "kvserve:time_to_first_token_seconds", "Time to first token.", m.ttft);
+  histogram(out, "kvserve:inter_token_latency_seconds", "Time between tokens of a sequence.", m.itl);
+  histogram(out, "kvserve:e2e_request_latency_seconds", "Request latency from arrival to finish.", m.e2e);
+  return out;
+}
+
+}  // namespace kv

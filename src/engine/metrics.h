@@ -1,0 +1,66 @@
+// Engine counters and latency histograms. The engine owns them (it is the one that knows);
+// /metrics only reads a snapshot and renders it in Prometheus text format, names in vLLM's
+// style (kvserve:...).
+#pragma once
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace kv {
+
+class Histogram {
+ public:
+  explicit Histogram(std::vector<double> bounds) : bounds_(std::move(bounds)), counts_(bounds_.size() + 1, 0) {}
+  void observe(double v);
+  const std::vector<double>& bounds() const { return bounds_; }
+  const std::vector<uint64_t>& counts() const { return counts_; }  // per bucket, last = +Inf
+  double sum() const { return sum_; }
+  uint64_t count() const { return count_; }
+
+ private:
+  std::vector<double> bounds_;
+  std::vector<uint64_t> counts_;
+  double sum_ = 0;
+  uint64_t count_ = 0;
+};
+
+struct MetricsSnapshot {
+  int64_t num_requests_running = 0;
+  int64_t num_requests_waiting = 0;
+  int64_t kv_pages_total = 0;
+  int64_t kv_pages_used = 0;
+  double kv_cache_usage_perc = 0;  // 0..1, as vLLM reports it
+  int64_t num_preemptions_total = 0;
+  int64_t prompt_tokens_total = 0;
+  int64_t generation_tokens_total = 0;
+  int64_t request_success_total = 0;
+  int64_t request_rejected_total = 0;
+  int64_t request_aborted_total = 0;
+  Histogram ttft{{}}, itl{{}}, e2e{{}};
+};
+
+std::string render_prometheus(const MetricsSnapshot& m);
+
+class Metrics {
+ public:
+  Metrics();
+  // All mutators are engine-thread only except rejections (submit runs on HTTP threads);
+  // the mutex makes snapshots consistent.
+  void set_gauges(int64_t running, int64_t waiting, int64_t pages_total, int64_t pages_used);
+  void add_preemption();
+  void add_prompt_tokens(int64_t n);
+  void add_generation_tokens(int64_t n);
+  void add_finished(bool aborted);
+  void add_rejected();
+  void observe_ttft(double s);
+  void observe_itl(double s);
+  void observe_e2e(double s);
+  MetricsSnapshot snapshot() const;
+
+ private:
+  mutable std::mutex mu_;
+  MetricsSnapshot m_;
+};
+
+}  // namespace kv

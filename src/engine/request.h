@@ -1,0 +1,84 @@
+// A request as the engine sees it, and the stream its results flow back through.
+//
+// Threading: an HTTP thread builds a Request and hands it to Engine::submit(); from then on
+// the engine thread owns the request's state and pushes events into its RequestStream; the
+// HTTP thread pops them (blocking with a timeout) and may cancel() at any time.
+#pragma once
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "engine/sampler.h"
+
+namespace kv {
+
+struct RequestParams {
+  SamplingParams sampling;
+  int32_t max_tokens = 16;           // new tokens per choice
+  std::vector<std::string> stop;     // stop strings: matched across token boundaries, never emitted
+  bool ignore_eos = false;
+  int32_t n = 1;                     // choices; they share the prompt's pages
+  int32_t logprobs = -1;             // -1: none; k ≥ 0: chosen token's logprob + top k alternatives
+  std::string cache_namespace;       // tenant / cache_salt (prefix cache isolation)
+};
+
+struct TokenLogprob {
+  int32_t token = 0;
+  float logprob = 0.f;
+  std::vector<std::pair<int32_t, float>> top;  // best first
+};
+
+// One thing that happened to one choice of a request.
+struct StreamEvent {
+  enum Kind { kText, kFinish, kError } kind = kText;
+  int32_t index = 0;                 // choice index
+  std::string text;                  // kText: newly completed text (may be empty with logprobs)
+  std::vector<TokenLogprob> logprobs;  // kText: one per token this event covers
+  std::string finish_reason;         // kFinish: "stop" | "length" | "abort"
+  std::string error;                 // kError: message
+  int32_t http_status = 0;           // kError: suggested status
+};
+
+struct Usage {
+  int32_t prompt_tokens = 0;
+  int32_t completion_tokens = 0;
+  int32_t cached_tokens = 0;
+};
+
+class RequestStream {
+ public:
+  // Engine side.
+  void push(StreamEvent ev);
+  void finish_all(const Usage& usage);  // after the last choice finished; wakes the reader
+  // Reader side: waits up to `timeout` for events and appends them to out; returns false once
+  // the request is done (out then holds the last events), true while more may come.
+  bool pop(std::vector<StreamEvent>* out, std::chrono::milliseconds timeout);
+  bool done() const;
+  Usage usage() const;
+  void cancel() { cancelled_.store(true); }
+  bool cancelled() const { return cancelled_.load(); }
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<StreamEvent> events_;
+  bool done_ = false;
+  Usage usage_;
+  std::atomic<bool> cancelled_{false};
+};
+
+struct Request {
+  uint64_t id = 0;
+  std::vector<int32_t> prompt;
+  RequestParams params;
+  std::shared_ptr<RequestStream> stream;
+  std::chrono::steady_clock::time_point arrival = std::chrono::steady_clock::now();
+};
+
+}  // namespace kv

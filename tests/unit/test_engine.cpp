@@ -1,0 +1,235 @@
+// The continuous-batching engine on the real model, driven step by step (no thread).
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "engine/engine.h"
+#include "model_fixture.h"
+#include "tokenizer/tokenizer.h"
+
+using namespace kv;
+
+namespace {
+const Tokenizer* smollm2_tokenizer() {
+  static std::unique_ptr<Tokenizer> tok = []() -> std::unique_ptr<Tokenizer> {
+    const GgufFile* f = kvtest::smollm2_file();
+    if (!f) return nullptr;
+    auto t = Tokenizer::from_gguf(*f);
+    return t ? std::move(*t) : nullptr;
+  }();
+  return tok.get();
+}
+
+struct Outcome {
+  std::map<int, std::string> text;
+  std::map<int, std::string> finish;
+  Usage usage;
+};
+
+std::shared_ptr<RequestStream> submit(Engine& e, const std::vector<int32_t>& prompt, int max_tokens, int n = 1,
+                                      std::vector<std::string> stop = {}) {
+  Request r;
+  r.id = e.next_request_id();
+  r.prompt = prompt;
+  r.params.max_tokens = max_tokens;
+  r.params.n = n;
+  r.params.stop = std::move(stop);
+  r.params.ignore_eos = true;
+  r.stream = std::make_shared<RequestStream>();
+  Rejection rej = e.submit(r);
+  EXPECT_EQ(rej.http_status, 0) << rej.message;
+  return r.stream;
+}
+
+Outcome collect(RequestStream& s) {
+  Outcome o;
+  std::vector<StreamEvent> evs;
+  s.pop(&evs, std::chrono::milliseconds(0));
+  for (auto& ev : evs) {
+    if (ev.kind == StreamEvent::kText) o.text[ev.index] += ev.text;
+    if (ev.kind == StreamEvent::kFinish) o.finish[ev.index] = ev.finish_reason;
+  }
+  o.usage = s.usage();
+  return o;
+}
+
+void run_until_idle(Engine& e) {
+  for (int i = 0; i < 100000 && e.step(); ++i) {
+    ASSERT_TRUE(e.check_integrity().is_ok()) << e.check_integrity().message();
+  }
+}
+
+std::vector<int32_t> prompt_of(const Tokenizer& tok, const std::string& s) { return tok.encode(s, true, true); }
+
+EngineConfig small_config(int64_t pages) {
+  EngineConfig c;
+  c.max_num_batched_tokens = 64;
+  c.max_num_seqs = 32;
+  c.max_model_len = 512;
+  c.block_size = 16;
+  c.kv_cache_bytes = pages * 16 * 23040;  // SmolLM2 f16: 23040 bytes per token
+  c.n_threads = 2;
+  return c;
+}
+
+const char* kPrompts[] = {
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "The three laws of thermodynamics are",
+    "<|im_start|>user\nWhat is 17 times 23?<|im_end|>\n<|im_start|>assistant\n",
+    "A haiku about autumn leaves:",
+    "SELECT name, COUNT(*) FROM orders",
+    "The mitochondria is",
+    "In 1969, the first humans",
+    "Photosynthesis converts",
+    "The quick brown fox",
+    "To be or not to be,",
+    "import numpy as np\nx = np.",
+    "Water boils at",
+    "The largest planet in the solar system",
+    "My favourite recipe for pancakes",
+};
+}  // namespace
+
+TEST(Engine, BatchInvarianceAloneVsAmongFifteen) {
+  LlamaModel* m = kvtest::smollm2_model();
+  const Tokenizer* tok = smollm2_tokenizer();
+  ASSERT_TRUE(m && tok);
+  std::string alone;
+  {
+    Engine e(*m, *tok, small_config(512));
+    auto s = submit(e, prompt_of(*tok, kPrompts[0]), 24);
+    run_until_idle(e);
+    alone = collect(*s).text[0];
+    EXPECT_EQ(e.pool().n_used(), 0);
+  }
+  Engine e(*m, *tok, small_config(512));
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (const char* p : kPrompts) streams.push_back(submit(e, prompt_of(*tok, p), 24));
+  run_until_idle(e);
+  Outcome o = collect(*streams[0]);
+  EXPECT_EQ(o.text[0], alone);  // bit-identical tokens, so identical text
+  EXPECT_EQ(o.finish[0], "length");
+  EXPECT_EQ(o.usage.completion_tokens, 24);
+  EXPECT_EQ(e.pool().n_used(), 0);
+  EXPECT_TRUE(e.check_integrity().is_ok());
+  // Every other request also equals its solo run.
+  for (size_t i = 1; i < 4; ++i) {
+    Engine solo(*m, *tok, small_config(512));
+    auto s = submit(solo, prompt_of(*tok, kPrompts[i]), 24);
+    run_until_idle(solo);
+    EXPECT_EQ(collect(*streams[i]).text[0], collect(*s).text[0]) << kPrompts[i];
+  }
+}
+
+TEST(Engine, PreemptionUnderPagePressureKeepsOutputs) {
+  LlamaModel* m = kvtest::smollm2_model();
+  const Tokenizer* tok = smollm2_tokenizer();
+  ASSERT_TRUE(m && tok);
+  std::vector<std::string> solo;
+  for (int i = 0; i < 6; ++i) {
+    Engine e(*m, *tok, small_config(64));
+    auto s = submit(e, prompt_of(*tok, kPrompts[i]), 40);
+    run_until_idle(e);
+    solo.push_back(collect(*s).text[0]);
+  }
+  // 6 sequences × up to 4 pages each do not fit in 12 pages at once.
+  Engine e(*m, *tok, small_config(12));
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (int i = 0; i < 6; ++i) streams.push_back(submit(e, prompt_of(*tok, kPrompts[i]), 40));
+  run_until_idle(e);
+  EXPECT_GT(e.metrics().num_preemptions_total, 0);
+  for (int i = 0; i < 6; ++i) {
+    Outcome o = collect(*streams[i]);
+    EXPECT_EQ(o.text[0], solo[i]) << kPrompts[i];
+    EXPECT_EQ(o.finish[0], "length");
+  }
+  EXPECT_EQ(e.pool().n_used(), 0);
+  EXPECT_TRUE(e.check_integrity().is_ok());
+}
+
+TEST(Engine, ParallelSamplingSharesPromptPages) {
+  LlamaModel* m = kvtest::smollm2_model();
+  const Tokenizer* tok = smollm2_tokenizer();
+  ASSERT_TRUE(m && tok);
+  Engine e(*m, *tok, small_config(64));
+  // 40-token prompt: 2 full pages shared, the tail page copied on write.
+  std::vector<int32_t> prompt = prompt_of(*tok, "Here is a long story about a dragon who lived in a cave near a mountain village, and every morning the dragon would");
+  auto s = submit(e, prompt, 8, 3);
+  int32_t max_used = 0;
+  while (e.step()) max_used = std::max(max_used, e.pool().n_used());
+  Outcome o = collect(*s);
+  ASSERT_EQ(o.text.size(), 3u);
+  EXPECT_EQ(o.text[0], o.text[1]);  // greedy: every choice is the same
+  EXPECT_EQ(o.text[1], o.text[2]);
+  EXPECT_EQ(o.usage.completion_tokens, 24);
+  const int32_t unshared = 3 * BlockTable::pages_for(prompt.size() + 8, 16);
+  EXPECT_LT(max_used, unshared);
+  EXPECT_EQ(e.pool().n_used(), 0);
+}
+
+TEST(Engine, StopStringIsNeverEmitted) {
+  LlamaModel* m = kvtest::smollm2_model();
+  const Tokenizer* tok = smollm2_tokenizer();
+  ASSERT_TRUE(m && tok);
+  std::string full;
+  {
+    Engine e(*m, *tok, small_config(64));
+    auto s = submit(e, prompt_of(*tok, kPrompts[2]), 32);
+    run_until_idle(e);
+    full = collect(*s).text[0];
+  }
+  ASSERT_GT(full.size(), 20u);
+  // A stop string that straddles the middle of the output.
+  const std::string stop = full.substr(full.size() / 2, 5);
+  Engine e(*m, *tok, small_config(64));
+  auto s = submit(e, prompt_of(*tok, kPrompts[2]), 32, 1, {stop});
+  run_until_idle(e);
+  Outcome o = collect(*s);
+  EXPECT_EQ(o.finish[0], "stop");
+  EXPECT_EQ(o.text[0], full.substr(0, full.find(stop)));
+}
+
+TEST(Engine, RejectsWhatCanNeverFit) {
+  LlamaModel* m = kvtest::smollm2_model();
+  const Tokenizer* tok = smollm2_tokenizer();
+  ASSERT_TRUE(m && tok);
+  EngineConfig c = small_config(8);  // 128 tokens of KV
+  c.max_queue = 2;
+  Engine e(*m, *tok, c);
+  Request r;
+  r.prompt = prompt_of(*tok, "hello");
+  r.params.max_tokens = 600;
+  r.stream = std::make_shared<RequestStream>();
+  EXPECT_EQ(e.submit(r).http_status, 400);  // over max_model_len
+  r.params.max_tokens = 200;
+  Rejection rej = e.submit(r);
+  EXPECT_EQ(rej.http_status, 400);  // more pages than the pool
+  EXPECT_NE(rej.message.find("KV"), std::string::npos);
+  r.params.max_tokens = 4;
+  r.params.n = 0;
+  EXPECT_EQ(e.submit(r).http_status, 400);
+  r.params.n = 1;
+  EXPECT_EQ(e.submit(r).http_status, 0);
+  EXPECT_EQ(e.submit(r).http_status, 0);
+  EXPECT_EQ(e.submit(r).http_status, 429);  // queue full
+  run_until_idle(e);
+  EXPECT_EQ(e.pool().n_used(), 0);
+}
+
+TEST(Engine, CancelFreesPagesWithinOneStep) {
+  LlamaModel* m = kvtest::smollm2_model();
+  const Tokenizer* tok = smollm2_tokenizer();
+  ASSERT_TRUE(m && tok);
+  Engine e(*m, *tok, small_config(64));
+  auto s = submit(e, prompt_of(*tok, kPrompts[3]), 200);
+  for (int i = 0; i < 3; ++i) e.step();
+  EXPECT_GT(e.pool().n_used(), 0);
+  s->cancel();
+  e.step();
+  EXPECT_EQ(e.pool().n_used(), 0);
+  Outcome o = collect(*s);
+  EXPECT_EQ(o.finish[0], "abort");
+  EXPECT_TRUE(s->done());
+}
