@@ -1,0 +1,65 @@
+// Chat templates: the Jinja program a GGUF carries in `tokenizer.chat_template`, rendered the way
+// transformers' apply_chat_template renders it (jinja2 ImmutableSandboxedEnvironment with trim_blocks and
+// lstrip_blocks, HF's tojson, raise_exception, namespace, loop controls) — byte for byte on the golden cases
+// in tests/data/chat_template/cases.json (made by tests/chat_template/make_cases.py).
+//
+// Supported Jinja: {{ }}, {% %}, {# #}, whitespace control (-/+), raw; for (tuple unpacking, `if` filter,
+// else, loop.index/index0/revindex/first/last/length/previtem/nextitem/cycle, break/continue), if/elif/else,
+// set (names, tuples, namespace attributes, block set), macro, filter blocks, with, HF's generation block;
+// literals, arithmetic, comparison, `in`, and/or/not, ternary, ~, indexing, attributes, slicing; the filters,
+// tests, str/dict methods and globals listed in jinja_builtins.cpp. Anything else is a parse error naming
+// the line and column, never a silent mis-render.
+//
+// Templates come from model files, so they are untrusted: parsing and rendering are bounded (nesting depth,
+// evaluation steps, output size) and fail with an error instead of crashing or hanging.
+//
+// Thread safety: a parsed ChatTemplate is immutable; render() may be called from many threads at once.
+#pragma once
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace kv {
+
+namespace jinja {
+struct Template;
+}
+
+struct ChatMessage {
+  std::string role;
+  std::string content;
+};
+
+class ChatTemplate {
+ public:
+  // Parses a template. A syntax error's message names its position: "... at line L, column C".
+  static Result<ChatTemplate> parse(const std::string& source);
+
+  // Renders `msgs` with add_generation_prompt, bos_token, eos_token and the members of `extra` (a JSON
+  // object: tools, documents, date_string, enable_thinking, ...) as template variables. As in transformers,
+  // `tools` and `documents` are None unless `extra` sets them.
+  // Errors: a template's raise_exception("msg") returns exactly "msg" (the template's own words, fit for a
+  // 400 response); any other failure returns "chat template error at line L, column C: Kind: what".
+  Result<std::string> render(const std::vector<ChatMessage>& msgs, bool add_generation_prompt,
+                             const std::string& bos_token, const std::string& eos_token,
+                             const nlohmann::json& extra = nlohmann::json::object()) const;
+
+  // Same, with messages as JSON objects passed through unchanged (content may be a string, null, or a list
+  // of {"type": "text", "text": ...} parts; tool_calls, name, ... are visible to the template). ordered_json
+  // keeps key order, which tojson output depends on.
+  Result<std::string> render_json(const nlohmann::ordered_json& messages, bool add_generation_prompt,
+                                  const std::string& bos_token, const std::string& eos_token,
+                                  const nlohmann::ordered_json& extra = nlohmann::ordered_json::object()) const;
+
+  const std::string& source() const { return source_; }
+
+ private:
+  ChatTemplate() = default;
+  std::string source_;
+  std::shared_ptr<const jinja::Template> tmpl_;
+};
+
+}  // namespace kv

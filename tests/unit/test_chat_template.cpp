@@ -1,0 +1,244 @@
+// Chat-template renderer against transformers' renderer (the golden cases of
+// tests/data/chat_template/cases.json, made by tests/chat_template/make_cases.py), byte for byte; plus
+// syntax-error positions, raise_exception messages, and bounds on hostile templates.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+#include "tokenizer/chat_template.h"
+
+namespace kv {
+namespace {
+
+using ojson = nlohmann::ordered_json;
+
+const std::string kCases = std::string(KV_SOURCE_DIR) + "/tests/data/chat_template/cases.json";
+
+const ojson& cases() {
+  static const ojson j = [] {
+    std::ifstream in(kCases);
+    if (!in) return ojson();
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ojson::parse(ss.str());
+  }();
+  return j;
+}
+
+std::string escape_for_log(const std::string& s) { return ojson(s).dump(); }
+
+// Every case of templates whose key starts with `prefix`.
+void run_golden(const std::string& prefix, int min_cases) {
+  const ojson& j = cases();
+  ASSERT_TRUE(j.is_object()) << kCases << " missing: run tests/chat_template/make_cases.py";
+  std::map<std::string, Result<ChatTemplate>> parsed;
+  int n = 0, n_ok = 0;
+  std::string failures;
+  for (const auto& c : j["cases"]) {
+    const std::string tname = c["template"];
+    if (tname.rfind(prefix, 0) != 0) continue;
+    ++n;
+    auto it = parsed.find(tname);
+    if (it == parsed.end())
+      it = parsed.emplace(tname, ChatTemplate::parse(j["templates"][tname].get<std::string>())).first;
+    const std::string name = c["name"];
+    if (!it->second) {
+      failures += name + ": parse failed: " + it->second.message() + "\n";
+      continue;
+    }
+    auto r = it->second->render_json(c["messages"], c["add_generation_prompt"].get<bool>(),
+                                     c["bos_token"].get<std::string>(), c["eos_token"].get<std::string>(),
+                                     c["extra"]);
+    if (c.contains("expected")) {
+      const std::string want = c["expected"];
+      if (!r) {
+        failures += name + ": error " + r.message() + "\n";
+      } else if (*r != want) {
+        failures += name + ":\n  want " + escape_for_log(want) + "\n  got  " + escape_for_log(*r) + "\n";
+      } else {
+        ++n_ok;
+      }
+    } else {
+      const std::string want = c["error"];
+      const std::string kTemplateError = "TemplateError: ";
+      if (r) {
+        failures += name + ": want error " + want + ", got " + escape_for_log(*r) + "\n";
+      } else if (want.rfind(kTemplateError, 0) == 0 && r.message() != want.substr(kTemplateError.size())) {
+        failures += name + ": want raise_exception message " + want + ", got " + r.message() + "\n";
+      } else {
+        ++n_ok;
+      }
+    }
+  }
+  EXPECT_GE(n, min_cases) << "too few cases for " << prefix;
+  EXPECT_EQ(n_ok, n) << failures;
+  std::printf("[chat_template] %s: %d/%d cases match transformers\n", prefix.c_str(), n_ok, n);
+}
+
+TEST(ChatTemplateGolden, SmolLM2) { run_golden("smollm2", 20); }
+TEST(ChatTemplateGolden, Gemma3) { run_golden("gemma3", 20); }
+TEST(ChatTemplateGolden, Llama3Representative) { run_golden("llama3", 20); }
+TEST(ChatTemplateGolden, ChatmlQwenRepresentative) { run_golden("chatml_qwen", 20); }
+TEST(ChatTemplateGolden, MistralRepresentative) { run_golden("mistral", 20); }
+TEST(ChatTemplateGolden, Phi3Representative) { run_golden("phi3", 20); }
+TEST(ChatTemplateGolden, Features) { run_golden("feature_", 40); }
+
+const std::string& smol_template() {
+  static const std::string s = cases()["templates"]["smollm2"].get<std::string>();
+  return s;
+}
+const std::string& gemma_template() {
+  static const std::string s = cases()["templates"]["gemma3"].get<std::string>();
+  return s;
+}
+
+TEST(ChatTemplate, ChatMessageApiMatchesJson) {
+  ASSERT_TRUE(cases().is_object());
+  auto t = ChatTemplate::parse(smol_template());
+  ASSERT_TRUE(t) << t.message();
+  auto r = t->render({{"user", "Hi"}, {"assistant", "Hello"}, {"user", "Bye"}}, true, "", "");
+  ASSERT_TRUE(r) << r.message();
+  EXPECT_EQ(*r,
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n"
+            "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n");
+}
+
+TEST(ChatTemplate, GemmaRejectsNonAlternatingRoles) {
+  ASSERT_TRUE(cases().is_object());
+  auto t = ChatTemplate::parse(gemma_template());
+  ASSERT_TRUE(t) << t.message();
+  const std::string kMsg = "Conversation roles must alternate user/assistant/user/assistant/...";
+  for (const auto& msgs : std::vector<std::vector<ChatMessage>>{
+           {{"user", "a"}, {"user", "b"}},
+           {{"assistant", "a"}},
+           {{"user", "a"}, {"assistant", "b"}, {"tool", "c"}},
+           {{"system", "s"}, {"system", "t"}}}) {
+    auto r = t->render(msgs, true, "<bos>", "<eos>");
+    ASSERT_FALSE(r);
+    EXPECT_EQ(r.message(), kMsg);
+  }
+  // The system turn is folded into the first user turn, and content is trimmed.
+  auto ok = t->render({{"system", "S"}, {"user", "  u  "}}, true, "<bos>", "<eos>");
+  ASSERT_TRUE(ok) << ok.message();
+  EXPECT_EQ(*ok, "<bos><start_of_turn>user\nS\n\nu<end_of_turn>\n<start_of_turn>model\n");
+}
+
+TEST(ChatTemplate, RaiseExceptionPropagatesMessage) {
+  auto t = ChatTemplate::parse("{% if messages | length > 1 %}{{ raise_exception('too many: ' ~ messages | length) }}"
+                               "{% endif %}ok");
+  ASSERT_TRUE(t) << t.message();
+  auto good = t->render({{"user", "x"}}, false, "", "");
+  ASSERT_TRUE(good);
+  EXPECT_EQ(*good, "ok");
+  auto bad = t->render({{"user", "x"}, {"user", "y"}}, false, "", "");
+  ASSERT_FALSE(bad);
+  EXPECT_EQ(bad.message(), "too many: 2");
+}
+
+TEST(ChatTemplate, SyntaxErrorsNamePosition) {
+  struct Bad {
+    const char* src;
+    const char* where;
+  };
+  for (const Bad& b : {Bad{"hello {{ x + }}", "line 1, column 14"},
+                       Bad{"a\nb\n  {% if x %}\nno end", "line 4"},
+                       Bad{"{% for x in %}{% endfor %}", "line 1, column 13"},
+                       Bad{"{{ 'unterminated }}", "line 1, column 4"},
+                       Bad{"line1\n{% frobnicate %}", "line 2, column 4"},
+                       Bad{"{# never closed", "line 1, column 1"},
+                       Bad{"{{ (1 + 2 }}", "line 1"},
+                       Bad{"{% endif %}", "line 1"},
+                       Bad{"{{ x | }}", "line 1"}}) {
+    auto t = ChatTemplate::parse(b.src);
+    ASSERT_FALSE(t) << b.src;
+    EXPECT_NE(t.message().find(b.where), std::string::npos) << b.src << " -> " << t.message();
+  }
+}
+
+TEST(ChatTemplate, RuntimeErrorsNamePosition) {
+  auto t = ChatTemplate::parse("ok\n{{ messages[0].content + 1 }}");
+  ASSERT_TRUE(t);
+  auto r = t->render({{"user", "x"}}, false, "", "");
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.message().find("line 2"), std::string::npos) << r.message();
+  EXPECT_NE(r.message().find("TypeError"), std::string::npos) << r.message();
+}
+
+// Hostile templates: every one must fail (or finish) quickly, without crashing.
+TEST(ChatTemplate, HostileTemplatesAreBounded) {
+  const char* hostile[] = {
+      "{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100000) %}x{% endfor %}"
+      "{% endfor %}{% endfor %}",
+      "{% for i in range(9223372036854775807) %}{% endfor %}",
+      "{{ 'x' * 9223372036854775807 }}",
+      "{% set ns = namespace(s='ab') %}{% for i in range(100) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+      "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+      "{% macro f() %}{{ f() }}{{ f() }}{% endmacro %}{{ f() }}",
+      "{% set ns = namespace(l=[1]) %}{% for i in range(64) %}{% set ns.l = ns.l + ns.l %}{% endfor %}"
+      "{{ ns.l | length }}",
+      "{{ [1, 2, 3] * 9223372036854775807 }}",
+      "{{ 2 ** 9223372036854775807 }}",
+      "{{ ('x' * 10000000) | replace('', 'yyyyyyyyyy') }}",
+      "{{ ('x\\n' * 1000000) | indent(1000) }}",
+      // Many references to one big string: printing or joining them must hit a cap, not exhaust memory.
+      "{% set s = 'x' * 30000000 %}{% set ns = namespace(l=[]) %}{% for i in range(1000) %}"
+      "{% set ns.l = ns.l + [s] %}{% endfor %}{{ ns.l }}",
+      "{% set s = 'x' * 30000000 %}{% set ns = namespace(l=[]) %}{% for i in range(1000) %}"
+      "{% set ns.l = ns.l + [s ~ i] %}{% endfor %}{{ ns.l | length }}",
+      "{% set s = 'x' * 30000000 %}{{ [s, s, s, s, s] | join }}",
+      "{% set s = 'x' * 30000000 %}{{ [s, s, s, s, s] | tojson }}",
+  };
+  for (const char* src : hostile) {
+    auto t = ChatTemplate::parse(src);
+    ASSERT_TRUE(t) << src << ": " << t.message();
+    auto start = std::chrono::steady_clock::now();
+    auto r = t->render({{"user", "x"}}, false, "", "");
+    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_FALSE(r) << src;
+    EXPECT_LT(secs, 10.0) << src;
+  }
+  // Deep syntactic nesting is a parse error, not a stack overflow.
+  std::string deep = "{{ " + std::string(100000, '(') + "1" + std::string(100000, ')') + " }}";
+  EXPECT_FALSE(ChatTemplate::parse(deep));
+  std::string deep_not = "{{ ";
+  for (int i = 0; i < 50000; ++i) deep_not += "not ";
+  deep_not += "1 }}";
+  EXPECT_FALSE(ChatTemplate::parse(deep_not));
+  std::string deep_if;
+  for (int i = 0; i < 5000; ++i) deep_if += "{% if true %}";
+  for (int i = 0; i < 5000; ++i) deep_if += "{% endif %}";
+  EXPECT_FALSE(ChatTemplate::parse(deep_if));
+  std::string deep_neg = "{{ " + std::string(100000, '-') + "1 }}";
+  EXPECT_FALSE(ChatTemplate::parse(deep_neg));
+}
+
+TEST(ChatTemplate, ExtraVariablesAndDefaults) {
+  auto t = ChatTemplate::parse("{{ tools is none }}|{{ documents is none }}|{{ date_string | default('none') }}|"
+                               "{{ enable_thinking }}|{{ tools | length if tools else 0 }}");
+  ASSERT_TRUE(t);
+  auto r = t->render({}, false, "", "");
+  ASSERT_TRUE(r) << r.message();
+  EXPECT_EQ(*r, "True|True|none||0");
+  auto r2 = t->render({}, false, "", "",
+                      nlohmann::json{{"date_string", "today"}, {"enable_thinking", false}, {"tools", {1, 2}}});
+  ASSERT_TRUE(r2) << r2.message();
+  EXPECT_EQ(*r2, "False|True|today|False|2");
+}
+
+TEST(ChatTemplate, Copyable) {
+  auto t = ChatTemplate::parse("{{ bos_token }}{% for m in messages %}{{ m.role }}{% endfor %}");
+  ASSERT_TRUE(t);
+  ChatTemplate copy = *t;
+  auto r = copy.render({{"a", ""}, {"b", ""}}, false, "<s>", "");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(*r, "<s>ab");
+}
+
+}  // namespace
+}  // namespace kv
