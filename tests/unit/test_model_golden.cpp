@@ -16,6 +16,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "engine/sampler.h"
 #include "engine/sequence_runner.h"
 #include "kernels/quant.h"
 #include "model_fixture.h"
