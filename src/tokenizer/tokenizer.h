@@ -79,14 +79,16 @@ class Tokenizer {
   std::string kind_, pre_;
 
  private:
-  // Byte trie over the special tokens' texts: node -> (byte -> child); id_at_[node] ends there.
+  // Byte trie over the special tokens' texts: node -> (byte -> child); trie_id_[node] ends there.
   std::unordered_map<uint64_t, int32_t> trie_;  // key (node << 8) | byte
   std::vector<int32_t> trie_id_;                 // per node: token id or -1
   std::vector<bool> trie_control_;               // per node: the token there is CONTROL
 };
 
 // Turns a stream of token ids into text without ever emitting half a UTF-8 character: bytes
-// of an incomplete character wait for the next token. One per sequence; not thread-safe.
+// of an incomplete character wait for the next token; bytes that can never become a valid
+// character (stray continuation byte, bad lead byte) are emitted as U+FFFD at once, so the
+// stream never stalls. One per sequence; not thread-safe.
 class IncrementalDetokenizer {
  public:
   explicit IncrementalDetokenizer(const Tokenizer& tok, bool special = false) : tok_(tok), special_(special) {}

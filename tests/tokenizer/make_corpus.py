@@ -55,6 +55,11 @@ URLS = ["https://example.com/path?q=1&r=two#frag", "http://localhost:8080/api/v1
         "mailto:someone@example.org", "ftp://files.example.net/pub/a_b-c.tar.gz"]
 NUMS = ["0", "7", "42", "123456789012345678901234567890", "3.14159", "-0.001", "1e-9", "1,000,000",
         "2024-06-01", "12:34:56", "0x1F", "½", "²³", "Ⅻ", "①②③", "٣٤٥", "१२३", "１２３"]
+# Where regex engines disagree: U+180E is \s for PCRE2 but not for Unicode >= 6.3 (HF); letters
+# and digits new in Unicode 15-16 are unassigned to PCRE2 10.42's tables.
+UNICODE_EDGE = ["x  \u180e", "\u180e's", "a\u180eb", "\U0002eded's", "\U00031350\U00031351 x", "𐵀𐵁 9",
+                "\U0001e5f1\U0001e5f2", "\u1c89\u1c8a's", "\ufeff\u200bword", "\u2028\u2029 z", "\u0085x",
+                "\u1680\u1680a", "\U000113b7'll"]
 WS = [" ", "  ", "   ", "\t", "\t\t", "\n", "\n\n", "\r\n", " \n ", "\t \n", "\u00a0", "\u3000", "\u2003", "\u200b", "\u0085", "\f", "\v"]
 
 
@@ -84,7 +89,7 @@ def make_corpus(seed: int = SEED) -> list[str]:
     rng = random.Random(seed)
     out: list[str] = []
     # Fixed pieces on their own first: each is a known hard case.
-    for group in (PROSE, CODE, CJK, EMOJI, ACCENTS, RTL, SPECIAL, CONTRACTIONS, URLS, NUMS, WS):
+    for group in (PROSE, CODE, CJK, EMOJI, ACCENTS, RTL, SPECIAL, CONTRACTIONS, URLS, NUMS, WS, UNICODE_EDGE):
         out.extend(group)
     out += ["", "a", "a" * 1000, "ab" * 700, rand_word(rng, 3000), "9" * 500, " " * 300, "\n" * 100,
             "😀" * 200, "x" + " " * 50 + "y", "end with spaces   ", "end with newline\n", "\ttab start"]
@@ -93,8 +98,8 @@ def make_corpus(seed: int = SEED) -> list[str]:
     # Chat-shaped strings, as the server will send them.
     out.append("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
                "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
-    pools = [PROSE, CODE, CJK, EMOJI, ACCENTS, RTL, SPECIAL, CONTRACTIONS, URLS, NUMS, WS]
-    weights = [4, 3, 2, 2, 2, 2, 2, 2, 1, 3, 4]
+    pools = [PROSE, CODE, CJK, EMOJI, ACCENTS, RTL, SPECIAL, CONTRACTIONS, URLS, NUMS, WS, UNICODE_EDGE]
+    weights = [4, 3, 2, 2, 2, 2, 2, 2, 1, 3, 4, 1]
     while len(out) < N_MIN + 200:
         kind = rng.random()
         if kind < 0.65:  # mixtures of pieces joined with random glue
