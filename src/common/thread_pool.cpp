@@ -48,7 +48,7 @@ void ThreadPool::run(const std::function<void(int, int)>& fn) {
 }
 
 void ThreadPool::worker(int ith) {
-  uint32_t seen = generation_.load(std::memory_order_acquire);
+  uint32_t seen = 0;  // the constructor's generation: a job posted before this thread starts still runs
   for (;;) {
     uint32_t g;
     int spins = 0;

@@ -261,7 +261,7 @@ void matmul(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, Thr
     if (job.split_quant) job.shared = tl_act.view(n_rows, n_in);
     fn = [p = &job](int ith, int nth) {
       const PackedMatrix& w = *p->w;
-      QFmt f;
+      QFmt f = QFmt::kQ4_1;
       quant_fmt(w.type_, &f);
       QAct a;
       if (p->split_quant && nth > 1) {

@@ -83,7 +83,11 @@ class PackedMatrix {
   friend void matmul(const PackedMatrix&, const float*, int64_t, float*, ThreadPool&);
 };
 
-// Y[n_rows, n_out] = X[n_rows, n_in] · Wᵀ, parallel over pool. X and Y rows are contiguous.
+// Y[n_rows, n_out] = X[n_rows, n_in] · Wᵀ, parallel over pool. X and Y rows are contiguous;
+// Y must not overlap X. Q4_0/Q4_1/Q8_0 weights: each X row is quantized per 32-block to int8
+// (q = round(x·127/amax)), so |error| ≤ Σ_blocks amax_b/254 · Σ_b|w| per output; the scalar,
+// AVX2 and AVX-512 kernels give bit-identical Y. Threads split the outputs (whole groups of
+// 16). Scratch is thread-local and only grows: no allocation once warm.
 void matmul(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, ThreadPool& pool);
 // Scalar reference on the unpacked matrix: dequantize W with dequantize_row_ref and
 // accumulate in double (no activation quantization: it is the exact answer).

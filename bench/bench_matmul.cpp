@@ -1,0 +1,156 @@
+// matmul micro-benchmarks on SmolLM2-135M shapes (random weights, no model file needed).
+//
+//   BM_Matmul/<shape>/<type>/rows/threads   one matrix; GB/s of packed weights, GFLOP/s
+//   BM_Model/<type>/rows/threads            the 121 matmuls of one forward pass (30 layers ×
+//                                           QKV, O, gate+up, down; then the Q8_0 output matrix
+//                                           for one row): tokens/s for the matmuls alone
+//
+// Weights are replicated so that every pass reads at least 160 MB: more than the 32 MiB L3,
+// so rows=1 measures RAM streaming as decode does, not cache.
+// KV_ISA=scalar|avx2|avx512 picks the kernel family.
+#include <benchmark/benchmark.h>
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "common/thread_pool.h"
+#include "kernels/matmul.h"
+#include "kernels/quant.h"
+
+namespace {
+
+using namespace kv;
+
+struct Shape {
+  const char* name;
+  int64_t n_in, n_out;
+};
+constexpr Shape kShapes[] = {
+    {"qkv", 576, 960}, {"attn_out", 576, 576}, {"gate_up", 576, 3072}, {"down", 1536, 576},
+    {"output", 576, 49152},
+};
+constexpr int kLayers = 30;
+constexpr int64_t kMinBytes = 160ll << 20;
+
+ThreadPool& pool(int n) {
+  static std::map<int, std::unique_ptr<ThreadPool>> pools;
+  auto& p = pools[n];
+  if (!p) p = std::make_unique<ThreadPool>(n);
+  return *p;
+}
+
+std::vector<uint8_t> random_raw(GgmlType type, int64_t n_in, int64_t n_out, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> scale(0.001f, 0.05f);
+  const int64_t bb = type_block_bytes(type), nblk = n_in / 32 * n_out;
+  std::vector<uint8_t> buf(static_cast<size_t>(nblk * bb));
+  for (auto& v : buf) v = static_cast<uint8_t>(byte(rng));
+  for (int64_t b = 0; b < nblk; ++b) {
+    uint16_t d = fp32_to_fp16(scale(rng));
+    std::memcpy(buf.data() + b * bb, &d, 2);
+    if (type == GgmlType::Q4_1) std::memcpy(buf.data() + b * bb + 2, &d, 2);
+  }
+  return buf;
+}
+
+PackedMatrix make(GgmlType type, int64_t n_in, int64_t n_out, uint32_t seed) {
+  auto raw = random_raw(type, n_in, n_out, seed);
+  auto p = PackedMatrix::pack(RawMatrix{type, raw.data(), n_in, n_out}, detect_isa());
+  if (!p) std::abort();
+  return std::move(*p);
+}
+
+std::vector<float> random_x(int64_t n) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0, 1);
+  std::vector<float> x(static_cast<size_t>(n));
+  for (auto& v : x) v = nd(rng);
+  return x;
+}
+
+void BM_Matmul(benchmark::State& st, Shape s, GgmlType type) {
+  const int64_t rows = st.range(0);
+  const int threads = static_cast<int>(st.range(1));
+  PackedMatrix one = make(type, s.n_in, s.n_out, 1);
+  const int64_t copies = rows == 1 ? std::max<int64_t>(1, kMinBytes / one.bytes()) : 1;
+  std::vector<PackedMatrix> ws;
+  ws.push_back(std::move(one));
+  for (int64_t i = 1; i < copies; ++i) ws.push_back(ws[0]);
+  std::vector<float> x = random_x(rows * s.n_in), y(static_cast<size_t>(rows * s.n_out));
+  ThreadPool& tp = pool(threads);
+  size_t i = 0;
+  for (auto _ : st) {
+    matmul(ws[i], x.data(), rows, y.data(), tp);
+    benchmark::DoNotOptimize(y.data());
+    if (++i == ws.size()) i = 0;
+  }
+  const double n = static_cast<double>(st.iterations());
+  st.counters["GB/s"] = benchmark::Counter(n * static_cast<double>(ws[0].bytes()) * 1e-9,
+                                           benchmark::Counter::kIsRate);
+  st.counters["GFLOP/s"] = benchmark::Counter(n * 2.0 * rows * s.n_in * s.n_out * 1e-9,
+                                              benchmark::Counter::kIsRate);
+  st.SetLabel(std::string(isa_name(ws[0].isa())) + " " + type_name(type));
+}
+
+// One forward pass of the matmuls: rows tokens through 30 layers, then logits for one row.
+void BM_Model(benchmark::State& st, GgmlType type) {
+  const int64_t rows = st.range(0);
+  const int threads = static_cast<int>(st.range(1));
+  std::vector<PackedMatrix> layers;
+  int64_t bytes = 0;
+  for (int l = 0; l < kLayers; ++l)
+    for (int k = 0; k < 4; ++k) {
+      layers.push_back(make(type, kShapes[k].n_in, kShapes[k].n_out, 100 + 4 * l + k));
+      bytes += layers.back().bytes();
+    }
+  PackedMatrix out = make(GgmlType::Q8_0, 576, 49152, 7);
+  bytes += out.bytes();
+  std::vector<float> x = random_x(rows * 1536), y(static_cast<size_t>(rows * 3072)), logits(49152);
+  ThreadPool& tp = pool(threads);
+  for (auto _ : st) {
+    for (int l = 0; l < kLayers; ++l)
+      for (int k = 0; k < 4; ++k) matmul(layers[static_cast<size_t>(4 * l + k)], x.data(), rows, y.data(), tp);
+    matmul(out, x.data(), 1, logits.data(), tp);
+    benchmark::DoNotOptimize(logits.data());
+  }
+  const double n = static_cast<double>(st.iterations());
+  st.counters["tok/s"] = benchmark::Counter(n * static_cast<double>(rows), benchmark::Counter::kIsRate);
+  st.counters["GB/s"] = benchmark::Counter(n * static_cast<double>(bytes) * 1e-9, benchmark::Counter::kIsRate);
+  st.SetLabel(std::string(isa_name(out.isa())) + " " + type_name(type) + " weights " +
+              std::to_string(bytes >> 20) + " MiB");
+}
+
+void register_all() {
+  for (GgmlType type : {GgmlType::Q4_1, GgmlType::Q8_0}) {
+    for (const Shape& s : kShapes) {
+      if (std::strcmp(s.name, "output") == 0 && type != GgmlType::Q8_0) continue;
+      std::string name = std::string("BM_Matmul/") + s.name + "/" + type_name(type);
+      auto* b = benchmark::RegisterBenchmark(name.c_str(), BM_Matmul, s, type);
+      for (int64_t rows : {1, 16, 64, 512})
+        for (int64_t th : {1, 2}) b->Args({rows, th});
+      b->ArgNames({"rows", "threads"})->UseRealTime()->MinTime(0.3);
+    }
+    std::string name = std::string("BM_Model/") + type_name(type);
+    auto* b = benchmark::RegisterBenchmark(name.c_str(), BM_Model, type);
+    for (int64_t rows : {1, 512})
+      for (int64_t th : {1, 2}) b->Args({rows, th});
+    // Medians of repetitions: these shared VMs are noisy.
+    b->ArgNames({"rows", "threads"})->UseRealTime()->MinTime(0.5)->Repetitions(3)->ReportAggregatesOnly(true)
+        ->Unit(benchmark::kMillisecond);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  register_all();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

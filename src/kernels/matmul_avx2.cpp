@@ -1,0 +1,203 @@
+// AVX2 matmul kernels over the kInterleaved16 layout (see matmul.h), for CPUs without
+// AVX-512 VNNI. A 64-byte weight vector is two 32-byte halves (outputs 0-7 and 8-15); the
+// vpdpbusd of the AVX-512 kernel becomes vpmaddubsw + vpmaddwd. Same integer sums, same
+// float steps: the output is bit-identical to the scalar and AVX-512 kernels.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "kernels/matmul.h"
+
+namespace kv::matmul_detail {
+
+namespace {
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+constexpr int64_t kPrefetch = 2048;  // bytes ahead in the weight stream (see matmul_avx512.cpp)
+
+// Rows [r0, r0 + R) × the 16 outputs of group g. kPf: first pass over this group's weights,
+// which come from RAM: prefetch ahead.
+template <QFmt F, int R, bool kPf>
+inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float* y) {
+  constexpr int64_t kRec = record_bytes(F), kQo = quant_offset(F);
+  const uint8_t* base = w.data + g * w.nb * kRec;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const uint8_t* blk = base + b * kRec;
+    const uint8_t* qs = blk + kQo;
+    if constexpr (kPf)
+      for (int64_t l = 0; l < kRec; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + l), _MM_HINT_T0);
+    __m256 dw[2], mw[2];
+    for (int h = 0; h < 2; ++h) {
+      dw[h] = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
+      if constexpr (F == QFmt::kQ4_1)
+        mw[h] = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * h)));
+      else if constexpr (F == QFmt::kQ4_0)
+        mw[h] = _mm256_mul_ps(dw[h], _mm256_set1_ps(-8.0f));
+      else
+        mw[h] = dw[h];
+    }
+    __m256i is[R][2];
+    if constexpr (F == QFmt::kQ8_0) {
+      for (int r = 0; r < R; ++r) is[r][0] = is[r][1] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j)
+        for (int h = 0; h < 2; ++h) {
+          // Signed weight; |w|·sign(x, w) keeps vpmaddubsw pairs within int16.
+          const __m256i ws = _mm256_xor_si256(
+              _mm256_load_si256(reinterpret_cast<const __m256i*>(qs + 64 * j + 32 * h)), flip);
+          const __m256i wa = _mm256_sign_epi8(ws, ws);
+          for (int r = 0; r < R; ++r) {
+            const __m256i xs = _mm256_sign_epi8(bcast4(a.q + (r0 + r) * a.n_in + b * 32 + 4 * j), ws);
+            is[r][h] = _mm256_add_epi32(is[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones16));
+          }
+        }
+    } else {
+      // 16 nibble×int8 products per int16 lane of one block: |sum| ≤ 16·15·127 < 32768.
+      __m256i s16[R][2];
+      for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(qs + 64 * j + 32 * h));
+          const __m256i lo = _mm256_and_si256(v, m4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xb = a.q + (r0 + r) * a.n_in + b * 32;
+            s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_maddubs_epi16(lo, bcast4(xb + 4 * j)));
+            s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * j)));
+          }
+        }
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h) is[r][h] = _mm256_madd_epi16(s16[r][h], ones16);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_set1_ps(a.d[(r0 + r) * a.nb + b]);
+      const __m256 sx = _mm256_set1_ps(a.s[(r0 + r) * a.nb + b]);
+      for (int h = 0; h < 2; ++h) {
+        __m256 t = _mm256_mul_ps(dw[h], _mm256_cvtepi32_ps(is[r][h]));
+        if constexpr (F != QFmt::kQ8_0) t = _mm256_fmadd_ps(mw[h], sx, t);
+        acc[r][h] = _mm256_fmadd_ps(t, dx, acc[r][h]);
+      }
+    }
+  }
+
+  const int64_t o = g * kGroup, rem = w.n_out - o;
+  for (int r = 0; r < R; ++r) {
+    float* yp = y + (r0 + r) * w.n_out + o;
+    if (rem >= kGroup) {
+      _mm256_storeu_ps(yp, acc[r][0]);
+      _mm256_storeu_ps(yp + 8, acc[r][1]);
+    } else {
+      alignas(32) float tmp[kGroup];
+      _mm256_store_ps(tmp, acc[r][0]);
+      _mm256_store_ps(tmp + 8, acc[r][1]);
+      std::memcpy(yp, tmp, static_cast<size_t>(rem) * sizeof(float));
+    }
+  }
+}
+
+template <QFmt F>
+void run(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1, float* y) {
+  constexpr int64_t kRowChunk = 64;
+  for (int64_t rc = 0; rc < n_rows; rc += kRowChunk) {
+    const int64_t re = std::min(n_rows, rc + kRowChunk);
+    for (int64_t g = g0; g < g1; ++g) {
+      int64_t r = rc;
+      if (r + 2 <= re) {
+        tile<F, 2, true>(w, a, r, g, y);
+        r += 2;
+      } else {
+        tile<F, 1, true>(w, a, r, g, y);
+        r += 1;
+      }
+      for (; r + 2 <= re; r += 2) tile<F, 2, false>(w, a, r, g, y);
+      if (r < re) tile<F, 1, false>(w, a, r, g, y);
+    }
+  }
+}
+
+inline float hsum_tree(__m256 s8) {
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+  return _mm_cvtss_f32(s1);
+}
+
+}  // namespace
+
+void q_gemm_avx2(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1,
+                 float* y) {
+  switch (w.fmt) {
+    case QFmt::kQ4_0: run<QFmt::kQ4_0>(w, a, n_rows, g0, g1, y); break;
+    case QFmt::kQ4_1: run<QFmt::kQ4_1>(w, a, n_rows, g0, g1, y); break;
+    case QFmt::kQ8_0: run<QFmt::kQ8_0>(w, a, n_rows, g0, g1, y); break;
+  }
+}
+
+void quantize_rows_avx2(const float* x, int64_t r0, int64_t r1, const QAct& a) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* xr = x + r * a.n_in;
+    int8_t* qr = a.q + r * a.n_in;
+    for (int64_t b = 0; b < a.nb; ++b) {
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xr + b * kQK + 8 * i);
+      __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                               _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+      const float amax = _mm_cvtss_f32(m4);
+      const float d = amax / 127.0f;
+      const float id = amax > 0 ? 127.0f / amax : 0.0f;
+      const __m256 vid = _mm256_set1_ps(id);
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));
+      const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+      __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum4), _mm256_extracti128_si256(sum4, 1));
+      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+      const int32_t sum = _mm_cvtsi128_si32(s);
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qr + b * kQK), _mm256_permutevar8x32_epi32(p, perm));
+      a.d[r * a.nb + b] = d;
+      a.s[r * a.nb + b] = static_cast<float>(sum);
+      a.s128[r * a.nb + b] = sum * 128;
+    }
+  }
+}
+
+float dot_f32_avx2(const float* x, const float* w, int64_t n) {
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    lo = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), lo);
+    hi = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(w + i + 8), hi);
+  }
+  if (i < n) {
+    const int64_t rem = n - i;
+    alignas(32) int32_t mk[16];
+    for (int l = 0; l < 16; ++l) mk[l] = l < rem ? -1 : 0;
+    const __m256i k0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(mk));
+    const __m256i k1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(mk + 8));
+    const __m256 f0 = _mm256_fmadd_ps(_mm256_maskload_ps(x + i, k0), _mm256_maskload_ps(w + i, k0), lo);
+    const __m256 f1 = _mm256_fmadd_ps(_mm256_maskload_ps(x + i + 8, k1), _mm256_maskload_ps(w + i + 8, k1), hi);
+    lo = _mm256_blendv_ps(lo, f0, _mm256_castsi256_ps(k0));
+    hi = _mm256_blendv_ps(hi, f1, _mm256_castsi256_ps(k1));
+  }
+  return hsum_tree(_mm256_add_ps(lo, hi));
+}
+
+}  // namespace kv::matmul_detail
