@@ -232,8 +232,11 @@ bool Engine::schedule(Plan* plan) {
     Sequence& s = *sp;
     if (budget <= 0) break;
     if (s.to_compute() <= 1) continue;
-    int32_t n = static_cast<int32_t>(std::min<int64_t>(budget, s.to_compute()));
-    if (!ensure_pages(s, n)) continue;
+    // As much of the chunk as the free pages hold; the rest waits for the next step.
+    const int32_t bs = cfg_.block_size;
+    const int64_t room = (static_cast<int64_t>(s.table.pages.size()) + pool_->n_free()) * bs - s.n_computed;
+    int32_t n = static_cast<int32_t>(std::min<int64_t>({budget, s.to_compute(), room}));
+    if (n <= 0 || !ensure_pages(s, n)) continue;
     plan->items.push_back({&s, n, n == s.to_compute()});
     budget -= n;
   }
@@ -246,6 +249,16 @@ bool Engine::schedule(Plan* plan) {
     n_waiting_total_.fetch_sub(1);
     plan->items.push_back({&s, n, n == s.to_compute()});
     budget -= n;
+  }
+  // Livelock guard: running sequences exist but none could advance (every one is mid-prompt
+  // and the pool is full). The newest gives its pages back; the next step makes progress.
+  if (plan->items.empty() && !running_.empty()) {
+    auto victim = std::prev(running_.end());
+    preempt(**victim);
+    waiting_.push_front(std::move(*victim));
+    n_waiting_total_.fetch_add(1);
+    running_.erase(victim);
+    return true;  // state changed: ask for another step
   }
   for (const auto& it : plan->items)
     plan->batch.add(it.seq->table.pages.data(), it.seq->n_computed, it.seq->tokens.data() + it.seq->n_computed, it.n, it.logits);
@@ -406,7 +419,7 @@ bool Engine::step() {
   drain_incoming();
   Plan plan;
   const bool work = schedule(&plan);
-  if (work) {
+  if (!plan.items.empty()) {
     const size_t n_logits = static_cast<size_t>(plan.batch.n_logit_rows()) * model_.config().n_vocab;
     if (logits_.size() < n_logits) logits_.resize(n_logits);
     Status st = model_.forward(plan.batch, *pool_, *threads_, logits_.data());

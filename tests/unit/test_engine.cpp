@@ -233,3 +233,36 @@ TEST(Engine, CancelFreesPagesWithinOneStep) {
   EXPECT_EQ(o.finish[0], "abort");
   EXPECT_TRUE(s->done());
 }
+
+TEST(Engine, LongPromptsInATinyPoolNeverLivelock) {
+  LlamaModel* m = kvtest::smollm2_model();
+  const Tokenizer* tok = smollm2_tokenizer();
+  ASSERT_TRUE(m && tok);
+  std::string story = "The old lighthouse keeper climbed the spiral stairs every evening, counting the steps, "
+                      "listening to the waves, and thinking about the ships that had passed in the night.";
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 3; ++i) prompts.push_back(prompt_of(*tok, std::string(i + 1, '#') + " " + story));
+  std::vector<std::string> solo;
+  for (const auto& p : prompts) {
+    Engine e(*m, *tok, small_config(64));
+    auto s = submit(e, p, 8);
+    run_until_idle(e);
+    solo.push_back(collect(*s).text[0]);
+  }
+  // 5 pages = 80 positions; three ~40-token prompts admitted together advance a page each per
+  // step until every one is mid-prompt with no free page: only preemption gets out of that.
+  EngineConfig c = small_config(5);
+  c.max_num_batched_tokens = 48;
+  Engine e(*m, *tok, c);
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (const auto& p : prompts) streams.push_back(submit(e, p, 8));
+  run_until_idle(e);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    Outcome o = collect(*streams[i]);
+    EXPECT_TRUE(streams[i]->done()) << i;
+    EXPECT_EQ(o.finish[0], "length") << i;
+    EXPECT_EQ(o.text[0], solo[i]) << i;
+  }
+  EXPECT_GT(e.metrics().num_preemptions_total, 0);
+  EXPECT_EQ(e.pool().n_used(), 0);
+}
