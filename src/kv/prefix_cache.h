@@ -1,0 +1,248 @@
+// PrefixCache: full KV pages of finished (or preempted) sequences, kept in a radix tree per
+// namespace so later requests that start with the same tokens reuse them instead of
+// recomputing.
+//
+// Shape. One tree per namespace. A node's edge is a run of whole pages: tokens
+// [n_pages * block_size] and the pages holding their K/V. Siblings differ in their first page's
+// tokens; nodes split where sequences diverge, always at a page boundary. The tail (partial)
+// page of a sequence is never cached, so a cached page is never written again.
+//
+// Ownership. The cache holds exactly one pool reference on every page in the tree (taken by
+// insert() with pool.retain(), dropped by evict() with pool.release()). A request that reuses
+// cached pages takes its own reference for each page it puts in its block table and pins the
+// node (pin/unpin): a per-node lock count, incremented along the path to the root. Pinned
+// nodes are never evicted. Unpinned nodes are evictable, leaves first, least recently used
+// first; "recently used" means the last pin, unpin or insert that touched the node, by the
+// injected clock. A page leaves the pool's used count only when its last holder lets go, so
+// evicting an unpinned page that a request still holds drops the cache's reference and frees
+// nothing (see ensure_free()).
+//
+// Handles. match() and insert() return a PrefixHandle naming the deepest node of the path.
+// The path a handle names (its pages, in order) never changes while the node lives: a split
+// always creates the new node *above* the existing one. A pinned handle stays valid until
+// unpinned. An unpinned handle stays valid until the next evict()/ensure_free(), which may
+// shorten or remove its node; is_valid() tells.
+//
+// Namespaces and trust. Requests in different namespaces never share a page: each namespace
+// has its own tree and the namespace is part of every chain hash. A namespace is whatever
+// string the engine passes: the request's cache_salt, and, when the server authenticates
+// callers, the caller's key as well. A caller-chosen salt alone is not a security boundary:
+// anyone who sends the same salt shares the namespace and can probe it by timing (a cache hit
+// answers faster). Isolation between tenants holds only when the engine adds something the
+// caller cannot choose (the authenticated key) to the namespace.
+//
+// Chain hash. Each cached page has a 128-bit content address: XXH3_128bits (seed 0) over
+//   u32 kChainHashVersion | u64 parent.lo | u64 parent.hi      (zero parent for a first page)
+//   | u64 model_fingerprint | u32 kv_dtype_tag | u64 len(ns) | ns bytes
+//   | u32 block_size | u32 token × block_size
+// all little-endian, so any language and host can recompute it. Equal hashes mean equal page
+// contents for the same model and KV format; the disk and Redis tiers and prefill/decode
+// transfer key pages by it. A golden test freezes the format: changing it invalidates every
+// stored page, so bump kChainHashVersion when you do.
+//
+// Threading. Not thread-safe. The engine thread owns the cache, like the PagePool it wraps;
+// other threads read stats() only through a snapshot the engine copies under its own lock.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "common/status.h"
+#include "kv/page_pool.h"
+
+namespace kv {
+
+// 128-bit chain hash of one page (XXH3-128: lo = low64, hi = high64).
+struct PageHash {
+  uint64_t lo = 0;
+  uint64_t hi = 0;
+  bool operator==(const PageHash&) const = default;
+  std::string hex() const;  // 32 hex digits, hi then lo
+};
+
+// Names the deepest node of a cached path. node < 0: the empty path (nothing matched or
+// inserted); pin/unpin of an empty handle do nothing.
+struct PrefixHandle {
+  int32_t node = -1;
+  uint32_t gen = 0;  // the node's generation when the handle was made (detects stale handles)
+  bool empty() const { return node < 0; }
+};
+
+struct PrefixMatch {
+  std::vector<int32_t> pages;  // [n_tokens / block_size] cached page ids, in sequence order
+  int64_t n_tokens = 0;        // tokens covered: a multiple of block_size, at most n_query - 1
+  PrefixHandle handle;         // the node holding the last matched page; pin before evicting
+};
+
+struct PrefixInsert {
+  int32_t n_new_pages = 0;     // caller pages the cache adopted (pool.retain'ed)
+  std::vector<int32_t> pages;  // [n_pages] the cached page for every inserted position: the
+                               // caller's own page where adopted, else the copy already cached
+  PrefixHandle handle;         // the node holding the last inserted page
+};
+
+// Counters owned by the cache; /metrics reads a copy.
+struct PrefixCacheStats {
+  int64_t queries_tokens = 0;  // prompt tokens looked up at admission (count_query)
+  int64_t hit_tokens = 0;      // of those, served from the cache
+  int64_t inserted_pages = 0;  // pages adopted by insert()
+  int64_t evicted_pages = 0;   // cache references dropped by evict()
+  int32_t cached_pages = 0;    // pages in the tree now (the cache holds one reference on each)
+  int32_t pinned_pages = 0;    // of those, in nodes pinned by at least one request
+  int32_t evictable_pages = 0; // cached - pinned
+};
+
+class PrefixCache {
+ public:
+  // Monotonic time, any unit; only the order matters. Tests inject a counter.
+  using Clock = std::function<uint64_t()>;
+  static constexpr uint32_t kChainHashVersion = 1;
+
+  // block_size is the pool's. model_fingerprint identifies the weights (and anything else
+  // that changes K/V: architecture, rope scaling); kv_dtype_tag identifies the page format
+  // (e.g. static_cast<int32_t>(KvDtype)). Both only feed the chain hash. A null clock means
+  // std::chrono::steady_clock in nanoseconds.
+  PrefixCache(PagePool& pool, uint64_t model_fingerprint, int32_t kv_dtype_tag, Clock clock = nullptr);
+  // Drops every cache reference (pool.release per cached page). Asserts nothing is pinned.
+  ~PrefixCache();
+  PrefixCache(const PrefixCache&) = delete;
+  PrefixCache& operator=(const PrefixCache&) = delete;
+
+  int32_t block_size() const { return block_size_; }
+
+  // --- lookup -----------------------------------------------------------------------------
+  // The longest cached prefix of tokens[0, n_tokens) in namespace ns, in whole pages, and at
+  // most (n_tokens - 1) / block_size pages: at least one token is always left to compute,
+  // because the engine needs logits from the last prompt position. Changes no page,
+  // refcount, pin, LRU time or stat; it may split a node so the handle ends exactly at the
+  // last matched page (tree shape only). The caller then pins the handle and takes its own
+  // reference on each page it keeps (pool.retain).
+  PrefixMatch match(const std::string& ns, const int32_t* tokens, int64_t n_tokens);
+  // Tokens match() would return, without splitting anything (for lpm ordering).
+  int64_t match_length(const std::string& ns, const int32_t* tokens, int64_t n_tokens) const;
+  // Adds one admission's lookup to the stats: n_query_tokens prompt tokens, n_hit_tokens of
+  // them from the cache. Called once per admission that commits, not per match() (lpm
+  // ordering and failed admissions look up without counting).
+  void count_query(int64_t n_query_tokens, int64_t n_hit_tokens);
+
+  // --- pins -----------------------------------------------------------------------------
+  // Lock (unlock) every node from the handle's node up to the root; refreshes their LRU time.
+  // Every pin must be matched by one unpin of the same handle. The handle must be valid.
+  void pin(const PrefixHandle& h);
+  void unpin(const PrefixHandle& h);
+  bool is_valid(const PrefixHandle& h) const;
+
+  // --- insert ---------------------------------------------------------------------------
+  // Caches the full pages of a sequence: tokens[0, n_pages * block_size) with their pages
+  // [n_pages]; n_pages = n_tokens / block_size (tokens past the last full page are ignored).
+  // Positions already cached keep the cached page (the caller's duplicate is not taken: the
+  // caller still releases it as usual). New positions adopt the caller's page: pool.retain,
+  // so the caller must hold it (refcount >= 1), it must be fully written, and nobody may
+  // write it again. A page id may be cached at one position only. Refreshes the LRU time of
+  // the path. Called when a request finishes or is preempted, before it releases its block
+  // table; may also be called while it runs (then pin the returned handle until it ends).
+  PrefixInsert insert(const std::string& ns, const int32_t* tokens, int64_t n_tokens, const int32_t* pages);
+
+  // --- eviction -------------------------------------------------------------------------
+  // Drops the cache's reference on up to n_pages unpinned pages: the least recently used
+  // leaf first, from its last page backwards; a node left empty is removed and its parent
+  // may become an evictable leaf. Returns how many references were dropped (pages actually
+  // freed = those the cache was the last holder of). evict(0) is always safe and does nothing.
+  int32_t evict(int32_t n_pages);
+  // Evicts, LRU first, until pool.n_free() >= n_free or nothing unpinned is left. Returns
+  // whether pool.n_free() >= n_free. When every unpinned cached page is held by the cache
+  // alone (the engine keeps this true by pinning what its running requests share), it
+  // succeeds exactly when pool.n_free() + n_evictable_pages() >= n_free: check that first
+  // to avoid evicting for nothing.
+  bool ensure_free(int32_t n_free);
+
+  // --- hashes ---------------------------------------------------------------------------
+  static PageHash chain_hash(const PageHash& parent, const int32_t* tokens, int32_t block_size, uint64_t model_fingerprint,
+                             int32_t kv_dtype_tag, std::string_view ns);
+  // Chain hashes of every full page of tokens[0, n_tokens) in ns: [n_tokens / block_size].
+  std::vector<PageHash> hash_pages(std::string_view ns, const int32_t* tokens, int64_t n_tokens) const;
+  // Hash of the last page on the handle's path (zero for an empty handle).
+  PageHash page_hash(const PrefixHandle& h) const;
+  // Pages on the handle's path, root first.
+  std::vector<int32_t> path_pages(const PrefixHandle& h) const;
+
+  // --- accounting -----------------------------------------------------------------------
+  int32_t n_cached_pages() const { return stats_.cached_pages; }
+  int32_t n_pinned_pages() const { return stats_.pinned_pages; }
+  int32_t n_evictable_pages() const { return stats_.cached_pages - stats_.pinned_pages; }
+  int32_t n_namespaces() const { return static_cast<int32_t>(roots_.size()); }
+  PrefixCacheStats stats() const;
+  bool is_cached(int32_t page) const { return page >= 0 && page < static_cast<int32_t>(page_node_.size()) && page_node_[page] >= 0; }
+
+  // Tree invariants: links, edge sizes, sibling keys, chain hashes recomputed, each cached
+  // page in one position only with pool refcount >= 1, lock counts = direct pins + children's
+  // locks, the LRU set = exactly the unpinned childless non-root nodes, counters = recount.
+  // With other_holders ([pool.n_pages()], references held outside the cache, e.g. counted
+  // from block tables) also: refcount(p) == other_holders[p] + (cached ? 1 : 0) for every p,
+  // i.e. the cache holds exactly one reference per cached page and none elsewhere.
+  Status check_integrity(std::span<const int32_t> other_holders = {}) const;
+
+ private:
+  struct Node {
+    int32_t parent = -1;           // -1: a namespace root
+    uint32_t gen = 0;              // bumped when the node shrinks or dies
+    bool live = false;
+    bool in_lru = false;
+    int32_t lock = 0;              // pins through this node (own + descendants')
+    int32_t own_pins = 0;          // pins whose handle is this node
+    uint64_t last_access = 0;      // never below any child's
+    std::vector<int32_t> tokens;   // [n_pages * block_size] edge tokens
+    std::vector<int32_t> pages;    // [n_pages]
+    std::vector<PageHash> hashes;  // [n_pages] chain hash of each page
+    // Children keyed by a 64-bit hash of their first page's tokens (collisions resolved by
+    // comparing tokens).
+    std::unordered_multimap<uint64_t, int32_t> children;
+    std::string ns;                // roots only
+  };
+  using LruKey = std::pair<uint64_t, int32_t>;  // (last_access, node)
+
+  uint64_t now();
+  uint64_t page_key(const int32_t* tokens) const;
+  int32_t find_child(const Node& n, const int32_t* page_tokens) const;
+  int32_t root_for(const std::string& ns) const;
+  // Walk: deepest node fully matched, and pages matched inside the next child (0 if none).
+  struct Walk {
+    int32_t node = -1;
+    int32_t child = -1;
+    int32_t n_in_child = 0;
+    int64_t n_pages = 0;
+  };
+  Walk walk(int32_t root, const int32_t* tokens, int64_t max_pages, std::vector<int32_t>* pages) const;
+  int32_t new_node();
+  // Splits node x after k pages (0 < k < size): a new node takes the first k pages and
+  // becomes x's parent. Returns the new node. x keeps its id, path, pins and children.
+  int32_t split(int32_t x, int32_t k);
+  void touch_path(int32_t x, uint64_t t);
+  void lru_add(int32_t x);
+  void lru_remove(int32_t x);
+  void update_lru(int32_t x);  // in the LRU set iff non-root, unpinned and childless
+  void remove_node(int32_t x);
+  PageHash parent_hash(int32_t x) const;
+  const Node& node(int32_t x) const { return nodes_[x]; }
+
+  PagePool& pool_;
+  int32_t block_size_;
+  uint64_t model_fingerprint_;
+  int32_t kv_dtype_tag_;
+  Clock clock_;
+
+  std::vector<Node> nodes_;
+  std::vector<int32_t> free_nodes_;
+  std::unordered_map<std::string, int32_t> roots_;  // namespace -> root node
+  std::vector<int32_t> page_node_;                  // [pool.n_pages()] node caching the page, or -1
+  std::set<LruKey> lru_;                            // evictable leaves, oldest first
+  PrefixCacheStats stats_;
+};
+
+}  // namespace kv
