@@ -102,7 +102,9 @@ TEST(ModelGolden, TeacherForcedAgreementKlAndGreedy) {
       for (size_t k = 0; k < want.size(); ++k) {
         int32_t id = argmax(seq.logits().data(), nv);
         got.push_back(id);
-        if (k + 1 < want.size()) ASSERT_TRUE(seq.feed(&id, 1).is_ok());
+        if (k + 1 < want.size()) {
+          ASSERT_TRUE(seq.feed(&id, 1).is_ok());
+        }
       }
     }
     const bool same = got == want;
