@@ -32,6 +32,7 @@ struct RequestState {
   Request req;
   int32_t n_unfinished = 0;
   int32_t completion_tokens = 0;
+  int32_t cached_tokens = -1;  // prompt tokens found in the prefix cache at first admission
   bool forked = false;      // n > 1: children created after the prompt's prefill
   bool first_token = false;
 };
@@ -49,6 +50,8 @@ struct Engine::Sequence {
   std::string held;                // decoded text not yet emitted (stop-string holdback)
   int32_t n_generated = 0;
   Clock::time_point last_token_time;
+  PrefixHandle pin;                // the cached prefix this sequence reuses (pinned)
+  int32_t lpm_skips = 0;           // times passed over by the lpm policy
 
   Sequence(const Tokenizer& tok, const SamplingParams& sp) : sampler(sp), detok(tok) {}
   int64_t to_compute() const { return static_cast<int64_t>(tokens.size()) - n_computed; }
@@ -69,14 +72,19 @@ Engine::Engine(LlamaModel& model, const Tokenizer& tok, const EngineConfig& cfg)
   int64_t n_pages = std::min<int64_t>(PagePool::pages_for_bytes(layout, cfg.kv_cache_bytes), int64_t(1) << 30);
   pool_ = std::make_unique<PagePool>(layout, static_cast<int32_t>(std::max<int64_t>(n_pages, 0)));
   threads_ = std::make_unique<ThreadPool>(cfg.n_threads);
+  if (cfg.enable_prefix_caching)
+    cache_ = std::make_unique<PrefixCache>(*pool_, model.fingerprint(), static_cast<int32_t>(cfg.kv_dtype));
   metrics_.set_gauges(0, 0, pool_->n_pages(), 0);
 }
 
 Engine::~Engine() {
   stop();
   std::lock_guard<std::mutex> l(state_mu_);
-  for (auto& s : running_) s->table.release_all(*pool_);
-  for (auto& s : waiting_) s->table.release_all(*pool_);
+  for (auto* q : {&running_, &waiting_})
+    for (auto& s : *q) {
+      if (cache_) cache_->unpin(s->pin);
+      s->table.release_all(*pool_);
+    }
 }
 
 Rejection Engine::submit(Request req) {
@@ -164,7 +172,8 @@ bool Engine::ensure_pages(Sequence& s, int64_t n_new) {
   // Copy-on-write: the page receiving position n_computed may be shared (n > 1 forks).
   const int64_t first_page = s.n_computed / bs;
   const bool cow = first_page < static_cast<int64_t>(s.table.pages.size()) && pool_->refcount(s.table.pages[first_page]) > 1;
-  if (!pool_->can_allocate(need + (cow ? 1 : 0))) return false;
+  const int32_t total = need + (cow ? 1 : 0);
+  if (!pool_->can_allocate(total) && !(cache_ && cache_->ensure_free(total))) return false;
   if (cow) {
     std::vector<int32_t> fresh;
     pool_->allocate(1, &fresh);
@@ -178,8 +187,9 @@ bool Engine::ensure_pages(Sequence& s, int64_t n_new) {
 }
 
 void Engine::preempt(Sequence& s) {
-  // Recompute later: drop every page; the tokens (prompt + generated) stay.
-  s.table.release_all(*pool_);
+  // Recompute later: the full pages go to the prefix cache (so resuming is mostly a hit),
+  // the rest is freed; the tokens (prompt + generated) stay.
+  release(s);
   s.n_computed = 0;
   metrics_.add_preemption();
 }
@@ -241,11 +251,12 @@ bool Engine::schedule(Plan* plan) {
     budget -= n;
   }
   while (budget > 0 && !waiting_.empty() && static_cast<int32_t>(running_.size()) < cfg_.max_num_seqs) {
-    Sequence& s = *waiting_.front();
-    int32_t n = static_cast<int32_t>(std::min<int64_t>(budget, s.to_compute()));
-    if (!ensure_pages(s, n)) break;  // FCFS: no overtaking the head of the queue
-    running_.push_back(std::move(waiting_.front()));
-    waiting_.pop_front();
+    auto pick = pick_waiting();
+    Sequence& s = **pick;
+    int32_t n = 0;
+    if (!admit(s, budget, &n)) break;  // no overtaking: the chosen request waits for room
+    running_.push_back(std::move(*pick));
+    waiting_.erase(pick);
     n_waiting_total_.fetch_sub(1);
     plan->items.push_back({&s, n, n == s.to_compute()});
     budget -= n;
@@ -265,6 +276,52 @@ bool Engine::schedule(Plan* plan) {
   return !plan->items.empty();
 }
 
+std::list<std::unique_ptr<Engine::Sequence>>::iterator Engine::pick_waiting() {
+  auto head = waiting_.begin();
+  if (cfg_.policy != EngineConfig::Policy::kLpm || !cache_ || (*head)->lpm_skips >= kLpmMaxSkips) return head;
+  // Longest cached prefix among the first few waiting requests; ties keep arrival order.
+  auto best = head;
+  int64_t best_len = -1;
+  int k = 0;
+  for (auto it = waiting_.begin(); it != waiting_.end() && k < kLpmWindow; ++it, ++k) {
+    const Sequence& s = **it;
+    const int64_t len = cache_->match_length(s.rs->req.params.cache_namespace, s.tokens.data(), static_cast<int64_t>(s.tokens.size()));
+    if (len > best_len) {
+      best = it;
+      best_len = len;
+    }
+  }
+  for (auto it = waiting_.begin(); it != best; ++it) ++(*it)->lpm_skips;
+  return best;
+}
+
+bool Engine::admit(Sequence& s, int64_t budget, int32_t* n_out) {
+  PrefixMatch m;
+  if (cache_ && s.n_computed == 0 && s.table.pages.empty()) {
+    m = cache_->match(s.rs->req.params.cache_namespace, s.tokens.data(), static_cast<int64_t>(s.tokens.size()));
+    cache_->pin(m.handle);  // protects the matched pages from the eviction ensure_pages may do
+    for (int32_t p : m.pages) pool_->retain(p);
+    s.table.pages = m.pages;
+    s.n_computed = s.table.n_tokens = m.n_tokens;
+    s.pin = m.handle;
+  }
+  const int32_t n = static_cast<int32_t>(std::min<int64_t>(budget, s.to_compute()));
+  if (!ensure_pages(s, n)) {
+    // Undo: the request waits with nothing held.
+    if (cache_) cache_->unpin(s.pin);
+    s.pin = PrefixHandle{};
+    s.table.release_all(*pool_);
+    s.n_computed = 0;
+    return false;
+  }
+  if (cache_ && s.rs->cached_tokens < 0) {
+    cache_->count_query(static_cast<int64_t>(s.tokens.size()), m.n_tokens);
+    s.rs->cached_tokens = static_cast<int32_t>(std::min<int64_t>(m.n_tokens, s.n_prompt));
+  }
+  *n_out = n;
+  return true;
+}
+
 Engine::Sequence* Engine::fork(Sequence& parent, int32_t index) {
   SamplingParams sp = parent.rs->req.params.sampling;
   sp.seed = sp.seed + static_cast<uint64_t>(index) * 0x9E3779B97F4A7C15ull;
@@ -278,6 +335,8 @@ Engine::Sequence* Engine::fork(Sequence& parent, int32_t index) {
   c->table.pages = parent.table.pages;
   c->table.n_tokens = parent.table.n_tokens;
   for (int32_t p : c->table.pages) pool_->retain(p);  // shared until written (copy-on-write)
+  c->pin = parent.pin;
+  if (cache_) cache_->pin(c->pin);
   Sequence* raw = c.get();
   running_.push_back(std::move(c));
   return raw;
@@ -385,7 +444,15 @@ void Engine::postprocess(Plan& plan, const float* logits) {
   }
 }
 
-void Engine::release(Sequence& s) { s.table.release_all(*pool_); }
+void Engine::release(Sequence& s) {
+  if (cache_) {
+    // Only positions whose K/V are written (n_computed) and only whole pages are cached.
+    cache_->insert(s.rs->req.params.cache_namespace, s.tokens.data(), s.n_computed, s.table.pages.data());
+    cache_->unpin(s.pin);
+    s.pin = PrefixHandle{};
+  }
+  s.table.release_all(*pool_);
+}
 
 void Engine::maybe_finish_request(Sequence& s) {
   RequestState& rs = *s.rs;
@@ -394,6 +461,7 @@ void Engine::maybe_finish_request(Sequence& s) {
   Usage u;
   u.prompt_tokens = static_cast<int32_t>(rs.req.prompt.size());
   u.completion_tokens = rs.completion_tokens;
+  u.cached_tokens = std::max(rs.cached_tokens, 0);
   rs.req.stream->finish_all(u);
   metrics_.add_finished(aborted);
   metrics_.observe_e2e(seconds(rs.req.arrival, Clock::now()));
@@ -431,9 +499,26 @@ bool Engine::step() {
       postprocess(plan, logits_.data());
     }
   }
-  pages_in_use_.store(pool_->n_used());
-  metrics_.set_gauges(static_cast<int64_t>(running_.size()), n_waiting_total_.load(), pool_->n_pages(), pool_->n_used());
+  publish_gauges();
   return work;
+}
+
+void Engine::publish_gauges() {
+  // Pages held by requests = pages some block table references (the rest of the used pages
+  // are held by the prefix cache alone).
+  held_scratch_.assign(pool_->n_pages(), 0);
+  int32_t held = 0;
+  for (auto* q : {&running_, &waiting_})
+    for (const auto& s : *q)
+      for (int32_t p : s->table.pages)
+        if (!held_scratch_[p]++) ++held;
+  pages_in_use_.store(held);
+  pages_cached_.store(cache_ ? cache_->n_cached_pages() : 0);
+  metrics_.set_gauges(static_cast<int64_t>(running_.size()), n_waiting_total_.load(), pool_->n_pages(), held);
+  if (cache_) {
+    PrefixCacheStats st = cache_->stats();
+    metrics_.set_prefix_cache(st.queries_tokens, st.hit_tokens, st.evicted_pages, st.cached_pages);
+  }
 }
 
 MetricsSnapshot Engine::metrics() const { return metrics_.snapshot(); }
@@ -441,14 +526,12 @@ MetricsSnapshot Engine::metrics() const { return metrics_.snapshot(); }
 Status Engine::check_integrity() const {
   std::lock_guard<std::mutex> l(state_mu_);
   if (Status st = pool_->check_integrity(); !st) return st;
-  // Every page reference is held by exactly one sequence's table entry.
+  // Every page reference is held by a sequence's table entry or by the prefix cache.
   std::vector<int32_t> held(pool_->n_pages(), 0);
-  auto count = [&](const std::list<std::unique_ptr<Sequence>>& q) {
-    for (const auto& s : q)
+  for (auto* q : {&running_, &waiting_})
+    for (const auto& s : *q)
       for (int32_t p : s->table.pages) ++held[p];
-  };
-  count(running_);
-  count(waiting_);
+  if (cache_) return cache_->check_integrity(held);
   for (int32_t p = 0; p < pool_->n_pages(); ++p)
     if (held[p] != pool_->refcount(p))
       return Status::error("page " + std::to_string(p) + " has refcount " + std::to_string(pool_->refcount(p)) + " but " +

@@ -26,6 +26,7 @@
 #include "engine/metrics.h"
 #include "engine/request.h"
 #include "kv/page_pool.h"
+#include "kv/prefix_cache.h"
 #include "model/llama.h"
 #include "tokenizer/tokenizer.h"
 
@@ -41,6 +42,10 @@ struct EngineConfig {
   KvDtype kv_dtype = KvDtype::kF16;
   int64_t kv_cache_bytes = int64_t(1) << 30;
   int32_t n_threads = 2;
+  bool enable_prefix_caching = true;
+  // fcfs: admit in arrival order. lpm: among the first waiting requests prefer the longest
+  // cached prefix (as SGLang does); a request passed over kLpmMaxSkips times goes next.
+  enum class Policy { kFcfs, kLpm } policy = Policy::kFcfs;
 };
 
 // Why submit() refused: an HTTP status and a message for the client.
@@ -71,7 +76,10 @@ class Engine {
   Status check_integrity() const;
   const EngineConfig& config() const { return cfg_; }
   const PagePool& pool() const { return *pool_; }
+  // Pages held by requests (block tables). Cached-only pages (held by the prefix cache alone)
+  // are not "in use": they are reclaimable. Thread-safe.
   int32_t pages_in_use() const { return pages_in_use_.load(); }
+  int32_t pages_cached() const { return pages_cached_.load(); }
 
  private:
   struct Sequence;
@@ -82,7 +90,10 @@ class Engine {
   void preempt(Sequence& s);
   void postprocess(Plan& plan, const float* logits);
   void finish(Sequence& s, const char* reason);
-  void release(Sequence& s);
+  void release(Sequence& s);  // hands full pages to the prefix cache, then frees the table
+  bool admit(Sequence& s, int64_t budget, int32_t* n_out);
+  std::list<std::unique_ptr<Sequence>>::iterator pick_waiting();
+  void publish_gauges();
   void maybe_finish_request(Sequence& s);
   Sequence* fork(Sequence& parent, int32_t index);
   void loop();
@@ -91,6 +102,7 @@ class Engine {
   const Tokenizer& tok_;
   EngineConfig cfg_;
   std::unique_ptr<PagePool> pool_;
+  std::unique_ptr<PrefixCache> cache_;  // after pool_: destroyed first, releasing into the pool
   std::unique_ptr<ThreadPool> threads_;
   Metrics metrics_;
 
@@ -106,6 +118,10 @@ class Engine {
   std::list<std::unique_ptr<Sequence>> running_;   // admission order (oldest first)
   std::vector<float> logits_;
   std::atomic<int32_t> pages_in_use_{0};
+  std::atomic<int32_t> pages_cached_{0};
+  std::vector<int32_t> held_scratch_;  // [n_pages], reused by publish_gauges
+  static constexpr int kLpmWindow = 64;
+  static constexpr int kLpmMaxSkips = 8;
   std::atomic<uint64_t> next_id_{1};
   uint64_t next_seq_id_ = 1;
 

@@ -9,6 +9,8 @@
 #include "kernels/ops.h"
 #include "kernels/quant.h"
 
+#include <xxhash.h>
+
 namespace kv {
 
 namespace {
@@ -105,6 +107,16 @@ Result<std::unique_ptr<LlamaModel>> LlamaModel::load(const GgufFile& f, Isa isa,
   if (!out) return fail(Status::error("output: " + out.message()));
   m->output_ = std::move(*out);
   m->weight_bytes_ += m->output_.bytes() + row_bytes(m->tok_embd_.type, c.n_embd) + 4 * c.n_embd;
+  XXH3_state_t* hs = XXH3_createState();
+  XXH3_64bits_reset(hs);
+  for (const GgufTensor& t : f.tensors()) {
+    XXH3_64bits_update(hs, t.name.data(), t.name.size());
+    XXH3_64bits_update(hs, &t.type, sizeof t.type);
+    XXH3_64bits_update(hs, t.ne.data(), t.ne.size() * sizeof(int64_t));
+    XXH3_64bits_update(hs, t.data, std::min<uint64_t>(t.n_bytes, 4096));
+  }
+  m->fingerprint_ = XXH3_64bits_digest(hs);
+  XXH3_freeState(hs);
   if (progress) progress->on_tensor(total, total);
   return Result<std::unique_ptr<LlamaModel>>(std::move(m));
 }

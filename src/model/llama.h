@@ -33,6 +33,9 @@ class LlamaModel {
   KvLayout kv_layout(int32_t block_size, KvDtype dtype) const;
   // Bytes of weights one decode token reads (every matrix once + one embedding row).
   int64_t weight_bytes_per_token() const { return weight_bytes_; }
+  // Identifies the weights (tensor directory + a sample of every tensor's bytes): part of the
+  // prefix cache's chain hash, so pages are never shared across different models.
+  uint64_t fingerprint() const { return fingerprint_; }
 
   // Runs the batch. logits: [batch.n_logit_rows()][n_vocab], rows in batch.seqs order.
   // The pool's layout must equal kv_layout(...) for some block size and dtype.
@@ -55,6 +58,7 @@ class LlamaModel {
   PackedMatrix output_;                      // [n_embd] -> [n_vocab]
   std::vector<Layer> layers_;
   int64_t weight_bytes_ = 0;
+  uint64_t fingerprint_ = 0;
 
   // Scratch, grown to the largest batch seen; never allocated per token.
   int64_t cap_tokens_ = 0, cap_logits_ = 0;

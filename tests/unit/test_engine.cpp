@@ -59,6 +59,15 @@ void run_until_idle(Engine& e) {
   }
 }
 
+// After every request ended: no page is held by a request; what is still in use belongs to the
+// prefix cache alone; every refcount is accounted for.
+void expect_drained(const Engine& e) {
+  EXPECT_EQ(e.pages_in_use(), 0);
+  EXPECT_EQ(e.pool().n_used(), e.pages_cached());
+  Status st = e.check_integrity();
+  EXPECT_TRUE(st.is_ok()) << st.message();
+}
+
 std::vector<int32_t> prompt_of(const Tokenizer& tok, const std::string& s) { return tok.encode(s, true, true); }
 
 EngineConfig small_config(int64_t pages) {
@@ -102,7 +111,7 @@ TEST(Engine, BatchInvarianceAloneVsAmongFifteen) {
     auto s = submit(e, prompt_of(*tok, kPrompts[0]), 24);
     run_until_idle(e);
     alone = collect(*s).text[0];
-    EXPECT_EQ(e.pool().n_used(), 0);
+    expect_drained(e);
   }
   Engine e(*m, *tok, small_config(512));
   std::vector<std::shared_ptr<RequestStream>> streams;
@@ -112,7 +121,7 @@ TEST(Engine, BatchInvarianceAloneVsAmongFifteen) {
   EXPECT_EQ(o.text[0], alone);  // bit-identical tokens, so identical text
   EXPECT_EQ(o.finish[0], "length");
   EXPECT_EQ(o.usage.completion_tokens, 24);
-  EXPECT_EQ(e.pool().n_used(), 0);
+  expect_drained(e);
   EXPECT_TRUE(e.check_integrity().is_ok());
   // Every other request also equals its solo run.
   for (size_t i = 1; i < 4; ++i) {
@@ -145,7 +154,7 @@ TEST(Engine, PreemptionUnderPagePressureKeepsOutputs) {
     EXPECT_EQ(o.text[0], solo[i]) << kPrompts[i];
     EXPECT_EQ(o.finish[0], "length");
   }
-  EXPECT_EQ(e.pool().n_used(), 0);
+  expect_drained(e);
   EXPECT_TRUE(e.check_integrity().is_ok());
 }
 
@@ -166,7 +175,7 @@ TEST(Engine, ParallelSamplingSharesPromptPages) {
   EXPECT_EQ(o.usage.completion_tokens, 24);
   const int32_t unshared = 3 * BlockTable::pages_for(prompt.size() + 8, 16);
   EXPECT_LT(max_used, unshared);
-  EXPECT_EQ(e.pool().n_used(), 0);
+  expect_drained(e);
 }
 
 TEST(Engine, StopStringIsNeverEmitted) {
@@ -215,7 +224,7 @@ TEST(Engine, RejectsWhatCanNeverFit) {
   EXPECT_EQ(e.submit(r).http_status, 0);
   EXPECT_EQ(e.submit(r).http_status, 429);  // queue full
   run_until_idle(e);
-  EXPECT_EQ(e.pool().n_used(), 0);
+  expect_drained(e);
 }
 
 TEST(Engine, CancelFreesPagesWithinOneStep) {
@@ -228,7 +237,7 @@ TEST(Engine, CancelFreesPagesWithinOneStep) {
   EXPECT_GT(e.pool().n_used(), 0);
   s->cancel();
   e.step();
-  EXPECT_EQ(e.pool().n_used(), 0);
+  expect_drained(e);
   Outcome o = collect(*s);
   EXPECT_EQ(o.finish[0], "abort");
   EXPECT_TRUE(s->done());
@@ -264,5 +273,68 @@ TEST(Engine, LongPromptsInATinyPoolNeverLivelock) {
     EXPECT_EQ(o.text[0], solo[i]) << i;
   }
   EXPECT_GT(e.metrics().num_preemptions_total, 0);
-  EXPECT_EQ(e.pool().n_used(), 0);
+  expect_drained(e);
+}
+
+TEST(Engine, PrefixHitNeverChangesOutputAndIsReported) {
+  LlamaModel* m = kvtest::smollm2_model();
+  const Tokenizer* tok = smollm2_tokenizer();
+  ASSERT_TRUE(m && tok);
+  const std::string system = "<|im_start|>system\nYou are a helpful assistant who answers in one short sentence, "
+                             "politely, and never uses lists or tables.<|im_end|>\n";
+  auto ask = [&](const std::string& q) { return prompt_of(*tok, system + "<|im_start|>user\n" + q + "<|im_end|>\n<|im_start|>assistant\n"); };
+  EngineConfig off = small_config(64);
+  off.enable_prefix_caching = false;
+  std::vector<std::string> want;
+  for (const char* q : {"What is the capital of Italy?", "Name a primary colour."}) {
+    Engine e(*m, *tok, off);
+    auto s = submit(e, ask(q), 12);
+    run_until_idle(e);
+    want.push_back(collect(*s).text[0]);
+    EXPECT_EQ(e.pool().n_used(), 0);
+  }
+  Engine e(*m, *tok, small_config(64));
+  auto s1 = submit(e, ask("What is the capital of Italy?"), 12);
+  run_until_idle(e);
+  Outcome o1 = collect(*s1);
+  EXPECT_EQ(o1.usage.cached_tokens, 0);
+  auto s2 = submit(e, ask("Name a primary colour."), 12);
+  run_until_idle(e);
+  Outcome o2 = collect(*s2);
+  EXPECT_EQ(o1.text[0], want[0]);
+  EXPECT_EQ(o2.text[0], want[1]);  // the hit reuses the system prompt's pages: same output
+  const int64_t shared = static_cast<int64_t>(prompt_of(*tok, system).size());
+  EXPECT_EQ(o2.usage.cached_tokens, shared / 16 * 16);
+  EXPECT_GT(o2.usage.cached_tokens, 0);
+  MetricsSnapshot ms = e.metrics();
+  EXPECT_EQ(ms.prefix_cache_hits_total, o2.usage.cached_tokens);
+  EXPECT_GT(ms.prefix_cache_queries_total, ms.prefix_cache_hits_total);
+  expect_drained(e);
+}
+
+TEST(Engine, NamespacesNeverShare) {
+  LlamaModel* m = kvtest::smollm2_model();
+  const Tokenizer* tok = smollm2_tokenizer();
+  ASSERT_TRUE(m && tok);
+  Engine e(*m, *tok, small_config(64));
+  const auto prompt = prompt_of(*tok, "Tell me a long story about a brave little toaster that travels across the country to find its owner.");
+  auto run = [&](const std::string& ns) {
+    Request r;
+    r.id = e.next_request_id();
+    r.prompt = prompt;
+    r.params.max_tokens = 4;
+    r.params.cache_namespace = ns;
+    r.stream = std::make_shared<RequestStream>();
+    EXPECT_EQ(e.submit(r).http_status, 0);
+    run_until_idle(e);
+    return collect(*r.stream);
+  };
+  Outcome a = run("tenant-a");
+  Outcome a2 = run("tenant-a");
+  Outcome b = run("tenant-b");
+  EXPECT_EQ(a.usage.cached_tokens, 0);
+  EXPECT_GT(a2.usage.cached_tokens, 0);
+  EXPECT_EQ(b.usage.cached_tokens, 0);  // same prompt, other namespace: a miss
+  EXPECT_EQ(a.text[0], b.text[0]);
+  expect_drained(e);
 }
