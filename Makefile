@@ -27,16 +27,21 @@ build: deps
 
 # A hung test fails after CTEST_TIMEOUT seconds instead of eating the CI budget.
 # pytest exits 5 when it collects no test: not a failure while tests/py is still empty.
+# tests/e2e starts the real server (build/kvserve serve) on the default model.
 test: deps models build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j$(JOBS) --timeout $(CTEST_TIMEOUT)
-	$(PYTHON) -m pytest -q tests/py; rc=$$?; \
-	  if [ $$rc -eq 5 ]; then echo "pytest: no tests collected in tests/py"; rc=0; fi; \
+	$(PYTHON) -m pytest -q tests/py tests/e2e; rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest: no tests collected in tests/py tests/e2e"; rc=0; fi; \
 	  exit $$rc
 	if [ -x scripts/run_fuzz.sh ]; then scripts/run_fuzz.sh; \
 	  elif [ -f scripts/run_fuzz.sh ]; then bash scripts/run_fuzz.sh; fi
 
+# The OpenAI-compatible server on the default model; SERVE_ARGS adds flags (--port, --api-key, ...).
+HOST        ?= 127.0.0.1
+PORT        ?= 8080
+SERVE_ARGS  ?=
 serve: deps models build
-	./$(BUILD_DIR)/kvserve generate -m $(MODEL) -p "$(PROMPT)" -n $(N_TOKENS)
+	./$(BUILD_DIR)/kvserve serve -m $(MODEL) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 bench: deps models build
 	if [ -f bench/run_bench.py ]; then $(PYTHON) bench/run_bench.py; \

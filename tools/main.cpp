@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
   kvtools::add_inspect_command(app);
   kvtools::add_generate_command(app);
   kvtools::add_bench_command(app);
+  kvtools::add_serve_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,334 @@
+#include "server/http_server.h"
+
+#include <httplib.h>
+
+#include <chrono>
+#include <cstdio>
+#include <map>
+
+#include "engine/engine.h"
+#include "engine/metrics.h"
+#include "server/api_error.h"
+#include "server/openai_response.h"
+
+namespace kv {
+
+using json = nlohmann::ordered_json;
+
+namespace {
+
+constexpr auto kPollInterval = std::chrono::milliseconds(50);
+
+int64_t unix_now() {
+  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+void write_error(httplib::Response& res, const ApiError& e) {
+  res.status = e.status;
+  res.set_content(dump_json(e.to_json()), "application/json");
+}
+
+void write_json(httplib::Response& res, const json& j) {
+  res.status = 200;
+  res.set_content(dump_json(j), "application/json");
+}
+
+ApiError from_rejection(const Rejection& r) {
+  ApiError e{r.http_status, r.message, error_type_for_status(r.http_status), r.param, ""};
+  if (r.http_status == 429) e.code = "rate_limit_exceeded";
+  return e;
+}
+
+ApiError from_event(const StreamEvent& ev) {
+  int status = ev.http_status >= 400 ? ev.http_status : 500;
+  return ApiError{status, ev.error.empty() ? "generation failed" : ev.error, error_type_for_status(status), "", ""};
+}
+
+// Cancels the request if the handler leaves early (an exception, a vanished client).
+struct CancelGuard {
+  std::shared_ptr<RequestStream> stream;
+  bool armed = true;
+  ~CancelGuard() {
+    if (armed) stream->cancel();
+  }
+};
+
+// Constant-time comparison: the key check must not leak how many leading bytes matched.
+bool same_secret(const std::string& given, const std::string& key) {
+  if (given.size() != key.size() || key.empty()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < key.size(); ++i) diff |= static_cast<unsigned char>(given[i] ^ key[i]);
+  return diff == 0;
+}
+
+// The streaming side of one request: what has been sent, what is left.
+struct SseState {
+  std::shared_ptr<RequestStream> stream;
+  ResponseMeta meta;
+  int32_t n = 1;
+  bool with_logprobs = false;
+  bool started = false;
+  bool finished = false;             // [DONE] written
+  std::vector<int64_t> text_offset;  // per choice, completions' logprobs.text_offset
+  std::vector<StreamEvent> events;
+};
+
+}  // namespace
+
+HttpServer::HttpServer(Engine& engine, ApiContext ctx, ServerOptions opts)
+    : engine_(engine), ctx_(std::move(ctx)), opts_(std::move(opts)), svr_(std::make_unique<httplib::Server>()) {
+  const int32_t n_threads = opts_.http_threads > 0 ? opts_.http_threads : engine_.config().max_num_seqs + 16;
+  svr_->new_task_queue = [n_threads] { return new httplib::ThreadPool(static_cast<size_t>(n_threads)); };
+  svr_->set_payload_max_length(opts_.max_body_bytes);
+  svr_->set_keep_alive_max_count(1000);
+  routes();
+}
+
+HttpServer::~HttpServer() = default;
+
+bool HttpServer::bind(const std::string& host, int port) { return svr_->bind_to_port(host, port); }
+
+void HttpServer::run() { svr_->listen_after_bind(); }
+
+void HttpServer::stop() {
+  stopping_.store(true);
+  svr_->stop();
+}
+
+bool HttpServer::authorized(const httplib::Request& req) const {
+  if (opts_.api_key.empty()) return true;
+  std::string h = req.get_header_value("Authorization");
+  const std::string prefix = "Bearer ";
+  if (h.size() < prefix.size() || h.compare(0, prefix.size(), prefix) != 0) return false;
+  return same_secret(h.substr(prefix.size()), opts_.api_key);
+}
+
+void HttpServer::routes() {
+  // Which methods each path answers; another method on a known path is a 405, not a 404.
+  static const std::map<std::string, std::string> kAllowed = {
+      {"/v1/completions", "POST"}, {"/v1/chat/completions", "POST"}, {"/v1/models", "GET"},
+      {"/health", "GET"},          {"/metrics", "GET"},              {"/debug/kv", "GET"},
+  };
+
+  svr_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    std::string path = req.path;
+    if (path == "/debug/kv" && !opts_.debug) return httplib::Server::HandlerResponse::Unhandled;  // → 404
+    // Everything but the liveness and metrics probes needs the key.
+    if (path != "/health" && path != "/metrics" && !authorized(req)) {
+      bool missing = req.get_header_value("Authorization").empty();
+      write_error(res, ApiError{401,
+                                missing ? "You didn't provide an API key. Provide it in an Authorization header using Bearer auth "
+                                          "(i.e. Authorization: Bearer YOUR_KEY)."
+                                        : "Incorrect API key provided.",
+                                "invalid_request_error", "", "invalid_api_key"});
+      res.set_header("WWW-Authenticate", "Bearer");
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    if (path.rfind("/v1/models/", 0) == 0) path = "/v1/models";
+    auto it = kAllowed.find(path);
+    if (it != kAllowed.end() && req.method != it->second && !(req.method == "HEAD" && it->second == "GET")) {
+      write_error(res, ApiError{405, "Method " + req.method + " is not allowed on " + req.path + "; use " + it->second + ".",
+                                "invalid_request_error", "", "method_not_allowed"});
+      res.set_header("Allow", it->second);
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    return httplib::Server::HandlerResponse::Unhandled;
+  });
+
+  // Statuses httplib produces itself (no route, body too large, unparsable HTTP) get a JSON body.
+  svr_->set_error_handler(httplib::Server::HandlerWithResponse([this](const httplib::Request& req, httplib::Response& res) {
+    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+    ApiError e{res.status, "", error_type_for_status(res.status), "", ""};
+    switch (res.status) {
+      case 404: e.message = "Not found: " + req.method + " " + req.path; e.code = "not_found"; break;
+      case 413:
+        e.message = "The request body is too large: the limit is " + std::to_string(opts_.max_body_bytes) + " bytes.";
+        e.code = "payload_too_large";
+        break;
+      case 414: e.message = "The request URI is too long."; break;
+      default: e.message = "The HTTP request could not be handled (status " + std::to_string(res.status) + ")."; break;
+    }
+    write_error(res, e);
+    return httplib::Server::HandlerResponse::Handled;
+  }));
+
+  svr_->set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+    std::string what = "internal error";
+    try {
+      if (ep) std::rethrow_exception(ep);
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+    }
+    write_error(res, ApiError{500, "Internal server error: " + what, "server_error", "", ""});
+  });
+
+  if (opts_.debug) {
+    svr_->set_logger([](const httplib::Request& req, const httplib::Response& res) {
+      std::fprintf(stderr, "%s %s %d\n", req.method.c_str(), req.path.c_str(), res.status);
+    });
+  }
+
+  // Every route runs inside this: ApiError → its status; anything else → 500. Nothing escapes.
+  auto safe = [](auto fn) {
+    return [fn](const httplib::Request& req, httplib::Response& res) {
+      try {
+        fn(req, res);
+      } catch (const ApiError& e) {
+        write_error(res, e);
+      } catch (const std::exception& e) {
+        write_error(res, ApiError{500, std::string("Internal server error: ") + e.what(), "server_error", "", ""});
+      } catch (...) {
+        write_error(res, ApiError{500, "Internal server error.", "server_error", "", ""});
+      }
+    };
+  };
+
+  svr_->Post("/v1/completions", safe([this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); }));
+  svr_->Post("/v1/chat/completions", safe([this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); }));
+
+  auto model_object = [this] {
+    return json{{"id", ctx_.model_names.at(0)}, {"object", "model"}, {"created", unix_now()}, {"owned_by", "kvserve"},
+                {"max_model_len", ctx_.max_model_len}};
+  };
+  svr_->Get("/v1/models", safe([model_object](const httplib::Request&, httplib::Response& res) {
+              write_json(res, json{{"object", "list"}, {"data", json::array({model_object()})}});
+            }));
+  svr_->Get(R"(/v1/models/(.+))", safe([this, model_object](const httplib::Request& req, httplib::Response& res) {
+              std::string id = req.matches[1];
+              if (std::find(ctx_.model_names.begin(), ctx_.model_names.end(), id) == ctx_.model_names.end())
+                throw ApiError{404, "The model `" + id + "` does not exist.", "invalid_request_error", "model", "model_not_found"};
+              write_json(res, model_object());
+            }));
+  svr_->Get("/health", safe([](const httplib::Request&, httplib::Response& res) { write_json(res, json{{"status", "ok"}}); }));
+  svr_->Get("/metrics", safe([this](const httplib::Request&, httplib::Response& res) {
+              res.set_content(render_prometheus(engine_.metrics()), "text/plain; version=0.0.4; charset=utf-8");
+            }));
+  if (opts_.debug)
+    svr_->Get("/debug/kv", safe([this](const httplib::Request&, httplib::Response& res) { handle_debug_kv(res); }));
+}
+
+void HttpServer::handle_debug_kv(httplib::Response& res) {
+  // Counters first: the integrity check waits for the engine's state lock, and the caller wants
+  // the page count as of its request, not as of whenever that lock came free.
+  const int32_t pages_in_use = engine_.pages_in_use();
+  MetricsSnapshot m = engine_.metrics();
+  Status st = engine_.check_integrity();
+  write_json(res, json{{"pages_total", engine_.pool().n_pages()},
+                       {"pages_in_use", pages_in_use},
+                       {"block_size", engine_.config().block_size},
+                       {"num_requests_running", m.num_requests_running},
+                       {"num_requests_waiting", m.num_requests_waiting},
+                       {"integrity", {{"ok", st.is_ok()}, {"message", st.message()}}}});
+}
+
+void HttpServer::handle_generate(const httplib::Request& req, httplib::Response& res, bool chat) {
+  nlohmann::json body = parse_json_body(req.body, ctx_);
+  ApiRequest ar = chat ? parse_chat_request(body, ctx_) : parse_completion_request(body, ctx_);
+  ResponseMeta meta{make_response_id(chat), unix_now(), ctx_.model_names.at(0), chat, ar.include_usage};
+
+  Request r;
+  r.id = engine_.next_request_id();
+  r.prompt = std::move(ar.prompt);
+  r.params = ar.params;
+  r.stream = std::make_shared<RequestStream>();
+  std::shared_ptr<RequestStream> stream = r.stream;
+  const int32_t n = ar.params.n;
+  if (Rejection rej = engine_.submit(std::move(r)); rej.http_status != 0) {
+    if (!chat && rej.param == "messages") rej.param = "prompt";  // the engine names the chat field
+    throw from_rejection(rej);
+  }
+  CancelGuard guard{stream};
+
+  if (!ar.stream) {
+    std::vector<ChoiceResult> choices(n);
+    std::vector<StreamEvent> events;
+    std::optional<ApiError> error;
+    for (bool more = true; more;) {
+      if (stopping_.load()) stream->cancel();
+      more = stream->pop(&events, kPollInterval);
+      for (auto& ev : events) {
+        if (ev.index < 0 || ev.index >= n) continue;
+        ChoiceResult& c = choices[ev.index];
+        if (ev.kind == StreamEvent::kText) {
+          c.text += ev.text;
+          for (auto& lp : ev.logprobs) c.logprobs.push_back(std::move(lp));
+        } else if (ev.kind == StreamEvent::kFinish) {
+          c.finish_reason = ev.finish_reason;
+        } else if (!error) {
+          error = from_event(ev);
+        }
+      }
+      events.clear();
+    }
+    guard.armed = false;
+    if (error) throw *error;
+    write_json(res, full_response(meta, choices, stream->usage(), ar.logprobs, *ctx_.tok));
+    return;
+  }
+
+  // Streaming: the content provider runs on this connection's thread after the handler
+  // returns, one poll per call, until [DONE] or the client is gone.
+  auto st = std::make_shared<SseState>();
+  st->stream = stream;
+  st->meta = meta;
+  st->n = n;
+  st->with_logprobs = ar.logprobs;
+  st->text_offset.assign(n, 0);
+  guard.armed = false;  // from here the releaser owns cancellation
+  const Tokenizer* tok = ctx_.tok;
+  res.set_header("Cache-Control", "no-cache");
+  res.set_header("X-Accel-Buffering", "no");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [this, st, tok](size_t, httplib::DataSink& sink) -> bool {
+        try {
+          auto send = [&](const std::string& s) { return sink.write(s.data(), s.size()); };
+          if (stopping_.load() || !sink.is_writable()) {
+            st->stream->cancel();
+            return false;
+          }
+          if (!st->started) {
+            st->started = true;
+            if (st->meta.chat)
+              for (int32_t i = 0; i < st->n; ++i)
+                if (!send(sse_event(chat_role_chunk(st->meta, i)))) return false;
+            return true;
+          }
+          const bool more = st->stream->pop(&st->events, kPollInterval);
+          for (auto& ev : st->events) {
+            if (ev.index < 0 || ev.index >= st->n) continue;
+            std::string out;
+            if (ev.kind == StreamEvent::kText) {
+              if (ev.text.empty() && ev.logprobs.empty()) continue;
+              out = sse_event(text_chunk(st->meta, ev.index, ev.text, st->with_logprobs ? &ev.logprobs : nullptr,
+                                         &st->text_offset[ev.index], *tok));
+            } else if (ev.kind == StreamEvent::kFinish) {
+              out = sse_event(finish_chunk(st->meta, ev.index, ev.finish_reason));
+            } else {
+              out = sse_event(from_event(ev).to_json());
+            }
+            if (!send(out)) {
+              st->events.clear();
+              return false;  // the releaser cancels
+            }
+          }
+          st->events.clear();
+          if (!more) {
+            if (st->meta.include_usage && !send(sse_event(usage_chunk(st->meta, st->stream->usage())))) return false;
+            if (!send(kSseDone)) return false;
+            st->finished = true;
+            sink.done();
+          }
+          return true;
+        } catch (...) {
+          st->stream->cancel();
+          return false;
+        }
+      },
+      [st](bool) {
+        if (!st->finished) st->stream->cancel();
+      });
+}
+
+}  // namespace kv

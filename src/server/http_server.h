@@ -1,0 +1,64 @@
+// The OpenAI-compatible HTTP front end over one Engine (cpp-httplib, one thread per
+// connection from a fixed pool).
+//
+//   POST /v1/completions        POST /v1/chat/completions     (JSON, or SSE with "stream")
+//   GET  /v1/models             GET  /health                  GET /metrics (Prometheus text)
+//   GET  /debug/kv              only with ServerOptions::debug: pool pages and integrity
+//
+// Every error is an OpenAI-shaped JSON body with a 4xx/5xx status; no exception escapes a
+// handler. A streaming client that goes away cancels its request, so the engine frees its
+// pages within one step.
+//
+// Threading: construct, bind(), then run() on one thread; stop() from any thread (a signal
+// watcher) makes run() return after in-flight handlers end. The Engine must be started and
+// outlive the server.
+#pragma once
+#include <atomic>
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "server/openai_request.h"
+
+namespace httplib {
+class Server;
+struct Request;
+struct Response;
+}  // namespace httplib
+
+namespace kv {
+
+class Engine;
+
+struct ServerOptions {
+  std::string api_key;                    // empty: no auth
+  size_t max_body_bytes = size_t(8) << 20;
+  bool debug = false;                     // /debug/kv and one log line per request
+  int32_t http_threads = 0;               // 0: max_num_seqs + 16
+};
+
+class HttpServer {
+ public:
+  // ctx: tokenizer, chat template, model names and limits (see openai_request.h).
+  HttpServer(Engine& engine, ApiContext ctx, ServerOptions opts);
+  ~HttpServer();
+
+  bool bind(const std::string& host, int port);  // false: the address is taken or invalid
+  void run();                                     // serves until stop()
+  void stop();                                    // any thread
+
+ private:
+  void routes();
+  void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat);
+  void handle_debug_kv(httplib::Response& res);
+  bool authorized(const httplib::Request& req) const;
+
+  Engine& engine_;
+  ApiContext ctx_;
+  ServerOptions opts_;
+  std::unique_ptr<httplib::Server> svr_;
+  std::atomic<bool> stopping_{false};
+};
+
+}  // namespace kv

@@ -1,0 +1,406 @@
+#include "server/openai_request.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <random>
+
+#include "tokenizer/chat_template.h"
+#include "tokenizer/tokenizer.h"
+
+namespace kv {
+
+using nlohmann::json;
+
+namespace {
+
+std::string type_word(const json& v) {
+  switch (v.type()) {
+    case json::value_t::string: return "a string";
+    case json::value_t::boolean: return "a boolean";
+    case json::value_t::number_integer:
+    case json::value_t::number_unsigned: return "an integer";
+    case json::value_t::number_float: return "a decimal";
+    case json::value_t::array: return "an array";
+    case json::value_t::object: return "an object";
+    default: return "null";
+  }
+}
+
+[[noreturn]] void type_error(const std::string& name, const std::string& expected, const json& got) {
+  throw bad_request("Invalid type for '" + name + "': expected " + expected + ", but got " + type_word(got) + " instead.", name,
+                    "invalid_type");
+}
+
+[[noreturn]] void value_error(const std::string& name, const std::string& why) {
+  throw bad_request("Invalid value for '" + name + "': " + why, name, "invalid_value");
+}
+
+std::string num_text(double x) {
+  if (std::isfinite(x) && x == std::floor(x) && std::fabs(x) < 1e15) return std::to_string(static_cast<long long>(x));
+  json j = x;
+  return j.dump();
+}
+
+// Typed, range-checked access to the members of one request object. A member that is absent
+// or null counts as not given (OpenAI's clients send null for "default").
+class Fields {
+ public:
+  explicit Fields(const json& o) : o_(o) {}
+
+  const json* get(const char* name) const {
+    auto it = o_.find(name);
+    if (it == o_.end() || it->is_null()) return nullptr;
+    return &*it;
+  }
+
+  std::optional<double> number(const char* name, double lo, double hi, bool lo_open = false) const {
+    const json* v = get(name);
+    if (!v) return std::nullopt;
+    if (!v->is_number()) type_error(name, "a number", *v);
+    double x = v->get<double>();
+    if (!std::isfinite(x)) value_error(name, "must be a finite number.");
+    if (lo_open ? !(x > lo) : !(x >= lo))
+      value_error(name, num_text(x) + (lo_open ? " must be greater than " : " is below the minimum of ") + num_text(lo) + ".");
+    if (x > hi) value_error(name, num_text(x) + " is above the maximum of " + num_text(hi) + ".");
+    return x;
+  }
+
+  std::optional<int64_t> integer(const char* name, int64_t lo, int64_t hi) const {
+    const json* v = get(name);
+    if (!v) return std::nullopt;
+    if (!v->is_number_integer()) type_error(name, "an integer", *v);
+    if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      value_error(name, v->dump() + " is above the maximum of " + std::to_string(hi) + ".");
+    int64_t x = v->get<int64_t>();
+    if (x < lo) value_error(name, std::to_string(x) + " is below the minimum of " + std::to_string(lo) + ".");
+    if (x > hi) value_error(name, std::to_string(x) + " is above the maximum of " + std::to_string(hi) + ".");
+    return x;
+  }
+
+  std::optional<bool> boolean(const char* name) const {
+    const json* v = get(name);
+    if (!v) return std::nullopt;
+    if (!v->is_boolean()) type_error(name, "a boolean", *v);
+    return v->get<bool>();
+  }
+
+  std::optional<std::string> string(const char* name) const {
+    const json* v = get(name);
+    if (!v) return std::nullopt;
+    if (!v->is_string()) type_error(name, "a string", *v);
+    return v->get<std::string>();
+  }
+
+  // Present and not null, not false, not an empty string/array/object: the client asked for it.
+  bool requested(const char* name) const {
+    const json* v = get(name);
+    if (!v) return false;
+    if (v->is_boolean()) return v->get<bool>();
+    if (v->is_string() || v->is_array() || v->is_object()) return !v->empty();
+    return true;
+  }
+
+ private:
+  const json& o_;
+};
+
+void check_model(const Fields& f, const ApiContext& ctx) {
+  auto model = f.string("model");
+  if (!model) return;  // as llama.cpp and vLLM: the one served model is the default
+  if (std::find(ctx.model_names.begin(), ctx.model_names.end(), *model) != ctx.model_names.end()) return;
+  throw ApiError{404, "The model `" + *model + "` does not exist. This server serves `" + ctx.model_names.at(0) + "`.",
+                 "invalid_request_error", "model", "model_not_found"};
+}
+
+[[noreturn]] void unsupported(const std::string& name, const std::string& why) {
+  throw bad_request("'" + name + "' is not supported by this server" + (why.empty() ? "." : ": " + why), name, "unsupported_parameter");
+}
+
+std::vector<std::string> parse_stop(const Fields& f, const ApiContext& ctx) {
+  std::vector<std::string> out;
+  const json* v = f.get("stop");
+  if (!v) return out;
+  if (v->is_string()) {
+    out.push_back(v->get<std::string>());
+  } else if (v->is_array()) {
+    if (static_cast<int64_t>(v->size()) > ctx.max_stop)
+      value_error("stop", "at most " + std::to_string(ctx.max_stop) + " stop sequences are allowed, got " + std::to_string(v->size()) + ".");
+    for (const auto& s : *v) {
+      if (!s.is_string()) type_error("stop", "a string or an array of strings", s);
+      out.push_back(s.get<std::string>());
+    }
+  } else {
+    type_error("stop", "a string or an array of strings", *v);
+  }
+  for (const auto& s : out) {
+    if (s.empty()) value_error("stop", "stop sequences must not be empty.");
+    if (s.size() > 1024) value_error("stop", "a stop sequence is longer than 1024 bytes.");
+  }
+  return out;
+}
+
+// Fields shared by both endpoints: sampling, n, stop, stream, penalties, cache_salt.
+void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
+  check_model(f, ctx);
+  SamplingParams& sp = r->params.sampling;
+  sp.temperature = static_cast<float>(f.number("temperature", 0.0, 2.0).value_or(1.0));  // OpenAI's default is 1
+  sp.top_p = static_cast<float>(f.number("top_p", 0.0, 1.0, /*lo_open=*/true).value_or(1.0));
+  int64_t top_k = f.integer("top_k", -1, std::numeric_limits<int32_t>::max()).value_or(0);
+  sp.top_k = top_k < 0 ? 0 : static_cast<int32_t>(top_k);  // vLLM: -1 means off
+  sp.min_p = static_cast<float>(f.number("min_p", 0.0, 1.0).value_or(0.0));
+  sp.repetition_penalty = static_cast<float>(f.number("repetition_penalty", 0.0, 10.0, /*lo_open=*/true).value_or(1.0));
+  sp.presence_penalty = static_cast<float>(f.number("presence_penalty", -2.0, 2.0).value_or(0.0));
+  sp.frequency_penalty = static_cast<float>(f.number("frequency_penalty", -2.0, 2.0).value_or(0.0));
+  auto seed = f.integer("seed", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max());
+  sp.seed = seed ? static_cast<uint64_t>(*seed) : random_seed();
+
+  r->params.n = static_cast<int32_t>(f.integer("n", 1, ctx.max_n).value_or(1));
+  r->params.stop = parse_stop(f, ctx);
+  r->params.ignore_eos = f.boolean("ignore_eos").value_or(false);
+  if (auto salt = f.string("cache_salt")) {
+    if (salt->empty()) value_error("cache_salt", "must not be empty.");
+    r->params.cache_namespace = *salt;
+  }
+
+  r->stream = f.boolean("stream").value_or(false);
+  if (const json* so = f.get("stream_options")) {
+    if (!so->is_object()) type_error("stream_options", "an object", *so);
+    if (!r->stream) value_error("stream_options", "stream_options is only allowed when 'stream' is true.");
+    Fields sf(*so);
+    r->include_usage = sf.boolean("include_usage").value_or(false);
+  }
+
+  if (const json* lb = f.get("logit_bias")) {
+    if (!lb->is_object()) type_error("logit_bias", "an object", *lb);
+    if (!lb->empty()) unsupported("logit_bias", "");
+  }
+}
+
+// max_tokens: given, or `dflt` when absent. Over max_model_len is refused here with the reason;
+// prompt + max_tokens over max_model_len is refused by Engine::submit.
+int32_t parse_max_tokens(const Fields& f, const char* name, const ApiContext& ctx, int64_t dflt) {
+  const json* v = f.get(name);
+  if (!v) return static_cast<int32_t>(std::clamp<int64_t>(dflt, 1, ctx.max_model_len));
+  if (!v->is_number_integer()) type_error(name, "an integer", *v);
+  if (v->is_number_integer() && !v->is_number_unsigned() && v->get<int64_t>() < 1)
+    value_error(name, std::to_string(v->get<int64_t>()) + " is below the minimum of 1.");
+  if (v->is_number_unsigned() ? v->get<uint64_t>() > static_cast<uint64_t>(ctx.max_model_len) : v->get<int64_t>() > ctx.max_model_len)
+    value_error(name, v->dump() + " is more than this model's maximum context length of " + std::to_string(ctx.max_model_len) +
+                          " tokens (max_model_len), which the prompt and the completion share.");
+  return static_cast<int32_t>(v->get<int64_t>());
+}
+
+// The prompt of /v1/completions: a string, a list of token ids, or a list holding one of those.
+std::vector<int32_t> parse_prompt(const Fields& f, const ApiContext& ctx) {
+  const json* v = f.get("prompt");
+  if (!v) throw bad_request("Missing required parameter: 'prompt'.", "prompt", "missing_required_parameter");
+  const char* expected = "a string, an array of token ids, or an array with one string";
+  auto from_ids = [&](const json& arr) {
+    std::vector<int32_t> ids;
+    ids.reserve(arr.size());
+    for (const auto& t : arr) {
+      if (!t.is_number_integer()) type_error("prompt", expected, t);
+      if (t.is_number_unsigned() ? t.get<uint64_t>() >= static_cast<uint64_t>(ctx.tok->n_vocab()) : (t.get<int64_t>() < 0 || t.get<int64_t>() >= ctx.tok->n_vocab()))
+        value_error("prompt", "token id " + t.dump() + " is outside the vocabulary [0, " + std::to_string(ctx.tok->n_vocab()) + ").");
+      ids.push_back(static_cast<int32_t>(t.get<int64_t>()));
+    }
+    return ids;
+  };
+  auto from_text = [&](const std::string& s) { return ctx.tok->encode(s, /*add_special=*/true, /*parse_special=*/true); };
+
+  std::vector<int32_t> ids;
+  if (v->is_string()) {
+    ids = from_text(v->get<std::string>());
+  } else if (v->is_array()) {
+    if (v->empty()) value_error("prompt", "the prompt is empty.");
+    const json& first = (*v)[0];
+    if (first.is_string() || first.is_array()) {
+      if (v->size() != 1)
+        throw bad_request("Only one prompt per request is supported; got " + std::to_string(v->size()) + ". Send one request per prompt.",
+                          "prompt", "unsupported_parameter");
+      if (first.is_string()) ids = from_text(first.get<std::string>());
+      else ids = from_ids(first);
+    } else {
+      ids = from_ids(*v);
+    }
+  } else {
+    type_error("prompt", expected, *v);
+  }
+  if (ids.empty()) value_error("prompt", "the prompt is empty.");
+  return ids;
+}
+
+// One message's content as text: a string, or a list of {"type": "text", "text": ...} parts.
+std::string message_text(const json& content, const std::string& role, size_t i) {
+  const std::string name = "messages[" + std::to_string(i) + "].content";
+  if (content.is_null()) {
+    if (role == "assistant") return "";
+    throw bad_request("Invalid value for '" + name + "': content is required for role '" + role + "'.", name, "invalid_value");
+  }
+  if (content.is_string()) return content.get<std::string>();
+  if (!content.is_array()) type_error(name, "a string or an array of content parts", content);
+  std::string out;
+  for (size_t k = 0; k < content.size(); ++k) {
+    const json& part = content[k];
+    const std::string pname = name + "[" + std::to_string(k) + "]";
+    if (!part.is_object()) type_error(pname, "an object", part);
+    Fields pf(part);
+    auto type = pf.string("type");
+    if (!type) throw bad_request("Missing required parameter: '" + pname + ".type'.", pname + ".type", "missing_required_parameter");
+    if (*type != "text")
+      throw bad_request("Content part type '" + *type + "' is not supported: this server serves a text-only model.", pname + ".type",
+                        "unsupported_parameter");
+    auto text = pf.string("text");
+    if (!text) throw bad_request("Missing required parameter: '" + pname + ".text'.", pname + ".text", "missing_required_parameter");
+    out += *text;
+  }
+  return out;
+}
+
+std::vector<ChatMessage> parse_messages(const Fields& f) {
+  const json* v = f.get("messages");
+  if (!v) throw bad_request("Missing required parameter: 'messages'.", "messages", "missing_required_parameter");
+  if (!v->is_array()) type_error("messages", "an array", *v);
+  if (v->empty()) throw bad_request("'messages' must contain at least one message.", "messages", "empty_array");
+  std::vector<ChatMessage> out;
+  for (size_t i = 0; i < v->size(); ++i) {
+    const json& m = (*v)[i];
+    const std::string name = "messages[" + std::to_string(i) + "]";
+    if (!m.is_object()) type_error(name, "an object", m);
+    Fields mf(m);
+    const json* role_v = mf.get("role");
+    if (!role_v) throw bad_request("Missing required parameter: '" + name + ".role'.", name + ".role", "missing_required_parameter");
+    if (!role_v->is_string()) type_error(name + ".role", "a string", *role_v);
+    std::string role = role_v->get<std::string>();
+    if (role == "tool" || role == "function")
+      throw bad_request("Role '" + role + "' is not supported: this server does not support tool calling.", name + ".role",
+                        "unsupported_parameter");
+    if (role != "system" && role != "developer" && role != "user" && role != "assistant")
+      throw bad_request("Invalid value for '" + name + ".role': '" + role + "'. Supported roles: system, developer, user, assistant.",
+                        name + ".role", "invalid_value");
+    if (mf.requested("tool_calls") || mf.requested("function_call"))
+      throw bad_request("'" + name + ".tool_calls' is not supported: this server does not support tool calling.", name + ".tool_calls",
+                        "unsupported_parameter");
+    if (const json* n = mf.get("name"); n && !n->is_string()) type_error(name + ".name", "a string", *n);
+    auto it = m.find("content");
+    if (it == m.end() && role != "assistant")
+      throw bad_request("Missing required parameter: '" + name + ".content'.", name + ".content", "missing_required_parameter");
+    std::string text = it == m.end() ? std::string() : message_text(*it, role, i);
+    // Templates written before OpenAI's "developer" role know it as "system".
+    out.push_back(ChatMessage{role == "developer" ? "system" : role, std::move(text)});
+  }
+  return out;
+}
+
+}  // namespace
+
+uint64_t random_seed() {
+  static std::mutex mu;
+  static std::mt19937_64 gen{std::random_device{}()};
+  std::lock_guard<std::mutex> l(mu);
+  return gen();
+}
+
+json parse_json_body(const std::string& body, const ApiContext& ctx) {
+  // nlohmann's parser is iterative, but the value it builds is destroyed and walked
+  // recursively: refuse absurd nesting before parsing.
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (char c : body) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > ctx.max_nesting)
+        throw bad_request("The request body nests JSON deeper than " + std::to_string(ctx.max_nesting) + " levels.", "", "invalid_json");
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  json j;
+  try {
+    j = json::parse(body);
+  } catch (const json::parse_error& e) {
+    // Tell invalid UTF-8 apart from broken syntax: a client can act on either.
+    std::string what = e.what();
+    if (what.find("UTF-8") != std::string::npos || what.find("surrogate") != std::string::npos)
+      throw bad_request("The request body is not valid UTF-8 JSON: " + what, "", "invalid_utf8");
+    throw bad_request("The request body is not valid JSON: " + what +
+                          (body.empty() ? " (the body is empty; send a JSON object with Content-Type: application/json)" : ""),
+                      "", "invalid_json");
+  }
+  if (!j.is_object()) throw bad_request("The request body must be a JSON object, got " + type_word(j) + ".", "", "invalid_json");
+  return j;
+}
+
+ApiRequest parse_completion_request(const json& body, const ApiContext& ctx) {
+  Fields f(body);
+  ApiRequest r;
+  r.chat = false;
+  parse_common(f, ctx, &r);
+  if (f.requested("echo")) unsupported("echo", "");
+  if (f.requested("suffix")) unsupported("suffix", "");
+  if (auto best_of = f.integer("best_of", 1, ctx.max_n); best_of && *best_of != r.params.n)
+    unsupported("best_of", "best_of must equal n (or be omitted).");
+  if (auto lp = f.integer("logprobs", 0, ctx.max_logprobs)) {
+    r.params.logprobs = static_cast<int32_t>(*lp);
+    r.logprobs = true;
+  }
+  r.prompt = parse_prompt(f, ctx);
+  r.params.max_tokens = parse_max_tokens(f, "max_tokens", ctx, 16);  // OpenAI's default for completions
+  return r;
+}
+
+ApiRequest parse_chat_request(const json& body, const ApiContext& ctx) {
+  Fields f(body);
+  ApiRequest r;
+  r.chat = true;
+  parse_common(f, ctx, &r);
+  if (f.requested("tools")) unsupported("tools", "tool calling is not available.");
+  if (f.requested("functions")) unsupported("functions", "function calling is not available.");
+  if (const json* tc = f.get("tool_choice"); tc && !(tc->is_string() && tc->get<std::string>() == "none"))
+    unsupported("tool_choice", "only \"none\" is accepted.");
+  if (const json* fc = f.get("function_call"); fc && !(fc->is_string() && fc->get<std::string>() == "none"))
+    unsupported("function_call", "only \"none\" is accepted.");
+  if (const json* rf = f.get("response_format")) {
+    if (!rf->is_object()) type_error("response_format", "an object", *rf);
+    auto type = Fields(*rf).string("type");
+    if (type && *type != "text") unsupported("response_format", "only {\"type\": \"text\"} is accepted, got '" + *type + "'.");
+  }
+  if (f.requested("audio")) unsupported("audio", "");
+  if (const json* mod = f.get("modalities"); mod && !(mod->is_array() && mod->size() == 1 && (*mod)[0] == "text"))
+    unsupported("modalities", "only [\"text\"] is accepted.");
+  if (f.requested("prediction")) unsupported("prediction", "");
+
+  const bool logprobs = f.boolean("logprobs").value_or(false);
+  auto top = f.integer("top_logprobs", 0, ctx.max_logprobs);
+  if (top && !logprobs) value_error("top_logprobs", "'logprobs' must be true when 'top_logprobs' is set.");
+  if (logprobs) {
+    r.params.logprobs = static_cast<int32_t>(top.value_or(0));
+    r.logprobs = true;
+  }
+
+  std::vector<ChatMessage> msgs = parse_messages(f);
+  if (!ctx.chat_template)
+    throw bad_request("This model has no chat template (tokenizer.chat_template); use /v1/completions.", "messages", "no_chat_template");
+  bool add_generation_prompt = f.boolean("add_generation_prompt").value_or(true);
+  Result<std::string> text = ctx.chat_template->render(msgs, add_generation_prompt, ctx.bos_text, ctx.eos_text);
+  if (!text) throw bad_request(text.message(), "messages", "chat_template_error");
+  // As transformers' apply_chat_template(tokenize=True): the template writes any BOS itself.
+  r.prompt = ctx.tok->encode(*text, /*add_special=*/false, /*parse_special=*/true);
+  if (r.prompt.empty()) value_error("messages", "the conversation renders to an empty prompt.");
+
+  // max_completion_tokens is OpenAI's current name; max_tokens the deprecated one.
+  const int64_t room = static_cast<int64_t>(ctx.max_model_len) - static_cast<int64_t>(r.prompt.size());
+  const char* name = f.get("max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
+  r.params.max_tokens = parse_max_tokens(f, name, ctx, room);
+  return r;
+}
+
+}  // namespace kv

@@ -1,0 +1,55 @@
+// OpenAI request bodies → engine requests. Parsing is strict where a mistake would silently
+// change what the client gets (types, ranges, unknown models, fields we do not support such
+// as tools or logit_bias) and lenient where OpenAI's clients send harmless extras (user,
+// metadata, store, ...).
+//
+// Every function here throws ApiError (api_error.h) with the status, message and param the
+// client should see; the HTTP layer catches it. Thread-safe: ApiContext is read-only.
+#pragma once
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "engine/request.h"
+#include "server/api_error.h"
+
+namespace kv {
+
+class Tokenizer;
+class ChatTemplate;
+
+struct ApiContext {
+  const Tokenizer* tok = nullptr;
+  const ChatTemplate* chat_template = nullptr;  // nullptr: the model has none; chat answers 400
+  std::string bos_text, eos_text;               // template variables bos_token / eos_token
+  std::vector<std::string> model_names;         // accepted `model` values; [0] is the served name
+  int32_t max_model_len = 4096;
+  int32_t max_n = 16;
+  int32_t max_stop = 16;      // stop strings per request (OpenAI allows 4)
+  int32_t max_logprobs = 20;  // logprobs / top_logprobs upper bound, as OpenAI
+  int32_t max_nesting = 64;   // JSON nesting depth accepted in a body
+};
+
+// What the HTTP layer needs beyond the engine's Request.
+struct ApiRequest {
+  bool chat = false;
+  std::vector<int32_t> prompt;  // token ids, ready for Engine::submit
+  RequestParams params;
+  bool stream = false;
+  bool include_usage = false;   // stream_options.include_usage
+  bool logprobs = false;        // the response carries logprobs
+};
+
+// Parses a body as one JSON object. Rejects bodies that are not UTF-8, not JSON, nested
+// deeper than ctx.max_nesting, or not an object.
+nlohmann::json parse_json_body(const std::string& body, const ApiContext& ctx);
+
+ApiRequest parse_completion_request(const nlohmann::json& body, const ApiContext& ctx);  // /v1/completions
+ApiRequest parse_chat_request(const nlohmann::json& body, const ApiContext& ctx);        // /v1/chat/completions
+
+// A seed for a request that did not give one: fresh per call, so n > 1 choices and repeated
+// requests differ.
+uint64_t random_seed();
+
+}  // namespace kv

@@ -1,0 +1,142 @@
+#include "server/openai_response.h"
+
+#include <random>
+
+#include "server/api_error.h"
+#include "server/openai_request.h"
+#include "tokenizer/tokenizer.h"
+
+namespace kv {
+
+using json = nlohmann::ordered_json;
+
+namespace {
+
+json byte_list(const std::string& s) {
+  json b = json::array();
+  for (unsigned char c : s) b.push_back(static_cast<int>(c));
+  return b;
+}
+
+// Chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal": null}
+json chat_logprobs(const std::vector<TokenLogprob>& lps, const Tokenizer& tok) {
+  json content = json::array();
+  for (const auto& lp : lps) {
+    std::string s = tok.token_bytes(lp.token);
+    json top = json::array();
+    for (const auto& [id, l] : lp.top) {
+      std::string ts = tok.token_bytes(id);
+      top.push_back({{"token", ts}, {"logprob", l}, {"bytes", byte_list(ts)}});
+    }
+    content.push_back({{"token", s}, {"logprob", lp.logprob}, {"bytes", byte_list(s)}, {"top_logprobs", top}});
+  }
+  return {{"content", content}, {"refusal", nullptr}};
+}
+
+// Completions (legacy): {"tokens", "token_logprobs", "top_logprobs": [{tok: lp}], "text_offset"}
+json completion_logprobs(const std::vector<TokenLogprob>& lps, int64_t* offset, const Tokenizer& tok) {
+  json tokens = json::array(), token_lps = json::array(), tops = json::array(), offsets = json::array();
+  for (const auto& lp : lps) {
+    std::string s = tok.token_bytes(lp.token);
+    tokens.push_back(s);
+    token_lps.push_back(lp.logprob);
+    json top = json::object();
+    for (const auto& [id, l] : lp.top) top[tok.token_bytes(id)] = l;
+    if (lp.top.empty()) top[s] = lp.logprob;  // logprobs=0: the chosen token alone, as vLLM
+    tops.push_back(top);
+    offsets.push_back(*offset);
+    *offset += static_cast<int64_t>(s.size());
+  }
+  return {{"tokens", tokens}, {"token_logprobs", token_lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
+}
+
+json chunk_base(const ResponseMeta& m) {
+  json j = {{"id", m.id}, {"object", m.chat ? "chat.completion.chunk" : "text_completion"}, {"created", m.created}, {"model", m.model}};
+  return j;
+}
+
+json with_choice(const ResponseMeta& m, json choice) {
+  json j = chunk_base(m);
+  j["choices"] = json::array({std::move(choice)});
+  if (m.include_usage) j["usage"] = nullptr;
+  return j;
+}
+
+}  // namespace
+
+json usage_json(const Usage& u) {
+  return {{"prompt_tokens", u.prompt_tokens},
+          {"completion_tokens", u.completion_tokens},
+          {"total_tokens", u.prompt_tokens + u.completion_tokens},
+          {"prompt_tokens_details", {{"cached_tokens", u.cached_tokens}}}};
+}
+
+json full_response(const ResponseMeta& meta, const std::vector<ChoiceResult>& choices, const Usage& usage, bool with_logprobs,
+                   const Tokenizer& tok) {
+  json arr = json::array();
+  for (size_t i = 0; i < choices.size(); ++i) {
+    const ChoiceResult& c = choices[i];
+    json lp = nullptr;
+    if (with_logprobs) {
+      int64_t offset = 0;
+      lp = meta.chat ? chat_logprobs(c.logprobs, tok) : completion_logprobs(c.logprobs, &offset, tok);
+    }
+    json finish = c.finish_reason.empty() ? json(nullptr) : json(c.finish_reason);
+    if (meta.chat) {
+      arr.push_back({{"index", i},
+                     {"message", {{"role", "assistant"}, {"content", c.text}, {"refusal", nullptr}}},
+                     {"logprobs", lp},
+                     {"finish_reason", finish}});
+    } else {
+      arr.push_back({{"index", i}, {"text", c.text}, {"logprobs", lp}, {"finish_reason", finish}});
+    }
+  }
+  return {{"id", meta.id},
+          {"object", meta.chat ? "chat.completion" : "text_completion"},
+          {"created", meta.created},
+          {"model", meta.model},
+          {"choices", arr},
+          {"usage", usage_json(usage)}};
+}
+
+json chat_role_chunk(const ResponseMeta& meta, int32_t index) {
+  return with_choice(meta, {{"index", index},
+                            {"delta", {{"role", "assistant"}, {"content", ""}}},
+                            {"logprobs", nullptr},
+                            {"finish_reason", nullptr}});
+}
+
+json text_chunk(const ResponseMeta& meta, int32_t index, const std::string& text, const std::vector<TokenLogprob>* logprobs,
+                int64_t* text_offset, const Tokenizer& tok) {
+  json lp = nullptr;
+  if (logprobs) lp = meta.chat ? chat_logprobs(*logprobs, tok) : completion_logprobs(*logprobs, text_offset, tok);
+  if (meta.chat)
+    return with_choice(meta, {{"index", index}, {"delta", {{"content", text}}}, {"logprobs", lp}, {"finish_reason", nullptr}});
+  return with_choice(meta, {{"index", index}, {"text", text}, {"logprobs", lp}, {"finish_reason", nullptr}});
+}
+
+json finish_chunk(const ResponseMeta& meta, int32_t index, const std::string& reason) {
+  if (meta.chat)
+    return with_choice(meta, {{"index", index}, {"delta", json::object()}, {"logprobs", nullptr}, {"finish_reason", reason}});
+  return with_choice(meta, {{"index", index}, {"text", ""}, {"logprobs", nullptr}, {"finish_reason", reason}});
+}
+
+json usage_chunk(const ResponseMeta& meta, const Usage& usage) {
+  json j = chunk_base(meta);
+  j["choices"] = json::array();
+  j["usage"] = usage_json(usage);
+  return j;
+}
+
+std::string sse_event(const json& j) { return "data: " + dump_json(j) + "\n\n"; }
+
+std::string make_response_id(bool chat) {
+  static const char* kHex = "0123456789abcdef";
+  uint64_t a = random_seed(), b = random_seed();
+  std::string id = chat ? "chatcmpl-" : "cmpl-";
+  for (int i = 0; i < 16; ++i) id += kHex[(a >> (4 * i)) & 15];
+  for (int i = 0; i < 16; ++i) id += kHex[(b >> (4 * i)) & 15];
+  return id;
+}
+
+}  // namespace kv

@@ -1,0 +1,52 @@
+// OpenAI response bodies: whole responses (chat.completion, text_completion) and the chunks
+// of a Server-Sent Events stream (chat.completion.chunk, text_completion), in the shapes
+// OpenAI's API returns, so the official clients parse them unchanged.
+#pragma once
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "engine/request.h"
+
+namespace kv {
+
+class Tokenizer;
+
+struct ResponseMeta {
+  std::string id;       // "cmpl-…" or "chatcmpl-…"
+  int64_t created = 0;  // unix seconds
+  std::string model;
+  bool chat = false;
+  bool include_usage = false;  // streams: every chunk carries "usage": null, the last one the usage
+};
+
+// One choice as the non-streaming response reports it, assembled from StreamEvents.
+struct ChoiceResult {
+  std::string text;
+  std::vector<TokenLogprob> logprobs;
+  std::string finish_reason;
+};
+
+nlohmann::ordered_json usage_json(const Usage& u);
+
+// The whole response. with_logprobs: the request asked for logprobs (else "logprobs": null).
+nlohmann::ordered_json full_response(const ResponseMeta& meta, const std::vector<ChoiceResult>& choices, const Usage& usage,
+                             bool with_logprobs, const Tokenizer& tok);
+
+// Streaming. text_offset: for completions' logprobs.text_offset, the choice's running offset
+// (advanced by this call).
+nlohmann::ordered_json chat_role_chunk(const ResponseMeta& meta, int32_t index);
+nlohmann::ordered_json text_chunk(const ResponseMeta& meta, int32_t index, const std::string& text, const std::vector<TokenLogprob>* logprobs,
+                          int64_t* text_offset, const Tokenizer& tok);
+nlohmann::ordered_json finish_chunk(const ResponseMeta& meta, int32_t index, const std::string& reason);
+nlohmann::ordered_json usage_chunk(const ResponseMeta& meta, const Usage& usage);
+
+// "data: <json>\n\n"
+std::string sse_event(const nlohmann::ordered_json& j);
+inline constexpr const char* kSseDone = "data: [DONE]\n\n";
+
+// "cmpl-<32 hex>" / "chatcmpl-<32 hex>"
+std::string make_response_id(bool chat);
+
+}  // namespace kv

@@ -1,0 +1,46 @@
+"""End-to-end fixtures: a real `build/kvserve serve` on the real SmolLM2 model.
+
+The main server is session-scoped (started once, --debug, small limits). After every test that
+uses it, `pages_freed` checks /debug/kv: no KV page is still held by a request and the pool's
+integrity check passes.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvserve_server import Server
+
+
+@pytest.fixture(scope="session")
+def server():
+    s = Server("--debug", "--max-num-seqs", "32", "--max-num-batched-tokens", "256", "--max-queue", "128")
+    yield s
+    s.stop()
+    assert s.proc.returncode == 0, f"kvserve did not stop cleanly ({s.proc.returncode}):\n{s.output()}"
+
+
+@pytest.fixture(autouse=True)
+def pages_freed(request):
+    """After each test on the shared server: every page back, integrity ok."""
+    yield
+    if "server" not in request.fixturenames:
+        return
+    s: Server = request.getfixturevalue("server")
+    deadline = time.time() + 5
+    while True:
+        kv = s.debug_kv()
+        if kv["pages_in_use"] == 0 and kv["integrity"]["ok"]:
+            return
+        if time.time() > deadline:
+            pytest.fail(f"after the test: {kv}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    from openai import OpenAI
+    c = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    yield c
+    c.close()  # idle keep-alive connections would hold the server's shutdown for their timeout

@@ -1,0 +1,79 @@
+"""A real `build/kvserve serve` process on the real SmolLM2 model, for the e2e tests.
+
+(Kept apart from conftest.py so tests can import it by a name no other test folder uses.)
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import tempfile
+import time
+
+import pytest
+import requests
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KVSERVE = os.environ.get("KVSERVE_BIN", os.path.join(ROOT, "build", "kvserve"))
+MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1"  # the file's stem: the default served name
+MAX_MODEL_LEN = 512
+MAX_N = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *extra: str):
+        if not os.path.exists(KVSERVE):
+            pytest.fail(f"{KVSERVE} is missing: run `make build`")
+        if not os.path.exists(MODEL):
+            pytest.fail(f"{MODEL} is missing: run `make models`")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-e2e-", suffix=".log", delete=False)
+        cmd = [KVSERVE, "serve", "-m", MODEL, "--port", str(self.port), "--threads", "2",
+               "--kv-cache-memory", "48MiB", "--max-model-len", str(MAX_MODEL_LEN), "--max-n", str(MAX_N), *extra]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 60
+        while True:
+            if self.proc.poll() is not None:
+                pytest.fail(f"kvserve exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if requests.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.time() > deadline:
+                self.stop()
+                pytest.fail(f"kvserve did not become healthy:\n{self.output()}")
+            time.sleep(0.1)
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name, encoding="utf-8", errors="replace") as f:
+            return f.read()[-4000:]
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()  # SIGTERM: graceful stop
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def debug_kv(self) -> dict:
+        return requests.get(self.url + "/debug/kv", timeout=5).json()
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for line in requests.get(self.url + "/metrics", timeout=5).text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out

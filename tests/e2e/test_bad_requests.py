@@ -1,0 +1,203 @@
+"""A corpus of bad requests: each gets the right 4xx and an OpenAI-shaped error body
+{"error": {"message", "type", "param", "code"}}; afterwards the server still answers."""
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import requests
+
+from kvserve_server import MAX_MODEL_LEN, MAX_N, MODEL_NAME
+
+C = "/v1/completions"
+CH = "/v1/chat/completions"
+JSON = {"Content-Type": "application/json"}
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def comp(**kw):
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+    body.update(kw)
+    return json.dumps(body).encode()
+
+
+def chat(**kw):
+    body = {"model": MODEL_NAME, "messages": MSG, "max_tokens": 2}
+    body.update(kw)
+    return json.dumps(body).encode()
+
+
+def without(body: bytes, key: str) -> bytes:
+    d = json.loads(body)
+    del d[key]
+    return json.dumps(d).encode()
+
+
+IVE = "invalid_request_error"
+
+# (name, method, path, headers, body, status, param or None for "don't care")
+CORPUS = [
+    # --- body is not a JSON object
+    ("empty body", "POST", C, JSON, b"", 400, None),
+    ("truncated json", "POST", C, JSON, b'{"prompt": "hi"', 400, None),
+    ("not json", "POST", CH, JSON, b"hello there", 400, None),
+    ("json array", "POST", C, JSON, b'[1, 2, 3]', 400, None),
+    ("json string", "POST", CH, JSON, b'"hi"', 400, None),
+    ("json null", "POST", C, JSON, b"null", 400, None),
+    ("trailing garbage", "POST", C, JSON, b'{"prompt": "hi"} x', 400, None),
+    ("invalid utf-8 in prompt", "POST", C, JSON, b'{"prompt": "caf\xe9 \xff", "max_tokens": 2}', 400, None),
+    ("invalid utf-8 in message", "POST", CH, JSON, b'{"messages": [{"role": "user", "content": "\xc3\x28"}]}', 400, None),
+    ("overlong utf-8", "POST", C, JSON, b'{"prompt": "\xc0\xaf"}', 400, None),
+    ("lone surrogate escape", "POST", C, JSON, b'{"prompt": "\\ud800"}', 400, None),
+    ("deep nesting", "POST", C, JSON, b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None),
+    # --- model
+    ("unknown model", "POST", C, JSON, comp(model="gpt-4"), 404, "model"),
+    ("unknown model chat", "POST", CH, JSON, chat(model="llama-70b"), 404, "model"),
+    ("model wrong type", "POST", C, JSON, comp(model=5), 400, "model"),
+    # --- prompt
+    ("missing prompt", "POST", C, JSON, without(comp(), "prompt"), 400, "prompt"),
+    ("prompt number", "POST", C, JSON, comp(prompt=42), 400, "prompt"),
+    ("prompt object", "POST", C, JSON, comp(prompt={"text": "hi"}), 400, "prompt"),
+    ("prompt empty list", "POST", C, JSON, comp(prompt=[]), 400, "prompt"),
+    ("prompt empty string", "POST", C, JSON, comp(prompt=""), 400, "prompt"),
+    ("prompt token out of vocab", "POST", C, JSON, comp(prompt=[1, 2, 10**9]), 400, "prompt"),
+    ("prompt negative token", "POST", C, JSON, comp(prompt=[1, -5]), 400, "prompt"),
+    ("prompt mixed list", "POST", C, JSON, comp(prompt=[1, "a"]), 400, "prompt"),
+    ("two prompts", "POST", C, JSON, comp(prompt=["a", "b"]), 400, "prompt"),
+    ("prompt too long", "POST", C, JSON, comp(prompt=[100] * (MAX_MODEL_LEN + 10)), 400, None),
+    # --- messages
+    ("missing messages", "POST", CH, JSON, without(chat(), "messages"), 400, "messages"),
+    ("empty messages", "POST", CH, JSON, chat(messages=[]), 400, "messages"),
+    ("messages string", "POST", CH, JSON, chat(messages="hi"), 400, "messages"),
+    ("message not object", "POST", CH, JSON, chat(messages=["hi"]), 400, "messages[0]"),
+    ("bad role", "POST", CH, JSON, chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0].role"),
+    ("missing role", "POST", CH, JSON, chat(messages=[{"content": "hi"}]), 400, "messages[0].role"),
+    ("role number", "POST", CH, JSON, chat(messages=[{"role": 1, "content": "hi"}]), 400, "messages[0].role"),
+    ("tool role", "POST", CH, JSON, chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "a"}]), 400,
+     "messages[0].role"),
+    ("missing content", "POST", CH, JSON, chat(messages=[{"role": "user"}]), 400, "messages[0].content"),
+    ("null user content", "POST", CH, JSON, chat(messages=[{"role": "user", "content": None}]), 400, "messages[0].content"),
+    ("content number", "POST", CH, JSON, chat(messages=[{"role": "user", "content": 7}]), 400, "messages[0].content"),
+    ("image part", "POST", CH, JSON,
+     chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400,
+     "messages[0].content[0].type"),
+    ("text part without text", "POST", CH, JSON, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), 400,
+     "messages[0].content[0].text"),
+    # --- max_tokens
+    ("negative max_tokens", "POST", C, JSON, comp(max_tokens=-1), 400, "max_tokens"),
+    ("zero max_tokens", "POST", C, JSON, comp(max_tokens=0), 400, "max_tokens"),
+    ("huge max_tokens", "POST", C, JSON, comp(max_tokens=10**12), 400, "max_tokens"),
+    ("max_tokens over 2^64", "POST", C, JSON, b'{"prompt": "hi", "max_tokens": 99999999999999999999999}', 400, "max_tokens"),
+    ("max_tokens over max_model_len", "POST", CH, JSON, chat(max_tokens=MAX_MODEL_LEN + 1), 400, "max_tokens"),
+    ("max_completion_tokens over", "POST", CH, JSON, chat(max_completion_tokens=MAX_MODEL_LEN * 2), 400,
+     "max_completion_tokens"),
+    ("prompt + max_tokens over", "POST", C, JSON, comp(prompt=[100] * 300, max_tokens=300), 400, None),
+    ("max_tokens string", "POST", C, JSON, comp(max_tokens="10"), 400, "max_tokens"),
+    ("max_tokens float", "POST", C, JSON, comp(max_tokens=2.5), 400, "max_tokens"),
+    # --- sampling
+    ("temperature too high", "POST", C, JSON, comp(temperature=2.5), 400, "temperature"),
+    ("temperature negative", "POST", CH, JSON, chat(temperature=-0.1), 400, "temperature"),
+    ("temperature string", "POST", C, JSON, comp(temperature="hot"), 400, "temperature"),
+    ("top_p zero", "POST", C, JSON, comp(top_p=0), 400, "top_p"),
+    ("top_p above one", "POST", C, JSON, comp(top_p=1.5), 400, "top_p"),
+    ("top_k below -1", "POST", C, JSON, comp(top_k=-5), 400, "top_k"),
+    ("min_p above one", "POST", C, JSON, comp(min_p=2), 400, "min_p"),
+    ("presence_penalty out of range", "POST", C, JSON, comp(presence_penalty=3), 400, "presence_penalty"),
+    ("frequency_penalty out of range", "POST", CH, JSON, chat(frequency_penalty=-2.5), 400, "frequency_penalty"),
+    ("repetition_penalty zero", "POST", C, JSON, comp(repetition_penalty=0), 400, "repetition_penalty"),
+    ("seed string", "POST", C, JSON, comp(seed="abc"), 400, "seed"),
+    ("seed float", "POST", C, JSON, comp(seed=1.5), 400, "seed"),
+    # --- n
+    ("n zero", "POST", C, JSON, comp(n=0), 400, "n"),
+    ("n over limit", "POST", C, JSON, comp(n=MAX_N + 1), 400, "n"),
+    ("n string", "POST", CH, JSON, chat(n="2"), 400, "n"),
+    ("best_of differs from n", "POST", C, JSON, comp(best_of=3), 400, "best_of"),
+    # --- stop
+    ("stop number", "POST", C, JSON, comp(stop=5), 400, "stop"),
+    ("stop list with number", "POST", C, JSON, comp(stop=["a", 5]), 400, "stop"),
+    ("stop empty string", "POST", C, JSON, comp(stop=""), 400, "stop"),
+    ("stop too many", "POST", C, JSON, comp(stop=[f"s{i}" for i in range(17)]), 400, "stop"),
+    # --- stream
+    ("stream string", "POST", C, JSON, comp(stream="yes"), 400, "stream"),
+    ("stream_options without stream", "POST", CH, JSON, chat(stream_options={"include_usage": True}), 400, "stream_options"),
+    ("stream_options not object", "POST", CH, JSON, chat(stream=True, stream_options=True), 400, "stream_options"),
+    ("include_usage string", "POST", CH, JSON, chat(stream=True, stream_options={"include_usage": "yes"}), 400,
+     "include_usage"),
+    # --- logprobs
+    ("completion logprobs too many", "POST", C, JSON, comp(logprobs=21), 400, "logprobs"),
+    ("completion logprobs negative", "POST", C, JSON, comp(logprobs=-1), 400, "logprobs"),
+    ("completion logprobs bool", "POST", C, JSON, comp(logprobs=True), 400, "logprobs"),
+    ("chat logprobs int", "POST", CH, JSON, chat(logprobs=5), 400, "logprobs"),
+    ("top_logprobs too many", "POST", CH, JSON, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    ("top_logprobs without logprobs", "POST", CH, JSON, chat(top_logprobs=2), 400, "top_logprobs"),
+    # --- unsupported features
+    ("tools", "POST", CH, JSON,
+     chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), 400, "tools"),
+    ("functions", "POST", CH, JSON, chat(functions=[{"name": "f", "parameters": {}}]), 400, "functions"),
+    ("tool_choice required", "POST", CH, JSON, chat(tool_choice="required"), 400, "tool_choice"),
+    ("response_format json", "POST", CH, JSON, chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("response_format schema", "POST", CH, JSON,
+     chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), 400, "response_format"),
+    ("logit_bias", "POST", C, JSON, comp(logit_bias={"50256": -100}), 400, "logit_bias"),
+    ("echo", "POST", C, JSON, comp(echo=True), 400, "echo"),
+    ("suffix", "POST", C, JSON, comp(suffix="end"), 400, "suffix"),
+    ("audio modality", "POST", CH, JSON, chat(modalities=["text", "audio"]), 400, "modalities"),
+    ("cache_salt empty", "POST", C, JSON, comp(cache_salt=""), 400, "cache_salt"),
+    ("cache_salt number", "POST", C, JSON, comp(cache_salt=3), 400, "cache_salt"),
+    # --- routes and methods
+    ("unknown route", "GET", "/v1/nothing", {}, b"", 404, None),
+    ("unknown POST route", "POST", "/v2/completions", JSON, comp(), 404, None),
+    ("unknown model route", "GET", "/v1/models/gpt-4", {}, b"", 404, None),
+    ("GET completions", "GET", C, {}, b"", 405, None),
+    ("GET chat", "GET", CH, {}, b"", 405, None),
+    ("DELETE completions", "DELETE", C, {}, b"", 405, None),
+    ("PUT chat", "PUT", CH, JSON, chat(), 405, None),
+    ("POST models", "POST", "/v1/models", JSON, b"{}", 405, None),
+    ("POST health", "POST", "/health", JSON, b"{}", 405, None),
+    # --- size
+    ("oversized body", "POST", C, JSON, b'{"prompt": "' + b"a" * (9 << 20) + b'"}', 413, None),
+]
+
+
+def test_corpus_is_big_enough():
+    assert len(CORPUS) >= 50
+    assert len({c[0] for c in CORPUS}) == len(CORPUS)
+
+
+def check_error_body(r, status, param):
+    assert r.status_code == status, r.text[:500]
+    assert r.headers["Content-Type"].startswith("application/json")
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["type"] == ("invalid_request_error" if status < 500 and status != 429 else err["type"])
+    if param is not None:
+        assert err["param"] == param, err
+
+
+@pytest.mark.parametrize("name,method,path,headers,body,status,param", CORPUS, ids=[c[0] for c in CORPUS])
+def test_bad_request(server, name, method, path, headers, body, status, param):
+    r = requests.request(method, server.url + path, headers=headers, data=body, timeout=30)
+    check_error_body(r, status, param)
+
+
+def test_raw_garbage_http(server):
+    """Malformed HTTP on a raw socket gets a 4xx (or a closed connection), never a crash."""
+    for payload in [b"GARBAGE\r\n\r\n", b"POST /v1/completions HTTP/1.1\r\nContent-Length: -5\r\n\r\n",
+                    b"POST /v1/completions HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc",  # short body, then close
+                    b"\x00\x01\x02\x03\r\n\r\n"]:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)
+            data = s.recv(4096)
+            assert data == b"" or data.startswith(b"HTTP/1.1 4"), data[:100]
+
+
+def test_still_serves_after_corpus(server):
+    r = requests.post(server.url + C, json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200
+    assert r.json()["usage"]["completion_tokens"] == 3
+    assert server.proc.poll() is None

@@ -1,0 +1,116 @@
+"""A second server with --api-key and a one-request queue: 401s without the right key, 429
+when the queue is full, and SIGTERM stops it cleanly."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import requests
+
+from kvserve_server import MODEL_NAME, Server
+
+KEY = "sk-test-0123456789"
+
+
+@pytest.fixture(scope="module")
+def keyed():
+    s = Server("--api-key", KEY, "--max-num-seqs", "1", "--max-queue", "1", "--served-model-name", "smol")
+    yield s
+    s.stop()
+    assert s.proc.returncode == 0, s.output()
+
+
+def body(**kw):
+    b = {"model": "smol", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    b.update(kw)
+    return b
+
+
+def error_of(r, status):
+    assert r.status_code == status, r.text
+    e = r.json()["error"]
+    assert set(e) == {"message", "type", "param", "code"}
+    return e
+
+
+@pytest.mark.parametrize("headers", [
+    {},
+    {"Authorization": "Bearer wrong"},
+    {"Authorization": "Bearer " + KEY[:-1]},
+    {"Authorization": "Bearer " + KEY + "x"},
+    {"Authorization": KEY},
+    {"Authorization": "Basic " + KEY},
+    {"Authorization": "Bearer "},
+])
+def test_401_without_the_key(keyed, headers):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        e = error_of(requests.post(keyed.url + path, json=body(), headers=headers), 401)
+        assert e["code"] == "invalid_api_key"
+    error_of(requests.get(keyed.url + "/v1/models", headers=headers), 401)
+
+
+def test_key_accepted(keyed):
+    from openai import AuthenticationError, OpenAI
+    ok = OpenAI(base_url=keyed.url + "/v1", api_key=KEY, max_retries=0)
+    r = ok.completions.create(model="smol", prompt="Hello", max_tokens=2, temperature=0)
+    assert r.model == "smol" and r.usage.completion_tokens == 2
+    # the file stem is accepted too, as an alias of the served name
+    assert ok.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=1).model == "smol"
+    bad = OpenAI(base_url=keyed.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(AuthenticationError):
+        bad.models.list()
+    assert requests.get(keyed.url + "/health").status_code == 200  # probes stay open
+
+
+def test_429_when_queue_full(keyed):
+    auth = {"Authorization": "Bearer " + KEY}
+    statuses, lock = [], threading.Lock()
+
+    def run():
+        r = requests.post(keyed.url + "/v1/completions", json=body(max_tokens=48, ignore_eos=True), headers=auth, timeout=120)
+        with lock:
+            statuses.append((r.status_code, r.json()))
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    codes = sorted(s for s, _ in statuses)
+    assert 200 in codes and 429 in codes, codes
+    assert set(codes) <= {200, 429}
+    for s, j in statuses:
+        if s == 429:
+            assert j["error"]["code"] == "rate_limit_exceeded"
+    # and it still serves
+    assert requests.post(keyed.url + "/v1/completions", json=body(), headers=auth).status_code == 200
+
+
+def test_sigterm_with_streams_in_flight():
+    """SIGTERM while requests stream: the server cancels them and exits 0 promptly."""
+    import time
+    s = Server("--debug")
+    results = []
+
+    def stream():
+        try:
+            r = requests.post(s.url + "/v1/completions", stream=True, timeout=30,
+                              json={"prompt": "Hi", "max_tokens": 500, "ignore_eos": True, "stream": True})
+            results.append(sum(1 for _ in r.iter_lines()))
+        except requests.RequestException as e:  # the server going away mid-stream is fine
+            results.append(e)
+
+    threads = [threading.Thread(target=stream) for _ in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 10
+    while s.debug_kv()["pages_in_use"] == 0:
+        assert time.time() < deadline
+        time.sleep(0.02)
+    t0 = time.time()
+    s.stop()
+    assert s.proc.returncode == 0, s.output()
+    assert time.time() - t0 < 10
+    for t in threads:
+        t.join(timeout=10)
+    assert len(results) == 3

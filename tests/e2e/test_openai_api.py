@@ -1,0 +1,317 @@
+"""The official `openai` client against the real server: completions, chat, streaming, n, logprobs,
+stop, max_tokens, seeds, usage, concurrency, disconnects, /metrics, /v1/models."""
+from __future__ import annotations
+
+import json
+import math
+import socket
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from kvserve_server import MAX_MODEL_LEN, MODEL, MODEL_NAME, ROOT
+
+PROMPT = "The three most important ideas in computer science are"
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+def complete(client, prompt=PROMPT, **kw):
+    kw.setdefault("max_tokens", 12)
+    kw.setdefault("temperature", 0)
+    return client.completions.create(model=MODEL_NAME, prompt=prompt, **kw)
+
+
+def chat(client, messages=CHAT, **kw):
+    kw.setdefault("max_tokens", 12)
+    kw.setdefault("temperature", 0)
+    return client.chat.completions.create(model=MODEL_NAME, messages=messages, **kw)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    sys.path.insert(0, os.path.join(ROOT, "tests", "tokenizer"))
+    from oracle import build_reference
+    return build_reference(MODEL)
+
+
+def test_health_and_models(server, client):
+    assert requests.get(server.url + "/health").json() == {"status": "ok"}
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    assert models.data[0].object == "model"
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+
+
+def test_completion(client):
+    r = complete(client)
+    assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.model == MODEL_NAME
+    assert len(r.choices) == 1
+    c = r.choices[0]
+    assert c.index == 0 and c.text and c.finish_reason == "length" and c.logprobs is None
+    assert r.usage.completion_tokens == 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    assert complete(client).choices[0].text == c.text  # greedy is deterministic
+
+
+def test_chat(client):
+    r = chat(client, max_tokens=40)
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    m = r.choices[0].message
+    assert m.role == "assistant" and m.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens <= 40
+
+
+def test_chat_message_forms(client):
+    msgs = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}]}]
+    as_parts = chat(client, messages=msgs, max_tokens=6)
+    flat = [dict(m) for m in msgs]
+    flat[3]["content"] = "Name a colour."
+    assert chat(client, messages=flat, max_tokens=6).choices[0].message.content == as_parts.choices[0].message.content
+    # "developer" is the new name of "system"
+    dev = [dict(msgs[0], role="developer")] + msgs[1:]
+    r = chat(client, messages=dev, max_tokens=6)
+    assert r.choices[0].message.content == as_parts.choices[0].message.content
+    assert r.usage.prompt_tokens == as_parts.usage.prompt_tokens
+
+
+def test_prompt_forms_agree(client, tokenizer):
+    ids = tokenizer.encode(PROMPT).ids
+    by_text = complete(client)
+    by_ids = complete(client, prompt=ids)
+    by_list = complete(client, prompt=[PROMPT])
+    assert by_ids.choices[0].text == by_text.choices[0].text == by_list.choices[0].text
+    assert by_text.usage.prompt_tokens == by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_usage_counts_match_tokenizer(client, tokenizer):
+    for text in ["Hello", "Hello, world! 12345", "  spaces\tand\nnewlines  ", "naïve café — ünïcödé ✓"]:
+        r = complete(client, prompt=text, max_tokens=3)
+        assert r.usage.prompt_tokens == len(tokenizer.encode(text).ids), text
+        assert r.usage.completion_tokens == 3
+
+
+def test_stream_equals_non_stream_completion(client):
+    want = complete(client, max_tokens=16)
+    chunks = list(complete(client, max_tokens=16, stream=True))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == want.choices[0].text
+    assert all(c.id == chunks[0].id and c.object == "text_completion" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stream_equals_non_stream_chat(client):
+    want = chat(client, max_tokens=16)
+    chunks = list(chat(client, max_tokens=16, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [want.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == want.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == want.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_sse_wire_format(server):
+    body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 3, "temperature": 0, "stream": True}
+    r = requests.post(server.url + "/v1/completions", json=body, stream=True)
+    assert r.status_code == 200
+    assert r.headers["Content-Type"].startswith("text/event-stream")
+    raw = r.content.decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for e in events[:-2]:
+        assert e.startswith("data: ")
+        json.loads(e[len("data: "):])
+
+
+def test_n2(client):
+    r = complete(client, prompt="Once upon a time", max_tokens=16, temperature=1.0, n=2)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert all(c.finish_reason in ("stop", "length") for c in r.choices)
+    assert r.choices[0].text != r.choices[1].text
+    assert r.usage.completion_tokens <= 32
+    # Streamed: chunks of both choices, each finished once.
+    chunks = list(chat(client, max_tokens=8, temperature=1.0, n=2, stream=True))
+    finished = sorted(ch.choices[0].index for ch in chunks if ch.choices and ch.choices[0].finish_reason)
+    assert finished == [0, 1]
+    # Greedy copies agree.
+    g = complete(client, n=2)
+    assert g.choices[0].text == g.choices[1].text == complete(client).choices[0].text
+
+
+def test_completion_logprobs(client):
+    r = complete(client, max_tokens=6, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == r.choices[0].text
+    for tok, l, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert l <= 0 and len(top) == 3
+        # greedy: the chosen token is the most likely one
+        assert math.isclose(max(top.values()), l, abs_tol=1e-4)
+        assert tok in top
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+def test_chat_logprobs(client):
+    r = chat(client, max_tokens=5, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 2
+        assert bytes(t.bytes).decode("utf-8", "replace") == t.token
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+        assert math.isclose(t.top_logprobs[0].logprob, t.logprob, abs_tol=1e-4)
+    none = chat(client, max_tokens=2)
+    assert none.choices[0].logprobs is None
+
+
+def test_stop_string_across_tokens(client):
+    full = complete(client, max_tokens=24, logprobs=0)
+    toks = full.choices[0].logprobs.tokens
+    text = full.choices[0].text
+    # A stop string made of the end of one token and the start of the next.
+    stop = None
+    for i in range(2, len(toks) - 1):
+        a, b = toks[i], toks[i + 1]
+        if len(a.strip()) >= 2 and len(b) >= 2:
+            stop = a[-2:] + b[:2]
+            break
+    assert stop, toks
+    want = text[: text.index(stop)]
+    for stream in (False, True):
+        if stream:
+            chunks = list(complete(client, max_tokens=24, stop=[stop, "zzzz-never"], stream=True))
+            got = "".join(c.choices[0].text for c in chunks if c.choices)
+            reason = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            assert reason == ["stop"]
+        else:
+            r = complete(client, max_tokens=24, stop=stop)
+            got = r.choices[0].text
+            assert r.choices[0].finish_reason == "stop"
+        assert got == want
+        assert stop not in got
+
+
+def test_max_tokens_length(client):
+    for n in (1, 5):
+        r = chat(client, max_tokens=n)
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == n
+    r = chat(client, max_completion_tokens=3)
+    assert r.usage.completion_tokens == 3
+
+
+def test_seed_reproducible(client):
+    kw = dict(prompt="Once upon a time", max_tokens=16, temperature=1.0, top_p=0.95)
+    a = complete(client, seed=42, **kw).choices[0].text
+    b = complete(client, seed=42, **kw).choices[0].text
+    assert a == b
+    others = {complete(client, seed=s, **kw).choices[0].text for s in (1, 2, 3)}
+    assert others != {a}
+    # no seed: a fresh one per request
+    assert len({complete(client, **kw).choices[0].text for _ in range(3)}) > 1
+
+
+def test_sampling_params_accepted(client):
+    r = complete(client, max_tokens=8, temperature=0.7, top_p=0.9, seed=7, presence_penalty=0.5, frequency_penalty=0.5,
+                 extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "cache_salt": "tenant-a"})
+    assert r.usage.completion_tokens <= 8
+
+
+def test_ignore_eos(client):
+    r = chat(client, max_tokens=60, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 60 and r.choices[0].finish_reason == "length"
+
+
+def test_concurrent_clients_match_sequential(client):
+    prompts = [f"Question {i}: what is {i} plus {i + 1}? Answer:" for i in range(16)]
+    prompts += ["Write a haiku about the sea.", "List four fruits:"]
+    alone = [complete(client, prompt=p, max_tokens=10).choices[0].text for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        together = list(ex.map(lambda p: complete(client, prompt=p, max_tokens=10).choices[0].text, prompts))
+    assert together == alone
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        streamed = list(ex.map(
+            lambda p: "".join(c.choices[0].text for c in complete(client, prompt=p, max_tokens=10, stream=True) if c.choices),
+            prompts))
+    assert streamed == alone
+
+
+def test_client_disconnect_frees_pages(server):
+    """A raw socket (so the moment of closing is ours): read two SSE events, check the request
+    holds pages, hang up; the engine must free them within a step or two. Reads /metrics, which
+    never waits for the engine's state lock (the integrity check in /debug/kv does)."""
+    def pages_used():
+        return server.metrics()["kvserve:kv_cache_pages_used"]
+
+    before = server.metrics()["kvserve:request_aborted_total"]
+    body = json.dumps({"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 400, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    try:
+        s.sendall(head + body)
+        data = b""
+        while data.count(b"data: ") < 2:
+            chunk = s.recv(4096)
+            assert chunk, data
+            data += chunk
+        assert data.startswith(b"HTTP/1.1 200")
+        assert pages_used() > 0
+    finally:
+        s.close()
+    t0 = time.time()
+    while pages_used() != 0 or server.metrics()["kvserve:request_aborted_total"] <= before:
+        assert time.time() - t0 < 3, server.metrics()
+        time.sleep(0.02)
+
+
+def test_metrics(server, client):
+    names = ["kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:kv_cache_usage_perc",
+             "kvserve:num_preemptions_total", "kvserve:prompt_tokens_total", "kvserve:generation_tokens_total",
+             "kvserve:time_to_first_token_seconds_count", "kvserve:inter_token_latency_seconds_count",
+             "kvserve:e2e_request_latency_seconds_count"]
+    before = server.metrics()
+    for n in names:
+        assert n in before, n
+    text = requests.get(server.url + "/metrics").text
+    assert "# TYPE kvserve:e2e_request_latency_seconds histogram" in text
+    complete(client, max_tokens=5)
+    # The engine wakes the reader before it records the latency: allow it a moment.
+    deadline = time.time() + 2
+    while (after := server.metrics())["kvserve:e2e_request_latency_seconds_count"] == before["kvserve:e2e_request_latency_seconds_count"]:
+        assert time.time() < deadline
+        time.sleep(0.01)
+    assert after["kvserve:generation_tokens_total"] >= before["kvserve:generation_tokens_total"] + 5
+    assert after["kvserve:prompt_tokens_total"] > before["kvserve:prompt_tokens_total"]
+    assert after["kvserve:e2e_request_latency_seconds_count"] == before["kvserve:e2e_request_latency_seconds_count"] + 1
+
+
+def test_long_prompt_rejected_with_reason(client):
+    import openai
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(client, prompt=[100] * (MAX_MODEL_LEN - 4), max_tokens=10)
+    assert "maximum context length" in str(e.value)
+
+
+def test_cached_tokens_and_cache_salt(client):
+    prompt = "Alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau"
+    first = complete(client, prompt=prompt, max_tokens=3, extra_body={"cache_salt": "e2e-salt-a"})
+    again = complete(client, prompt=prompt, max_tokens=3, extra_body={"cache_salt": "e2e-salt-a"})
+    other = complete(client, prompt=prompt, max_tokens=3, extra_body={"cache_salt": "e2e-salt-b"})
+    assert first.usage.prompt_tokens >= 16
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16  # at least one full page reused
+    assert other.usage.prompt_tokens_details.cached_tokens == 0   # another namespace shares nothing
+    assert first.choices[0].text == again.choices[0].text == other.choices[0].text

@@ -1,0 +1,181 @@
+// kvserve serve: the OpenAI-compatible server (src/server/) over the batching engine.
+#include <pthread.h>
+#include <signal.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <thread>
+
+#include "commands.h"
+#include "common/thread_pool.h"
+#include "common/units.h"
+#include "engine/engine.h"
+#include "gguf/gguf.h"
+#include "kernels/matmul.h"
+#include "loaded_model.h"
+#include "server/http_server.h"
+#include "tokenizer/chat_template.h"
+
+namespace kvtools {
+
+namespace {
+struct ServeOptions {
+  std::string model = kDefaultModel;
+  std::string host = "127.0.0.1";
+  int port = 8080;
+  std::string api_key;
+  std::string served_model_name;
+  int max_num_batched_tokens = 512;
+  int max_num_seqs = 64;
+  int max_model_len = 0;  // 0: the model's training context
+  int max_queue = 256;
+  int max_n = 16;
+  int threads = 0;
+  int http_threads = 0;
+  std::string max_body = "8MiB";
+  bool debug = false;
+  KvOptions kvo;
+};
+
+struct StderrProgress : kv::LoadProgress {
+  void on_tensor(int done, int total) override {
+    std::fprintf(stderr, "\rloading weights: %d/%d layers", done, total);
+    if (done == total) std::fprintf(stderr, "\n");
+  }
+};
+
+void run_serve(const ServeOptions& o) {
+  // SIGINT/SIGTERM are taken by one watcher thread (sigwait) and SIGPIPE is ignored (a client
+  // that hangs up must not kill the process): block them before any thread exists so every
+  // thread inherits the mask.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  // Weights and tokenizer only: the engine allocates the KV pool itself from EngineConfig.
+  if (std::string hint = missing_model_hint(o.model); !hint.empty()) fail(hint);
+  auto file = kv::GgufFile::open(o.model);
+  if (!file) fail(file.message());
+  auto tok = kv::Tokenizer::from_gguf(**file);
+  if (!tok) fail(o.model + ": tokenizer: " + tok.message());
+  StderrProgress progress;
+  auto model = kv::LlamaModel::load(**file, kv::detect_isa(), &progress);
+  if (!model) fail(o.model + ": " + model.message());
+  const auto& mc = (*model)->config();
+
+  std::optional<kv::ChatTemplate> chat;
+  if (const kv::GgufValue* src = (*file)->find("tokenizer.chat_template"); src && !src->str.empty()) {
+    auto t = kv::ChatTemplate::parse(src->str);
+    if (t) chat = std::move(*t);
+    else std::fprintf(stderr, "warning: the model's chat template does not parse (%s); /v1/chat/completions is off\n", t.message().c_str());
+  } else {
+    std::fprintf(stderr, "warning: the model has no chat template; /v1/chat/completions is off\n");
+  }
+
+  kv::EngineConfig ec;
+  ec.max_num_batched_tokens = o.max_num_batched_tokens;
+  ec.max_num_seqs = o.max_num_seqs;
+  ec.max_model_len = o.max_model_len > 0 ? o.max_model_len : (mc.n_ctx_train > 0 ? mc.n_ctx_train : 4096);
+  ec.max_queue = o.max_queue;
+  ec.max_n = o.max_n;
+  ec.block_size = o.kvo.block_size;
+  auto dtype = kv::parse_kv_dtype(o.kvo.dtype);
+  if (!dtype) fail(dtype.message());
+  ec.kv_dtype = *dtype;
+  auto bytes = kv::parse_memory_size(o.kvo.memory);
+  if (!bytes) fail(bytes.message());
+  ec.kv_cache_bytes = *bytes;
+  ec.n_threads = o.threads > 0 ? o.threads : kv::default_thread_count();
+  auto max_body = kv::parse_memory_size(o.max_body);
+  if (!max_body) fail("--max-body-size: " + max_body.message());
+
+  kv::KvLayout layout = (*model)->kv_layout(ec.block_size, ec.kv_dtype);
+  if (kv::PagePool::pages_for_bytes(layout, ec.kv_cache_bytes) < 1)
+    fail("--kv-cache-memory " + o.kvo.memory + " holds no page (one page is " + kv::format_bytes(layout.page_bytes()) + ")");
+
+  kv::Engine engine(**model, **tok, ec);
+  const int64_t n_pages = engine.pool().n_pages();
+  const int64_t n_tokens = n_pages * ec.block_size;
+  const int64_t pages_per_seq = (ec.max_model_len + ec.block_size - 1) / ec.block_size;
+  std::fprintf(stderr, "model: %s (%s, %d layers, %s %d/%d heads), kernels: %s, threads: %d\n", mc.name.c_str(), mc.arch.c_str(),
+               mc.n_layer, mc.attention_kind(), mc.n_head, mc.n_head_kv, kv::isa_name(kv::detect_isa()), ec.n_threads);
+  std::fprintf(stderr, "KV cache: %s %s, %lld pages of %d tokens = %lld tokens (%s per token); %lld sequences of max_model_len %d fit\n",
+               kv::format_bytes(engine.pool().total_bytes()).c_str(), kv::kv_dtype_name(ec.kv_dtype), static_cast<long long>(n_pages),
+               ec.block_size, static_cast<long long>(n_tokens), kv::format_bytes(layout.bytes_per_token()).c_str(),
+               static_cast<long long>(n_pages / pages_per_seq), ec.max_model_len);
+  std::fprintf(stderr, "engine: max_num_seqs %d, max_num_batched_tokens %d, max_queue %d\n", ec.max_num_seqs, ec.max_num_batched_tokens,
+               ec.max_queue);
+
+  std::string stem = std::filesystem::path(o.model).stem().string();
+  kv::ApiContext ctx;
+  ctx.tok = tok->get();
+  ctx.chat_template = chat ? &*chat : nullptr;
+  if ((*tok)->bos_id() >= 0) ctx.bos_text = (*tok)->token_bytes((*tok)->bos_id(), true);
+  if ((*tok)->eos_id() >= 0) ctx.eos_text = (*tok)->token_bytes((*tok)->eos_id(), true);
+  ctx.model_names = {o.served_model_name.empty() ? stem : o.served_model_name, stem, std::filesystem::path(o.model).filename().string()};
+  ctx.max_model_len = ec.max_model_len;
+  ctx.max_n = ec.max_n;
+
+  kv::ServerOptions so;
+  so.api_key = o.api_key;
+  so.max_body_bytes = static_cast<size_t>(*max_body);
+  so.debug = o.debug;
+  so.http_threads = o.http_threads;
+  kv::HttpServer server(engine, ctx, so);
+  if (!server.bind(o.host, o.port)) fail("cannot listen on " + o.host + ":" + std::to_string(o.port) + " (address in use or invalid)");
+
+  engine.start();
+  std::thread watcher([&] {
+    int sig = 0;
+    sigwait(&stop_signals, &sig);
+    if (sig == SIGINT || sig == SIGTERM) {
+      std::fprintf(stderr, "\n%s: stopping (in-flight requests are cancelled)\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
+      server.stop();
+    }
+  });
+
+  const std::string url = "http://" + (o.host.find(':') != std::string::npos ? "[" + o.host + "]" : o.host) + ":" + std::to_string(o.port);
+  std::fprintf(stderr, "serving %s at %s%s\n", ctx.model_names[0].c_str(), url.c_str(), o.debug ? " (debug: /debug/kv)" : "");
+  std::fprintf(stderr,
+               "try:\n  curl %s/v1/chat/completions -H 'Content-Type: application/json'%s \\\n"
+               "    -d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 64}'\n",
+               url.c_str(), o.api_key.empty() ? "" : " -H \"Authorization: Bearer $KVSERVE_API_KEY\"", ctx.model_names[0].c_str());
+  std::fflush(stderr);
+
+  server.run();
+  // run() also returns if listening fails; wake the watcher so it can be joined.
+  pthread_kill(watcher.native_handle(), SIGTERM);
+  watcher.join();
+  engine.stop();
+  std::fprintf(stderr, "stopped\n");
+}
+}  // namespace
+
+void add_serve_command(CLI::App& app) {
+  auto o = std::make_shared<ServeOptions>();
+  CLI::App* cmd = app.add_subcommand("serve", "OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)");
+  cmd->add_option("-m,--model", o->model, "GGUF model path")->capture_default_str();
+  cmd->add_option("--host", o->host, "address to bind")->capture_default_str();
+  cmd->add_option("--port", o->port, "port")->check(CLI::Range(1, 65535))->capture_default_str();
+  cmd->add_option("--api-key", o->api_key, "require Authorization: Bearer <key> on /v1/* (env KVSERVE_API_KEY)")->envname("KVSERVE_API_KEY");
+  cmd->add_option("--served-model-name", o->served_model_name, "model id in the API (default: the file's stem)");
+  cmd->add_option("--max-num-batched-tokens", o->max_num_batched_tokens, "token budget per engine step")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  cmd->add_option("--max-num-seqs", o->max_num_seqs, "sequences per engine step")->check(CLI::Range(1, 4096))->capture_default_str();
+  cmd->add_option("--max-model-len", o->max_model_len, "prompt + completion tokens per sequence (default: the model's context)")
+      ->check(CLI::Range(1, 1 << 24));
+  cmd->add_option("--max-queue", o->max_queue, "waiting requests before 429")->check(CLI::Range(1, 1 << 20))->capture_default_str();
+  cmd->add_option("--max-n", o->max_n, "largest n (choices per request)")->check(CLI::Range(1, 256))->capture_default_str();
+  cmd->add_option("-t,--threads", o->threads, "compute threads (default: all cores)")->check(CLI::Range(1, 256));
+  cmd->add_option("--http-threads", o->http_threads, "connection threads (default: max-num-seqs + 16)")->check(CLI::Range(1, 4096));
+  cmd->add_option("--max-body-size", o->max_body, "largest request body (413 above)")->capture_default_str();
+  cmd->add_flag("--debug", o->debug, "enable /debug/kv and log one line per request");
+  add_kv_options(cmd, &o->kvo);
+  cmd->callback([o] { run_serve(*o); });
+}
+
+}  // namespace kvtools
