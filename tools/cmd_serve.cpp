@@ -34,6 +34,8 @@ struct ServeOptions {
   int http_threads = 0;
   std::string max_body = "8MiB";
   bool debug = false;
+  bool prefix_caching = true;
+  std::string policy = "fcfs";
   KvOptions kvo;
 };
 
@@ -89,6 +91,8 @@ void run_serve(const ServeOptions& o) {
   if (!bytes) fail(bytes.message());
   ec.kv_cache_bytes = *bytes;
   ec.n_threads = o.threads > 0 ? o.threads : kv::default_thread_count();
+  ec.enable_prefix_caching = o.prefix_caching;
+  ec.policy = o.policy == "lpm" ? kv::EngineConfig::Policy::kLpm : kv::EngineConfig::Policy::kFcfs;
   auto max_body = kv::parse_memory_size(o.max_body);
   if (!max_body) fail("--max-body-size: " + max_body.message());
 
@@ -106,8 +110,8 @@ void run_serve(const ServeOptions& o) {
                kv::format_bytes(engine.pool().total_bytes()).c_str(), kv::kv_dtype_name(ec.kv_dtype), static_cast<long long>(n_pages),
                ec.block_size, static_cast<long long>(n_tokens), kv::format_bytes(layout.bytes_per_token()).c_str(),
                static_cast<long long>(n_pages / pages_per_seq), ec.max_model_len);
-  std::fprintf(stderr, "engine: max_num_seqs %d, max_num_batched_tokens %d, max_queue %d\n", ec.max_num_seqs, ec.max_num_batched_tokens,
-               ec.max_queue);
+  std::fprintf(stderr, "engine: max_num_seqs %d, max_num_batched_tokens %d, max_queue %d, prefix caching %s, policy %s\n",
+               ec.max_num_seqs, ec.max_num_batched_tokens, ec.max_queue, ec.enable_prefix_caching ? "on" : "off", o.policy.c_str());
 
   std::string stem = std::filesystem::path(o.model).stem().string();
   kv::ApiContext ctx;
@@ -174,6 +178,11 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--http-threads", o->http_threads, "connection threads (default: max-num-seqs + 16)")->check(CLI::Range(1, 4096));
   cmd->add_option("--max-body-size", o->max_body, "largest request body (413 above)")->capture_default_str();
   cmd->add_flag("--debug", o->debug, "enable /debug/kv and log one line per request");
+  cmd->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", o->prefix_caching,
+                "reuse the KV pages of repeated prompt prefixes (default on)");
+  cmd->add_option("--scheduling-policy", o->policy, "fcfs, or lpm: prefer the longest cached prefix (no starvation)")
+      ->check(CLI::IsMember({"fcfs", "lpm"}))
+      ->capture_default_str();
   add_kv_options(cmd, &o->kvo);
   cmd->callback([o] { run_serve(*o); });
 }

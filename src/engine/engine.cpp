@@ -138,6 +138,8 @@ void Engine::stop() {
 
 void Engine::loop() {
   while (!stop_.load()) {
+    // Another thread waits for state_mu_ (check_integrity): let it in between steps.
+    while (inspectors_.load() > 0 && !stop_.load()) std::this_thread::sleep_for(std::chrono::microseconds(200));
     if (!step()) {
       std::unique_lock<std::mutex> l(in_mu_);
       in_cv_.wait_for(l, std::chrono::milliseconds(20), [&] { return !incoming_.empty() || stop_.load(); });
@@ -371,27 +373,27 @@ void Engine::postprocess(Plan& plan, const float* logits) {
       std::copy(lg, lg + nv, row.begin());
       StreamEvent ev;
       ev.index = e->index;
+      double lz = 0;  // log-partition of the raw logits
       if (p.logprobs >= 0) {
         // Log-probabilities of the model's distribution (before penalties and temperature).
         float mx = *std::max_element(lg, lg + nv);
         double z = 0;
         for (int32_t i = 0; i < nv; ++i) z += std::exp(double(lg[i]) - mx);
-        const double lz = mx + std::log(z);
+        lz = mx + std::log(z);
         TokenLogprob tl;
         if (p.logprobs > 0) {
           std::vector<int32_t> idx(nv);
           for (int32_t i = 0; i < nv; ++i) idx[i] = i;
           const int32_t k = std::min(p.logprobs, nv);
           std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int32_t a, int32_t b) { return lg[a] > lg[b] || (lg[a] == lg[b] && a < b); });
-          for (int32_t i = 0; i < k; ++i) tl.top.emplace_back(idx[i], static_cast<float>(lg[idx[i]] - lz));
+          for (int32_t i = 0; i < k; ++i) tl.top.emplace_back(idx[i], static_cast<float>(double(lg[idx[i]]) - lz));
         }
-        tl.logprob = static_cast<float>(-lz);  // completed below once the token is known
         ev.logprobs.push_back(tl);
       }
       const int32_t tok = e->sampler.sample(row.data(), nv, e->tokens, static_cast<size_t>(e->n_prompt));
       if (!ev.logprobs.empty()) {
         ev.logprobs[0].token = tok;
-        ev.logprobs[0].logprob += lg[tok];
+        ev.logprobs[0].logprob = static_cast<float>(double(lg[tok]) - lz);  // same arithmetic as `top`
       }
       e->tokens.push_back(tok);
       ++e->n_generated;
@@ -462,9 +464,10 @@ void Engine::maybe_finish_request(Sequence& s) {
   u.prompt_tokens = static_cast<int32_t>(rs.req.prompt.size());
   u.completion_tokens = rs.completion_tokens;
   u.cached_tokens = std::max(rs.cached_tokens, 0);
-  rs.req.stream->finish_all(u);
+  // Metrics first: a client that sees its response must also see it counted.
   metrics_.add_finished(aborted);
   metrics_.observe_e2e(seconds(rs.req.arrival, Clock::now()));
+  rs.req.stream->finish_all(u);
 }
 
 void Engine::finish(Sequence& s, const char* reason) {
@@ -524,7 +527,9 @@ void Engine::publish_gauges() {
 MetricsSnapshot Engine::metrics() const { return metrics_.snapshot(); }
 
 Status Engine::check_integrity() const {
-  std::lock_guard<std::mutex> l(state_mu_);
+  inspectors_.fetch_add(1);
+  std::unique_lock<std::mutex> l(state_mu_);
+  inspectors_.fetch_sub(1);
   if (Status st = pool_->check_integrity(); !st) return st;
   // Every page reference is held by a sequence's table entry or by the prefix cache.
   std::vector<int32_t> held(pool_->n_pages(), 0);

@@ -114,6 +114,7 @@ class Engine {
 
   // Engine-thread state; state_mu_ is held for a whole step so other threads can inspect it.
   mutable std::mutex state_mu_;
+  mutable std::atomic<int32_t> inspectors_{0};  // threads waiting for state_mu_
   std::list<std::unique_ptr<Sequence>> waiting_;   // FCFS; preempted go to the front
   std::list<std::unique_ptr<Sequence>> running_;   // admission order (oldest first)
   std::vector<float> logits_;

@@ -1,5 +1,9 @@
 #include "server/http_server.h"
 
+#include <xxhash.h>
+
+#include <cstdio>
+
 #include <httplib.h>
 
 #include <chrono>
@@ -231,6 +235,14 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
   r.id = engine_.next_request_id();
   r.prompt = std::move(ar.prompt);
   r.params = ar.params;
+  // Prefix-cache namespace: the caller's cache_salt, and with auth on, the key itself (hashed,
+  // never stored raw), so tenants with different keys never share a page.
+  if (!opts_.api_key.empty()) {
+    const std::string key = req.get_header_value("Authorization").substr(7);
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "key:%016llx/", static_cast<unsigned long long>(XXH3_64bits(key.data(), key.size())));
+    r.params.cache_namespace = buf + r.params.cache_namespace;
+  }
   r.stream = std::make_shared<RequestStream>();
   std::shared_ptr<RequestStream> stream = r.stream;
   const int32_t n = ar.params.n;
