@@ -7,7 +7,8 @@
 //
 // Weights are replicated so that every pass reads at least 160 MB: more than the 32 MiB L3,
 // so rows=1 measures RAM streaming as decode does, not cache.
-// KV_ISA=scalar|avx2|avx512 picks the kernel family.
+// KV_ISA=scalar|avx2|avx512 picks the kernel family; KV_ACT_QUANT=q8 the single-level
+// activation quantization (default q8x2: two 8-bit levels), for before/after comparisons.
 #include <benchmark/benchmark.h>
 
 #include <cstring>
@@ -41,6 +42,8 @@ ThreadPool& pool(int n) {
   if (!p) p = std::make_unique<ThreadPool>(n);
   return *p;
 }
+
+const char* act_name() { return act_quant() == ActQuant::kQ8 ? "act=q8" : "act=q8x2"; }
 
 std::vector<uint8_t> random_raw(GgmlType type, int64_t n_in, int64_t n_out, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -93,7 +96,7 @@ void BM_Matmul(benchmark::State& st, Shape s, GgmlType type) {
                                            benchmark::Counter::kIsRate);
   st.counters["GFLOP/s"] = benchmark::Counter(n * 2.0 * rows * s.n_in * s.n_out * 1e-9,
                                               benchmark::Counter::kIsRate);
-  st.SetLabel(std::string(isa_name(ws[0].isa())) + " " + type_name(type));
+  st.SetLabel(std::string(isa_name(ws[0].isa())) + " " + type_name(type) + " " + act_name());
 }
 
 // One forward pass of the matmuls: rows tokens through 30 layers, then logits for one row.
@@ -120,7 +123,7 @@ void BM_Model(benchmark::State& st, GgmlType type) {
   const double n = static_cast<double>(st.iterations());
   st.counters["tok/s"] = benchmark::Counter(n * static_cast<double>(rows), benchmark::Counter::kIsRate);
   st.counters["GB/s"] = benchmark::Counter(n * static_cast<double>(bytes) * 1e-9, benchmark::Counter::kIsRate);
-  st.SetLabel(std::string(isa_name(out.isa())) + " " + type_name(type) + " weights " +
+  st.SetLabel(std::string(isa_name(out.isa())) + " " + type_name(type) + " " + act_name() + " weights " +
               std::to_string(bytes >> 20) + " MiB");
 }
 

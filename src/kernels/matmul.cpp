@@ -114,18 +114,25 @@ void pack_group(QFmt f, const uint8_t* const rows[kGroup], int64_t nb, uint8_t* 
 // rows are split between threads; small calls use each worker's own.
 struct ActScratch {
   std::vector<uint8_t, AlignedAllocator<uint8_t>> buf;
-  QAct view(int64_t n_rows, int64_t n_in) {
+  QAct view(int64_t n_rows, int64_t n_in, bool two) {
     const int64_t nb = n_in / kQK;
     auto up = [](int64_t v) { return (v + 63) & ~int64_t{63}; };
     const int64_t q_bytes = up(n_rows * n_in), f_bytes = up(n_rows * nb * 4);
-    const size_t need = static_cast<size_t>(q_bytes + 3 * f_bytes);
+    const size_t need = static_cast<size_t>(2 * q_bytes + 3 * f_bytes);
     if (buf.size() < need) buf.resize(need);
     uint8_t* p = buf.data();
-    return QAct{reinterpret_cast<int8_t*>(p), reinterpret_cast<float*>(p + q_bytes),
-                reinterpret_cast<float*>(p + q_bytes + f_bytes),
-                reinterpret_cast<int32_t*>(p + q_bytes + 2 * f_bytes), n_in, nb};
+    uint8_t* f = p + 2 * q_bytes;
+    return QAct{reinterpret_cast<int8_t*>(p), reinterpret_cast<int8_t*>(p + q_bytes),
+                reinterpret_cast<float*>(f), reinterpret_cast<float*>(f + f_bytes),
+                reinterpret_cast<int32_t*>(f + 2 * f_bytes), n_in, nb, two};
   }
 };
+
+ActQuant initial_act_quant() {
+  const char* e = std::getenv("KV_ACT_QUANT");
+  return e && std::strcmp(e, "q8") == 0 ? ActQuant::kQ8 : ActQuant::kQ8x2;
+}
+ActQuant g_act_quant = initial_act_quant();
 thread_local ActScratch tl_act;
 thread_local std::vector<float> tl_row;  // kRawRows: one dequantized weight row
 
@@ -145,6 +152,9 @@ Isa detect_isa() {
   }
   return best;
 }
+
+ActQuant act_quant() { return g_act_quant; }
+void set_act_quant(ActQuant q) { g_act_quant = q; }
 
 const char* isa_name(Isa isa) {
   switch (isa) {
@@ -248,8 +258,9 @@ void matmul(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, Thr
     Kernels k;
     QAct shared;  // valid when rows are quantized cooperatively
     bool split_quant;
+    bool two;  // two-level activations
     ThreadPool* pool;
-  } job{&w, x, n_rows, y, k, {}, false, &pool};
+  } job{&w, x, n_rows, y, k, {}, false, g_act_quant == ActQuant::kQ8x2, &pool};
 
   std::function<void(int, int)> fn;  // fits the small-buffer: the lambda holds one pointer
   const int nth_max = pool.size();
@@ -258,7 +269,7 @@ void matmul(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, Thr
   if (w.layout_ == kInterleaved16) {
     n_units = (n_out + kGroup - 1) / kGroup;
     job.split_quant = n_rows > kPrivateQuantRows && nth_max > 1;
-    if (job.split_quant) job.shared = tl_act.view(n_rows, n_in);
+    if (job.split_quant) job.shared = tl_act.view(n_rows, n_in, job.two);
     fn = [p = &job](int ith, int nth) {
       const PackedMatrix& w = *p->w;
       QFmt f = QFmt::kQ4_1;
@@ -271,7 +282,7 @@ void matmul(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, Thr
         if (r0 < r1) p->k.quantize(p->x, r0, r1, a);
         p->pool->barrier();
       } else {
-        a = p->split_quant ? p->shared : tl_act.view(p->n_rows, w.n_in_);
+        a = p->split_quant ? p->shared : tl_act.view(p->n_rows, w.n_in_, p->two);
         p->k.quantize(p->x, 0, p->n_rows, a);
       }
       const int64_t n_groups = (w.n_out_ + kGroup - 1) / kGroup;
@@ -342,13 +353,25 @@ void quantize_rows_scalar(const float* x, int64_t r0, int64_t r1, const QAct& a)
       const float d = amax / 127.0f;
       const float id = amax > 0 ? 127.0f / amax : 0.0f;
       int8_t* q = a.q + r * a.n_in + b * kQK;
-      int32_t sum = 0;
+      int32_t sum = 0, sum2 = 0;
       for (int i = 0; i < kQK; ++i) {
         int v = static_cast<int>(std::nearbyint(xb[i] * id));
         q[i] = static_cast<int8_t>(v);
         sum += v;
       }
-      a.d[r * a.nb + b] = d;
+      if (a.two) {
+        const float id2 = amax > 0 ? 32258.0f / amax : 0.0f;
+        int8_t* q2 = a.q2 + r * a.n_in + b * kQK;
+        for (int i = 0; i < kQK; ++i) {
+          const float res = std::fma(-d, static_cast<float>(q[i]), xb[i]);
+          int v = static_cast<int>(std::nearbyint(res * id2));
+          v = std::min(127, std::max(-127, v));
+          q2[i] = static_cast<int8_t>(v);
+          sum2 += v;
+        }
+        sum = sum * kLevel2 + sum2;
+      }
+      a.d[r * a.nb + b] = a.two ? amax / 32258.0f : d;
       a.s[r * a.nb + b] = static_cast<float>(sum);
       a.s128[r * a.nb + b] = sum * 128;
     }
@@ -367,20 +390,27 @@ void q_gemm_scalar(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0,
         const uint8_t* blk = grp + b * rec;
         const uint8_t* qs = blk + qoff;
         const int8_t* xb = xq + b * kQK;
+        const int8_t* xb2 = a.two ? a.q2 + r * a.n_in + b * kQK : nullptr;
         const float dx = a.d[r * a.nb + b], sx = a.s[r * a.nb + b];
         for (int c = 0; c < kGroup; ++c) {
-          int32_t isum = 0;
-          if (w.fmt == QFmt::kQ8_0) {
-            for (int j = 0; j < 8; ++j)
-              for (int t = 0; t < 4; ++t) isum += qs[64 * j + 4 * c + t] * xb[4 * j + t];
-            isum -= a.s128[r * a.nb + b];
-          } else {
-            for (int j = 0; j < 4; ++j)
-              for (int t = 0; t < 4; ++t) {
-                const uint8_t u = qs[64 * j + 4 * c + t];
-                isum += (u & 15) * xb[4 * j + t] + (u >> 4) * xb[16 + 4 * j + t];
-              }
-          }
+          // Σ u·q for one level.
+          auto level = [&](const int8_t* xl) {
+            int32_t is = 0;
+            if (w.fmt == QFmt::kQ8_0) {
+              for (int j = 0; j < 8; ++j)
+                for (int t = 0; t < 4; ++t) is += qs[64 * j + 4 * c + t] * xl[4 * j + t];
+            } else {
+              for (int j = 0; j < 4; ++j)
+                for (int t = 0; t < 4; ++t) {
+                  const uint8_t u = qs[64 * j + 4 * c + t];
+                  is += (u & 15) * xl[4 * j + t] + (u >> 4) * xl[16 + 4 * j + t];
+                }
+            }
+            return is;
+          };
+          int32_t isum = level(xb);
+          if (xb2) isum = isum * kLevel2 + level(xb2);
+          if (w.fmt == QFmt::kQ8_0) isum -= a.s128[r * a.nb + b];
           uint16_t dh;
           std::memcpy(&dh, blk + 2 * c, 2);
           const float dw = half_to_float(dh);

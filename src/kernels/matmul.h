@@ -84,11 +84,23 @@ class PackedMatrix {
 };
 
 // Y[n_rows, n_out] = X[n_rows, n_in] · Wᵀ, parallel over pool. X and Y rows are contiguous;
-// Y must not overlap X. Q4_0/Q4_1/Q8_0 weights: each X row is quantized per 32-block to int8
-// (q = round(x·127/amax)), so |error| ≤ Σ_blocks amax_b/254 · Σ_b|w| per output; the scalar,
-// AVX2 and AVX-512 kernels give bit-identical Y. Threads split the outputs (whole groups of
-// 16). Scratch is thread-local and only grows: no allocation once warm.
+// Y must not overlap X. Q4_0/Q4_1/Q8_0 weights: each X row is quantized per 32-block to two
+// int8 levels (ActQuant::kQ8x2, the default; see QAct): x ≈ D·(254·q1 + q2), D = amax/32258,
+// so |error| ≤ ~amax_b/64516 per element and Σ_blocks amax_b/64516 · Σ_b|w| per output
+// (single-level kQ8: amax_b/254). The scalar, AVX2 and AVX-512 kernels give bit-identical Y.
+// Threads split the outputs (whole groups of 16). Scratch is thread-local and only grows:
+// no allocation once warm.
 void matmul(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, ThreadPool& pool);
+
+// How quantized matmuls quantize their activations. kQ8x2 (default): two 8-bit levels per
+// element (~15-bit precision; a second vpdpbusd per weight vector). kQ8: one level (the
+// llama.cpp-style q8 activations, ~0.4% of the block range per element): for comparison only.
+// The initial mode comes from KV_ACT_QUANT=q8|q8x2; set_act_quant is for tests and
+// benchmarks and must not race with running matmuls.
+enum class ActQuant { kQ8, kQ8x2 };
+ActQuant act_quant();
+void set_act_quant(ActQuant);
+
 // Scalar reference on the unpacked matrix: dequantize W with dequantize_row_ref and
 // accumulate in double (no activation quantization: it is the exact answer).
 void matmul_ref(const RawMatrix& w, const float* x, int64_t n_rows, float* y);
@@ -106,15 +118,26 @@ constexpr int64_t record_bytes(QFmt f) {
 }
 constexpr int64_t quant_offset(QFmt f) { return f == QFmt::kQ4_1 ? 64 : 32; }
 
-// Activations quantized per 32-element block: q = nearbyint(x * 127/amax), d = amax/127.
-// Rows are n_in bytes / nb entries apart.
+// Activations quantized per 32-element block, with the float steps (identical in every ISA):
+//   amax = max|x|, d = amax/127, id = amax > 0 ? 127/amax : 0
+//   q1 = nearbyint(x·id)                                  (|q1| ≤ 127)
+// two-level (kQ8x2) also:
+//   id2 = amax > 0 ? 32258/amax : 0 (32258 = 127·254), r = fma(−d, q1, x)  (|r| ≲ d/2)
+//   q2 = clamp(nearbyint(r·id2), −127, 127),  D = amax/32258 (≈ d/254)
+// so x ≈ D·Q with the exact integer Q = 254·q1 + q2. Kernels form the integer block sum
+// I = 254·Σ w·q1 + Σ w·q2 (exact in int32) and need one float scale per block:
+//   two-level: d[] = D, s[] = float(S), S = 254·Σq1 + Σq2; single-level: d[] = d, S = Σq1, q2
+//   unused. Rows are n_in bytes / nb entries apart.
 struct QAct {
-  int8_t* q;        // [n_rows, n_in]
-  float* d;         // [n_rows, nb] block scale
-  float* s;         // [n_rows, nb] Σq of the block, as float (Q4 min / offset term)
-  int32_t* s128;    // [n_rows, nb] 128·Σq (Q8_0: removes the +128 weight offset)
+  int8_t* q;        // [n_rows, n_in] first level q1
+  int8_t* q2;       // [n_rows, n_in] second level (two-level only)
+  float* d;         // [n_rows, nb] block scale applied to the combined integer sum
+  float* s;         // [n_rows, nb] S of the block, as float (Q4 min / offset term)
+  int32_t* s128;    // [n_rows, nb] 128·S (Q8_0: removes the +128 weight offset)
   int64_t n_in, nb;
+  bool two;         // two-level (kQ8x2)
 };
+constexpr int32_t kLevel2 = 254;  // weight of q1 relative to q2
 
 // Weight side of a quantized matmul: the packed records of groups [0, n_groups).
 struct QWeights {
@@ -126,7 +149,10 @@ struct QWeights {
 
 // Per-ISA kernels. Every one computes each output with the same sequence of float
 // operations, so all ISAs give bit-identical results:
-//   for each block b in order: i = Σ u·q (exact int32; Q8_0: minus 128·Σq)
+//   for each block b in order:
+//     i = Σ u·q1 (single-level) or 254·Σ u·q1 + Σ u·q2 (two-level); exact int32
+//         (Q8_0: minus s128). Bounds: Q4 |i| ≤ 255·15·127·32 < 2^24 (so float(i) is exact);
+//         Q8_0 |i| ≤ 255·128·127·32 < 2^28.
 //     Q4: t = fma(m_w, s_x, d_w * float(i));  Q8_0: t = d_w * float(i)
 //     acc = fma(t, d_x, acc)
 // quantize_rows: rows [r0, r1) of x [*, n_in] into a.

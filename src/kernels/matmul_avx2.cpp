@@ -22,8 +22,8 @@ inline __m256i bcast4(const int8_t* p) {
 constexpr int64_t kPrefetch = 2048;  // bytes ahead in the weight stream (see matmul_avx512.cpp)
 
 // Rows [r0, r0 + R) × the 16 outputs of group g. kPf: first pass over this group's weights,
-// which come from RAM: prefetch ahead.
-template <QFmt F, int R, bool kPf>
+// which come from RAM: prefetch ahead. T: two-level activations (see QAct).
+template <QFmt F, int R, bool kPf, bool T>
 inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float* y) {
   constexpr int64_t kRec = record_bytes(F), kQo = quant_offset(F);
   const uint8_t* base = w.data + g * w.nb * kRec;
@@ -49,9 +49,9 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
       else
         mw[h] = dw[h];
     }
-    __m256i is[R][2];
+    __m256i is[R][2], is2[R][2];
     if constexpr (F == QFmt::kQ8_0) {
-      for (int r = 0; r < R; ++r) is[r][0] = is[r][1] = _mm256_setzero_si256();
+      for (int r = 0; r < R; ++r) is[r][0] = is[r][1] = is2[r][0] = is2[r][1] = _mm256_setzero_si256();
       for (int j = 0; j < 8; ++j)
         for (int h = 0; h < 2; ++h) {
           // Signed weight; |w|·sign(x, w) keeps vpmaddubsw pairs within int16.
@@ -61,12 +61,16 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
           for (int r = 0; r < R; ++r) {
             const __m256i xs = _mm256_sign_epi8(bcast4(a.q + (r0 + r) * a.n_in + b * 32 + 4 * j), ws);
             is[r][h] = _mm256_add_epi32(is[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones16));
+            if constexpr (T) {
+              const __m256i xs2 = _mm256_sign_epi8(bcast4(a.q2 + (r0 + r) * a.n_in + b * 32 + 4 * j), ws);
+              is2[r][h] = _mm256_add_epi32(is2[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs2), ones16));
+            }
           }
         }
     } else {
       // 16 nibble×int8 products per int16 lane of one block: |sum| ≤ 16·15·127 < 32768.
-      __m256i s16[R][2];
-      for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+      __m256i s16[R][2], s16b[R][2];
+      for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = s16b[r][0] = s16b[r][1] = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j)
         for (int h = 0; h < 2; ++h) {
           const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(qs + 64 * j + 32 * h));
@@ -76,11 +80,23 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
             const int8_t* xb = a.q + (r0 + r) * a.n_in + b * 32;
             s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_maddubs_epi16(lo, bcast4(xb + 4 * j)));
             s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * j)));
+            if constexpr (T) {
+              const int8_t* xb2 = a.q2 + (r0 + r) * a.n_in + b * 32;
+              s16b[r][h] = _mm256_add_epi16(s16b[r][h], _mm256_maddubs_epi16(lo, bcast4(xb2 + 4 * j)));
+              s16b[r][h] = _mm256_add_epi16(s16b[r][h], _mm256_maddubs_epi16(hi, bcast4(xb2 + 16 + 4 * j)));
+            }
           }
         }
       for (int r = 0; r < R; ++r)
-        for (int h = 0; h < 2; ++h) is[r][h] = _mm256_madd_epi16(s16[r][h], ones16);
+        for (int h = 0; h < 2; ++h) {
+          is[r][h] = _mm256_madd_epi16(s16[r][h], ones16);
+          if constexpr (T) is2[r][h] = _mm256_madd_epi16(s16b[r][h], ones16);
+        }
     }
+    if constexpr (T)
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h)
+          is[r][h] = _mm256_add_epi32(_mm256_mullo_epi32(is[r][h], _mm256_set1_epi32(kLevel2)), is2[r][h]);
     for (int r = 0; r < R; ++r) {
       const __m256 dx = _mm256_set1_ps(a.d[(r0 + r) * a.nb + b]);
       const __m256 sx = _mm256_set1_ps(a.s[(r0 + r) * a.nb + b]);
@@ -107,7 +123,7 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
   }
 }
 
-template <QFmt F>
+template <QFmt F, bool T>
 void run(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1, float* y) {
   constexpr int64_t kRowChunk = 64;
   for (int64_t rc = 0; rc < n_rows; rc += kRowChunk) {
@@ -115,14 +131,14 @@ void run(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g
     for (int64_t g = g0; g < g1; ++g) {
       int64_t r = rc;
       if (r + 2 <= re) {
-        tile<F, 2, true>(w, a, r, g, y);
+        tile<F, 2, true, T>(w, a, r, g, y);
         r += 2;
       } else {
-        tile<F, 1, true>(w, a, r, g, y);
+        tile<F, 1, true, T>(w, a, r, g, y);
         r += 1;
       }
-      for (; r + 2 <= re; r += 2) tile<F, 2, false>(w, a, r, g, y);
-      if (r < re) tile<F, 1, false>(w, a, r, g, y);
+      for (; r + 2 <= re; r += 2) tile<F, 2, false, T>(w, a, r, g, y);
+      if (r < re) tile<F, 1, false, T>(w, a, r, g, y);
     }
   }
 }
@@ -139,9 +155,9 @@ inline float hsum_tree(__m256 s8) {
 void q_gemm_avx2(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1,
                  float* y) {
   switch (w.fmt) {
-    case QFmt::kQ4_0: run<QFmt::kQ4_0>(w, a, n_rows, g0, g1, y); break;
-    case QFmt::kQ4_1: run<QFmt::kQ4_1>(w, a, n_rows, g0, g1, y); break;
-    case QFmt::kQ8_0: run<QFmt::kQ8_0>(w, a, n_rows, g0, g1, y); break;
+    case QFmt::kQ4_0: a.two ? run<QFmt::kQ4_0, true>(w, a, n_rows, g0, g1, y) : run<QFmt::kQ4_0, false>(w, a, n_rows, g0, g1, y); break;
+    case QFmt::kQ4_1: a.two ? run<QFmt::kQ4_1, true>(w, a, n_rows, g0, g1, y) : run<QFmt::kQ4_1, false>(w, a, n_rows, g0, g1, y); break;
+    case QFmt::kQ8_0: a.two ? run<QFmt::kQ8_0, true>(w, a, n_rows, g0, g1, y) : run<QFmt::kQ8_0, false>(w, a, n_rows, g0, g1, y); break;
   }
 }
 
@@ -169,10 +185,28 @@ void quantize_rows_avx2(const float* x, int64_t r0, int64_t r1, const QAct& a) {
       __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum4), _mm256_extracti128_si256(sum4, 1));
       s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
       s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-      const int32_t sum = _mm_cvtsi128_si32(s);
+      int32_t sum = _mm_cvtsi128_si32(s);
       const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(qr + b * kQK), _mm256_permutevar8x32_epi32(p, perm));
-      a.d[r * a.nb + b] = d;
+      if (a.two) {
+        // Residual against the first level, then its own 8-bit level (see QAct).
+        const __m256 vd = _mm256_set1_ps(d);
+        const __m256 vid2 = _mm256_set1_ps(amax > 0 ? 32258.0f / amax : 0.0f);
+        const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
+        __m256i q2[4];
+        for (int i = 0; i < 4; ++i) {
+          const __m256 res = _mm256_fnmadd_ps(vd, _mm256_cvtepi32_ps(q[i]), v[i]);
+          q2[i] = _mm256_max_epi32(nlim, _mm256_min_epi32(lim, _mm256_cvtps_epi32(_mm256_mul_ps(res, vid2))));
+        }
+        const __m256i t4 = _mm256_add_epi32(_mm256_add_epi32(q2[0], q2[1]), _mm256_add_epi32(q2[2], q2[3]));
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(t4), _mm256_extracti128_si256(t4, 1));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+        sum = sum * kLevel2 + _mm_cvtsi128_si32(t);
+        const __m256i p2 = _mm256_packs_epi16(_mm256_packs_epi32(q2[0], q2[1]), _mm256_packs_epi32(q2[2], q2[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q2 + r * a.n_in + b * kQK), _mm256_permutevar8x32_epi32(p2, perm));
+      }
+      a.d[r * a.nb + b] = a.two ? amax / 32258.0f : d;
       a.s[r * a.nb + b] = static_cast<float>(sum);
       a.s128[r * a.nb + b] = sum * 128;
     }

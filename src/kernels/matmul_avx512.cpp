@@ -32,22 +32,26 @@ inline __m512i bcast4(const int8_t* p) {
 // ~11 GB/s on one core; with this ~25 GB/s.
 constexpr int64_t kPrefetch = KV_PREFETCH;
 
-// Rows [r0, r0 + R) × outputs of groups [g, g + C).
-template <QFmt F, int R, int C, bool kPf>
+// Rows [r0, r0 + R) × outputs of groups [g, g + C). T: two-level activations (a second
+// vpdpbusd per loaded weight vector, against q2, into its own accumulator).
+template <QFmt F, int R, int C, bool kPf, bool T>
 inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float* y) {
   constexpr int64_t kRec = record_bytes(F), kQo = quant_offset(F);
-  // Few accumulators → split each block's sum over two registers to shorten the chain.
-  constexpr int S = (R * C <= 4) ? 2 : 1;
+  // Few accumulators → split each block's sum over two registers to shorten the chain
+  // (two-level already has two independent chains).
+  constexpr int S = (!T && R * C <= 4) ? 2 : 1;
   const int64_t gstride = w.nb * kRec;
   const uint8_t* base = w.data + g * gstride;
   const __m512i m4 = _mm512_set1_epi8(0x0F);
 
   const int8_t* xq[R];
+  const int8_t* xq2[R];
   const float* xd[R];
   const float* xs[R];
   const int32_t* xs128[R];
   for (int r = 0; r < R; ++r) {
     xq[r] = a.q + (r0 + r) * a.n_in;
+    xq2[r] = a.q2 + (r0 + r) * a.n_in;
     xd[r] = a.d + (r0 + r) * a.nb;
     xs[r] = a.s + (r0 + r) * a.nb;
     xs128[r] = a.s128 + (r0 + r) * a.nb;
@@ -72,17 +76,21 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
       else
         mw[c] = dw[c];
     }
-    __m512i is[R][C][S];
+    __m512i is[R][C][S], is2[R][C];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c)
+      for (int c = 0; c < C; ++c) {
         for (int s = 0; s < S; ++s) is[r][c][s] = _mm512_setzero_si512();
+        if constexpr (T) is2[r][c] = _mm512_setzero_si512();
+      }
 
     if constexpr (F == QFmt::kQ8_0) {
       for (int j = 0; j < 8; ++j)
         for (int c = 0; c < C; ++c) {
           const __m512i v = _mm512_loadu_si512(blk[c] + kQo + 64 * j);
-          for (int r = 0; r < R; ++r)
+          for (int r = 0; r < R; ++r) {
             is[r][c][j % S] = _mm512_dpbusd_epi32(is[r][c][j % S], v, bcast4(xq[r] + b * 32 + 4 * j));
+            if constexpr (T) is2[r][c] = _mm512_dpbusd_epi32(is2[r][c], v, bcast4(xq2[r] + b * 32 + 4 * j));
+          }
         }
     } else {
       for (int j = 0; j < 4; ++j)
@@ -94,6 +102,10 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
             is[r][c][0] = _mm512_dpbusd_epi32(is[r][c][0], lo, bcast4(xq[r] + b * 32 + 4 * j));
             is[r][c][S - 1] =
                 _mm512_dpbusd_epi32(is[r][c][S - 1], hi, bcast4(xq[r] + b * 32 + 16 + 4 * j));
+            if constexpr (T) {
+              is2[r][c] = _mm512_dpbusd_epi32(is2[r][c], lo, bcast4(xq2[r] + b * 32 + 4 * j));
+              is2[r][c] = _mm512_dpbusd_epi32(is2[r][c], hi, bcast4(xq2[r] + b * 32 + 16 + 4 * j));
+            }
           }
         }
     }
@@ -103,6 +115,7 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
       for (int c = 0; c < C; ++c) {
         __m512i i = is[r][c][0];
         if constexpr (S == 2) i = _mm512_add_epi32(i, is[r][c][1]);
+        if constexpr (T) i = _mm512_add_epi32(_mm512_mullo_epi32(i, _mm512_set1_epi32(kLevel2)), is2[r][c]);
         if constexpr (F == QFmt::kQ8_0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(xs128[r][b]));
         __m512 t = _mm512_mul_ps(dw[c], _mm512_cvtepi32_ps(i));
         if constexpr (F != QFmt::kQ8_0) t = _mm512_fmadd_ps(mw[c], _mm512_set1_ps(xs[r][b]), t);
@@ -123,50 +136,72 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
     }
 }
 
-// The first row tile over a weight strip streams it from RAM and prefetches; the others
-// find it in L1/L2.
-template <QFmt F, int C>
-void row_tiles(const QWeights& w, const QAct& a, int64_t r0, int64_t r1, int64_t g, float* y) {
-  int64_t r = r0;
-  if (r + 4 <= r1) {
-    tile<F, 4, C, true>(w, a, r, g, y);
-    r += 4;
-  }
-  for (; r + 4 <= r1; r += 4) tile<F, 4, C, false>(w, a, r, g, y);
-  const bool first = r == r0;
-  switch (r1 - r) {
-    case 3: first ? tile<F, 3, C, true>(w, a, r, g, y) : tile<F, 3, C, false>(w, a, r, g, y); break;
-    case 2: first ? tile<F, 2, C, true>(w, a, r, g, y) : tile<F, 2, C, false>(w, a, r, g, y); break;
-    case 1: first ? tile<F, 1, C, true>(w, a, r, g, y) : tile<F, 1, C, false>(w, a, r, g, y); break;
-    default: break;
+// Rows [r, r + n) with 0 < n < RT, as one tile of n rows.
+template <QFmt F, int C, bool T, bool kPf, int RT, int N = 1>
+inline void rest_tile(const QWeights& w, const QAct& a, int64_t r, int64_t n, int64_t g, float* y) {
+  if constexpr (N < RT) {
+    if (n == N) return tile<F, N, C, kPf, T>(w, a, r, g, y);
+    rest_tile<F, C, T, kPf, RT, N + 1>(w, a, r, n, g, y);
   }
 }
 
-template <QFmt F>
+// The first row tile over a weight strip streams it from RAM and prefetches; the others
+// find it in L1/L2. RT rows per full tile.
+template <QFmt F, int C, bool T, int RT>
+void row_tiles(const QWeights& w, const QAct& a, int64_t r0, int64_t r1, int64_t g, float* y) {
+  int64_t r = r0;
+  if (r + RT <= r1) {
+    tile<F, RT, C, true, T>(w, a, r, g, y);
+    r += RT;
+  }
+  for (; r + RT <= r1; r += RT) tile<F, RT, C, false, T>(w, a, r, g, y);
+  if (r < r1) {
+    if (r == r0)
+      rest_tile<F, C, T, true, RT>(w, a, r, r1 - r, g, y);
+    else
+      rest_tile<F, C, T, false, RT>(w, a, r, r1 - r, g, y);
+  }
+}
+
+template <QFmt F, bool T>
 void run(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1, float* y) {
   if (n_rows == 1) {
     // GEMV: 4 groups at once for independent chains and 4 memory streams.
     int64_t g = g0;
-    for (; g + 4 <= g1; g += 4) tile<F, 1, 4, true>(w, a, 0, g, y);
+    for (; g + 4 <= g1; g += 4) tile<F, 1, 4, true, T>(w, a, 0, g, y);
     switch (g1 - g) {
-      case 3: tile<F, 1, 3, true>(w, a, 0, g, y); break;
-      case 2: tile<F, 1, 2, true>(w, a, 0, g, y); break;
-      case 1: tile<F, 1, 1, true>(w, a, 0, g, y); break;
+      case 3: tile<F, 1, 3, true, T>(w, a, 0, g, y); break;
+      case 2: tile<F, 1, 2, true, T>(w, a, 0, g, y); break;
+      case 1: tile<F, 1, 1, true, T>(w, a, 0, g, y); break;
       default: break;
     }
     return;
   }
   // GEMM: a 32-output weight strip stays in L1 while a chunk of rows (in L2) passes over it.
+  // Two-level: 16-output strips (4 rows × 2 groups × 2 levels of accumulators would spill).
   constexpr int64_t kRowChunk = 64;
+  constexpr int kRT = 4;  // rows per tile (two-level: 5, 6 and 8 measured no faster)
   for (int64_t rc = 0; rc < n_rows; rc += kRowChunk) {
     const int64_t re = std::min(n_rows, rc + kRowChunk);
-    for (int64_t g = g0; g < g1; g += 2) {
-      if (g + 2 <= g1)
-        row_tiles<F, 2>(w, a, rc, re, g, y);
-      else
-        row_tiles<F, 1>(w, a, rc, re, g, y);
+    if constexpr (T) {
+      for (int64_t g = g0; g < g1; ++g) row_tiles<F, 1, T, kRT>(w, a, rc, re, g, y);
+    } else {
+      for (int64_t g = g0; g < g1; g += 2) {
+        if (g + 2 <= g1)
+          row_tiles<F, 2, T, kRT>(w, a, rc, re, g, y);
+        else
+          row_tiles<F, 1, T, kRT>(w, a, rc, re, g, y);
+      }
     }
   }
+}
+
+template <QFmt F>
+void run_any(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1, float* y) {
+  if (a.two)
+    run<F, true>(w, a, n_rows, g0, g1, y);
+  else
+    run<F, false>(w, a, n_rows, g0, g1, y);
 }
 
 }  // namespace
@@ -174,9 +209,9 @@ void run(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g
 void q_gemm_avx512(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1,
                    float* y) {
   switch (w.fmt) {
-    case QFmt::kQ4_0: run<QFmt::kQ4_0>(w, a, n_rows, g0, g1, y); break;
-    case QFmt::kQ4_1: run<QFmt::kQ4_1>(w, a, n_rows, g0, g1, y); break;
-    case QFmt::kQ8_0: run<QFmt::kQ8_0>(w, a, n_rows, g0, g1, y); break;
+    case QFmt::kQ4_0: run_any<QFmt::kQ4_0>(w, a, n_rows, g0, g1, y); break;
+    case QFmt::kQ4_1: run_any<QFmt::kQ4_1>(w, a, n_rows, g0, g1, y); break;
+    case QFmt::kQ8_0: run_any<QFmt::kQ8_0>(w, a, n_rows, g0, g1, y); break;
   }
 }
 
@@ -196,8 +231,22 @@ void quantize_rows_avx512(const float* x, int64_t r0, int64_t r1, const QAct& a)
       const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, vid));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + b * kQK), _mm512_cvtepi32_epi8(q0));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + b * kQK + 16), _mm512_cvtepi32_epi8(q1));
-      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-      a.d[r * a.nb + b] = d;
+      int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      if (a.two) {
+        // Residual against the first level, then its own 8-bit level (see QAct).
+        const __m512 vd = _mm512_set1_ps(d);
+        const __m512 vid2 = _mm512_set1_ps(amax > 0 ? 32258.0f / amax : 0.0f);
+        const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
+        const __m512 r0 = _mm512_fnmadd_ps(vd, _mm512_cvtepi32_ps(q0), x0);
+        const __m512 r1 = _mm512_fnmadd_ps(vd, _mm512_cvtepi32_ps(q1), x1);
+        const __m512i p0 = _mm512_max_epi32(nlim, _mm512_min_epi32(lim, _mm512_cvtps_epi32(_mm512_mul_ps(r0, vid2))));
+        const __m512i p1 = _mm512_max_epi32(nlim, _mm512_min_epi32(lim, _mm512_cvtps_epi32(_mm512_mul_ps(r1, vid2))));
+        int8_t* q2r = a.q2 + r * a.n_in;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q2r + b * kQK), _mm512_cvtepi32_epi8(p0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q2r + b * kQK + 16), _mm512_cvtepi32_epi8(p1));
+        sum = sum * kLevel2 + _mm512_reduce_add_epi32(_mm512_add_epi32(p0, p1));
+      }
+      a.d[r * a.nb + b] = a.two ? amax / 32258.0f : d;
       a.s[r * a.nb + b] = static_cast<float>(sum);
       a.s128[r * a.nb + b] = sum * 128;
     }

@@ -2,18 +2,30 @@
 //
 // Three checks:
 //  1. Against matmul_ref (exact: dequantized weights, double accumulation). The quantized
-//     paths quantize activations to 8 bits per 32-block (q = round(x·127/amax)), an error of
-//     at most amax_b/254 per element. The error on y[r,c] is bounded by
-//       Σ_b (amax_b / 254) · Σ_{i∈b} |w_ci|        (plus float rounding, far smaller),
-//     computed per output from the dequantized weights; we allow that bound ×1.05 + 2e-6·Σ|x·w|.
+//     paths quantize activations per 32-block in two 8-bit levels (matmul.h, QAct):
+//       q1 = round(x·127/amax), r = x − d·q1 (d = amax/127), q2 = round(r·32258/amax),
+//       x̂ = D·(254·q1 + q2), D = amax/32258.
+//     Error per element: |x − x̂| ≤ |r − D·q2| + |q1|·|d − 254·D|. The first term is the
+//     rounding of q2: ≤ D/2 = amax/64516 (plus a few float ulps of r·id2: relative 1e-7 of
+//     it); the second is the float rounding of the two scales: |d − 254·D| ≤ 2·2^-24·amax/127,
+//     times |q1| ≤ 127, i.e. ≤ 1.2e-7·amax = 0.8% of the first term. The kernel's integer sums
+//     are exact, so the quantization error on y[r,c] is bounded by
+//       Σ_b (amax_b / 64516) · Σ_{i∈b} |w_ci|        (×1.05 for the terms above),
+//     computed per output from the dequantized weights. On top comes float rounding of the
+//     per-block steps (float(i): Q8_0 only, 2^-24 relative; the fma chain over ≤ 48 blocks):
+//     2e-6·Σ|x·w| plus, for Q4_1, 2e-6·Σ|x|·|m| (the min term can cancel against the rest).
 //     Tolerance for F32/F16/K-quant weights: float rounding only, 2e-6·Σ|x·w|.
+//     The bound is 127× tighter than the single-level one (amax_b/254 per element), whose
+//     typical error (a random walk, ≈ sqrt(n/12)·d·|w|) exceeds it several-fold:
+//     SingleLevelFailsTwoLevelBound checks that dropping the second level fails it.
 //  2. Fast ISAs against the scalar path: same integers, same float steps in the same order,
-//     so the result must be bit-identical (checked with memcmp).
+//     so the result must be bit-identical (checked with memcmp), in both activation modes.
 //  3. Batch invariance: row r alone, inside any batch size, with 1 or 2 threads, gives the
 //     same bits.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -112,36 +124,54 @@ std::vector<Isa> isas() {
 
 bool quantized(GgmlType t) { return t == GgmlType::Q4_0 || t == GgmlType::Q4_1 || t == GgmlType::Q8_0; }
 
-// Checks y against the exact result with the tolerance documented at the top.
-void expect_close_to_ref(GgmlType type, const RawMatrix& raw, const std::vector<float>& x, int64_t n_rows,
-                         const std::vector<float>& y, const std::string& what) {
+// Outputs of y outside the tolerance documented at the top (failures reported when report).
+// levels: 2 = the two-level bound (default mode), 1 = the single-level bound (amax/254).
+int count_outside_tol(GgmlType type, const RawMatrix& raw, const std::vector<float>& x, int64_t n_rows,
+                      const std::vector<float>& y, const std::string& what, int levels, bool report,
+                      double* worst_ratio = nullptr) {
   const int64_t n_in = raw.n_in, n_out = raw.n_out;
   std::vector<float> ref(static_cast<size_t>(n_rows * n_out));
   matmul_ref(raw, x.data(), n_rows, ref.data());
   std::vector<float> wrow(static_cast<size_t>(n_in));
   const int64_t rb = row_bytes(type, n_in);
+  const double step = levels == 2 ? 64516.0 : 254.0;  // amax / (max error per element)
   int bad = 0;
   for (int64_t c = 0; c < n_out; ++c) {
-    ASSERT_TRUE(dequantize_row_ref(type, static_cast<const uint8_t*>(raw.data) + c * rb, wrow.data(), n_in));
+    const uint8_t* wraw = static_cast<const uint8_t*>(raw.data) + c * rb;
+    EXPECT_TRUE(dequantize_row_ref(type, wraw, wrow.data(), n_in));
     for (int64_t r = 0; r < n_rows; ++r) {
       const float* xr = x.data() + r * n_in;
       double bound = 0, mag = 0;
       for (int64_t b = 0; b < n_in; b += 32) {
-        double amax = 0, wsum = 0;
+        double amax = 0, wsum = 0, xsum = 0;
         for (int64_t i = b; i < b + 32 && i < n_in; ++i) {
           amax = std::max(amax, std::fabs(static_cast<double>(xr[i])));
           wsum += std::fabs(static_cast<double>(wrow[static_cast<size_t>(i)]));
+          xsum += std::fabs(static_cast<double>(xr[i]));
           mag += std::fabs(static_cast<double>(xr[i]) * wrow[static_cast<size_t>(i)]);
         }
-        bound += amax / 254.0 * wsum;
+        bound += amax / step * wsum;
+        if (type == GgmlType::Q4_1) {
+          uint16_t mh;
+          std::memcpy(&mh, wraw + (b / 32) * 20 + 2, 2);
+          mag += xsum * std::fabs(static_cast<double>(fp16_to_fp32(mh)));
+        }
       }
-      const double tol = (quantized(type) ? bound * 1.05 : 0.0) + 2e-6 * mag + 1e-30;
+      const double q = quantized(type) ? bound : 0.0;
+      const double tol = q * 1.05 + 2e-6 * mag + 1e-30;
       const double got = y[static_cast<size_t>(r * n_out + c)], want = ref[static_cast<size_t>(r * n_out + c)];
-      if (!(std::fabs(got - want) <= tol) && bad++ < 5)
+      if (worst_ratio && q > 0) *worst_ratio = std::max(*worst_ratio, std::fabs(got - want) / q);
+      if (!(std::fabs(got - want) <= tol) && bad++ < 5 && report)
         ADD_FAILURE() << what << " r=" << r << " c=" << c << " got " << got << " want " << want << " tol " << tol;
     }
   }
-  EXPECT_EQ(bad, 0) << what;
+  return bad;
+}
+
+// Checks y against the exact result with the two-level tolerance documented at the top.
+void expect_close_to_ref(GgmlType type, const RawMatrix& raw, const std::vector<float>& x, int64_t n_rows,
+                         const std::vector<float>& y, const std::string& what, double* worst_ratio = nullptr) {
+  EXPECT_EQ(count_outside_tol(type, raw, x, n_rows, y, what, 2, true, worst_ratio), 0) << what;
 }
 
 struct Case {
@@ -151,6 +181,7 @@ struct Case {
 
 class MatmulTest : public ::testing::Test {
  protected:
+  void TearDown() override { set_act_quant(ActQuant::kQ8x2); }
   ThreadPool pool1_{1};
   ThreadPool pool2_{2};
 };
@@ -167,6 +198,7 @@ TEST_F(MatmulTest, AllFormatsIsasShapesAgainstRefAndScalar) {
   const std::vector<int64_t> rows_list = {1, 2, 3, 4, 5, 7, 8, 33};
   const std::vector<Isa> all_isas = isas();
   int n_checked = 0;
+  double worst = 0;  // largest |error| / two-level quantization bound seen
   for (const Case& cs : cases) {
     for (int64_t n_in : cs.n_ins) {
       for (int64_t n_out : n_outs) {
@@ -174,8 +206,12 @@ TEST_F(MatmulTest, AllFormatsIsasShapesAgainstRefAndScalar) {
         auto w = random_weights(cs.type, n_in, n_out, rng);
         RawMatrix raw{cs.type, w.data(), n_in, n_out};
         std::vector<float> x = random_x(33 * n_in, rng);
-        for (int64_t n_rows : rows_list) {
+        for (int64_t n_rows : rows_list)
+        for (ActQuant mode : {ActQuant::kQ8x2, ActQuant::kQ8}) {
           if (n_in * n_out > 100000 && n_rows != 1 && n_rows != 5 && n_rows != 33) continue;
+          // Single-level (comparison mode): only quantized weights, fewer shapes.
+          if (mode == ActQuant::kQ8 && (!quantized(cs.type) || (n_rows != 1 && n_rows != 5))) continue;
+          set_act_quant(mode);
           std::vector<float> y_scalar;
           for (Isa isa : all_isas) {
             auto p = PackedMatrix::pack(raw, isa);
@@ -186,9 +222,13 @@ TEST_F(MatmulTest, AllFormatsIsasShapesAgainstRefAndScalar) {
               matmul(*p, x.data(), n_rows, y.data(), *pool);
               std::string what = std::string(type_name(cs.type)) + " " + isa_name(isa) + " n_in=" +
                                  std::to_string(n_in) + " n_out=" + std::to_string(n_out) +
-                                 " rows=" + std::to_string(n_rows) + " threads=" + std::to_string(pool->size());
+                                 " rows=" + std::to_string(n_rows) + " threads=" + std::to_string(pool->size()) +
+                                 (mode == ActQuant::kQ8 ? " single-level" : "");
               if (y_scalar.empty()) {
-                expect_close_to_ref(cs.type, raw, x, n_rows, y, what);
+                if (mode == ActQuant::kQ8x2)
+                  expect_close_to_ref(cs.type, raw, x, n_rows, y, what, &worst);
+                else
+                  EXPECT_EQ(count_outside_tol(cs.type, raw, x, n_rows, y, what, 1, true), 0) << what;
                 y_scalar = y;
               } else {
                 EXPECT_EQ(0, std::memcmp(y.data(), y_scalar.data(), y.size() * 4)) << what << " differs from scalar";
@@ -201,11 +241,42 @@ TEST_F(MatmulTest, AllFormatsIsasShapesAgainstRefAndScalar) {
     }
   }
   EXPECT_GT(n_checked, 1000);
+  std::printf("  worst |error| / two-level quantization bound: %.3f\n", worst);
+}
+
+// The two-level bound must be tight enough that the single-level error breaks it: a kernel
+// that dropped (or mis-scaled) the second level would not pass the test above.
+TEST_F(MatmulTest, SingleLevelFailsTwoLevelBound) {
+  std::mt19937 rng(4321);
+  for (GgmlType type : {GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0}) {
+    for (int64_t n_in : {int64_t{32}, int64_t{576}, int64_t{1536}}) {
+      const int64_t n_out = 64, n_rows = 4;
+      auto w = random_weights(type, n_in, n_out, rng);
+      RawMatrix raw{type, w.data(), n_in, n_out};
+      std::vector<float> x = random_x(n_rows * n_in, rng);
+      auto p = PackedMatrix::pack(raw, detect_isa());
+      ASSERT_TRUE(p.is_ok());
+      std::vector<float> y1(static_cast<size_t>(n_rows * n_out)), y2(y1.size());
+      set_act_quant(ActQuant::kQ8);
+      matmul(*p, x.data(), n_rows, y1.data(), pool2_);
+      set_act_quant(ActQuant::kQ8x2);
+      matmul(*p, x.data(), n_rows, y2.data(), pool2_);
+      const std::string what = std::string(type_name(type)) + " n_in=" + std::to_string(n_in);
+      const int outside1 = count_outside_tol(type, raw, x, n_rows, y1, what, 2, false);
+      EXPECT_EQ(count_outside_tol(type, raw, x, n_rows, y1, what, 1, true), 0) << what;
+      EXPECT_EQ(count_outside_tol(type, raw, x, n_rows, y2, what, 2, true), 0) << what;
+      // Most outputs of the single-level path are outside the two-level bound.
+      EXPECT_GT(outside1, n_rows * n_out / 2) << what << ": single-level passes the two-level bound";
+    }
+  }
 }
 
 TEST_F(MatmulTest, BatchInvariance) {
   std::mt19937 rng(99);
+  for (ActQuant mode : {ActQuant::kQ8x2, ActQuant::kQ8})
   for (GgmlType type : {GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::F32}) {
+    if (mode == ActQuant::kQ8 && type == GgmlType::F32) continue;
+    set_act_quant(mode);
     const int64_t n_in = 576, n_out = 200, max_rows = 70;
     auto w = random_weights(type, n_in, n_out, rng);
     RawMatrix raw{type, w.data(), n_in, n_out};
@@ -223,7 +294,7 @@ TEST_F(MatmulTest, BatchInvariance) {
             std::vector<float> y(static_cast<size_t>(n_rows * n_out));
             matmul(*p, x.data() + off * n_in, n_rows, y.data(), *pool);
             EXPECT_EQ(0, std::memcmp(y.data(), alone.data() + off * n_out, y.size() * 4))
-                << type_name(type) << " " << isa_name(isa) << " rows=" << n_rows << " off=" << off
+                << type_name(type) << " " << isa_name(isa) << " rows=" << n_rows << " off=" << off << (mode == ActQuant::kQ8 ? " single-level" : "")
                 << " threads=" << pool->size();
           }
         }
