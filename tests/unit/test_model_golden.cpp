@@ -5,11 +5,13 @@
 // Bars (issue #2): teacher-forced top-1 agreement ≥ 99% of positions; mean KL(oracle‖kvserve)
 // under kMaxMeanKl; 32-token greedy continuations identical for ≥ 9 of 10 prompts.
 //
-// Why kMaxMeanKl = 0.01 nats: kvserve quantizes every matmul input to 8-bit blocks (relative
-// error ~0.4% per element, 1/255 of the block range) and stores K/V in f16 (2^-11). Through 30
-// layers this perturbs logits by a few hundredths (measured: max |Δlogit| ≈ 0.1 on O(20)
-// logits), and KL ≈ ½·Var_p(Δlogit) ≈ 1e-3. A bug (wrong RoPE, a dropped layer, off-by-one in
-// the causal mask) costs KL ≥ 0.1. The bound sits between with margin both ways.
+// Why kMaxMeanKl = 1e-4 nats: kvserve quantizes every matmul input in two levels (an 8-bit
+// block quantization plus an 8-bit quantization of its residual: ~15 bits, relative error
+// ~2^-15 of the block range) and stores K/V in f16 (2^-11). Through 30 layers that moves logits
+// by ~1e-3, and KL ≈ ½·Var_p(Δlogit) ≈ 1e-6 (measured: 1.1e-6). Single-level 8-bit activations,
+// as llama.cpp uses, measure 3.9e-3 here, and real bugs (wrong RoPE, a dropped layer, an
+// off-by-one causal mask) cost ≥ 0.1. The bound sits 100× above the measurement and 40× below
+// the single-level regression.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -25,7 +27,7 @@ using namespace kv;
 using nlohmann::json;
 
 namespace {
-constexpr double kMaxMeanKl = 0.01;
+constexpr double kMaxMeanKl = 1e-4;
 
 std::string golden_dir() { return std::string(KV_SOURCE_DIR) + "/tests/data/golden/"; }
 
