@@ -22,6 +22,7 @@ int main(int argc, char** argv) {
   kvtools::add_generate_command(app);
   kvtools::add_bench_command(app);
   kvtools::add_serve_command(app);
+  kvtools::add_kv_size_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
