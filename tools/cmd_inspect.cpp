@@ -22,14 +22,6 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 
-// File strings are untrusted: keep error lines single-line and printable.
-std::string one_line(const std::string& s) {
-  std::string out;
-  out.reserve(s.size());
-  for (unsigned char c : s) out += (c < 0x20 || c == 0x7f) ? '?' : static_cast<char>(c);
-  return out;
-}
-
 // llama_ftype names for general.file_type (the "mostly" type of the weights).
 const char* file_type_name(int64_t ft) {
   static const std::map<int64_t, const char*> names = {

@@ -18,13 +18,6 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 
-std::string one_line(const std::string& s) {
-  std::string out;
-  out.reserve(s.size());
-  for (unsigned char c : s) out += (c < 0x20 || c == 0x7f) ? '?' : static_cast<char>(c);
-  return out;
-}
-
 [[noreturn]] void fail_cli(const std::string& msg) {
   std::fprintf(stderr, "kvserve kv-size: %s\n", one_line(msg).c_str());
   throw CLI::RuntimeError(1);

@@ -39,12 +39,6 @@ struct ServeOptions {
   KvOptions kvo;
 };
 
-struct StderrProgress : kv::LoadProgress {
-  void on_tensor(int done, int total) override {
-    std::fprintf(stderr, "\rloading weights: %d/%d layers", done, total);
-    if (done == total) std::fprintf(stderr, "\n");
-  }
-};
 
 void run_serve(const ServeOptions& o) {
   // SIGINT/SIGTERM are taken by one watcher thread (sigwait) and SIGPIPE is ignored (a client
@@ -58,14 +52,10 @@ void run_serve(const ServeOptions& o) {
   signal(SIGPIPE, SIG_IGN);
 
   // Weights and tokenizer only: the engine allocates the KV pool itself from EngineConfig.
-  if (std::string hint = missing_model_hint(o.model); !hint.empty()) fail(hint);
-  auto file = kv::GgufFile::open(o.model);
-  if (!file) fail(file.message());
-  auto tok = kv::Tokenizer::from_gguf(**file);
-  if (!tok) fail(o.model + ": tokenizer: " + tok.message());
-  StderrProgress progress;
-  auto model = kv::LlamaModel::load(**file, kv::detect_isa(), &progress);
-  if (!model) fail(o.model + ": " + model.message());
+  LoadedModel lm = load_model(o.model, o.threads, o.kvo, false, /*with_runtime=*/false);
+  auto* file = &lm.file;
+  auto* tok = &lm.tokenizer;
+  auto* model = &lm.model;
   const auto& mc = (*model)->config();
 
   std::optional<kv::ChatTemplate> chat;

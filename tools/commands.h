@@ -15,5 +15,7 @@ void add_kv_size_command(CLI::App& app);
 // Default model path (the one `make models` fetches) and the hint printed when it is missing.
 inline constexpr const char* kDefaultModel = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 std::string missing_model_hint(const std::string& path);
+// File strings are untrusted: error lines stay single-line and printable.
+std::string one_line(const std::string& s);
 
 }  // namespace kvtools

@@ -30,7 +30,14 @@ struct StderrProgress : kv::LoadProgress {
 };
 }  // namespace
 
-LoadedModel load_model(const std::string& path, int n_threads, const KvOptions& kvo, bool quiet) {
+std::string one_line(const std::string& s) {
+  std::string out;
+  out.reserve(s.size());
+  for (unsigned char c : s) out += (c < 0x20 || c == 0x7f) ? '?' : static_cast<char>(c);
+  return out;
+}
+
+LoadedModel load_model(const std::string& path, int n_threads, const KvOptions& kvo, bool quiet, bool with_runtime) {
   if (std::string hint = missing_model_hint(path); !hint.empty()) fail(hint);
   LoadedModel lm;
   auto f = kv::GgufFile::open(path);
@@ -43,6 +50,7 @@ LoadedModel load_model(const std::string& path, int n_threads, const KvOptions& 
   auto m = kv::LlamaModel::load(*lm.file, kv::detect_isa(), quiet ? nullptr : &progress);
   if (!m) fail(path + ": " + m.message());
   lm.model = std::move(*m);
+  if (!with_runtime) return lm;
   auto dtype = kv::parse_kv_dtype(kvo.dtype);
   if (!dtype) fail(dtype.message());
   auto bytes = kv::parse_memory_size(kvo.memory);

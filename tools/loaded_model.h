@@ -26,8 +26,9 @@ struct LoadedModel {
   std::unique_ptr<kv::ThreadPool> threads;
 };
 
-// quiet: no progress lines (for --json output).
-LoadedModel load_model(const std::string& path, int n_threads, const KvOptions& kvo, bool quiet);
+// quiet: no progress lines (for --json output). with_runtime: also make the KV pool and
+// thread pool (commands that run the model themselves; `serve` leaves both to the engine).
+LoadedModel load_model(const std::string& path, int n_threads, const KvOptions& kvo, bool quiet, bool with_runtime = true);
 void add_kv_options(CLI::App* cmd, KvOptions* kvo);
 
 [[noreturn]] void fail(const std::string& msg);
