@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Build the peer: llama.cpp's llama-bench (and llama-completion, the plain one-shot
-# generator; pass LLAMA_WITH_CLI=1 to also build the newer chat llama-cli, which pulls in
-# the server library and roughly doubles the build).
+# Build the peer: llama.cpp's llama-bench, llama-completion (the plain one-shot generator)
+# and llama-server (the OpenAI-compatible HTTP server, the peer of `kvserve serve`, used by
+# bench/serve_bench.py). LLAMA_WITH_SERVER=0 skips llama-server; LLAMA_WITH_CLI=1 also builds
+# the newer chat llama-cli (which shares the server library).
 #
 # Sources: the llama.cpp tree vendored inside the PyPI sdist of llama-cpp-python
 # (vendor/llama.cpp). Everything lands in bench/peer/work/ (git-ignored); llama.cpp
@@ -11,6 +12,7 @@
 #
 # Env:
 #   LLAMA_CPP_PYTHON_VERSION  sdist version to use (default pinned below)
+#   LLAMA_WITH_SERVER=0       do not build llama-server (default 1)
 #   LLAMA_WITH_CLI=1          also build llama-cli
 #   JOBS                      parallel build jobs (default: nproc)
 #   FORCE=1                   rebuild even if the binaries exist
@@ -28,7 +30,10 @@ BUILD="$WORK/build-$VER"
 BIN="$BUILD/bin"
 
 targets=(llama-bench llama-completion)
+[[ "${LLAMA_WITH_SERVER:-1}" == 1 ]] && targets+=(llama-server)
 [[ "${LLAMA_WITH_CLI:-0}" == 1 ]] && targets+=(llama-cli)
+need_server=0
+[[ "${LLAMA_WITH_SERVER:-1}" == 1 || "${LLAMA_WITH_CLI:-0}" == 1 ]] && need_server=1
 
 log() { echo "[build_llama] $*"; }
 
@@ -61,7 +66,9 @@ if [[ ! -f "$SRC/CMakeLists.txt" ]]; then
   tar -xzf "$SDIST" -C "$SRC_PARENT" "llama_cpp_python-$VER/vendor/llama.cpp"
 fi
 
-# 3. configure + build (CPU only, native ISA, static, no network features)
+# 3. configure + build (CPU only, native ISA, static, no network features). The server's web
+#    UI is not embedded (LLAMA_BUILD_UI=OFF) and not downloaded (LLAMA_USE_PREBUILT_UI=OFF):
+#    llama-server then serves the API only, which is all the benchmark needs.
 gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)
 start=$(date +%s)
@@ -77,8 +84,9 @@ cmake -S "$SRC" -B "$BUILD" "${gen[@]}" \
   -DLLAMA_BUILD_TESTS=OFF \
   -DLLAMA_BUILD_EXAMPLES=OFF \
   -DLLAMA_BUILD_APP=OFF \
-  -DLLAMA_BUILD_SERVER="$([[ "${LLAMA_WITH_CLI:-0}" == 1 ]] && echo ON || echo OFF)" \
+  -DLLAMA_BUILD_SERVER="$([[ "$need_server" == 1 ]] && echo ON || echo OFF)" \
   -DLLAMA_BUILD_UI=OFF \
+  -DLLAMA_USE_PREBUILT_UI=OFF \
   -DLLAMA_BUILD_COMMIT="llama-cpp-python-$VER" \
   > "$WORK/configure-$VER.log" 2>&1 || { tail -40 "$WORK/configure-$VER.log"; exit 1; }
 
@@ -89,3 +97,5 @@ cmake --build "$BUILD" -j "$JOBS" --target "${targets[@]}" > "$WORK/build-$VER.l
 ln -sfn "build-$VER" "$WORK/build"
 log "done in $(( $(date +%s) - start ))s: $(for t in "${targets[@]}"; do printf '%s ' "$BIN/$t"; done)"
 log "run: $WORK/build/bin/llama-bench -m models/SmolLM2-135M-Instruct.Q4_1.gguf -t 2 -p 512 -n 128 -o json"
+[[ "$need_server" == 1 ]] && log "     $WORK/build/bin/llama-server -m models/SmolLM2-135M-Instruct.Q4_1.gguf --port 8081 -t 2"
+exit 0
