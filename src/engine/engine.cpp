@@ -51,6 +51,7 @@ struct Engine::Sequence {
   int32_t n_generated = 0;
   Clock::time_point last_token_time;
   PrefixHandle pin;                // the cached prefix this sequence reuses (pinned)
+  int64_t published = 0;           // tokens of full pages already handed to the prefix cache
   int32_t lpm_skips = 0;           // times passed over by the lpm policy
 
   Sequence(const Tokenizer& tok, const SamplingParams& sp) : sampler(sp), detok(tok) {}
@@ -306,12 +307,14 @@ bool Engine::admit(Sequence& s, int64_t budget, int32_t* n_out) {
     s.table.pages = m.pages;
     s.n_computed = s.table.n_tokens = m.n_tokens;
     s.pin = m.handle;
+    s.published = m.n_tokens;
   }
   const int32_t n = static_cast<int32_t>(std::min<int64_t>(budget, s.to_compute()));
   if (!ensure_pages(s, n)) {
     // Undo: the request waits with nothing held.
     if (cache_) cache_->unpin(s.pin);
     s.pin = PrefixHandle{};
+    s.published = 0;
     s.table.release_all(*pool_);
     s.n_computed = 0;
     return false;
@@ -338,6 +341,7 @@ Engine::Sequence* Engine::fork(Sequence& parent, int32_t index) {
   c->table.n_tokens = parent.table.n_tokens;
   for (int32_t p : c->table.pages) pool_->retain(p);  // shared until written (copy-on-write)
   c->pin = parent.pin;
+  c->published = parent.published;
   if (cache_) cache_->pin(c->pin);
   Sequence* raw = c.get();
   running_.push_back(std::move(c));
@@ -354,6 +358,7 @@ void Engine::postprocess(Plan& plan, const float* logits) {
     Sequence& s = *it.seq;
     s.n_computed += it.n;
     s.table.n_tokens = s.n_computed;
+    publish(s);
     if (s.n_computed <= s.n_prompt) metrics_.add_prompt_tokens(std::min<int64_t>(it.n, s.n_prompt - (s.n_computed - it.n)));
     if (!it.logits) continue;
     const float* lg = logits + r++ * nv;
@@ -446,6 +451,20 @@ void Engine::postprocess(Plan& plan, const float* logits) {
   }
 }
 
+void Engine::publish(Sequence& s) {
+  // Full pages enter the cache as soon as they are computed, not when the request ends, so
+  // requests arriving together with the same system prompt share it after its first chunk.
+  if (!cache_) return;
+  const int32_t bs = cfg_.block_size;
+  const int64_t full = s.n_computed / bs * bs;
+  if (full <= s.published) return;
+  PrefixInsert ins = cache_->insert(s.rs->req.params.cache_namespace, s.tokens.data(), full, s.table.pages.data());
+  cache_->pin(ins.handle);  // the deeper path now protects every page this sequence reads
+  cache_->unpin(s.pin);
+  s.pin = ins.handle;
+  s.published = full;
+}
+
 void Engine::release(Sequence& s) {
   if (cache_) {
     // Only positions whose K/V are written (n_computed) and only whole pages are cached.
@@ -453,6 +472,7 @@ void Engine::release(Sequence& s) {
     cache_->unpin(s.pin);
     s.pin = PrefixHandle{};
   }
+  s.published = 0;
   s.table.release_all(*pool_);
 }
 

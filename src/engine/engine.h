@@ -91,6 +91,7 @@ class Engine {
   void postprocess(Plan& plan, const float* logits);
   void finish(Sequence& s, const char* reason);
   void release(Sequence& s);  // hands full pages to the prefix cache, then frees the table
+  void publish(Sequence& s);  // hands newly completed full pages to the prefix cache
   bool admit(Sequence& s, int64_t budget, int32_t* n_out);
   std::list<std::unique_ptr<Sequence>>::iterator pick_waiting();
   void publish_gauges();

@@ -338,3 +338,23 @@ TEST(Engine, NamespacesNeverShare) {
   EXPECT_EQ(a.text[0], b.text[0]);
   expect_drained(e);
 }
+
+TEST(Engine, PagesArePublishedWhilePrefillRuns) {
+  LlamaModel* m = kvtest::smollm2_model();
+  const Tokenizer* tok = smollm2_tokenizer();
+  ASSERT_TRUE(m && tok);
+  std::string sys;
+  for (int i = 0; i < 12; ++i) sys += "Rule " + std::to_string(i) + ": answer briefly, cite nothing, and stay polite. ";
+  EngineConfig c = small_config(64);
+  c.max_num_batched_tokens = 64;  // the shared prompt takes several steps
+  Engine e(*m, *tok, c);
+  auto a = submit(e, prompt_of(*tok, sys + "Q: red?"), 4);
+  e.step();  // first chunk of a is computed and published
+  auto b = submit(e, prompt_of(*tok, sys + "Q: blue?"), 4);
+  run_until_idle(e);
+  Outcome ob = collect(*b);
+  // b arrived while a was still mid-prompt, and still reused a's first pages.
+  EXPECT_GE(ob.usage.cached_tokens, 64);
+  collect(*a);
+  expect_drained(e);
+}
