@@ -358,3 +358,37 @@ TEST(Engine, PagesArePublishedWhilePrefillRuns) {
   collect(*a);
   expect_drained(e);
 }
+
+TEST(Engine, LpmPrefersTheCachedPrefixFcfsDoesNot) {
+  LlamaModel* m = kvtest::smollm2_model();
+  const Tokenizer* tok = smollm2_tokenizer();
+  ASSERT_TRUE(m && tok);
+  std::string sys;
+  for (int i = 0; i < 6; ++i) sys += "Guideline " + std::to_string(i) + ": be brief and kind. ";
+  for (auto policy : {EngineConfig::Policy::kFcfs, EngineConfig::Policy::kLpm}) {
+    EngineConfig c = small_config(64);
+    c.max_num_seqs = 1;  // one admission at a time: the order is visible
+    c.max_num_batched_tokens = 256;
+    c.policy = policy;
+    Engine e(*m, *tok, c);
+    auto warm = submit(e, prompt_of(*tok, sys + "Q: one?"), 2);
+    run_until_idle(e);
+    collect(*warm);
+    auto a = submit(e, prompt_of(*tok, "An unrelated question about the weather in Lisbon in spring?"), 2);
+    auto b = submit(e, prompt_of(*tok, sys + "Q: two?"), 2);
+    e.step();  // admits one request: prompt and first token
+    e.step();  // its second (last) token: it finishes
+    Outcome oa = collect(*a), ob = collect(*b);
+    if (policy == EngineConfig::Policy::kLpm) {
+      EXPECT_EQ(oa.finish.count(0), 0u);
+      EXPECT_EQ(ob.finish[0], "length");  // b starts with a cached prefix: it goes first
+    } else {
+      EXPECT_EQ(oa.finish[0], "length");  // arrival order
+      EXPECT_EQ(ob.finish.count(0), 0u);
+    }
+    run_until_idle(e);
+    collect(*a);
+    collect(*b);
+    expect_drained(e);
+  }
+}
