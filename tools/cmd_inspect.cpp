@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "common/units.h"
 #include "gguf/gguf.h"
 
 namespace kvtools {
@@ -193,17 +194,6 @@ class Describer {
   std::string err_;
 };
 
-std::string human_bytes(double b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (b >= 1024 && u < 4) {
-    b /= 1024;
-    ++u;
-  }
-  char buf[64];
-  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", b, units[u]);
-  return buf;
-}
 
 std::string show(const Json& v) {
   if (v.is_string()) return one_line(v.get<std::string>());
@@ -220,7 +210,7 @@ void print_text(const Json& j) {
   const Json& hp = j["hparams"];
   const Json& att = j["attention"];
   std::printf("file            %s (%s, GGUF v%s, alignment %s)\n", show(j["path"]).c_str(),
-              human_bytes(j["file_size"].get<double>()).c_str(), show(j["gguf_version"]).c_str(),
+              kv::format_bytes(j["file_size"].get<double>()).c_str(), show(j["gguf_version"]).c_str(),
               show(j["alignment"]).c_str());
   std::printf("architecture    %s\n", show(j["architecture"]).c_str());
   std::printf("name            %s\n", show(j["name"]).c_str());
@@ -235,10 +225,10 @@ void print_text(const Json& j) {
   const Json& t = j["tensors"];
   std::printf("file type       %s\n", show(j["file_type"]).c_str());
   std::printf("tensors         %s, %s of weights\n", show(t["count"]).c_str(),
-              human_bytes(t["total_bytes"].get<double>()).c_str());
+              kv::format_bytes(t["total_bytes"].get<double>()).c_str());
   for (const auto& [name, e] : t["by_type"].items())
     std::printf("  %-6s %5s tensors  %s\n", name.c_str(), show(e["count"]).c_str(),
-                human_bytes(e["bytes"].get<double>()).c_str());
+                kv::format_bytes(e["bytes"].get<double>()).c_str());
   const Json& tok = j["tokenizer"];
   std::printf("tokenizer       %s (pre: %s), vocab %s\n", show(tok["model"]).c_str(), show(tok["pre"]).c_str(),
               show(tok["vocab_size"]).c_str());

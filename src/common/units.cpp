@@ -35,13 +35,12 @@ Result<int64_t> parse_memory_size(const std::string& s) {
   return static_cast<int64_t>(bytes);
 }
 
-std::string format_bytes(int64_t b) {
+std::string format_bytes(double v) {
   char buf[64];
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(b);
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
   int u = 0;
-  while (v >= 1024 && u < 4) { v /= 1024; ++u; }
-  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", v, units[u]);
+  while (v >= 1024 && u < 6) { v /= 1024; ++u; }
+  std::snprintf(buf, sizeof buf, u == 0 ? "%g %s" : "%.2f %s", v, units[u]);
   return buf;
 }
 

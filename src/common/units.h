@@ -11,6 +11,6 @@ namespace kv {
 // budgets are about RAM), or a fraction of physical RAM in (0, 1] such as "0.25".
 Result<int64_t> parse_memory_size(const std::string& s);
 int64_t physical_ram_bytes();
-std::string format_bytes(int64_t bytes);  // "23.0 KiB", "1.50 GiB"
+std::string format_bytes(double bytes);  // "512 B", "0.5 B", "22.50 KiB", "10.00 GiB" (1024-based)
 
 }  // namespace kv

@@ -351,7 +351,8 @@ Engine::Sequence* Engine::fork(Sequence& parent, int32_t index) {
 void Engine::postprocess(Plan& plan, const float* logits) {
   const int32_t nv = model_.config().n_vocab;
   const auto now = Clock::now();
-  std::vector<float> row(nv);
+  std::vector<float>& row = row_;  // sampler scratch: it may rewrite logits in place
+  row.resize(nv);
   int64_t r = 0;
   std::vector<Sequence*> emitters;
   for (auto& it : plan.items) {
@@ -387,7 +388,8 @@ void Engine::postprocess(Plan& plan, const float* logits) {
         lz = mx + std::log(z);
         TokenLogprob tl;
         if (p.logprobs > 0) {
-          std::vector<int32_t> idx(nv);
+          std::vector<int32_t>& idx = idx_;
+          idx.resize(nv);
           for (int32_t i = 0; i < nv; ++i) idx[i] = i;
           const int32_t k = std::min(p.logprobs, nv);
           std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int32_t a, int32_t b) { return lg[a] > lg[b] || (lg[a] == lg[b] && a < b); });

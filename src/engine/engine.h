@@ -119,6 +119,8 @@ class Engine {
   std::list<std::unique_ptr<Sequence>> waiting_;   // FCFS; preempted go to the front
   std::list<std::unique_ptr<Sequence>> running_;   // admission order (oldest first)
   std::vector<float> logits_;
+  std::vector<float> row_;      // [n_vocab] one sequence's logits for the sampler
+  std::vector<int32_t> idx_;    // [n_vocab] top-logprobs ordering
   std::atomic<int32_t> pages_in_use_{0};
   std::atomic<int32_t> pages_cached_{0};
   std::vector<int32_t> held_scratch_;  // [n_pages], reused by publish_gauges

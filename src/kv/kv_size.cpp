@@ -1,5 +1,7 @@
 #include "kv/kv_size.h"
 
+#include "common/units.h"
+
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
@@ -232,17 +234,7 @@ std::string group_thousands(int64_t v) {
   return v < 0 ? "-" + out : out;
 }
 
-std::string binary_size(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-  int u = 0;
-  while (bytes >= 1024 && u < 6) {
-    bytes /= 1024;
-    ++u;
-  }
-  char buf[64];
-  std::snprintf(buf, sizeof buf, u == 0 ? "%g %s" : "%.2f %s", bytes, units[u]);
-  return buf;
-}
+std::string binary_size(double bytes) { return format_bytes(bytes); }
 
 std::string format_kv_bits(int64_t bits) {
   std::string b = group_thousands(bits / 8);

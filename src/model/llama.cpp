@@ -173,8 +173,8 @@ Status LlamaModel::forward(const Batch& batch, PagePool& pool, ThreadPool& tp, f
                        x_.data() + t * E, E);
 
   // Attention work units: (sequence, kv head, tile of query tokens), spread over threads.
-  struct Unit { int32_t seq, head, t0, n; };
-  std::vector<Unit> units;  // small; rebuilt per forward, not per token-layer
+  std::vector<AttnUnit>& units = units_;
+  units.clear();
   constexpr int kUnitTokens = 32;
   for (int32_t s = 0; s < static_cast<int32_t>(batch.seqs.size()); ++s)
     for (int32_t t0 = 0; t0 < batch.seqs[s].n_tokens; t0 += kUnitTokens)
@@ -204,7 +204,7 @@ Status LlamaModel::forward(const Batch& batch, PagePool& pool, ThreadPool& tp, f
       int64_t b, e;
       ThreadPool::split(static_cast<int64_t>(units.size()), ith, nth, 1, &b, &e);
       for (int64_t u = b; u < e; ++u) {
-        const Unit& w = units[u];
+        const AttnUnit& w = units[u];
         const BatchSeq& s = batch.seqs[w.seq];
         PagedKvView v;
         v.k_base = pool.k_data(il, 0);

@@ -69,6 +69,9 @@ class LlamaModel {
   std::vector<float> gu_;    // [n_tokens][2 n_ff]
   std::vector<float> last_;  // [n_logits][n_embd]
   std::vector<float> tmp_;   // [n_tokens][n_embd]
+  // Attention work units: (sequence, kv head, tile of query tokens), spread over threads.
+  struct AttnUnit { int32_t seq, head, t0, n; };
+  std::vector<AttnUnit> units_;
 };
 
 }  // namespace kv
