@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kernels/attention.h"
+#include "kv/page_pool.h"
 #include "kernels/ops.h"
 
 using namespace kv;
@@ -62,25 +63,31 @@ void BM_Softmax(benchmark::State& st) {
 }
 BENCHMARK(BM_Softmax)->Arg(49152);
 
-// One decode token of one layer: 3 KV heads × 3 query heads each, head_dim 64, f16 pages,
-// context of range(0) tokens. Counters: KV bytes read per second.
+// One decode token of one layer: 3 KV heads × 3 query heads each, head_dim 64, pages of 16,
+// context of range(0) tokens, page type range(1) (KvElem), one thread. Counters: KV bytes read
+// per second (page bytes, metadata included).
 template <bool kRef>
 void BM_PagedAttentionDecode(benchmark::State& st) {
   const int64_t n_ctx = st.range(0);
+  const KvElem elem = static_cast<KvElem>(st.range(1));
   const int hkv = 3, grp = 3, hd = 64, bs = 16;
-  const int64_t n_pages = (n_ctx + bs - 1) / bs;
-  const int64_t page_bytes = int64_t(hkv) * bs * hd * 2;
-  std::vector<uint8_t> k(n_pages * page_bytes), v(n_pages * page_bytes);
-  auto tok = randn(hkv * hd, 5);
-  for (int64_t p = 0; p < n_ctx; ++p) {
-    write_kv_token(k.data() + (p / bs) * page_bytes, KvElem::kF16, hkv, bs, hd, p % bs, tok.data());
-    write_kv_token(v.data() + (p / bs) * page_bytes, KvElem::kF16, hkv, bs, hd, p % bs, tok.data());
-  }
-  std::vector<int32_t> table(n_pages);
-  for (int64_t i = 0; i < n_pages; ++i) table[i] = static_cast<int32_t>(i);
+  KvLayout l;
+  l.n_layer = 1;
+  l.n_head_kv = hkv;
+  l.head_dim = hd;
+  l.block_size = bs;
+  l.dtype = elem;
+  const int32_t n_pages = static_cast<int32_t>((n_ctx + bs - 1) / bs);
+  PagePool pool(l, n_pages, 2);
+  std::vector<int32_t> table;
+  pool.allocate(n_pages, &table);
+  auto k = randn(hkv * hd, 5), v = randn(hkv * hd, 7);
+  for (int64_t p = 0; p < n_ctx; ++p) pool.write_token(0, table[p / bs], static_cast<int32_t>(p % bs), k.data(), v.data());
+  pool.release_filled(0);
+  PagedKvView view = pool.view(0);
+  view.pages = table.data();
   auto q = randn(hkv * grp * hd, 6);
   std::vector<float> out(q.size());
-  PagedKvView view{k.data(), v.data(), page_bytes, table.data(), hkv, bs, hd, KvElem::kF16};
   for (auto _ : st) {
     for (int h = 0; h < hkv; ++h) {
       if (kRef)
@@ -90,10 +97,51 @@ void BM_PagedAttentionDecode(benchmark::State& st) {
     }
     benchmark::DoNotOptimize(out.data());
   }
-  st.SetBytesProcessed(st.iterations() * 2 * n_pages * page_bytes);
+  st.SetBytesProcessed(st.iterations() * int64_t(n_pages) * (l.k_layer_page_bytes(0) + l.v_layer_page_bytes(0)));
+  st.SetLabel(kv_elem_name(elem));
 }
-BENCHMARK_TEMPLATE(BM_PagedAttentionDecode, false)->RangeMultiplier(4)->Range(256, 16384);
-BENCHMARK_TEMPLATE(BM_PagedAttentionDecode, true)->RangeMultiplier(4)->Range(256, 4096);
+void DecodeArgs(benchmark::internal::Benchmark* b, int64_t max_ctx) {
+  for (int e : {int(KvElem::kF32), int(KvElem::kF16), int(KvElem::kBF16), int(KvElem::kFp8E4M3), int(KvElem::kInt8), int(KvElem::kInt4)})
+    for (int64_t n = 256; n <= max_ctx; n *= 4) b->Args({n, e});
+}
+BENCHMARK_TEMPLATE(BM_PagedAttentionDecode, false)->Apply([](benchmark::internal::Benchmark* b) { DecodeArgs(b, 16384); });
+BENCHMARK_TEMPLATE(BM_PagedAttentionDecode, true)->Apply([](benchmark::internal::Benchmark* b) { DecodeArgs(b, 1024); });
+
+// Prefill: a chunk of range(1) query tokens at the end of a range(0)-token context, f16 or
+// int8 pages (range(2)), one thread. Counter: attention FLOP/s (QKᵀ and PV, causal).
+void BM_PagedAttentionPrefill(benchmark::State& st) {
+  const int64_t n_ctx = st.range(0);
+  const int n_q = static_cast<int>(st.range(1));
+  const KvElem elem = static_cast<KvElem>(st.range(2));
+  const int hkv = 3, grp = 3, hd = 64, bs = 16;
+  KvLayout l;
+  l.n_layer = 1;
+  l.n_head_kv = hkv;
+  l.head_dim = hd;
+  l.block_size = bs;
+  l.dtype = elem;
+  const int32_t n_pages = static_cast<int32_t>((n_ctx + bs - 1) / bs);
+  PagePool pool(l, n_pages, 2);
+  std::vector<int32_t> table;
+  pool.allocate(n_pages, &table);
+  auto k = randn(hkv * hd, 5), v = randn(hkv * hd, 7);
+  for (int64_t p = 0; p < n_ctx; ++p) pool.write_token(0, table[p / bs], static_cast<int32_t>(p % bs), k.data(), v.data());
+  pool.release_filled(0);
+  PagedKvView view = pool.view(0);
+  view.pages = table.data();
+  const int64_t stride = hkv * grp * hd;
+  auto q = randn(n_q * stride, 6);
+  std::vector<float> out(q.size());
+  for (auto _ : st) {
+    for (int h = 0; h < hkv; ++h)
+      paged_attention(view, h, grp, q.data(), stride, n_ctx - n_q, n_q, 0.125f, out.data(), stride);
+    benchmark::DoNotOptimize(out.data());
+  }
+  const double keys = double(n_q) * (n_ctx - n_q) + double(n_q) * (n_q + 1) / 2;
+  st.counters["flops"] = benchmark::Counter(st.iterations() * keys * hkv * grp * hd * 4, benchmark::Counter::kIsRate);
+  st.SetLabel(kv_elem_name(elem));
+}
+BENCHMARK(BM_PagedAttentionPrefill)->Args({512, 512, int(KvElem::kF16)})->Args({4096, 512, int(KvElem::kF16)})->Args({4096, 512, int(KvElem::kInt8)});
 }  // namespace
 
 BENCHMARK_MAIN();

@@ -74,9 +74,6 @@ void run_serve(const ServeOptions& o) {
   ec.max_queue = o.max_queue;
   ec.max_n = o.max_n;
   ec.block_size = o.kvo.block_size;
-  auto dtype = kv::parse_kv_dtype(o.kvo.dtype);
-  if (!dtype) fail(dtype.message());
-  ec.kv_dtype = *dtype;
   auto bytes = kv::parse_memory_size(o.kvo.memory);
   if (!bytes) fail(bytes.message());
   ec.kv_cache_bytes = *bytes;
@@ -86,8 +83,10 @@ void run_serve(const ServeOptions& o) {
   auto max_body = kv::parse_memory_size(o.max_body);
   if (!max_body) fail("--max-body-size: " + max_body.message());
 
-  kv::KvLayout layout = (*model)->kv_layout(ec.block_size, ec.kv_dtype);
-  if (kv::PagePool::pages_for_bytes(layout, ec.kv_cache_bytes) < 1)
+  kv::KvLayout layout = make_kv_layout(**model, o.kvo);
+  ec.kv_dtype = layout.dtype;
+  ec.kv_layer_dtypes = layout.layer_dtypes;
+  if (kv::PagePool::pages_for_bytes(layout, ec.kv_cache_bytes, kv::staging_slots(ec)) < 1)
     fail("--kv-cache-memory " + o.kvo.memory + " holds no page (one page is " + kv::format_bytes(layout.page_bytes()) + ")");
 
   kv::Engine engine(**model, **tok, ec);
@@ -97,7 +96,7 @@ void run_serve(const ServeOptions& o) {
   std::fprintf(stderr, "model: %s (%s, %d layers, %s %d/%d heads), kernels: %s, threads: %d\n", mc.name.c_str(), mc.arch.c_str(),
                mc.n_layer, mc.attention_kind(), mc.n_head, mc.n_head_kv, kv::isa_name(kv::detect_isa()), ec.n_threads);
   std::fprintf(stderr, "KV cache: %s %s, %lld pages of %d tokens = %lld tokens (%s per token); %lld sequences of max_model_len %d fit\n",
-               kv::format_bytes(engine.pool().total_bytes()).c_str(), kv::kv_dtype_name(ec.kv_dtype), static_cast<long long>(n_pages),
+               kv::format_bytes(engine.pool().total_bytes()).c_str(), layout.describe().c_str(), static_cast<long long>(n_pages),
                ec.block_size, static_cast<long long>(n_tokens), kv::format_bytes(layout.bytes_per_token()).c_str(),
                static_cast<long long>(n_pages / pages_per_seq), ec.max_model_len);
   std::fprintf(stderr, "engine: max_num_seqs %d, max_num_batched_tokens %d, max_queue %d, prefix caching %s, policy %s\n",

@@ -18,7 +18,25 @@ void add_kv_options(CLI::App* cmd, KvOptions* kvo) {
   cmd->add_option("--block-size", kvo->block_size, "token positions per KV page")
       ->check(CLI::Range(1, kv::kAttnMaxBlockSize))
       ->capture_default_str();
-  cmd->add_option("--kv-cache-dtype", kvo->dtype, "KV page element type: auto (f16), f16, f32")->capture_default_str();
+  cmd->add_option("--kv-cache-dtype", kvo->dtype,
+                  "KV page element type: auto (= f16), f32, f16, bf16, fp8_e4m3 (fp8), fp8_e5m2, int8, int4")
+      ->capture_default_str();
+  cmd->add_option("--kv-cache-dtype-layers", kvo->layer_dtypes,
+                  "per-layer KV dtypes over --kv-cache-dtype, e.g. \"0-1:f16,28-29:f16\"");
+}
+
+kv::KvLayout make_kv_layout(const kv::LlamaModel& model, const KvOptions& kvo) {
+  auto dtype = kv::parse_kv_dtype(kvo.dtype);
+  if (!dtype) fail(dtype.message());
+  std::vector<kv::KvDtype> layers;
+  if (!kvo.layer_dtypes.empty()) {
+    auto l = kv::parse_kv_dtype_layers(kvo.layer_dtypes, model.config().n_layer, *dtype);
+    if (!l) fail(l.message());
+    layers = std::move(*l);
+  }
+  kv::KvLayout layout = model.kv_layout(kvo.block_size, *dtype, std::move(layers));
+  if (kv::Status st = layout.validate(); !st) fail(st.message());
+  return layout;
 }
 
 namespace {
@@ -51,11 +69,9 @@ LoadedModel load_model(const std::string& path, int n_threads, const KvOptions& 
   if (!m) fail(path + ": " + m.message());
   lm.model = std::move(*m);
   if (!with_runtime) return lm;
-  auto dtype = kv::parse_kv_dtype(kvo.dtype);
-  if (!dtype) fail(dtype.message());
   auto bytes = kv::parse_memory_size(kvo.memory);
   if (!bytes) fail(bytes.message());
-  kv::KvLayout layout = lm.model->kv_layout(kvo.block_size, *dtype);
+  kv::KvLayout layout = make_kv_layout(*lm.model, kvo);
   int64_t n_pages = kv::PagePool::pages_for_bytes(layout, *bytes);
   if (n_pages < 1) fail("--kv-cache-memory " + kvo.memory + " holds no page (one page is " + kv::format_bytes(layout.page_bytes()) + ")");
   if (n_pages > (int64_t(1) << 30)) n_pages = int64_t(1) << 30;
@@ -66,7 +82,7 @@ LoadedModel load_model(const std::string& path, int n_threads, const KvOptions& 
     std::fprintf(stderr, "model: %s (%s, %d layers, %s %d/%d heads), kernels: %s, threads: %d\n", c.name.c_str(), c.arch.c_str(),
                  c.n_layer, c.attention_kind(), c.n_head, c.n_head_kv, kv::isa_name(kv::detect_isa()), lm.threads->size());
     std::fprintf(stderr, "KV cache: %s %s in %lld pages of %d tokens = %lld tokens (%s per token)\n",
-                 kv::format_bytes(lm.pool->total_bytes()).c_str(), kv::kv_dtype_name(*dtype), static_cast<long long>(n_pages),
+                 kv::format_bytes(lm.pool->total_bytes()).c_str(), layout.describe().c_str(), static_cast<long long>(n_pages),
                  kvo.block_size, static_cast<long long>(n_pages * kvo.block_size), kv::format_bytes(layout.bytes_per_token()).c_str());
   }
   return lm;

@@ -16,7 +16,11 @@ struct KvOptions {
   std::string memory = "1GiB";
   int block_size = 16;
   std::string dtype = "auto";
+  std::string layer_dtypes;  // --kv-cache-dtype-layers, e.g. "0-1:f16,28-29:f16"
 };
+
+// The KV layout the options ask for, validated (exits with a message when it is not valid).
+kv::KvLayout make_kv_layout(const kv::LlamaModel& model, const KvOptions& kvo);
 
 struct LoadedModel {
   std::unique_ptr<kv::GgufFile> file;

@@ -69,9 +69,11 @@ struct Engine::Plan {
 };
 
 Engine::Engine(LlamaModel& model, const Tokenizer& tok, const EngineConfig& cfg) : model_(model), tok_(tok), cfg_(cfg) {
-  KvLayout layout = model.kv_layout(cfg.block_size, cfg.kv_dtype);
-  int64_t n_pages = std::min<int64_t>(PagePool::pages_for_bytes(layout, cfg.kv_cache_bytes), int64_t(1) << 30);
-  pool_ = std::make_unique<PagePool>(layout, static_cast<int32_t>(std::max<int64_t>(n_pages, 0)));
+  KvLayout layout = model.kv_layout(cfg.block_size, cfg.kv_dtype, cfg.kv_layer_dtypes);
+  // Staging (quantized layers): one partly filled page per running sequence, plus forks.
+  const int32_t n_staging = staging_slots(cfg);
+  int64_t n_pages = std::min<int64_t>(PagePool::pages_for_bytes(layout, cfg.kv_cache_bytes, n_staging), int64_t(1) << 30);
+  pool_ = std::make_unique<PagePool>(layout, static_cast<int32_t>(std::max<int64_t>(n_pages, 0)), n_staging);
   threads_ = std::make_unique<ThreadPool>(cfg.n_threads);
   if (cfg.enable_prefix_caching)
     cache_ = std::make_unique<PrefixCache>(*pool_, model.fingerprint(), static_cast<int32_t>(cfg.kv_dtype));
@@ -181,7 +183,10 @@ bool Engine::ensure_pages(Sequence& s, int64_t n_new) {
     std::vector<int32_t> fresh;
     pool_->allocate(1, &fresh);
     const int32_t old = s.table.pages[first_page];
-    pool_->copy_page(old, fresh[0]);
+    if (!pool_->copy_page(old, fresh[0])) {  // no staging slot for the copy: try again next step
+      pool_->release(fresh[0]);
+      return false;
+    }
     pool_->release(old);
     s.table.pages[first_page] = fresh[0];
   }

@@ -40,6 +40,7 @@ struct EngineConfig {
   int32_t max_n = 16;             // largest `n` accepted
   int32_t block_size = 16;
   KvDtype kv_dtype = KvDtype::kF16;
+  std::vector<KvDtype> kv_layer_dtypes;  // per-layer overrides; empty = every layer kv_dtype
   int64_t kv_cache_bytes = int64_t(1) << 30;
   int32_t n_threads = 2;
   bool enable_prefix_caching = true;
@@ -47,6 +48,12 @@ struct EngineConfig {
   // cached prefix (as SGLang does); a request passed over kLpmMaxSkips times goes next.
   enum class Policy { kFcfs, kLpm } policy = Policy::kFcfs;
 };
+
+// Staging slots per quantized layer the engine's pool needs: one partly filled page per
+// running sequence (forks of n > 1 included) plus the pages one step's tokens can fill.
+inline int32_t staging_slots(const EngineConfig& cfg) {
+  return cfg.max_num_seqs + cfg.max_n + cfg.max_num_batched_tokens / cfg.block_size + 4;
+}
 
 // Why submit() refused: an HTTP status and a message for the client.
 struct Rejection {

@@ -15,8 +15,15 @@ Status SequenceRunner::reserve(int64_t n_new) {
   return Status::ok();
 }
 
+int32_t SequenceRunner::chunk() const {
+  // A quantized layer holds one staging slot per page a forward fills, until its attention ran.
+  if (pool_.layout().n_staged_layers() == 0) return chunk_;
+  return std::max<int32_t>(1, std::min<int32_t>(chunk_, (pool_.n_staging() - 2) * pool_.layout().block_size));
+}
+
 Status SequenceRunner::feed(const int32_t* tokens, int64_t n, bool want_logits) {
   if (n <= 0) return Status::ok();
+  const int32_t chunk_ = chunk();
   if (Status st = reserve(n); !st) return st;
   logits_.resize(model_.config().n_vocab);
   for (int64_t i = 0; i < n; i += chunk_) {
@@ -34,6 +41,7 @@ Status SequenceRunner::feed_all_logits(const int32_t* tokens, int64_t n, std::ve
   const int64_t nv = model_.config().n_vocab;
   out->assign(n * nv, 0.f);
   if (Status st = reserve(n); !st) return st;
+  const int32_t chunk_ = chunk();
   // One run per token so every position gets logits; runs of the same chunk share a forward.
   for (int64_t i = 0; i < n; i += chunk_) {
     const int32_t len = static_cast<int32_t>(std::min<int64_t>(chunk_, n - i));

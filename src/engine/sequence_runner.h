@@ -34,6 +34,7 @@ class SequenceRunner {
   LlamaModel& model_;
   PagePool& pool_;
   ThreadPool& tp_;
+  int32_t chunk() const;  // chunk_, capped by the pool's staging slots for quantized layers
   int32_t chunk_;
   BlockTable table_;
   Batch batch_;

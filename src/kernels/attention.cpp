@@ -14,145 +14,486 @@ namespace kv {
 
 namespace {
 
-constexpr int kMaxHeadDim = 256;
-constexpr int kMaxBlock = 64;     // largest block_size the tile buffers hold (checked at start-up)
-constexpr int kQTile = 8;       // query tokens per tile
-constexpr int kMaxGroup = 16;   // query heads per KV head handled in one tile
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kMaxRows = kAttnQTile * kAttnMaxGroup;
 
-// Converts n elements of a KV tile to float.
-inline void load_tile(const uint8_t* src, KvElem elem, int64_t n, float* dst) {
-  if (elem == KvElem::kF32) {
-    std::memcpy(dst, src, n * sizeof(float));
-    return;
-  }
-  const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
-  int64_t i = 0;
-#if defined(__F16C__) && defined(__AVX__)
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
-#endif
-  for (; i < n; ++i) dst[i] = fp16_to_fp32(h[i]);
+// The rows of one query tile and their running softmax state.
+struct Rows {
+  int n = 0;
+  const float* qs[kMaxRows];  // query row pre-multiplied by the softmax scale
+  int64_t pos[kMaxRows];      // the row's position (causal bound)
+  float* acc[kMaxRows];       // Σ p·v, head_dim floats
+  float* m;                   // running max
+  float* l;                   // running Σ p
+};
+
+// Which copy of a page a query reads: a page that has a staging slot is read from staging by
+// the queries whose own page it is (it is still filling, or was filled by this very pass);
+// queries on later pages read its quantized tiles — what they would read decoding one token
+// at a time.
+bool has_stage(const PagedKvView& kv, int32_t page) { return kv.stage_of && kv.stage_of[page] >= 0; }
+const uint8_t* k_tile(const PagedKvView& kv, int32_t page, int head, bool staged) {
+  if (staged)
+    return kv.k_stage + kv.stage_of[page] * kv.stage_bytes + head * kv_stage_tile_bytes(kv.block_size, kv.head_dim);
+  return kv.k_base + page * kv.k_page_bytes + head * kv_k_tile_bytes(kv.elem, kv.block_size, kv.head_dim);
+}
+const uint8_t* v_tile(const PagedKvView& kv, int32_t page, int head, bool staged) {
+  if (staged)
+    return kv.v_stage + kv.stage_of[page] * kv.stage_bytes + head * kv_stage_tile_bytes(kv.block_size, kv.head_dim);
+  return kv.v_base + page * kv.v_page_bytes + head * kv_v_tile_bytes(kv.elem, kv.block_size, kv.head_dim);
 }
 
-inline float dot(const float* a, const float* b, int n) {
-  float s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
+// Keys of the page [key0, key0 + n_keys) a row at `pos` may see.
+inline void visible(int64_t pos, int64_t key0, int n_keys, int32_t window, int* lo, int* hi) {
+  *hi = static_cast<int>(std::clamp<int64_t>(pos + 1 - key0, 0, n_keys));
+  *lo = window > 0 ? static_cast<int>(std::clamp<int64_t>(pos - window + 1 - key0, 0, *hi)) : 0;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+
+// e^x for 16 lanes: x = n·ln2 + r, |r| ≤ ln2/2, degree-6 polynomial, scaled by 2^n.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16 bytes of fp8 → 16 floats (e4m3 comes out 2^-8 too small; the caller's scale has the 256).
+inline __m512 fp8x16(__m128i b, bool e4m3) {
+  const __m256i w = _mm256_cvtepu8_epi16(b);
+  __m256i h;
+  if (e4m3)
+    h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                        _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
+  else
+    h = _mm256_slli_epi16(w, 8);
+  return _mm512_cvtph_ps(h);
+}
+// 8 bytes of nibbles → 16 floats: the low nibbles then the high nibbles.
+inline __m512 nib8x16(const uint8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  const __m128i x = _mm_unpacklo_epi64(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x));
+}
+inline __m512 u8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// 16 consecutive values (masked to `mask` lanes) of an unquantized or fp8/int8 run at element i.
+template <KvElem E>
+inline __m512 load16(const uint8_t* base, int64_t i, __mmask16 mask) {
+  if constexpr (E == KvElem::kF32) return _mm512_maskz_loadu_ps(mask, reinterpret_cast<const float*>(base) + i);
+  if constexpr (E == KvElem::kF16)
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, reinterpret_cast<const uint16_t*>(base) + i));
+  if constexpr (E == KvElem::kBF16)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, reinterpret_cast<const uint16_t*>(base) + i)), 16));
+  if constexpr (E == KvElem::kFp8E4M3 || E == KvElem::kFp8E5M2)
+    return fp8x16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + i)), E == KvElem::kFp8E4M3);
+  if constexpr (E == KvElem::kInt8) return u8x16(base + i);
+  return _mm512_setzero_ps();
+}
+
+// K: channel d, keys [c·16, c·16 + 16) of a channel-major tile.
+template <KvElem E>
+inline __m512 load_k(const uint8_t* kt, int bs, int d, int c, __mmask16 mask) {
+  if constexpr (E == KvElem::kInt4) return nib8x16(kt + int64_t(d) * (bs / 2) + c * 8);
+  return load16<E>(kt, int64_t(d) * bs + c * 16, mask);
+}
+// V: token j, channels [cc·16, cc·16 + 16) of a token-major tile (G: int4 group size).
+template <KvElem E>
+inline __m512 load_v(const uint8_t* vt, int hd, int G, int j, int cc) {
+  if constexpr (E == KvElem::kInt4) {
+    const int ch = cc * 16, g = ch / G;
+    const uint8_t* p = vt + int64_t(j) * (hd / 2) + g * (G / 2);
+    if (G == 16) return nib8x16(p);
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i x = (ch % G) == 0 ? _mm_and_si128(b, _mm_set1_epi8(0x0F))
+                                    : _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x));
+  }
+  return load16<E>(vt, int64_t(j) * hd + cc * 16, 0xFFFF);
+}
+
+constexpr int64_t values_bytes(KvElem e, int64_t n) {
+  return e == KvElem::kF32 ? 4 * n : (e == KvElem::kF16 || e == KvElem::kBF16) ? 2 * n : e == KvElem::kInt4 ? n / 2 : n;
+}
+
+// One page against NR rows [r0, r0 + NR): scores, online softmax, Σ p·v. n_keys valid slots.
+template <KvElem E, int NR>
+void page_rows(const uint8_t* kt, const uint8_t* vt, int bs, int hd, int64_t key0, int n_keys, int32_t window,
+               Rows& rows, int r0) {
+  constexpr bool kInt = E == KvElem::kInt8 || E == KvElem::kInt4;
+  constexpr bool kFp8 = E == KvElem::kFp8E4M3 || E == KvElem::kFp8E5M2;
+  const int64_t n = int64_t(bs) * hd;
+  const int n_chunks = (n_keys + 15) / 16;
+  alignas(64) float qe[NR][kAttnMaxHeadDim];  // effective query: q·scale·(per-channel / tile scale)
+  float cadd[NR] = {};                         // Σ q·scale·min (int keys' zero points)
+  int lo[NR], hi[NR];
+  bool any = false;
+  for (int r = 0; r < NR; ++r) {
+    visible(rows.pos[r0 + r], key0, n_keys, window, &lo[r], &hi[r]);
+    any |= hi[r] > lo[r];
+  }
+  if (!any) return;
+
+  // 1. effective queries
+  if constexpr (kInt) {
+    const uint16_t* meta = reinterpret_cast<const uint16_t*>(kt + values_bytes(E, n));
+    alignas(64) float ks[kAttnMaxHeadDim], kz[kAttnMaxHeadDim];
+    for (int d = 0; d < hd; d += 16) {
+      // meta pairs {scale, min} per channel: deinterleave 16 pairs
+      const __m512i pr = _mm512_loadu_si512(meta + 2 * d);
+      _mm512_store_ps(ks + d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(pr)));
+      _mm512_store_ps(kz + d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(pr, 16))));
+    }
+    for (int r = 0; r < NR; ++r) {
+      const float* q = rows.qs[r0 + r];
+      __m512 c = _mm512_setzero_ps();
+      for (int d = 0; d < hd; d += 16) {
+        const __m512 qv = _mm512_loadu_ps(q + d);
+        _mm512_store_ps(qe[r] + d, _mm512_mul_ps(qv, _mm512_load_ps(ks + d)));
+        c = _mm512_fmadd_ps(qv, _mm512_load_ps(kz + d), c);
+      }
+      cadd[r] = _mm512_reduce_add_ps(c);
+    }
+  } else if constexpr (kFp8) {
+    float ts;
+    std::memcpy(&ts, kt + n, 4);
+    if (E == KvElem::kFp8E4M3) ts *= 256.f;
+    const __m512 tv = _mm512_set1_ps(ts);
+    for (int r = 0; r < NR; ++r)
+      for (int d = 0; d < hd; d += 16) _mm512_store_ps(qe[r] + d, _mm512_mul_ps(_mm512_loadu_ps(rows.qs[r0 + r] + d), tv));
+  }
+  auto qrow = [&](int r) -> const float* {
+    if constexpr (kInt || kFp8) return qe[r];
+    return rows.qs[r0 + r];
+  };
+
+  // 2. scores: 16 keys per vector, one FMA per channel and row (two accumulator sets for ILP)
+  alignas(64) float s[NR][kAttnMaxBlockSize];
+  for (int c = 0; c < n_chunks; ++c) {
+    const int left = std::min(16, bs - c * 16);
+    const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1);
+    __m512 a0[NR] = {}, a1[NR] = {};
+    int d = 0;
+    for (; d + 2 <= hd; d += 2) {
+      const __m512 k0 = load_k<E>(kt, bs, d, c, mask);
+      const __m512 k1 = load_k<E>(kt, bs, d + 1, c, mask);
+      for (int r = 0; r < NR; ++r) {
+        a0[r] = _mm512_fmadd_ps(_mm512_set1_ps(qrow(r)[d]), k0, a0[r]);
+        a1[r] = _mm512_fmadd_ps(_mm512_set1_ps(qrow(r)[d + 1]), k1, a1[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      _mm512_store_ps(s[r] + c * 16, _mm512_add_ps(_mm512_add_ps(a0[r], a1[r]), _mm512_set1_ps(cadd[r])));
+  }
+
+  // 3. online softmax per row; s becomes p (0 outside the row's visible keys)
+  for (int r = 0; r < NR; ++r) {
+    const int row = r0 + r;
+    if (hi[r] <= lo[r]) {
+      for (int c = 0; c < n_chunks; ++c) _mm512_store_ps(s[r] + c * 16, _mm512_setzero_ps());
+      continue;
+    }
+    __mmask16 vm[kAttnMaxBlockSize / 16];
+    __m512 mxv = _mm512_set1_ps(kNegInf);
+    for (int c = 0; c < n_chunks; ++c) {
+      const int j0 = c * 16;
+      const int a = std::clamp(lo[r] - j0, 0, 16), b = std::clamp(hi[r] - j0, 0, 16);
+      vm[c] = static_cast<__mmask16>(((1u << b) - 1) & ~((1u << a) - 1));
+      mxv = _mm512_mask_max_ps(mxv, vm[c], mxv, _mm512_load_ps(s[r] + j0));
+    }
+    const float m_new = std::max(rows.m[row], _mm512_reduce_max_ps(mxv));
+    const float corr = std::exp(rows.m[row] - m_new);
+    const __m512 mv = _mm512_set1_ps(m_new);
+    __m512 sum = _mm512_setzero_ps();
+    for (int c = 0; c < n_chunks; ++c) {
+      const __m512 p = _mm512_maskz_mov_ps(vm[c], exp16(_mm512_sub_ps(_mm512_load_ps(s[r] + c * 16), mv)));
+      _mm512_store_ps(s[r] + c * 16, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    rows.l[row] = rows.l[row] * corr + _mm512_reduce_add_ps(sum);
+    rows.m[row] = m_new;
+    if (corr != 1.f) {
+      float* acc = rows.acc[row];
+      const __m512 cv = _mm512_set1_ps(corr);
+      for (int d = 0; d < hd; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), cv));
+    }
+  }
+
+  // 4. Σ p·v over the page's keys, 16 channels at a time
+  int j_end = 0;
+  for (int r = 0; r < NR; ++r) j_end = std::max(j_end, hi[r]);
+  if (j_end == 0) return;
+  if constexpr (kFp8) {
+    float ts;
+    std::memcpy(&ts, vt + n, 4);
+    const __m512 tv = _mm512_set1_ps(E == KvElem::kFp8E4M3 ? ts * 256.f : ts);
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < n_chunks; ++c) _mm512_store_ps(s[r] + c * 16, _mm512_mul_ps(_mm512_load_ps(s[r] + c * 16), tv));
+  }
+  const int G = kInt ? kv_v_group(E, hd) : hd;
+  // int values: v = min + scale·q per (token, group), so Σ p·v = Σ (p·scale)·q + Σ p·min:
+  // pw[g][r][j] = p·scale, zr[r][g] = Σ_j p·min, both per page.
+  constexpr int kMaxG = kInt ? kAttnMaxHeadDim / 16 : 1;
+  alignas(64) float pw[kMaxG][NR][kAttnMaxBlockSize];
+  float zr[NR][kMaxG];
+  if constexpr (kInt) {
+    const int ng = hd / G;
+    const uint16_t* meta = reinterpret_cast<const uint16_t*>(vt + values_bytes(E, n));
+    alignas(64) float vs[kAttnMaxBlockSize], vz[kAttnMaxBlockSize];
+    for (int g = 0; g < ng; ++g) {
+      if (ng == 1) {
+        for (int c = 0; c < n_chunks; ++c) {
+          const __m512i pr = _mm512_loadu_si512(meta + 2 * c * 16);
+          _mm512_store_ps(vs + c * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(pr)));
+          _mm512_store_ps(vz + c * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(pr, 16))));
+        }
+      } else {
+        for (int j = 0; j < n_chunks * 16; ++j) {
+          vs[j] = _cvtsh_ss(meta[2 * (j * ng + g)]);
+          vz[j] = _cvtsh_ss(meta[2 * (j * ng + g) + 1]);
+        }
+      }
+      for (int r = 0; r < NR; ++r) {
+        __m512 z = _mm512_setzero_ps();
+        for (int c = 0; c < n_chunks; ++c) {
+          const __m512 p = _mm512_load_ps(s[r] + c * 16);
+          _mm512_store_ps(pw[g][r] + c * 16, _mm512_mul_ps(p, _mm512_load_ps(vs + c * 16)));
+          z = _mm512_fmadd_ps(p, _mm512_load_ps(vz + c * 16), z);
+        }
+        zr[r][g] = _mm512_reduce_add_ps(z);
+      }
+    }
+  }
+  for (int cc = 0; cc < hd / 16; ++cc) {
+    const int g = kInt ? cc * 16 / G : 0;
+    auto w = [&](int r, int j) -> float {
+      if constexpr (kInt) return pw[g][r][j];
+      return s[r][j];
+    };
+    __m512 a0[NR] = {}, a1[NR] = {};
+    for (int r = 0; r < NR; ++r) a0[r] = _mm512_loadu_ps(rows.acc[r0 + r] + cc * 16);
+    int j = 0;
+    for (; j + 2 <= j_end; j += 2) {
+      const __m512 v0 = load_v<E>(vt, hd, G, j, cc);
+      const __m512 v1 = load_v<E>(vt, hd, G, j + 1, cc);
+      for (int r = 0; r < NR; ++r) {
+        a0[r] = _mm512_fmadd_ps(_mm512_set1_ps(w(r, j)), v0, a0[r]);
+        a1[r] = _mm512_fmadd_ps(_mm512_set1_ps(w(r, j + 1)), v1, a1[r]);
+      }
+    }
+    if (j < j_end) {
+      const __m512 v0 = load_v<E>(vt, hd, G, j, cc);
+      for (int r = 0; r < NR; ++r) a0[r] = _mm512_fmadd_ps(_mm512_set1_ps(w(r, j)), v0, a0[r]);
+    }
+    for (int r = 0; r < NR; ++r) {
+      __m512 t = _mm512_add_ps(a0[r], a1[r]);
+      if constexpr (kInt) t = _mm512_add_ps(t, _mm512_set1_ps(zr[r][g]));
+      _mm512_storeu_ps(rows.acc[r0 + r] + cc * 16, t);
+    }
+  }
+}
+
+template <KvElem E>
+void page_all_rows(const uint8_t* kt, const uint8_t* vt, int bs, int hd, int64_t key0, int n_keys, int32_t window,
+                   Rows& rows, int r_begin, int r_end) {
+  int r = r_begin;
+  for (; r + 4 <= r_end; r += 4) page_rows<E, 4>(kt, vt, bs, hd, key0, n_keys, window, rows, r);
+  switch (r_end - r) {
+    case 3: page_rows<E, 3>(kt, vt, bs, hd, key0, n_keys, window, rows, r); break;
+    case 2: page_rows<E, 2>(kt, vt, bs, hd, key0, n_keys, window, rows, r); break;
+    case 1: page_rows<E, 1>(kt, vt, bs, hd, key0, n_keys, window, rows, r); break;
+    default: break;
+  }
+}
+
+void page_dispatch(KvElem e, const uint8_t* kt, const uint8_t* vt, int bs, int hd, int64_t key0, int n_keys,
+                   int32_t window, Rows& rows, int r_begin, int r_end) {
+  switch (e) {
+    case KvElem::kF32: return page_all_rows<KvElem::kF32>(kt, vt, bs, hd, key0, n_keys, window, rows, r_begin, r_end);
+    case KvElem::kF16: return page_all_rows<KvElem::kF16>(kt, vt, bs, hd, key0, n_keys, window, rows, r_begin, r_end);
+    case KvElem::kBF16: return page_all_rows<KvElem::kBF16>(kt, vt, bs, hd, key0, n_keys, window, rows, r_begin, r_end);
+    case KvElem::kFp8E4M3: return page_all_rows<KvElem::kFp8E4M3>(kt, vt, bs, hd, key0, n_keys, window, rows, r_begin, r_end);
+    case KvElem::kFp8E5M2: return page_all_rows<KvElem::kFp8E5M2>(kt, vt, bs, hd, key0, n_keys, window, rows, r_begin, r_end);
+    case KvElem::kInt8: return page_all_rows<KvElem::kInt8>(kt, vt, bs, hd, key0, n_keys, window, rows, r_begin, r_end);
+    case KvElem::kInt4: return page_all_rows<KvElem::kInt4>(kt, vt, bs, hd, key0, n_keys, window, rows, r_begin, r_end);
+  }
+}
+
+#else  // portable path: dequantize one page tile to floats, then plain loops
+
+void page_dispatch(KvElem e, const uint8_t* kt, const uint8_t* vt, int bs, int hd, int64_t key0, int n_keys,
+                   int32_t window, Rows& rows, int r_begin, int r_end) {
+  std::vector<float> kf(size_t(n_keys) * hd), vf(size_t(n_keys) * hd), s(n_keys);
+  kv_read_k(kt, e, bs, hd, n_keys, kf.data());
+  kv_read_v(vt, e, bs, hd, n_keys, vf.data());
+  for (int r = r_begin; r < r_end; ++r) {
+    int lo, hi;
+    visible(rows.pos[r], key0, n_keys, window, &lo, &hi);
+    if (hi <= lo) continue;
+    float mx = kNegInf;
+    for (int j = lo; j < hi; ++j) {
+      float d = 0;
+      for (int i = 0; i < hd; ++i) d += rows.qs[r][i] * kf[size_t(j) * hd + i];
+      s[j] = d;
+      mx = std::max(mx, d);
+    }
+    const float m_new = std::max(rows.m[r], mx), corr = std::exp(rows.m[r] - m_new);
+    float* acc = rows.acc[r];
+    for (int i = 0; i < hd; ++i) acc[i] *= corr;
+    float sum = 0;
+    for (int j = lo; j < hi; ++j) {
+      const float p = std::exp(s[j] - m_new);
+      sum += p;
+      for (int i = 0; i < hd; ++i) acc[i] += p * vf[size_t(j) * hd + i];
+    }
+    rows.l[r] = rows.l[r] * corr + sum;
+    rows.m[r] = m_new;
+  }
+}
+
+#endif
+
+// Runs the rows of one query tile over keys [key_begin, key_end), leaving acc/m/l unnormalised.
+void attend(const PagedKvView& kv, int kv_head, int n_group, const float* q, int64_t q_stride, int64_t pos0, int n_q,
+            int64_t key_begin, int64_t key_end, float scale, float* acc, float* m, float* l) {
+  const int hd = kv.head_dim, bs = kv.block_size;
+  alignas(64) float qs[kMaxRows][kAttnMaxHeadDim];
+  Rows rows;
+  rows.n = n_q * n_group;
+  rows.m = m;
+  rows.l = l;
+  for (int t = 0; t < n_q; ++t)
+    for (int g = 0; g < n_group; ++g) {
+      const int r = t * n_group + g;
+      const float* src = q + int64_t(t) * q_stride + int64_t(kv_head * n_group + g) * hd;
+      for (int i = 0; i < hd; ++i) qs[r][i] = src[i] * scale;
+      rows.qs[r] = qs[r];
+      rows.pos[r] = pos0 + t;
+      rows.acc[r] = acc + int64_t(r) * hd;
+      std::fill(rows.acc[r], rows.acc[r] + hd, 0.f);
+      m[r] = kNegInf;
+      l[r] = 0.f;
+    }
+  int64_t lo = key_begin;
+  const int64_t hi = std::min(key_end, pos0 + n_q);  // one past the last key any row sees
+  if (kv.window > 0) lo = std::max(lo, (pos0 - kv.window + 1) / bs * bs);
+  for (int64_t pg = std::max<int64_t>(lo, 0) / bs; pg * bs < hi; ++pg) {
+    const int64_t key0 = pg * bs;
+    const int n_keys = static_cast<int>(std::min<int64_t>(bs, hi - key0));
+    const int32_t page = kv.pages[pg];
+    if (!has_stage(kv, page)) {
+      page_dispatch(kv.elem, k_tile(kv, page, kv_head, false), v_tile(kv, page, kv_head, false), bs, hd, key0, n_keys,
+                    kv.window, rows, 0, rows.n);
+      continue;
+    }
+    // rows [0, own): before the page (see none of it); [own, later): their own page, from
+    // staging; [later, n): later pages, from the quantized tiles.
+    int own = 0, later = 0;
+    while (own < rows.n && rows.pos[own] < key0) ++own;
+    later = own;
+    while (later < rows.n && rows.pos[later] < key0 + bs) ++later;
+    if (later > own)
+      page_dispatch(KvElem::kF16, k_tile(kv, page, kv_head, true), v_tile(kv, page, kv_head, true), bs, hd, key0, n_keys,
+                    kv.window, rows, own, later);
+    if (rows.n > later)
+      page_dispatch(kv.elem, k_tile(kv, page, kv_head, false), v_tile(kv, page, kv_head, false), bs, hd, key0, n_keys,
+                    kv.window, rows, later, rows.n);
+  }
 }
 
 }  // namespace
 
-void write_kv_token(uint8_t* page, KvElem elem, int n_head_kv, int block_size, int head_dim, int slot,
-                    const float* src) {
-  for (int h = 0; h < n_head_kv; ++h) {
-    int64_t off = (int64_t(h) * block_size + slot) * head_dim;
-    const float* s = src + int64_t(h) * head_dim;
-    if (elem == KvElem::kF32) {
-      std::memcpy(reinterpret_cast<float*>(page) + off, s, head_dim * sizeof(float));
-    } else {
-      uint16_t* d = reinterpret_cast<uint16_t*>(page) + off;
-      for (int i = 0; i < head_dim; ++i) d[i] = fp32_to_fp16(s[i]);
+void paged_attention_partial(const PagedKvView& kv, int kv_head, int n_group, const float* q, int64_t q_stride,
+                             int64_t pos0, int n_q, int64_t key_begin, int64_t key_end, float scale, float* acc,
+                             float* m, float* l) {
+  attend(kv, kv_head, n_group, q, q_stride, pos0, n_q, key_begin, key_end, scale, acc, m, l);
+}
+
+void attention_merge(int n_parts, int n_group, int n_q, int head_dim, const float* acc, const float* m,
+                     const float* l, int kv_head, float* out, int64_t o_stride) {
+  const int n_rows = n_q * n_group;
+  for (int r = 0; r < n_rows; ++r) {
+    float mx = kNegInf;
+    for (int p = 0; p < n_parts; ++p) mx = std::max(mx, m[p * n_rows + r]);
+    float* o = out + int64_t(r / n_group) * o_stride + int64_t(kv_head * n_group + r % n_group) * head_dim;
+    std::fill(o, o + head_dim, 0.f);
+    float lsum = 0.f;
+    for (int p = 0; p < n_parts; ++p) {
+      const float mp = m[p * n_rows + r];
+      if (mp == kNegInf) continue;
+      const float w = std::exp(mp - mx);
+      lsum += w * l[p * n_rows + r];
+      const float* a = acc + (int64_t(p) * n_rows + r) * head_dim;
+      for (int i = 0; i < head_dim; ++i) o[i] += w * a[i];
     }
+    const float inv = lsum > 0 ? 1.f / lsum : 0.f;
+    for (int i = 0; i < head_dim; ++i) o[i] *= inv;
   }
 }
 
 void paged_attention(const PagedKvView& kv, int kv_head, int n_group, const float* q, int64_t q_stride,
                      int64_t pos0, int n_q, float scale, float* out, int64_t o_stride) {
-  const int hd = kv.head_dim, bs = kv.block_size;
-  const int64_t elem_bytes = kv.elem == KvElem::kF32 ? 4 : 2;
-  const int64_t head_off = int64_t(kv_head) * bs * hd * elem_bytes;
-  alignas(64) float kt[kMaxBlock * kMaxHeadDim];
-  alignas(64) float vt[kMaxBlock * kMaxHeadDim];
-  alignas(64) float acc[kQTile * kMaxGroup][kMaxHeadDim];
-  float m[kQTile * kMaxGroup], l[kQTile * kMaxGroup];
-  float s[kMaxBlock];
-
-  for (int t0 = 0; t0 < n_q; t0 += kQTile) {
-    const int nt = std::min(kQTile, n_q - t0);
-    const int rows = nt * n_group;
-    for (int r = 0; r < rows; ++r) {
-      m[r] = -std::numeric_limits<float>::infinity();
-      l[r] = 0.f;
-      std::fill(acc[r], acc[r] + hd, 0.f);
-    }
-    const int64_t last_pos = pos0 + t0 + nt - 1;  // highest position any row of the tile sees
-    const int64_t n_pages = last_pos / bs + 1;
-    for (int64_t pg = 0; pg < n_pages; ++pg) {
-      const int64_t key0 = pg * bs;
-      const int n_keys = static_cast<int>(std::min<int64_t>(bs, last_pos + 1 - key0));
-      const int64_t page_off = int64_t(kv.pages[pg]) * kv.page_bytes + head_off;
-      load_tile(kv.k_base + page_off, kv.elem, int64_t(n_keys) * hd, kt);
-      load_tile(kv.v_base + page_off, kv.elem, int64_t(n_keys) * hd, vt);
-      for (int t = 0; t < nt; ++t) {
-        const int64_t qpos = pos0 + t0 + t;
-        const int nk = static_cast<int>(std::min<int64_t>(n_keys, qpos + 1 - key0));  // causal mask
-        if (nk <= 0) continue;
-        for (int g = 0; g < n_group; ++g) {
-          const int r = t * n_group + g;
-          const float* qr = q + int64_t(t0 + t) * q_stride + int64_t(kv_head * n_group + g) * hd;
-          float mx = m[r];
-          for (int j = 0; j < nk; ++j) {
-            s[j] = dot(qr, kt + int64_t(j) * hd, hd) * scale;
-            mx = std::max(mx, s[j]);
-          }
-          const float corr = std::exp(m[r] - mx);  // exp(-inf) = 0 on the first page
-          float* a = acc[r];
-          if (corr != 1.f)
-            for (int i = 0; i < hd; ++i) a[i] *= corr;
-          float lsum = 0.f;
-          for (int j = 0; j < nk; ++j) {
-            const float p = std::exp(s[j] - mx);
-            lsum += p;
-            const float* vr = vt + int64_t(j) * hd;
-#pragma omp simd
-            for (int i = 0; i < hd; ++i) a[i] += p * vr[i];
-          }
-          l[r] = l[r] * corr + lsum;
-          m[r] = mx;
-        }
-      }
-    }
-    for (int t = 0; t < nt; ++t)
-      for (int g = 0; g < n_group; ++g) {
-        const int r = t * n_group + g;
-        float* o = out + int64_t(t0 + t) * o_stride + int64_t(kv_head * n_group + g) * hd;
-        const float inv = 1.f / l[r];
-        for (int i = 0; i < hd; ++i) o[i] = acc[r][i] * inv;
-      }
+  const int hd = kv.head_dim;
+  alignas(64) float acc[kMaxRows * kAttnMaxHeadDim];
+  float m[kMaxRows], l[kMaxRows];
+  for (int t0 = 0; t0 < n_q; t0 += kAttnQTile) {
+    const int nt = std::min(kAttnQTile, n_q - t0);
+    attend(kv, kv_head, n_group, q + int64_t(t0) * q_stride, q_stride, pos0 + t0, nt, 0, pos0 + t0 + nt, scale, acc, m,
+           l);
+    attention_merge(1, n_group, nt, hd, acc, m, l, kv_head, out + int64_t(t0) * o_stride, o_stride);
   }
 }
 
 void paged_attention_ref(const PagedKvView& kv, int kv_head, int n_group, const float* q, int64_t q_stride,
                          int64_t pos0, int n_q, float scale, float* out, int64_t o_stride) {
   const int hd = kv.head_dim, bs = kv.block_size;
-  const int64_t elem_bytes = kv.elem == KvElem::kF32 ? 4 : 2;
-  auto load = [&](const uint8_t* base, int64_t pos, float* dst) {
-    const uint8_t* p = base + int64_t(kv.pages[pos / bs]) * kv.page_bytes +
-                       ((int64_t(kv_head) * bs + pos % bs) * hd) * elem_bytes;
-    load_tile(p, kv.elem, hd, dst);
-  };
-  std::vector<float> kr(hd), vr(hd);
+  // Reads all tokens of a page (both K and V) through the tile readers.
+  std::vector<float> kp(size_t(bs) * hd), vp(size_t(bs) * hd);
   for (int t = 0; t < n_q; ++t) {
     const int64_t qpos = pos0 + t;
+    const int64_t first = kv.window > 0 ? std::max<int64_t>(0, qpos - kv.window + 1) : 0;
     for (int g = 0; g < n_group; ++g) {
       const float* qr = q + int64_t(t) * q_stride + int64_t(kv_head * n_group + g) * hd;
-      std::vector<double> sc(qpos + 1);
+      std::vector<double> sc(qpos + 1, 0.0);
+      std::vector<std::vector<float>> vals(qpos + 1);
       double mx = -1e300;
-      for (int64_t j = 0; j <= qpos; ++j) {
-        load(kv.k_base, j, kr.data());
-        double d = 0;
-        for (int i = 0; i < hd; ++i) d += double(qr[i]) * kr[i];
-        sc[j] = d * scale;
-        mx = std::max(mx, sc[j]);
+      for (int64_t pg = first / bs; pg * bs <= qpos; ++pg) {
+        const bool staged = has_stage(kv, kv.pages[pg]) && pg == qpos / bs;  // own page: staging
+        const uint8_t* kt = k_tile(kv, kv.pages[pg], kv_head, staged);
+        const uint8_t* vt = v_tile(kv, kv.pages[pg], kv_head, staged);
+        const KvElem e = staged ? KvElem::kF16 : kv.elem;
+        kv_read_k(kt, e, bs, hd, bs, kp.data());
+        kv_read_v(vt, e, bs, hd, bs, vp.data());
+        for (int j = 0; j < bs; ++j) {
+          const int64_t pos = pg * bs + j;
+          if (pos < first || pos > qpos) continue;
+          double d = 0;
+          for (int i = 0; i < hd; ++i) d += double(qr[i]) * kp[size_t(j) * hd + i];
+          sc[pos] = d * scale;
+          mx = std::max(mx, sc[pos]);
+          vals[pos].assign(vp.begin() + size_t(j) * hd, vp.begin() + size_t(j + 1) * hd);
+        }
       }
       double sum = 0;
-      for (auto& x : sc) sum += (x = std::exp(x - mx));
+      for (int64_t j = first; j <= qpos; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
       std::vector<double> o(hd, 0.0);
-      for (int64_t j = 0; j <= qpos; ++j) {
-        load(kv.v_base, j, vr.data());
-        for (int i = 0; i < hd; ++i) o[i] += sc[j] / sum * vr[i];
-      }
+      for (int64_t j = first; j <= qpos; ++j)
+        for (int i = 0; i < hd; ++i) o[i] += sc[j] / sum * vals[j][i];
       float* orow = out + int64_t(t) * o_stride + int64_t(kv_head * n_group + g) * hd;
       for (int i = 0; i < hd; ++i) orow[i] = static_cast<float>(o[i]);
     }

@@ -1,42 +1,75 @@
-// Paged attention: queries of one sequence against K/V read straight from pages,
-// FlashAttention-style (one page tile at a time, online softmax, no score matrix).
+// Paged attention: queries of one sequence against K/V read straight from pages, in the
+// FlashAttention style — one page tile at a time, online softmax, no score matrix — for every
+// page element type (kv_tile.h), dequantizing inside the kernel: nothing makes a float copy of
+// a sequence's KV.
+//
+// Prefill: a tile of up to kAttnQTile query tokens × the GQA group's query heads against each
+// page in turn, causal (and sliding-window) mask inside the page loop. Decode: the same kernel
+// with one token; each K/V page is read once for the whole query group. When one sequence
+// does not give every thread work, callers split its key range into parts
+// (paged_attention_partial, page-aligned) and merge them by log-sum-exp (attention_merge):
+// flash-decoding.
+//
 // Knows pages only as pointers and strides; the page pool lives in kv/.
 #pragma once
 #include <cstdint>
 
+#include "kernels/kv_tile.h"
+
 namespace kv {
 
-enum class KvElem { kF32, kF16 };
-
-// Limits of the tile buffers: block_size and head_dim must not exceed these.
+// Limits of the kernels' buffers: block_size, head_dim and group size must not exceed these.
 inline constexpr int kAttnMaxBlockSize = 64;
 inline constexpr int kAttnMaxHeadDim = 256;
+inline constexpr int kAttnMaxGroup = 16;
+inline constexpr int kAttnQTile = 8;  // query tokens per tile (rows = tokens × group)
 
 // One layer's view of one sequence's KV pages.
 struct PagedKvView {
-  const uint8_t* k_base = nullptr;  // layer's K storage: [n_pages_pool][n_head_kv][block_size][head_dim]
-  const uint8_t* v_base = nullptr;  // same shape for V
-  int64_t page_bytes = 0;           // bytes of one page in one layer: n_head_kv*block_size*head_dim*elem
-  const int32_t* pages = nullptr;   // the sequence's block table
+  // The layer's tiles: page p, KV head h at k_base + p * k_page_bytes + h * kv_k_tile_bytes().
+  const uint8_t* k_base = nullptr;
+  const uint8_t* v_base = nullptr;
+  int64_t k_page_bytes = 0;
+  int64_t v_page_bytes = 0;
+  const int32_t* pages = nullptr;  // the sequence's block table
   int32_t n_head_kv = 0;
   int32_t block_size = 0;
   int32_t head_dim = 0;
   KvElem elem = KvElem::kF16;
+  // Staged element types: a page still filling has its tiles at f16 in a staging slot.
+  const int32_t* stage_of = nullptr;  // per pool page id: staging slot or -1 (null: no staging)
+  const uint8_t* k_stage = nullptr;   // slot s, head h: k_stage + s * stage_bytes + h * bs*hd*2
+  const uint8_t* v_stage = nullptr;
+  int64_t stage_bytes = 0;
+  // > 0: a query at position p sees only keys in (p - window, p] (sliding-window layers).
+  int32_t window = 0;
 };
 
-// For one KV head `kv_head` and its n_group query heads, n_q consecutive query tokens at
-// positions [pos0, pos0 + n_q): each attends causally to key positions [0, pos] of the
-// sequence (which must already be written into the pages).
+// For KV head `kv_head` and its n_group query heads, n_q consecutive query tokens at
+// positions [pos0, pos0 + n_q): each attends causally to key positions [0, pos] (already
+// written into the pages).
 //   q:   [n_q][q_stride] floats; head h of token t at q + t*q_stride + h*head_dim
 //   out: [n_q][o_stride] floats, same head layout; heads kv_head*n_group .. +n_group written
 void paged_attention(const PagedKvView& kv, int kv_head, int n_group, const float* q, int64_t q_stride,
                      int64_t pos0, int n_q, float scale, float* out, int64_t o_stride);
-// Naive reference: materialises the scores of one query row at a time, plain softmax.
+
+// One part of a split key range: as paged_attention for n_q ≤ kAttnQTile tokens, but only keys
+// in [key_begin, key_end) (key_begin a multiple of block_size) and without normalising. Rows
+// r = t * n_group + g: acc [rows][head_dim] (Σ p·v), m [rows] (running max, -inf if the row saw
+// no key), l [rows] (Σ p).
+void paged_attention_partial(const PagedKvView& kv, int kv_head, int n_group, const float* q, int64_t q_stride,
+                             int64_t pos0, int n_q, int64_t key_begin, int64_t key_end, float scale, float* acc,
+                             float* m, float* l);
+
+// Combines n_parts partial results of the same rows (laid out part after part:
+// acc [n_parts][n_rows][head_dim], m and l [n_parts][n_rows]) by log-sum-exp and writes the
+// normalised rows into out as paged_attention does.
+void attention_merge(int n_parts, int n_group, int n_q, int head_dim, const float* acc, const float* m,
+                     const float* l, int kv_head, float* out, int64_t o_stride);
+
+// Naive reference: reads keys and values one at a time through kv_read_k / kv_read_v and
+// computes each row's softmax in double. Same contract as paged_attention.
 void paged_attention_ref(const PagedKvView& kv, int kv_head, int n_group, const float* q, int64_t q_stride,
                          int64_t pos0, int n_q, float scale, float* out, int64_t o_stride);
-
-// Writes one token's K or V ([n_head_kv][head_dim] floats) into slot `slot` of a page
-// ([n_head_kv][block_size][head_dim] of elem).
-void write_kv_token(uint8_t* page, KvElem elem, int n_head_kv, int block_size, int head_dim, int slot, const float* src);
 
 }  // namespace kv

@@ -2,15 +2,22 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
+#include "kernels/kv_tile.h"
 
 namespace kv {
 
-enum class KvDtype { kF32, kF16 };
+// The element type of a KV page (f32, f16, bf16, fp8_e4m3, fp8_e5m2, int8, int4); the tile
+// formats are in kernels/kv_tile.h.
+using KvDtype = KvElem;
 const char* kv_dtype_name(KvDtype d);
-Result<KvDtype> parse_kv_dtype(const std::string& s);  // "auto" = f16
-inline int64_t kv_dtype_bytes(KvDtype d) { return d == KvDtype::kF32 ? 4 : 2; }
+// "auto" = f16. Names as in kv_elem_name(), plus "fp8" = fp8_e4m3.
+Result<KvDtype> parse_kv_dtype(const std::string& s);
+// Per-layer overrides, "0-1:f16,28-29:f16" (ranges or single layers, comma-separated), applied
+// over `base` for n_layer layers. Overlaps: the later entry wins. Empty string: all `base`.
+Result<std::vector<KvDtype>> parse_kv_dtype_layers(const std::string& spec, int32_t n_layer, KvDtype base);
 
 // One layer group: n_layer layers that share page ids (a page id indexes every layer).
 struct KvLayout {
@@ -19,13 +26,27 @@ struct KvLayout {
   int32_t head_dim = 0;
   int32_t block_size = 16;  // token positions per page
   KvDtype dtype = KvDtype::kF16;
+  std::vector<KvDtype> layer_dtypes;  // per layer; empty = every layer `dtype`
 
-  // Bytes of one (layer, page) K tile set: [n_head_kv][block_size][head_dim].
-  int64_t layer_page_bytes() const { return int64_t(n_head_kv) * block_size * head_dim * kv_dtype_bytes(dtype); }
+  KvDtype dtype_of(int32_t layer) const { return layer_dtypes.empty() ? dtype : layer_dtypes[layer]; }
+  bool mixed() const;  // layers do not all share one dtype
+  // Why this layout cannot hold pages (tile shape rules, layer_dtypes size), or ok.
+  Status validate() const;
+
+  // Bytes of one (layer, page) for K (or V): n_head_kv tiles, metadata included.
+  int64_t k_layer_page_bytes(int32_t layer) const { return n_head_kv * kv_k_tile_bytes(dtype_of(layer), block_size, head_dim); }
+  int64_t v_layer_page_bytes(int32_t layer) const { return n_head_kv * kv_v_tile_bytes(dtype_of(layer), block_size, head_dim); }
   // Bytes of one page across all layers, K and V.
-  int64_t page_bytes() const { return 2 * int64_t(n_layer) * layer_page_bytes(); }
-  // KV bytes per token of context: 2 × n_layer × n_head_kv × head_dim × bytes.
-  int64_t bytes_per_token() const { return 2 * int64_t(n_layer) * n_head_kv * head_dim * kv_dtype_bytes(dtype); }
+  int64_t page_bytes() const;
+  // KV bytes per token of context (page bytes / block size; metadata included).
+  double bytes_per_token() const { return double(page_bytes()) / block_size; }
+  // Layers whose pages are quantized on fill (fp8 / int8 / int4) and so need staging.
+  bool staged(int32_t layer) const { return kv_elem_staged(dtype_of(layer)); }
+  // Bytes of one staging slot of one layer: K and V of every head at f16.
+  int64_t stage_layer_bytes() const { return 2 * int64_t(n_head_kv) * kv_stage_tile_bytes(block_size, head_dim); }
+  int32_t n_staged_layers() const;
+  // "f16", or "int4 (f16: 0-1,28-29)" when layers differ.
+  std::string describe() const;
 };
 
 }  // namespace kv

@@ -1,9 +1,18 @@
 // PagePool: the KV memory of one layer group, allocated once, handed out as page ids.
 //
-// Storage per layer: K and V each [n_pages][n_head_kv][block_size][head_dim] of the layout's
-// dtype, so one (page, head) is one contiguous tile for attention. Every page has a reference
-// count; a page is free when its count is 0. Callers check with can_allocate() before
-// allocate(); a failed check changes nothing.
+// Storage per layer: K and V each [n_pages][n_head_kv][tile] of the layer's dtype (tile formats
+// in kernels/kv_tile.h), so one (page, head) is one contiguous tile for attention. Every page
+// has a reference count; a page is free when its count is 0. Callers check with
+// can_allocate() before allocate(); a failed check changes nothing.
+//
+// Staging (quantized layers: fp8 / int8 / int4): a page that is still filling keeps each such
+// layer's tiles at f16 in a staging slot of that layer. When its last slot is written the
+// layer's tiles are quantized into the page, and the slot is freed by release_filled() once
+// the layer's attention has run: during that pass a query still reads its own page at f16 and
+// every earlier page quantized, exactly as it would decoding one token at a time, so results
+// do not depend on how a prompt was chunked. Each layer has n_staging slots: one partly filled
+// page per running sequence plus the pages one forward's chunk fills; staging bytes are part
+// of total_bytes().
 //
 // Threading: owned by the engine thread. Kernels running inside an engine step may read and
 // write page *contents* from pool threads (each (layer, page, head) tile by one writer), but
@@ -14,6 +23,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "kernels/attention.h"
 #include "kv/kv_layout.h"
 
 namespace kv {
@@ -21,9 +31,11 @@ namespace kv {
 class PagePool {
  public:
   // Pages that fit in `bytes` for this layout (at least 0).
-  static int64_t pages_for_bytes(const KvLayout& layout, int64_t bytes);
+  // Pages that fit in `bytes` for this layout (at least 0), after n_staging staging slots.
+  static int64_t pages_for_bytes(const KvLayout& layout, int64_t bytes, int32_t n_staging = kDefaultStaging);
+  static constexpr int32_t kDefaultStaging = 40;  // one sequence, chunks up to 38 pages
 
-  PagePool(const KvLayout& layout, int32_t n_pages);
+  PagePool(const KvLayout& layout, int32_t n_pages, int32_t n_staging = kDefaultStaging);
   ~PagePool();
   PagePool(const PagePool&) = delete;
   PagePool& operator=(const PagePool&) = delete;
@@ -32,7 +44,12 @@ class PagePool {
   int32_t n_pages() const { return n_pages_; }
   int32_t n_free() const { return static_cast<int32_t>(free_list_.size()); }
   int32_t n_used() const { return n_pages_ - n_free(); }
-  int64_t total_bytes() const { return int64_t(n_pages_) * layout_.page_bytes(); }
+  int64_t page_store_bytes() const { return int64_t(n_pages_) * layout_.page_bytes(); }
+  int64_t stage_store_bytes() const { return int64_t(n_staging_) * layout_.stage_layer_bytes() * layout_.n_staged_layers(); }
+  int64_t total_bytes() const { return page_store_bytes() + stage_store_bytes(); }
+  int32_t n_staging() const { return n_staging_; }
+  // Staging slots in use over all layers.
+  int32_t n_staging_used() const;
 
   bool can_allocate(int32_t n) const { return n <= n_free(); }
   // Takes n free pages (refcount 1 each) and appends their ids to out. Returns false and
@@ -41,27 +58,63 @@ class PagePool {
   void retain(int32_t page);   // another holder shares the page
   void release(int32_t page);  // a holder lets go; the page is free when none is left
   int32_t refcount(int32_t page) const { return refcount_[page]; }
-  // Copies every layer's K and V of page src into page dst (copy-on-write of a shared page).
-  void copy_page(int32_t src, int32_t dst);
+  // Copies every layer's K and V of page src into page dst (copy-on-write of a shared page),
+  // staging included. False (dst untouched) when src is staged and no staging slot is free.
+  bool copy_page(int32_t src, int32_t dst);
 
-  // Page contents: [n_head_kv][block_size][head_dim] of dtype for (layer, page).
-  uint8_t* k_data(int32_t layer, int32_t page) { return base(layer, 0) + int64_t(page) * layout_.layer_page_bytes(); }
-  uint8_t* v_data(int32_t layer, int32_t page) { return base(layer, 1) + int64_t(page) * layout_.layer_page_bytes(); }
+  // Page contents: n_head_kv tiles for (layer, page).
+  uint8_t* k_data(int32_t layer, int32_t page) { return k_base(layer) + int64_t(page) * layout_.k_layer_page_bytes(layer); }
+  uint8_t* v_data(int32_t layer, int32_t page) { return v_base(layer) + int64_t(page) * layout_.v_layer_page_bytes(layer); }
   const uint8_t* k_data(int32_t layer, int32_t page) const { return const_cast<PagePool*>(this)->k_data(layer, page); }
   const uint8_t* v_data(int32_t layer, int32_t page) const { return const_cast<PagePool*>(this)->v_data(layer, page); }
+  uint8_t* k_base(int32_t layer) { return storage_ + layer_off_[layer]; }
+  uint8_t* v_base(int32_t layer) { return storage_ + layer_off_[layer] + int64_t(n_pages_) * layout_.k_layer_page_bytes(layer); }
+
+  // Staging of a quantized layer. Makes sure `page` has a staging slot in `layer` before slot
+  // `slot` is written: a fresh slot when slot == 0, else the page's already written slots
+  // [0, slot) are read back from its quantized tiles (a rewrite). False when no slot is free.
+  bool ensure_stage(int32_t layer, int32_t page, int32_t slot);
+  // The staging slot of (layer, page), or -1.
+  int32_t stage_of(int32_t layer, int32_t page) const { return stage_of_.empty() ? -1 : stage_of_[int64_t(layer) * n_pages_ + page]; }
+  const int32_t* stage_table(int32_t layer) const { return stage_of_.empty() ? nullptr : stage_of_.data() + int64_t(layer) * n_pages_; }
+  // Staging slot s of a staged layer: K tiles then V tiles, n_head_kv each, f16.
+  uint8_t* stage_k(int32_t layer, int32_t s) { return stage_base_[layer] + int64_t(s) * layout_.stage_layer_bytes(); }
+  uint8_t* stage_v(int32_t layer, int32_t s) { return stage_k(layer, s) + layout_.stage_layer_bytes() / 2; }
+  // Quantizes (layer, page)'s staged tiles into the page (the staging slot stays).
+  void quantize_layer(int32_t layer, int32_t page);
+  // Writes one token's K and V (n_head_kv × head_dim floats each) into slot `slot` of
+  // (layer, page): straight into the page, or for a staged layer into its staging tiles,
+  // quantizing the page when `slot` is its last (its staging is freed by release_filled).
+  // False when no staging slot is free.
+  bool write_token(int32_t layer, int32_t page, int32_t slot, const float* k, const float* v);
+  // Frees the staging of the layer's pages that write_token filled (call after the layer's
+  // attention has read them).
+  void release_filled(int32_t layer);
+  // The attention kernels' view of one layer (pages, staging); the caller sets .pages.
+  PagedKvView view(int32_t layer) const;
 
   // free + in use = total; free list has no duplicates and only refcount-0 pages; every
-  // refcount-0 page is on the free list. Returns what is wrong, if anything.
+  // refcount-0 page is on the free list; staging slots belong to pages in use, one slot to
+  // one page, and free + used slots = n_staging per layer. Returns what is wrong, if anything.
   Status check_integrity() const;
 
  private:
-  uint8_t* base(int32_t layer, int kv) { return storage_ + (int64_t(layer) * 2 + kv) * int64_t(n_pages_) * layout_.layer_page_bytes(); }
+  void release_stages(int32_t page);
 
   KvLayout layout_;
   int32_t n_pages_;
-  uint8_t* storage_ = nullptr;            // [n_layer][2][n_pages][n_head_kv][block_size][head_dim]
+  int32_t n_staging_;
+  uint8_t* storage_ = nullptr;            // per layer: K [n_pages][page tiles], V [n_pages][page tiles]
+  std::vector<int64_t> layer_off_;        // [n_layer] byte offset of the layer's K store
   std::vector<int32_t> refcount_;         // [n_pages]
   std::vector<int32_t> free_list_;        // LIFO: recently freed pages are warm in cache
+  // Staging (empty when no layer is staged).
+  uint8_t* stage_storage_ = nullptr;
+  std::vector<uint8_t*> stage_base_;           // [n_layer], null for unstaged layers
+  std::vector<int32_t> stage_of_;              // [n_layer][n_pages]: slot or -1
+  std::vector<int32_t> stage_page_;            // [n_layer][n_staging]: page holding the slot or -1
+  std::vector<std::vector<int32_t>> stage_free_;  // [n_layer]: free slots
+  std::vector<std::vector<int32_t>> filled_;      // [n_layer]: quantized pages still holding staging
 };
 
 // The pages of one sequence in one layer group. Position p lives in page pages[p / block_size],

@@ -121,8 +121,9 @@ Result<std::unique_ptr<LlamaModel>> LlamaModel::load(const GgufFile& f, Isa isa,
   return Result<std::unique_ptr<LlamaModel>>(std::move(m));
 }
 
-KvLayout LlamaModel::kv_layout(int32_t block_size, KvDtype dtype) const {
+KvLayout LlamaModel::kv_layout(int32_t block_size, KvDtype dtype, std::vector<KvDtype> layer_dtypes) const {
   KvLayout l;
+  l.layer_dtypes = std::move(layer_dtypes);
   l.n_layer = cfg_.n_layer;
   l.n_head_kv = cfg_.n_head_kv;
   l.head_dim = cfg_.head_dim;
@@ -149,6 +150,40 @@ void LlamaModel::ensure_scratch(int64_t n_tokens, int64_t n_logits) {
   }
 }
 
+void LlamaModel::plan_attention(const Batch& batch, int32_t block_size) {
+  const ModelConfig& c = cfg_;
+  const int64_t split_keys = std::max<int64_t>(block_size, kSplitKeys / block_size * block_size);  // page-aligned parts
+  units_.clear();
+  splits_.clear();
+  constexpr int kUnitTokens = 32;
+  int64_t acc = 0, ml = 0;
+  for (int32_t s = 0; s < static_cast<int32_t>(batch.seqs.size()); ++s) {
+    const BatchSeq& bs = batch.seqs[s];
+    const int64_t ctx = bs.pos0 + bs.n_tokens;
+    if (bs.n_tokens <= kAttnQTile && ctx > split_keys) {
+      const int32_t n_parts = static_cast<int32_t>((ctx + split_keys - 1) / split_keys);
+      const int64_t rows = int64_t(bs.n_tokens) * c.n_group();
+      for (int32_t h = 0; h < c.n_head_kv; ++h) {
+        const int32_t split = static_cast<int32_t>(splits_.size());
+        splits_.push_back({s, h, 0, bs.n_tokens, n_parts, acc, ml});
+        for (int32_t p = 0; p < n_parts; ++p)
+          units_.push_back({s, h, 0, bs.n_tokens, p * split_keys, std::min<int64_t>(ctx, (p + 1) * split_keys), split, p});
+        acc += n_parts * rows * c.head_dim;
+        ml += n_parts * rows;
+      }
+      continue;
+    }
+    for (int32_t t0 = 0; t0 < bs.n_tokens; t0 += kUnitTokens)
+      for (int32_t h = 0; h < c.n_head_kv; ++h)
+        units_.push_back({s, h, t0, std::min(kUnitTokens, bs.n_tokens - t0), 0, 0, -1, 0});
+  }
+  if (static_cast<int64_t>(part_acc_.size()) < acc) part_acc_.resize(acc);
+  if (static_cast<int64_t>(part_m_.size()) < ml) {
+    part_m_.resize(ml);
+    part_l_.resize(ml);
+  }
+}
+
 Status LlamaModel::forward(const Batch& batch, PagePool& pool, ThreadPool& tp, float* logits) {
   const ModelConfig& c = cfg_;
   const KvLayout& kl = pool.layout();
@@ -164,7 +199,6 @@ Status LlamaModel::forward(const Batch& batch, PagePool& pool, ThreadPool& tp, f
   const int64_t n_q = int64_t(c.n_head) * HD, n_kv = int64_t(c.n_head_kv) * HD;
   const int64_t n_qkv = n_q + 2 * n_kv;
   const float scale = 1.f / std::sqrt(static_cast<float>(HD));
-  const KvElem elem = kl.dtype == KvDtype::kF32 ? KvElem::kF32 : KvElem::kF16;
 
   // x: [n_tok][E] ← embedding rows
   const int64_t emb_row = row_bytes(tok_embd_.type, E);
@@ -172,54 +206,66 @@ Status LlamaModel::forward(const Batch& batch, PagePool& pool, ThreadPool& tp, f
     dequantize_row_ref(tok_embd_.type, static_cast<const uint8_t*>(tok_embd_.data) + batch.tokens[t] * emb_row,
                        x_.data() + t * E, E);
 
-  // Attention work units: (sequence, kv head, tile of query tokens), spread over threads.
-  std::vector<AttnUnit>& units = units_;
-  units.clear();
-  constexpr int kUnitTokens = 32;
-  for (int32_t s = 0; s < static_cast<int32_t>(batch.seqs.size()); ++s)
-    for (int32_t t0 = 0; t0 < batch.seqs[s].n_tokens; t0 += kUnitTokens)
-      for (int32_t h = 0; h < c.n_head_kv; ++h)
-        units.push_back({s, h, t0, std::min(kUnitTokens, batch.seqs[s].n_tokens - t0)});
+  plan_attention(batch, kl.block_size);
+  const std::vector<AttnUnit>& units = units_;
+  const int64_t bs = kl.block_size;
 
   for (int il = 0; il < c.n_layer; ++il) {
     const Layer& L = layers_[il];
     // h = rmsnorm(x) ; qkv = h · Wqkvᵀ     [n_tok][n_qkv]
     for (int64_t t = 0; t < n_tok; ++t) rms_norm(x_.data() + t * E, L.attn_norm.data(), h_.data() + t * E, E, c.rms_eps);
     matmul(L.wqkv, h_.data(), n_tok, qkv_.data(), tp);
-    // RoPE on q and k, then write k and v into the pages.
+    // RoPE on q and k, then write k and v into the pages (staged layers: into the page's f16
+    // staging tiles, quantized when the page's last slot is written).
     for (const BatchSeq& s : batch.seqs) {
       for (int32_t i = 0; i < s.n_tokens; ++i) {
         const int64_t t = s.offset + i, pos = s.pos0 + i;
         float* row = qkv_.data() + t * n_qkv;
         rope(row, c.n_head, c.head_dim, c.n_rot, pos, c.rope_base, c.rope_scale, c.rope_style);
         rope(row + n_q, c.n_head_kv, c.head_dim, c.n_rot, pos, c.rope_base, c.rope_scale, c.rope_style);
-        const int32_t page = s.pages[pos / kl.block_size];
-        const int slot = static_cast<int>(pos % kl.block_size);
-        write_kv_token(pool.k_data(il, page), elem, c.n_head_kv, kl.block_size, c.head_dim, slot, row + n_q);
-        write_kv_token(pool.v_data(il, page), elem, c.n_head_kv, kl.block_size, c.head_dim, slot, row + n_q + n_kv);
+        const int32_t page = s.pages[pos / bs];
+        const int slot = static_cast<int>(pos % bs);
+        if (!pool.write_token(il, page, slot, row + n_q, row + n_q + n_kv)) {
+          pool.release_filled(il);
+          return Status::error("KV staging slots exhausted (more partly filled pages than the pool was sized for)");
+        }
       }
     }
     // attn: [n_tok][n_q]
+    const PagedKvView view = pool.view(il);
+    const int n_group = c.n_group();
     tp.run([&](int ith, int nth) {
       int64_t b, e;
       ThreadPool::split(static_cast<int64_t>(units.size()), ith, nth, 1, &b, &e);
       for (int64_t u = b; u < e; ++u) {
         const AttnUnit& w = units[u];
         const BatchSeq& s = batch.seqs[w.seq];
-        PagedKvView v;
-        v.k_base = pool.k_data(il, 0);
-        v.v_base = pool.v_data(il, 0);
-        v.page_bytes = kl.layer_page_bytes();
+        PagedKvView v = view;
         v.pages = s.pages;
-        v.n_head_kv = c.n_head_kv;
-        v.block_size = kl.block_size;
-        v.head_dim = c.head_dim;
-        v.elem = elem;
         const int64_t t = s.offset + w.t0;
-        paged_attention(v, w.head, c.n_group(), qkv_.data() + t * n_qkv, n_qkv, s.pos0 + w.t0, w.n, scale,
-                        attn_.data() + t * n_q, n_q);
+        if (w.split < 0) {
+          paged_attention(v, w.head, n_group, qkv_.data() + t * n_qkv, n_qkv, s.pos0 + w.t0, w.n, scale,
+                          attn_.data() + t * n_q, n_q);
+        } else {
+          const AttnSplit& sp = splits_[w.split];
+          const int64_t rows = int64_t(w.n) * n_group;
+          paged_attention_partial(v, w.head, n_group, qkv_.data() + t * n_qkv, n_qkv, s.pos0 + w.t0, w.n, w.key_begin,
+                                  w.key_end, scale, part_acc_.data() + sp.acc_off + w.part * rows * HD,
+                                  part_m_.data() + sp.ml_off + w.part * rows, part_l_.data() + sp.ml_off + w.part * rows);
+        }
+      }
+      if (splits_.empty()) return;
+      tp.barrier();
+      ThreadPool::split(static_cast<int64_t>(splits_.size()), ith, nth, 1, &b, &e);
+      for (int64_t i = b; i < e; ++i) {
+        const AttnSplit& sp = splits_[i];
+        const BatchSeq& s = batch.seqs[sp.seq];
+        const int64_t t = s.offset + sp.t0;
+        attention_merge(sp.n_parts, n_group, sp.n, c.head_dim, part_acc_.data() + sp.acc_off, part_m_.data() + sp.ml_off,
+                        part_l_.data() + sp.ml_off, sp.head, attn_.data() + t * n_q, n_q);
       }
     });
+    pool.release_filled(il);
     // x += attn · Woᵀ
     matmul(L.wo, attn_.data(), n_tok, tmp_.data(), tp);
     add_inplace(x_.data(), tmp_.data(), n_tok * E);

@@ -30,7 +30,8 @@ class LlamaModel {
   static Result<std::unique_ptr<LlamaModel>> load(const GgufFile& f, Isa isa, LoadProgress* progress = nullptr);
 
   const ModelConfig& config() const { return cfg_; }
-  KvLayout kv_layout(int32_t block_size, KvDtype dtype) const;
+  // layer_dtypes: per-layer overrides (empty: every layer `dtype`).
+  KvLayout kv_layout(int32_t block_size, KvDtype dtype, std::vector<KvDtype> layer_dtypes = {}) const;
   // Bytes of weights one decode token reads (every matrix once + one embedding row).
   int64_t weight_bytes_per_token() const { return weight_bytes_; }
   // Identifies the weights (tensor directory + a sample of every tensor's bytes): part of the
@@ -69,9 +70,18 @@ class LlamaModel {
   std::vector<float> gu_;    // [n_tokens][2 n_ff]
   std::vector<float> last_;  // [n_logits][n_embd]
   std::vector<float> tmp_;   // [n_tokens][n_embd]
-  // Attention work units: (sequence, kv head, tile of query tokens), spread over threads.
-  struct AttnUnit { int32_t seq, head, t0, n; };
+  // Attention work units: (sequence, kv head, tile of query tokens, key range), spread over
+  // threads. A run of at most kAttnQTile tokens with a long context is split into parts of
+  // kSplitKeys keys (flash-decoding); the parts' partial results are merged by log-sum-exp.
+  // The split depends only on the run itself, never on the rest of the batch, so a
+  // sequence's result is the same alone or batched.
+  static constexpr int64_t kSplitKeys = 512;
+  struct AttnUnit { int32_t seq, head, t0, n; int64_t key_begin, key_end; int32_t split, part; };
+  struct AttnSplit { int32_t seq, head, t0, n, n_parts; int64_t acc_off, ml_off; };
+  void plan_attention(const Batch& batch, int32_t block_size);
   std::vector<AttnUnit> units_;
+  std::vector<AttnSplit> splits_;
+  std::vector<float> part_acc_, part_m_, part_l_;
 };
 
 }  // namespace kv

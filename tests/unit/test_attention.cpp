@@ -4,99 +4,262 @@
 #include <random>
 
 #include "kernels/attention.h"
+#include "kernels/kv_tile.h"
 #include "kernels/quant.h"
+#include "kv/page_pool.h"
 
 // Tolerance: float accumulation with an online softmax against a double reference over the
-// same stored K/V; a few float ulps of the output scale.
+// same stored K/V (whatever the page type, both read the same bytes); a few float ulps of the
+// output scale.
 constexpr double kTol = 2e-6;
 
 using namespace kv;
 
 namespace {
-// Builds a paged KV store for one sequence of n_ctx positions with a shuffled page order,
-// runs paged_attention and the reference, and returns the max relative error.
+
+constexpr KvElem kAll[] = {KvElem::kF32, KvElem::kF16, KvElem::kBF16, KvElem::kFp8E4M3,
+                           KvElem::kFp8E5M2, KvElem::kInt8, KvElem::kInt4};
+
+// One sequence of n_ctx positions in a one-layer pool, pages in shuffled order. The first
+// n_ctx - n_last positions are written one at a time as decoding does (a filled page's staging
+// freed at once); the last n_last are written as one prefill pass, whose filled pages keep
+// their staging until the pass's attention ran — both of the kernel's page-copy rules run.
+struct Store {
+  std::unique_ptr<PagePool> pool;
+  std::vector<int32_t> table;
+  PagedKvView view;
+  Store(int n_head_kv, int head_dim, int block_size, KvElem elem, int64_t n_ctx, uint32_t seed, float kv_offset = 0.f,
+        int64_t n_last = 0) {
+    KvLayout l;
+    l.n_layer = 1;
+    l.n_head_kv = n_head_kv;
+    l.head_dim = head_dim;
+    l.block_size = block_size;
+    l.dtype = elem;
+    EXPECT_TRUE(l.validate().is_ok());
+    const int n_pages = static_cast<int>((n_ctx + block_size - 1) / block_size);
+    pool = std::make_unique<PagePool>(l, n_pages + 5, static_cast<int32_t>(n_last / block_size + 3));
+    std::vector<int32_t> got;
+    pool->allocate(n_pages + 5, &got);
+    std::mt19937 rng(seed);
+    std::shuffle(got.begin(), got.end(), rng);
+    table.assign(got.begin(), got.begin() + n_pages);
+    for (size_t i = n_pages; i < got.size(); ++i) pool->release(got[i]);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    std::vector<float> k(n_head_kv * head_dim), v(k.size());
+    for (int64_t pos = 0; pos < n_ctx; ++pos) {
+      // keys with a per-channel offset, as real keys have (what per-channel quantization is for)
+      for (size_t i = 0; i < k.size(); ++i) k[i] = nd(rng) + kv_offset * float(i % 7);
+      for (auto& x : v) x = nd(rng);
+      EXPECT_TRUE(pool->write_token(0, table[pos / block_size], static_cast<int>(pos % block_size), k.data(), v.data()));
+      if (pos < n_ctx - n_last) pool->release_filled(0);
+    }
+    view = pool->view(0);
+    view.pages = table.data();
+  }
+};
+
+double rel_err(const std::vector<float>& out, const std::vector<float>& ref) {
+  double worst = 0, scale = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    worst = std::max(worst, double(std::abs(out[i] - ref[i])));
+    scale = std::max(scale, double(std::abs(ref[i])));
+  }
+  return scale > 0 ? worst / scale : worst;
+}
+
+// paged_attention vs the reference over the same pages; max error relative to the output scale.
 double run_case(int n_head_kv, int n_group, int head_dim, int block_size, KvElem elem, int64_t pos0, int n_q,
-                uint32_t seed) {
-  std::mt19937 rng(seed);
+                uint32_t seed, int32_t window = 0) {
+  Store st(n_head_kv, head_dim, block_size, elem, pos0 + n_q, seed, 0.5f, /*n_last=*/n_q);
+  st.view.window = window;
+  std::mt19937 rng(seed + 1000);
   std::normal_distribution<float> nd(0.f, 1.f);
-  const int64_t n_ctx = pos0 + n_q;
-  const int n_pages = static_cast<int>((n_ctx + block_size - 1) / block_size);
-  const int64_t elem_bytes = elem == KvElem::kF32 ? 4 : 2;
-  const int64_t page_bytes = int64_t(n_head_kv) * block_size * head_dim * elem_bytes;
-  const int pool_pages = n_pages + 3;
-  std::vector<uint8_t> kbuf(pool_pages * page_bytes), vbuf(pool_pages * page_bytes);
-  std::vector<int32_t> table(n_pages);
-  for (int i = 0; i < n_pages; ++i) table[i] = (i * 7 + 3) % pool_pages;  // non-contiguous
-  // distinct page ids required
-  std::vector<int> used(pool_pages, 0);
-  for (auto& p : table) {
-    while (used[p]) p = (p + 1) % pool_pages;
-    used[p] = 1;
-  }
-  std::vector<float> tok(n_head_kv * head_dim);
-  for (int64_t pos = 0; pos < n_ctx; ++pos) {
-    for (auto& x : tok) x = nd(rng);
-    write_kv_token(kbuf.data() + table[pos / block_size] * page_bytes, elem, n_head_kv, block_size, head_dim,
-                   pos % block_size, tok.data());
-    for (auto& x : tok) x = nd(rng);
-    write_kv_token(vbuf.data() + table[pos / block_size] * page_bytes, elem, n_head_kv, block_size, head_dim,
-                   pos % block_size, tok.data());
-  }
   const int n_head = n_head_kv * n_group;
   const int64_t stride = int64_t(n_head) * head_dim + 5;  // padded rows, like a fused QKV buffer
   std::vector<float> q(n_q * stride);
   for (auto& x : q) x = nd(rng) * 2.f;
   std::vector<float> out(n_q * stride, 0.f), ref(n_q * stride, 0.f);
-  PagedKvView v;
-  v.k_base = kbuf.data();
-  v.v_base = vbuf.data();
-  v.page_bytes = page_bytes;
-  v.pages = table.data();
-  v.n_head_kv = n_head_kv;
-  v.block_size = block_size;
-  v.head_dim = head_dim;
-  v.elem = elem;
   const float scale = 1.f / std::sqrt(float(head_dim));
   for (int h = 0; h < n_head_kv; ++h) {
-    paged_attention(v, h, n_group, q.data(), stride, pos0, n_q, scale, out.data(), stride);
-    paged_attention_ref(v, h, n_group, q.data(), stride, pos0, n_q, scale, ref.data(), stride);
+    paged_attention(st.view, h, n_group, q.data(), stride, pos0, n_q, scale, out.data(), stride);
+    paged_attention_ref(st.view, h, n_group, q.data(), stride, pos0, n_q, scale, ref.data(), stride);
   }
-  // Normalized error: worst |fast - ref| over the largest |ref| (outputs are convex mixtures of
-  // V rows, so this is the error relative to the values' scale).
-  double worst = 0, scale_ref = 0;
-  for (int t = 0; t < n_q; ++t)
-    for (int i = 0; i < n_head * head_dim; ++i) {
-      double a = out[t * stride + i], b = ref[t * stride + i];
-      worst = std::max(worst, std::abs(a - b));
-      scale_ref = std::max(scale_ref, std::abs(b));
-    }
-  return worst / scale_ref;
+  return rel_err(out, ref);
 }
+
 }  // namespace
 
-TEST(PagedAttention, MatchesReferenceAcrossShapes) {
+TEST(PagedAttention, MatchesReferenceAcrossShapesAndDtypes) {
   uint32_t seed = 1;
-  for (KvElem elem : {KvElem::kF32, KvElem::kF16})
-    for (int bs : {1, 4, 16, 32})
-      for (auto [hkv, grp] : {std::pair{3, 3}, std::pair{1, 4}, std::pair{2, 1}})
-        for (auto [pos0, nq] : {std::pair<int64_t, int>{0, 1}, {0, 17}, {5, 1}, {31, 9}, {100, 3}, {0, 40}}) {
+  for (KvElem elem : kAll)
+    for (int bs : {1, 4, 16, 32, 64}) {
+      if (kv_tile_shape_error(elem, bs, 64)) continue;
+      for (auto [hkv, grp] : {std::pair{3, 3}, std::pair{1, 4}, std::pair{2, 1}, std::pair{1, 16}})
+        for (auto [pos0, nq] : {std::pair<int64_t, int>{0, 1}, {0, 17}, {5, 1}, {31, 9}, {100, 3}, {0, 40}, {47, 1}}) {
           double err = run_case(hkv, grp, 64, bs, elem, pos0, nq, seed++);
-          // Same inputs, only summation order and float vs double differ.
-          EXPECT_LT(err, kTol) << "elem=" << int(elem) << " bs=" << bs << " hkv=" << hkv << " grp=" << grp
+          // Same stored bytes, only summation order and float vs double differ.
+          EXPECT_LT(err, kTol) << kv_elem_name(elem) << " bs=" << bs << " hkv=" << hkv << " grp=" << grp
                                << " pos0=" << pos0 << " nq=" << nq;
         }
+    }
 }
 
-TEST(PagedAttention, OddHeadDimAndLongContext) {
-  EXPECT_LT(run_case(1, 2, 40, 16, KvElem::kF16, 1000, 2, 99), kTol);
-  EXPECT_LT(run_case(2, 2, 128, 64, KvElem::kF32, 300, 33, 98), kTol);
+TEST(PagedAttention, HeadDimsAndLongContext) {
+  for (KvElem elem : kAll) {
+    EXPECT_LT(run_case(1, 2, 48, 16, elem, 1000, 2, 99), kTol) << kv_elem_name(elem);  // int4 V groups of 16
+    EXPECT_LT(run_case(2, 2, 128, 64, elem, 300, 33, 98), kTol) << kv_elem_name(elem);
+    EXPECT_LT(run_case(1, 4, 256, 16, elem, 200, 5, 97), kTol) << kv_elem_name(elem);  // Gemma 3: MQA, hd 256
+  }
 }
 
-TEST(PagedAttention, F16WriteRoundsToNearest) {
-  std::vector<uint8_t> page(2 * 4 * 2);
+TEST(PagedAttention, SlidingWindowMatchesReference) {
+  for (KvElem elem : {KvElem::kF16, KvElem::kInt8, KvElem::kInt4})
+    for (auto [pos0, nq, win] : {std::tuple<int64_t, int, int>{0, 40, 8}, {100, 3, 16}, {500, 20, 37}, {63, 1, 64}})
+      EXPECT_LT(run_case(1, 4, 64, 16, elem, pos0, nq, 5, win), kTol)
+          << kv_elem_name(elem) << " pos0=" << pos0 << " nq=" << nq << " window=" << win;
+}
+
+// Flash-decoding: page-aligned parts merged by log-sum-exp equal one pass.
+TEST(PagedAttention, SplitPartsMergeToTheFullResult) {
+  for (KvElem elem : {KvElem::kF16, KvElem::kInt4}) {
+    const int hkv = 3, grp = 3, hd = 64, bs = 16;
+    for (auto [pos0, nq] : {std::pair<int64_t, int>{1000, 1}, {700, 8}, {64, 1}}) {
+      Store st(hkv, hd, bs, elem, pos0 + nq, 11, 0.f, nq);
+      std::mt19937 rng(3);
+      std::normal_distribution<float> nd(0.f, 1.f);
+      const int64_t stride = hkv * grp * hd;
+      std::vector<float> q(nq * stride), full(nq * stride), merged(nq * stride);
+      for (auto& x : q) x = nd(rng);
+      const int64_t ctx = pos0 + nq;
+      for (int64_t part : {16, 64, 256}) {
+        const int n_parts = static_cast<int>((ctx + part - 1) / part);
+        const int rows = nq * grp;
+        std::vector<float> acc(size_t(n_parts) * rows * hd), m(size_t(n_parts) * rows), l(m.size());
+        for (int h = 0; h < hkv; ++h) {
+          paged_attention(st.view, h, grp, q.data(), stride, pos0, nq, 0.125f, full.data(), stride);
+          for (int p = 0; p < n_parts; ++p)
+            paged_attention_partial(st.view, h, grp, q.data(), stride, pos0, nq, p * part, std::min(ctx, (p + 1) * part),
+                                    0.125f, acc.data() + size_t(p) * rows * hd, m.data() + p * rows, l.data() + p * rows);
+          attention_merge(n_parts, grp, nq, hd, acc.data(), m.data(), l.data(), h, merged.data(), stride);
+        }
+        EXPECT_LT(rel_err(merged, full), 1e-6) << kv_elem_name(elem) << " pos0=" << pos0 << " part=" << part;
+      }
+    }
+  }
+}
+
+// Quantized pages against the same data kept in f32: the price of each format, bounded.
+TEST(PagedAttention, QuantizedPagesStayCloseToF32) {
+  const int hkv = 2, grp = 3, hd = 64, bs = 16;
+  const int64_t pos0 = 400;
+  const int nq = 4;
+  Store ref(hkv, hd, bs, KvElem::kF32, pos0 + nq, 21, 0.5f, nq);
+  std::mt19937 rng(4);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const int64_t stride = hkv * grp * hd;
+  std::vector<float> q(nq * stride), base(nq * stride), out(nq * stride);
+  for (auto& x : q) x = nd(rng);
+  for (int h = 0; h < hkv; ++h) paged_attention(ref.view, h, grp, q.data(), stride, pos0, nq, 0.125f, base.data(), stride);
+  const std::pair<KvElem, double> bounds[] = {{KvElem::kF16, 2e-3}, {KvElem::kBF16, 1e-2}, {KvElem::kInt8, 1e-2},
+                                              {KvElem::kFp8E4M3, 1.2e-1}, {KvElem::kFp8E5M2, 2.5e-1}, {KvElem::kInt4, 1.5e-1}};
+  double err_of[kKvElemCount] = {};
+  for (auto [elem, bound] : bounds) {
+    Store st(hkv, hd, bs, elem, pos0 + nq, 21, 0.5f, nq);  // same seed: same K/V values
+    for (int h = 0; h < hkv; ++h) paged_attention(st.view, h, grp, q.data(), stride, pos0, nq, 0.125f, out.data(), stride);
+    const double err = rel_err(out, base);
+    EXPECT_LT(err, bound) << kv_elem_name(elem);
+    EXPECT_GT(err, 0.0) << kv_elem_name(elem) << ": a lossy format must differ from f32";
+    err_of[int(elem)] = err;
+  }
+  // more bits, less error
+  EXPECT_LT(err_of[int(KvElem::kInt8)], err_of[int(KvElem::kFp8E4M3)]);
+  EXPECT_LT(err_of[int(KvElem::kFp8E4M3)], err_of[int(KvElem::kFp8E5M2)]);
+  EXPECT_LT(err_of[int(KvElem::kInt8)], err_of[int(KvElem::kInt4)]);
+}
+
+TEST(KvTile, Fp8ConversionsRoundTripEveryCode) {
+  for (int b = 0; b < 256; ++b) {
+    const uint8_t u = static_cast<uint8_t>(b);
+    if ((u & 0x7F) != 0x7F) {
+      const float x = fp8_e4m3_to_fp32(u);
+      if (x == 0.f) EXPECT_EQ(fp32_to_fp8_e4m3(x) & 0x7F, 0);
+      else EXPECT_EQ(fp32_to_fp8_e4m3(x), u) << b;
+    }
+    if ((u & 0x7C) != 0x7C) {  // e5m2 inf / NaN codes excluded
+      const float x = fp8_e5m2_to_fp32(u);
+      if (x == 0.f) EXPECT_EQ(fp32_to_fp8_e5m2(x) & 0x7F, 0);
+      else EXPECT_EQ(fp32_to_fp8_e5m2(x), u) << b;
+    }
+  }
+  EXPECT_EQ(fp8_e4m3_to_fp32(0x7E), 448.f);
+  EXPECT_EQ(fp8_e4m3_to_fp32(0x01), std::ldexp(1.f, -9));
+  EXPECT_EQ(fp8_e5m2_to_fp32(0x7B), 57344.f);
+  EXPECT_EQ(fp32_to_fp8_e4m3(1e9f), 0x7E);       // saturates
+  EXPECT_EQ(fp32_to_fp8_e4m3(-1e9f), 0xFE);
+  EXPECT_EQ(fp32_to_fp8_e4m3(1.0625f), 0x38);    // tie 1 + 1/16 → even (1.0)
+  EXPECT_EQ(fp32_to_fp8_e4m3(1.1875f), 0x3A);    // tie 1 + 3/16 → even (1.25)
+  EXPECT_EQ(fp32_to_fp8_e5m2(1.125f), 0x3C);     // tie → 1.0
+}
+
+// Per-channel keys / per-token values: the reconstruction error of each element is within
+// half a quantization step (plus f16 rounding of the scale and zero point).
+TEST(KvTile, IntQuantizationErrorWithinHalfAStep) {
+  const int bs = 32, hd = 64;
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<uint16_t> kst(bs * hd), vst(bs * hd);
+  std::vector<float> kf(bs * hd), vf(bs * hd);  // token-major originals
+  for (int j = 0; j < bs; ++j)
+    for (int d = 0; d < hd; ++d) {
+      kst[d * bs + j] = fp32_to_fp16(nd(rng) * (1 + d % 5) + 3.f * (d % 3));  // channel-major
+      vst[j * hd + d] = fp32_to_fp16(nd(rng));
+      kf[j * hd + d] = fp16_to_fp32(kst[d * bs + j]);
+      vf[j * hd + d] = fp16_to_fp32(vst[j * hd + d]);
+    }
+  for (KvElem e : {KvElem::kInt8, KvElem::kInt4}) {
+    const int levels = e == KvElem::kInt8 ? 255 : 15;
+    std::vector<uint8_t> kt(kv_k_tile_bytes(e, bs, hd)), vt(kv_v_tile_bytes(e, bs, hd));
+    kv_quantize_k(kst.data(), e, bs, hd, kt.data());
+    kv_quantize_v(vst.data(), e, bs, hd, vt.data());
+    std::vector<float> kr(bs * hd), vr(bs * hd);
+    kv_read_k(kt.data(), e, bs, hd, bs, kr.data());
+    kv_read_v(vt.data(), e, bs, hd, bs, vr.data());
+    for (int d = 0; d < hd; ++d) {  // keys: range per channel
+      float mn = 1e9, mx = -1e9;
+      for (int j = 0; j < bs; ++j) mn = std::min(mn, kf[j * hd + d]), mx = std::max(mx, kf[j * hd + d]);
+      const float step = (mx - mn) / levels;
+      for (int j = 0; j < bs; ++j) ASSERT_LE(std::abs(kr[j * hd + d] - kf[j * hd + d]), 0.5f * step * 1.01f + 2e-3f * std::abs(mn) + 1e-6f);
+    }
+    const int G = kv_v_group(e, hd);
+    for (int j = 0; j < bs; ++j)  // values: range per token group
+      for (int g = 0; g < hd / G; ++g) {
+        float mn = 1e9, mx = -1e9;
+        for (int d = g * G; d < (g + 1) * G; ++d) mn = std::min(mn, vf[j * hd + d]), mx = std::max(mx, vf[j * hd + d]);
+        const float step = (mx - mn) / levels;
+        for (int d = g * G; d < (g + 1) * G; ++d)
+          ASSERT_LE(std::abs(vr[j * hd + d] - vf[j * hd + d]), 0.5f * step * 1.01f + 2e-3f * std::abs(mn) + 1e-6f);
+      }
+  }
+}
+
+TEST(KvTile, BytesPerTileAndShapeRules) {
+  EXPECT_EQ(kv_k_tile_bytes(KvElem::kF16, 16, 64), 2048);
+  EXPECT_EQ(kv_k_tile_bytes(KvElem::kInt8, 16, 64), 1024 + 64 * 4);   // + {scale, min} per channel
+  EXPECT_EQ(kv_v_tile_bytes(KvElem::kInt8, 16, 64), 1024 + 16 * 4);   // + {scale, min} per token
+  EXPECT_EQ(kv_k_tile_bytes(KvElem::kInt4, 32, 64), 1024 + 64 * 4);
+  EXPECT_EQ(kv_v_tile_bytes(KvElem::kInt4, 32, 64), 1024 + 32 * 2 * 4);  // groups of 32 channels
+  EXPECT_EQ(kv_k_tile_bytes(KvElem::kFp8E4M3, 16, 64), 1024 + 4);
+  EXPECT_NE(kv_tile_shape_error(KvElem::kInt8, 8, 64), nullptr);
+  EXPECT_EQ(kv_tile_shape_error(KvElem::kF16, 8, 64), nullptr);
+  EXPECT_NE(kv_tile_shape_error(KvElem::kF16, 16, 40), nullptr);
+}
+
+TEST(KvTile, F16WriteRoundsToNearest) {
+  std::vector<uint8_t> tile(2 * 4 * 2);
   float src[2] = {1.0009765625f /* 1 + 2^-10, exact in f16 */, -3.14159f};
-  write_kv_token(page.data(), KvElem::kF16, 1, 4, 2, 1, src);
-  const uint16_t* h = reinterpret_cast<const uint16_t*>(page.data());
-  EXPECT_EQ(fp16_to_fp32(h[2]), 1.0009765625f);
-  EXPECT_NEAR(fp16_to_fp32(h[3]), -3.14159f, 1e-3);
+  kv_write_k(tile.data(), KvElem::kF16, 4, 2, 1, src);  // channel-major: [d][slot]
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(tile.data());
+  EXPECT_EQ(fp16_to_fp32(h[0 * 4 + 1]), 1.0009765625f);
+  EXPECT_NEAR(fp16_to_fp32(h[1 * 4 + 1]), -3.14159f, 1e-3);
 }
