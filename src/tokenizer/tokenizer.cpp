@@ -4,6 +4,7 @@
 
 #include "gguf/gguf.h"
 #include "tokenizer/bpe_tokenizer.h"
+#include "tokenizer/spm_tokenizer.h"
 #include "tokenizer/utf8.h"
 
 namespace kv {
@@ -37,10 +38,8 @@ Result<std::unique_ptr<Tokenizer>> Tokenizer::from_gguf(const GgufFile& f) {
   if (model == nullptr) return R::error("GGUF has no tokenizer.ggml.model: no tokenizer in this file");
   if (model->type != GgufType::STRING) return R::error("tokenizer.ggml.model is not a string");
   if (model->str == "gpt2") return BpeTokenizer::create(f);
-  if (model->str == "llama") {
-    return R::error("tokenizer.ggml.model = \"llama\" (SentencePiece) is not supported yet");
-  }
-  return R::error("tokenizer.ggml.model = \"" + model->str + "\" is not supported (supported: gpt2)");
+  if (model->str == "llama") return SpmTokenizer::create(f);
+  return R::error("tokenizer.ggml.model = \"" + model->str + "\" is not supported (supported: gpt2, llama)");
 }
 
 Status Tokenizer::load_common(const GgufFile& f) {
@@ -124,13 +123,14 @@ std::string Tokenizer::decode(const std::vector<int32_t>& ids, bool special) con
   return out;
 }
 
-void Tokenizer::build_special_matcher() {
+void Tokenizer::build_special_matcher(const std::vector<bool>* skip) {
   trie_.clear();
   trie_id_.assign(1, -1);
   trie_control_.assign(1, false);
   for (int32_t id = 0; id < n_vocab(); ++id) {
     const TokenType t = types_[id];
     if ((t != TokenType::kControl && t != TokenType::kUserDefined) || tokens_[id].empty()) continue;
+    if (skip != nullptr && (*skip)[id]) continue;
     uint64_t node = 0;
     for (unsigned char c : tokens_[id]) {
       auto [it, added] = trie_.try_emplace((node << 8) | c, static_cast<int32_t>(trie_id_.size()));

@@ -1,5 +1,6 @@
 // Tokenizers driven by GGUF metadata (tokenizer.ggml.*): byte-level BPE ("gpt2" model with a
-// pre-tokenizer chosen by tokenizer.ggml.pre) and, later, SentencePiece-style ("llama").
+// pre-tokenizer chosen by tokenizer.ggml.pre) and SentencePiece-style BPE ("llama": Gemma,
+// Llama 2 style vocabularies with scores and <0xXX> byte fallback).
 // Immutable after construction; safe to use from any thread.
 #pragma once
 #include <cstdint>
@@ -26,8 +27,8 @@ class Tokenizer {
 
   // Errors (never crashes) on missing or inconsistent tokenizer.ggml.* metadata: no token list,
   // token_type / scores of the wrong length or type, merges naming unknown tokens, special ids
-  // out of range, an unknown tokenizer.ggml.pre. tokenizer.ggml.model "gpt2" (byte-level BPE) is
-  // supported; "llama" (SentencePiece) answers "not supported yet".
+  // out of range, an unknown tokenizer.ggml.pre. tokenizer.ggml.model "gpt2" (byte-level BPE) and
+  // "llama" (SentencePiece-style BPE, see spm_tokenizer.h) are supported.
 
   // add_special: prepend BOS / append EOS as the metadata says (tokenizer.ggml.add_bos_token…).
   // parse_special: control tokens spelled in the text become their single id (leftmost-longest
@@ -70,8 +71,9 @@ class Tokenizer {
     int32_t id;  // -1 for plain text
     size_t off, len;
   };
-  // Builds the matcher over control (type 3) and user-defined (type 4) tokens.
-  void build_special_matcher();
+  // Builds the matcher over control (type 3) and user-defined (type 4) tokens, leaving out the
+  // ids for which skip[id] is true (a subclass that matches them itself).
+  void build_special_matcher(const std::vector<bool>* skip = nullptr);
   void split_special(std::string_view text, bool parse_special, std::vector<Segment>& out) const;
 
   int32_t bos_ = -1, eos_ = -1;

@@ -12,11 +12,14 @@
 #include <vector>
 
 #include "gguf/gguf.h"
+#include "test_tokenizer_util.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/utf8.h"
 
 namespace kv {
 namespace {
+
+using tok_test::GgufBuilder;
 
 const std::string kModel = std::string(KV_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
 const std::string kCorpus = std::string(KV_SOURCE_DIR) + "/tests/data/tokenizer/smollm2_corpus.jsonl";
@@ -265,79 +268,6 @@ TEST(Utf8, Sanitize) {
 
 // ---- from_gguf on small in-memory GGUFs ----
 
-class GgufBuilder {
- public:
-  GgufBuilder& str(const std::string& k, const std::string& v) {
-    key(k, 8);
-    s(v);
-    ++n_;
-    return *this;
-  }
-  GgufBuilder& u32(const std::string& k, uint32_t v) {
-    key(k, 4);
-    raw(&v, 4);
-    ++n_;
-    return *this;
-  }
-  GgufBuilder& boolean(const std::string& k, bool v) {
-    key(k, 7);
-    const uint8_t b = v;
-    raw(&b, 1);
-    ++n_;
-    return *this;
-  }
-  GgufBuilder& strs(const std::string& k, const std::vector<std::string>& v) {
-    key(k, 9);
-    const uint32_t t = 8;
-    raw(&t, 4);
-    const uint64_t n = v.size();
-    raw(&n, 8);
-    for (const auto& x : v) s(x);
-    ++n_;
-    return *this;
-  }
-  GgufBuilder& i32s(const std::string& k, const std::vector<int32_t>& v) {
-    key(k, 9);
-    const uint32_t t = 5;
-    raw(&t, 4);
-    const uint64_t n = v.size();
-    raw(&n, 8);
-    for (int32_t x : v) raw(&x, 4);
-    ++n_;
-    return *this;
-  }
-  std::vector<uint8_t> bytes() const {
-    std::vector<uint8_t> out;
-    const auto put = [&](const void* p, size_t n) {
-      out.insert(out.end(), static_cast<const uint8_t*>(p), static_cast<const uint8_t*>(p) + n);
-    };
-    put("GGUF", 4);
-    const uint32_t version = 3;
-    put(&version, 4);
-    const uint64_t n_tensors = 0;
-    put(&n_tensors, 8);
-    put(&n_, 8);
-    out.insert(out.end(), body_.begin(), body_.end());
-    return out;
-  }
-
- private:
-  void raw(const void* p, size_t n) {
-    body_.insert(body_.end(), static_cast<const uint8_t*>(p), static_cast<const uint8_t*>(p) + n);
-  }
-  void s(const std::string& v) {
-    const uint64_t n = v.size();
-    raw(&n, 8);
-    raw(v.data(), v.size());
-  }
-  void key(const std::string& k, uint32_t type) {
-    s(k);
-    raw(&type, 4);
-  }
-  std::vector<uint8_t> body_;
-  uint64_t n_ = 0;
-};
-
 // A tiny byte-level vocabulary: <|end|>, the 256 byte spellings, "ab", "abc", " a" (Ġa).
 struct Tiny {
   std::vector<std::string> tokens;
@@ -432,7 +362,9 @@ TEST(TokenizerFromGguf, Errors) {
   expect_error(GgufBuilder().str("tokenizer.ggml.model", "gpt2"), "no tokenizer.ggml.tokens");
   expect_error(GgufBuilder().str("general.name", "x"), "no tokenizer.ggml.model");
   expect_error(GgufBuilder().str("tokenizer.ggml.model", "llama").strs("tokenizer.ggml.tokens", {"a"}),
-               "not supported yet");
+               "no tokenizer.ggml.scores");
+  expect_error(GgufBuilder().str("tokenizer.ggml.model", "bert").strs("tokenizer.ggml.tokens", {"a"}),
+               "\"bert\" is not supported");
   {
     GgufBuilder b;
     b.str("tokenizer.ggml.model", "gpt2").str("tokenizer.ggml.pre", "gpt2").strs("tokenizer.ggml.tokens", tiny.tokens);
