@@ -81,29 +81,131 @@ bool quant_fmt(GgmlType t, QFmt* f) {
     case GgmlType::Q4_0: *f = QFmt::kQ4_0; return true;
     case GgmlType::Q4_1: *f = QFmt::kQ4_1; return true;
     case GgmlType::Q8_0: *f = QFmt::kQ8_0; return true;
+    case GgmlType::Q5_0: *f = QFmt::kQ5_0; return true;
+    case GgmlType::Q4_K: *f = QFmt::kQ4_K; return true;
+    case GgmlType::Q6_K: *f = QFmt::kQ6_K; return true;
     default: return false;
   }
 }
 
-// Writes the 16-output records of one group. rows[c] is output c's raw blocks, or null for
-// padding (all-zero record: d = 0, so it contributes exactly 0).
+// One 32-element block of one output row, decoded: the unsigned quants the kernels multiply
+// and the scales the record keeps (which of them a format uses: see PackedMatrix).
+struct DecodedBlock {
+  uint8_t u[kQK];
+  uint8_t d16[2], m16[2];  // f16 bits of d and (Q4_1) m, copied as they are
+  float d32[2];            // Q4_K: d, m; Q6_K: da, db
+};
+
+// ggml's get_scale_min_k4 (as in quant_ref.cpp): 6-bit scale and min of Q4_K sub-block j.
+void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// Block b (elements 32b..32b+31) of a raw row of format f.
+void decode_block(QFmt f, const uint8_t* row, int64_t b, DecodedBlock* out) {
+  switch (f) {
+    case QFmt::kQ4_0:
+    case QFmt::kQ4_1:
+    case QFmt::kQ5_0: {
+      const uint8_t* blk = row + b * (f == QFmt::kQ4_0 ? 18 : f == QFmt::kQ4_1 ? 20 : 22);
+      std::memcpy(out->d16, blk, 2);
+      const uint8_t* qs = blk + (f == QFmt::kQ4_0 ? 2 : f == QFmt::kQ4_1 ? 4 : 6);
+      if (f == QFmt::kQ4_1) std::memcpy(out->m16, blk + 2, 2);
+      uint32_t qh = 0;
+      if (f == QFmt::kQ5_0) std::memcpy(&qh, blk + 2, 4);
+      for (int e = 0; e < 16; ++e) {
+        out->u[e] = static_cast<uint8_t>((qs[e] & 15) | (((qh >> e) & 1) << 4));
+        out->u[16 + e] = static_cast<uint8_t>((qs[e] >> 4) | (((qh >> (16 + e)) & 1) << 4));
+      }
+      break;
+    }
+    case QFmt::kQ8_0: {
+      const uint8_t* blk = row + b * 34;
+      std::memcpy(out->d16, blk, 2);
+      for (int e = 0; e < kQK; ++e) out->u[e] = static_cast<uint8_t>(blk[2 + e] ^ 0x80);
+      break;
+    }
+    case QFmt::kQ4_K: {
+      const uint8_t* blk = row + (b / 8) * 144;
+      const int sub = static_cast<int>(b % 8);
+      uint16_t dh, mh;
+      std::memcpy(&dh, blk, 2);
+      std::memcpy(&mh, blk + 2, 2);
+      int sc, m;
+      scale_min_k4(sub, blk + 4, &sc, &m);
+      // f16 (11 significant bits) times 6 bits: exact in f32, as in dequantize_row_ref.
+      out->d32[0] = half_to_float(dh) * static_cast<float>(sc);
+      out->d32[1] = -(half_to_float(mh) * static_cast<float>(m));
+      // Sub-blocks 2k and 2k+1 are the low and high nibbles of the same 32 bytes.
+      const uint8_t* qs = blk + 16 + 32 * (sub / 2);
+      for (int e = 0; e < kQK; ++e) out->u[e] = sub % 2 ? qs[e] >> 4 : qs[e] & 15;
+      break;
+    }
+    case QFmt::kQ6_K: {
+      const uint8_t* blk = row + (b / 8) * 210;
+      const int sub = static_cast<int>(b % 8);
+      uint16_t dh;
+      std::memcpy(&dh, blk + 208, 2);
+      const auto* sc = reinterpret_cast<const int8_t*>(blk + 192);
+      // f16 times int8: ≤ 19 significant bits, exact in f32.
+      out->d32[0] = half_to_float(dh) * static_cast<float>(sc[2 * sub]);
+      out->d32[1] = half_to_float(dh) * static_cast<float>(sc[2 * sub + 1]);
+      // Element l + 32k of a 128-element half: nibble k/2 of ql[l + 32(k%2)], bits 2k of qh[l].
+      const int half = sub / 4, k = sub % 4;
+      const uint8_t* ql = blk + 64 * half;
+      const uint8_t* qh = blk + 128 + 32 * half;
+      for (int l = 0; l < kQK; ++l) {
+        const uint8_t lo = ql[l + 32 * (k % 2)];
+        out->u[l] = static_cast<uint8_t>((k < 2 ? lo & 15 : lo >> 4) | (((qh[l] >> (2 * k)) & 3) << 4));
+      }
+      break;
+    }
+  }
+}
+
+// Writes the 16-output records of one group. rows[c] is output c's raw row, or null for
+// padding (all-zero record: zero scales, so it contributes exactly 0).
 void pack_group(QFmt f, const uint8_t* const rows[kGroup], int64_t nb, uint8_t* dst) {
   const int64_t rec = record_bytes(f), qoff = quant_offset(f);
-  const int64_t raw = f == QFmt::kQ4_1 ? 20 : f == QFmt::kQ4_0 ? 18 : 34;
-  const int raw_qoff = f == QFmt::kQ4_1 ? 4 : 2;
-  const int n_vec = f == QFmt::kQ8_0 ? 8 : 4;
+  const bool nibbles = f != QFmt::kQ8_0 && f != QFmt::kQ6_K;
+  DecodedBlock blk;
   for (int64_t b = 0; b < nb; ++b) {
     uint8_t* r = dst + b * rec;
     std::memset(r, 0, static_cast<size_t>(rec));
     for (int c = 0; c < kGroup; ++c) {
       if (!rows[c]) continue;
-      const uint8_t* blk = rows[c] + b * raw;
-      std::memcpy(r + 2 * c, blk, 2);                                // d
-      if (f == QFmt::kQ4_1) std::memcpy(r + 32 + 2 * c, blk + 2, 2);  // m
-      for (int j = 0; j < n_vec; ++j)
+      decode_block(f, rows[c], b, &blk);
+      if (f == QFmt::kQ4_K || f == QFmt::kQ6_K) {
+        std::memcpy(r + 4 * c, &blk.d32[0], 4);
+        std::memcpy(r + 64 + 4 * c, &blk.d32[1], 4);
+      } else {
+        std::memcpy(r + 2 * c, blk.d16, 2);
+        if (f == QFmt::kQ4_1) std::memcpy(r + 32 + 2 * c, blk.m16, 2);
+      }
+      uint8_t* q = r + qoff;
+      for (int j = 0; j < (nibbles ? 4 : 8); ++j)
         for (int t = 0; t < 4; ++t) {
-          uint8_t q = blk[raw_qoff + 4 * j + t];
-          r[qoff + 64 * j + 4 * c + t] = f == QFmt::kQ8_0 ? static_cast<uint8_t>(q ^ 0x80) : q;
+          const int e = 4 * j + t, lane = 4 * c + t;
+          if (!nibbles) {
+            q[64 * j + lane] = blk.u[e];
+            continue;
+          }
+          q[64 * j + lane] = static_cast<uint8_t>((blk.u[e] & 15) | (blk.u[16 + e] & 15) << 4);
+          if (f == QFmt::kQ5_0) {
+            uint64_t lo, hi;
+            std::memcpy(&lo, r + 32 + 16 * j, 8);
+            std::memcpy(&hi, r + 40 + 16 * j, 8);
+            lo |= static_cast<uint64_t>(blk.u[e] >> 4) << lane;
+            hi |= static_cast<uint64_t>(blk.u[16 + e] >> 4) << lane;
+            std::memcpy(r + 32 + 16 * j, &lo, 8);
+            std::memcpy(r + 40 + 16 * j, &hi, 8);
+          }
         }
     }
   }
@@ -118,13 +220,14 @@ struct ActScratch {
     const int64_t nb = n_in / kQK;
     auto up = [](int64_t v) { return (v + 63) & ~int64_t{63}; };
     const int64_t q_bytes = up(n_rows * n_in), f_bytes = up(n_rows * nb * 4);
-    const size_t need = static_cast<size_t>(2 * q_bytes + 3 * f_bytes);
+    const size_t need = static_cast<size_t>(2 * q_bytes + 5 * f_bytes);  // s16: 2 per block
     if (buf.size() < need) buf.resize(need);
     uint8_t* p = buf.data();
     uint8_t* f = p + 2 * q_bytes;
-    return QAct{reinterpret_cast<int8_t*>(p), reinterpret_cast<int8_t*>(p + q_bytes),
-                reinterpret_cast<float*>(f), reinterpret_cast<float*>(f + f_bytes),
-                reinterpret_cast<int32_t*>(f + 2 * f_bytes), n_in, nb, two};
+    return QAct{reinterpret_cast<int8_t*>(p),         reinterpret_cast<int8_t*>(p + q_bytes),
+                reinterpret_cast<float*>(f),          reinterpret_cast<float*>(f + f_bytes),
+                reinterpret_cast<int32_t*>(f + 2 * f_bytes), reinterpret_cast<int32_t*>(f + 3 * f_bytes),
+                n_in, nb, two};
   }
 };
 
@@ -135,6 +238,7 @@ ActQuant initial_act_quant() {
 ActQuant g_act_quant = initial_act_quant();
 thread_local ActScratch tl_act;
 thread_local std::vector<float> tl_row;  // kRawRows: one dequantized weight row
+thread_local std::vector<float> tl_acc;  // q_gemm_scalar: [n_rows][kGroup] accumulators
 
 // Rows up to this count are quantized by every thread for itself: cheaper than a barrier.
 constexpr int64_t kPrivateQuantRows = 2;
@@ -166,52 +270,85 @@ const char* isa_name(Isa isa) {
 }
 
 Result<PackedMatrix> PackedMatrix::pack(const std::vector<RawMatrix>& parts, Isa isa) {
-  if (parts.empty()) return Result<PackedMatrix>::error("pack: no matrices given");
-  if (!cpu_has(isa))
-    return Result<PackedMatrix>::error(std::string("pack: this CPU cannot run ") + isa_name(isa));
+  using R = Result<PackedMatrix>;
+  if (parts.empty()) return R::error("pack: no matrices given");
+  if (!cpu_has(isa)) return R::error(std::string("pack: this CPU cannot run ") + isa_name(isa));
   const GgmlType type = parts[0].type;
   const int64_t n_in = parts[0].n_in;
   int64_t n_out = 0;
+  bool mixed = false;
+  QFmt f;
   for (const RawMatrix& m : parts) {
-    if (m.type != type)
-      return Result<PackedMatrix>::error(std::string("pack: mixed types ") + type_name(type) +
-                                         " and " + type_name(m.type));
-    if (m.n_in != n_in)
-      return Result<PackedMatrix>::error("pack: parts have different input widths");
-    if (m.n_in <= 0 || m.n_out <= 0 || !m.data)
-      return Result<PackedMatrix>::error("pack: empty matrix");
+    if (m.n_in != n_in) return R::error("pack: parts have different input widths");
+    if (m.n_in <= 0 || m.n_out <= 0 || !m.data) return R::error("pack: empty matrix");
+    const int64_t be = type_block_elems(m.type);
+    if (be <= 0 || n_in % be != 0)
+      return R::error(std::string("pack: input width not a multiple of the ") + type_name(m.type) + " block");
+    if (m.type != type) {
+      mixed = true;
+      // A group of the interleaved layout holds one type, so a change of type must start a group.
+      if (!quant_fmt(type, &f) || !quant_fmt(m.type, &f))
+        return R::error(std::string("pack: mixed types ") + type_name(type) + " and " + type_name(m.type) +
+                        " (only quantized types mix)");
+    }
     n_out += m.n_out;
   }
-  const int64_t be = type_block_elems(type);
-  if (be <= 0 || n_in % be != 0)
-    return Result<PackedMatrix>::error(std::string("pack: input width not a multiple of the ") +
-                                       type_name(type) + " block");
+  if (mixed) {
+    int64_t o = 0;
+    for (size_t i = 0; i + 1 < parts.size(); ++i) {
+      o += parts[i].n_out;
+      if (parts[i + 1].type != parts[i].type && o % kGroup != 0)
+        return R::error(std::string("pack: mixed types ") + type_name(parts[i].type) + " and " +
+                        type_name(parts[i + 1].type) + " meet at output " + std::to_string(o) +
+                        ", not a multiple of 16: pack them separately");
+    }
+  }
 
   PackedMatrix p;
   p.type_ = type;
   p.n_in_ = n_in;
   p.n_out_ = n_out;
   p.isa_ = isa;
-  // Row pointers of every output in order, across parts.
-  const int64_t rb = row_bytes(type, n_in);
+  // Row pointers and types of every output in order, across parts.
   std::vector<const uint8_t*> rows;
+  std::vector<GgmlType> row_types;
   rows.reserve(static_cast<size_t>(n_out));
-  for (const RawMatrix& m : parts)
-    for (int64_t i = 0; i < m.n_out; ++i) rows.push_back(static_cast<const uint8_t*>(m.data) + i * rb);
+  row_types.reserve(static_cast<size_t>(n_out));
+  for (const RawMatrix& m : parts) {
+    const int64_t rb = row_bytes(m.type, n_in);
+    for (int64_t i = 0; i < m.n_out; ++i) {
+      rows.push_back(static_cast<const uint8_t*>(m.data) + i * rb);
+      row_types.push_back(m.type);
+    }
+  }
 
-  QFmt f;
   if (quant_fmt(type, &f)) {
     p.layout_ = kInterleaved16;
     const int64_t nb = n_in / kQK, n_groups = (n_out + kGroup - 1) / kGroup;
-    const int64_t group_bytes = nb * record_bytes(f);
-    p.data_.resize(static_cast<size_t>(n_groups * group_bytes));
+    // Segments: runs of groups of one type (a group takes its first output's type).
+    int64_t bytes = 0;
     for (int64_t g = 0; g < n_groups; ++g) {
-      const uint8_t* grp[kGroup];
-      for (int c = 0; c < kGroup; ++c) {
-        int64_t o = g * kGroup + c;
-        grp[c] = o < n_out ? rows[static_cast<size_t>(o)] : nullptr;
+      const GgmlType t = row_types[static_cast<size_t>(g * kGroup)];
+      if (p.segments_.empty() || p.segments_.back().type != t) {
+        bytes = (bytes + 63) & ~int64_t{63};
+        p.segments_.push_back(Segment{t, g, g, bytes});
       }
-      pack_group(f, grp, nb, p.data_.data() + g * group_bytes);
+      p.segments_.back().g1 = g + 1;
+      quant_fmt(t, &f);
+      bytes += nb * record_bytes(f);
+    }
+    p.data_.resize(static_cast<size_t>(bytes));
+    for (const Segment& sg : p.segments_) {
+      quant_fmt(sg.type, &f);
+      const int64_t group_bytes = nb * record_bytes(f);
+      for (int64_t g = sg.g0; g < sg.g1; ++g) {
+        const uint8_t* grp[kGroup];
+        for (int c = 0; c < kGroup; ++c) {
+          const int64_t o = g * kGroup + c;
+          grp[c] = o < n_out ? rows[static_cast<size_t>(o)] : nullptr;
+        }
+        pack_group(f, grp, nb, p.data_.data() + sg.offset + (g - sg.g0) * group_bytes);
+      }
     }
   } else if (type == GgmlType::F32 || type == GgmlType::F16) {
     p.layout_ = kF32Rows;
@@ -231,18 +368,25 @@ Result<PackedMatrix> PackedMatrix::pack(const std::vector<RawMatrix>& parts, Isa
         }
       }
     }
-  } else if (type == GgmlType::Q4_K || type == GgmlType::Q6_K || type == GgmlType::BF16) {
-    // TODO: repacked integer kernels for the K-quants; until then a row is dequantized per call.
+  } else if (type == GgmlType::BF16) {
+    // No model we run stores BF16 matmul weights yet: a row is dequantized per call.
+    const int64_t rb = row_bytes(type, n_in);
     p.layout_ = kRawRows;
     p.row_stride_ = rb;
     p.data_.resize(static_cast<size_t>(n_out * rb));
     for (int64_t o = 0; o < n_out; ++o)
       std::memcpy(p.data_.data() + o * rb, rows[static_cast<size_t>(o)], static_cast<size_t>(rb));
   } else {
-    return Result<PackedMatrix>::error(std::string("pack: no matmul for weight type ") +
-                                       type_name(type));
+    return R::error(std::string("pack: no matmul for weight type ") + type_name(type));
   }
   return p;
+}
+
+std::vector<GgmlType> PackedMatrix::segment_types() const {
+  if (segments_.empty()) return {type_};
+  std::vector<GgmlType> v;
+  for (const Segment& s : segments_) v.push_back(s.type);
+  return v;
 }
 
 void matmul(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, ThreadPool& pool) {
@@ -259,8 +403,9 @@ void matmul(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, Thr
     QAct shared;  // valid when rows are quantized cooperatively
     bool split_quant;
     bool two;  // two-level activations
+    bool s16;  // a Q6_K segment needs the per-16 activation sums
     ThreadPool* pool;
-  } job{&w, x, n_rows, y, k, {}, false, g_act_quant == ActQuant::kQ8x2, &pool};
+  } job{&w, x, n_rows, y, k, {}, false, g_act_quant == ActQuant::kQ8x2, false, &pool};
 
   std::function<void(int, int)> fn;  // fits the small-buffer: the lambda holds one pointer
   const int nth_max = pool.size();
@@ -268,29 +413,37 @@ void matmul(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, Thr
 
   if (w.layout_ == kInterleaved16) {
     n_units = (n_out + kGroup - 1) / kGroup;
+    for (const PackedMatrix::Segment& sg : w.segments_) job.s16 |= sg.type == GgmlType::Q6_K;
     job.split_quant = n_rows > kPrivateQuantRows && nth_max > 1;
     if (job.split_quant) job.shared = tl_act.view(n_rows, n_in, job.two);
     fn = [p = &job](int ith, int nth) {
       const PackedMatrix& w = *p->w;
-      QFmt f = QFmt::kQ4_1;
-      quant_fmt(w.type_, &f);
+      auto quantize = [p](int64_t r0, int64_t r1, const QAct& a) {
+        p->k.quantize(p->x, r0, r1, a);
+        if (p->s16) sum16_rows(r0, r1, a);
+      };
       QAct a;
       if (p->split_quant && nth > 1) {
         a = p->shared;
         int64_t r0, r1;
         ThreadPool::split(p->n_rows, ith, nth, 1, &r0, &r1);
-        if (r0 < r1) p->k.quantize(p->x, r0, r1, a);
+        if (r0 < r1) quantize(r0, r1, a);
         p->pool->barrier();
       } else {
         a = p->split_quant ? p->shared : tl_act.view(p->n_rows, w.n_in_, p->two);
-        p->k.quantize(p->x, 0, p->n_rows, a);
+        quantize(0, p->n_rows, a);
       }
       const int64_t n_groups = (w.n_out_ + kGroup - 1) / kGroup;
       int64_t g0, g1;
       ThreadPool::split(n_groups, ith, nth, 1, &g0, &g1);
-      if (g0 >= g1) return;
-      QWeights qw{f, w.data_.data(), w.n_in_ / kQK, w.n_out_};
-      p->k.q_gemm(qw, a, p->n_rows, g0, g1, p->y);
+      for (const PackedMatrix::Segment& sg : w.segments_) {
+        const int64_t s0 = std::max(g0, sg.g0), s1 = std::min(g1, sg.g1);
+        if (s0 >= s1) continue;
+        QFmt f = QFmt::kQ4_1;
+        quant_fmt(sg.type, &f);
+        QWeights qw{f, w.data_.data() + sg.offset, sg.g0, w.n_in_ / kQK, w.n_out_};
+        p->k.q_gemm(qw, a, p->n_rows, s0, s1, p->y);
+      }
     };
   } else {
     n_units = n_out;
@@ -378,62 +531,100 @@ void quantize_rows_scalar(const float* x, int64_t r0, int64_t r1, const QAct& a)
   }
 }
 
+void sum16_rows(int64_t r0, int64_t r1, const QAct& a) {
+  const int64_t n16 = a.n_in / 16;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t k = 0; k < n16; ++k) {
+      const int8_t* q = a.q + r * a.n_in + 16 * k;
+      int32_t s = 0;
+      for (int i = 0; i < 16; ++i) s += q[i];
+      if (a.two) {
+        const int8_t* q2 = a.q2 + r * a.n_in + 16 * k;
+        int32_t s2 = 0;
+        for (int i = 0; i < 16; ++i) s2 += q2[i];
+        s = s * kLevel2 + s2;
+      }
+      a.s16[r * n16 + k] = s;
+    }
+}
+
 void q_gemm_scalar(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1,
                    float* y) {
-  const int64_t rec = record_bytes(w.fmt), qoff = quant_offset(w.fmt);
+  const QFmt f = w.fmt;
+  const int64_t rec = record_bytes(f), qoff = quant_offset(f);
+  const bool f32_scales = f == QFmt::kQ4_K || f == QFmt::kQ6_K;
+  // u of element e (0..31) of output c in the record at blk: the value the kernels multiply.
+  auto weight = [f, qoff](const uint8_t* blk, int c, int e) -> int32_t {
+    const uint8_t* qs = blk + qoff;
+    if (f == QFmt::kQ8_0 || f == QFmt::kQ6_K) return qs[64 * (e / 4) + 4 * c + e % 4];
+    const int j = (e % 16) / 4, lane = 4 * c + e % 4;
+    const uint8_t byte = qs[64 * j + lane];
+    int32_t u = e < 16 ? byte & 15 : byte >> 4;
+    if (f == QFmt::kQ5_0) {
+      uint64_t bits;
+      std::memcpy(&bits, blk + 32 + 16 * j + (e < 16 ? 0 : 8), 8);
+      u |= static_cast<int32_t>((bits >> lane) & 1) << 4;
+    }
+    return u;
+  };
+  auto f16_at = [](const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return half_to_float(h);
+  };
+  auto f32_at = [](const uint8_t* p) {
+    float v;
+    std::memcpy(&v, p, 4);
+    return v;
+  };
+  if (tl_acc.size() < static_cast<size_t>(n_rows * kGroup)) tl_acc.resize(static_cast<size_t>(n_rows * kGroup));
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* grp = w.data + g * w.nb * rec;
-    for (int64_t r = 0; r < n_rows; ++r) {
-      float acc[kGroup] = {};
-      const int8_t* xq = a.q + r * a.n_in;
-      for (int64_t b = 0; b < w.nb; ++b) {
-        const uint8_t* blk = grp + b * rec;
-        const uint8_t* qs = blk + qoff;
-        const int8_t* xb = xq + b * kQK;
+    const uint8_t* grp = w.data + (g - w.g_base) * w.nb * rec;
+    float* acc = tl_acc.data();  // [n_rows][kGroup]
+    std::fill(acc, acc + n_rows * kGroup, 0.0f);
+    for (int64_t b = 0; b < w.nb; ++b) {
+      const uint8_t* blk = grp + b * rec;
+      int32_t u[kGroup][kQK];
+      for (int c = 0; c < kGroup; ++c)
+        for (int e = 0; e < kQK; ++e) u[c][e] = weight(blk, c, e);
+      for (int64_t r = 0; r < n_rows; ++r) {
+        const int8_t* xb = a.q + r * a.n_in + b * kQK;
         const int8_t* xb2 = a.two ? a.q2 + r * a.n_in + b * kQK : nullptr;
         const float dx = a.d[r * a.nb + b], sx = a.s[r * a.nb + b];
+        const int32_t s128 = a.s128[r * a.nb + b];
         for (int c = 0; c < kGroup; ++c) {
-          // Σ u·q for one level.
-          auto level = [&](const int8_t* xl) {
-            int32_t is = 0;
-            if (w.fmt == QFmt::kQ8_0) {
-              for (int j = 0; j < 8; ++j)
-                for (int t = 0; t < 4; ++t) is += qs[64 * j + 4 * c + t] * xl[4 * j + t];
-            } else {
-              for (int j = 0; j < 4; ++j)
-                for (int t = 0; t < 4; ++t) {
-                  const uint8_t u = qs[64 * j + 4 * c + t];
-                  is += (u & 15) * xl[4 * j + t] + (u >> 4) * xl[16 + 4 * j + t];
-                }
-            }
-            return is;
+          // Σ u·X over elements [e0, e1): exact integers.
+          auto isum = [&](int e0, int e1) {
+            int32_t i1 = 0, i2 = 0;
+            for (int e = e0; e < e1; ++e) i1 += u[c][e] * xb[e];
+            if (!xb2) return i1;
+            for (int e = e0; e < e1; ++e) i2 += u[c][e] * xb2[e];
+            return i1 * kLevel2 + i2;
           };
-          int32_t isum = level(xb);
-          if (xb2) isum = isum * kLevel2 + level(xb2);
-          if (w.fmt == QFmt::kQ8_0) isum -= a.s128[r * a.nb + b];
-          uint16_t dh;
-          std::memcpy(&dh, blk + 2 * c, 2);
-          const float dw = half_to_float(dh);
-          float t = dw * static_cast<float>(isum);
-          if (w.fmt != QFmt::kQ8_0) {
-            float mw;
-            if (w.fmt == QFmt::kQ4_1) {
-              uint16_t mh;
-              std::memcpy(&mh, blk + 32 + 2 * c, 2);
-              mw = half_to_float(mh);
-            } else {
-              mw = dw * -8.0f;
-            }
-            t = std::fma(mw, sx, t);
+          const float dw = f32_scales ? f32_at(blk + 4 * c) : f16_at(blk + 2 * c);
+          float t;
+          if (f == QFmt::kQ6_K) {
+            const int32_t* s16 = a.s16 + r * (a.n_in / 16) + 2 * b;
+            const int32_t ia = isum(0, 16) - 32 * s16[0], ib = isum(16, 32) - 32 * s16[1];
+            t = std::fma(f32_at(blk + 64 + 4 * c), static_cast<float>(ib), dw * static_cast<float>(ia));
+          } else {
+            int32_t i = isum(0, kQK);
+            if (f == QFmt::kQ8_0) i -= s128;
+            if (f == QFmt::kQ5_0) i -= s128 / 8;  // 16·S
+            t = dw * static_cast<float>(i);
+            if (f == QFmt::kQ4_0) t = std::fma(dw * -8.0f, sx, t);
+            if (f == QFmt::kQ4_1) t = std::fma(f16_at(blk + 32 + 2 * c), sx, t);
+            if (f == QFmt::kQ4_K) t = std::fma(f32_at(blk + 64 + 4 * c), sx, t);
           }
-          acc[c] = std::fma(t, dx, acc[c]);
+          acc[r * kGroup + c] = std::fma(t, dx, acc[r * kGroup + c]);
         }
       }
+    }
+    for (int64_t r = 0; r < n_rows; ++r)
       for (int c = 0; c < kGroup; ++c) {
         const int64_t o = g * kGroup + c;
-        if (o < w.n_out) y[r * w.n_out + o] = acc[c];
+        if (o < w.n_out) y[r * w.n_out + o] = acc[r * kGroup + c];
       }
-    }
   }
 }
 

@@ -1,9 +1,10 @@
 // Weight matrices prepared for fast multiplication, and the matmul that uses them.
 //
 // A weight is packed once at model load (repacked into the layout the micro-kernel wants,
-// e.g. several output rows interleaved). Several same-type matrices with the same input
-// width may be packed as one (Q, K and V; gate and up) so one pass over the activations
-// serves them all. The packed matrix is immutable afterwards and shared by all threads.
+// e.g. several output rows interleaved). Several matrices with the same input width may be
+// packed as one (Q, K and V; gate and up) so one pass over the activations serves them all;
+// quantized parts may even differ in type (see pack). The packed matrix is immutable
+// afterwards and shared by all threads.
 //
 // matmul computes Y[n_rows, n_out] = X[n_rows, n_in] · Wᵀ. Quantized weights multiply
 // against activations quantized once per call to 8-bit blocks (integer dot products, block
@@ -51,12 +52,18 @@ const char* isa_name(Isa);
 
 class PackedMatrix {
  public:
-  // Packs parts (same type, same n_in) stacked along n_out. Errors for unsupported types or
-  // mismatched parts. `isa` selects the kernel family the layout is made for.
+  // Packs parts (same n_in) stacked along n_out. Errors for unsupported types or mismatched
+  // parts. Parts usually share one type. Quantized parts (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K)
+  // may mix types if every change of type falls on a multiple of 16 outputs (a group of the
+  // interleaved layout holds one type); otherwise pack them separately. `isa` selects the
+  // kernel family the layout is made for.
   static Result<PackedMatrix> pack(const std::vector<RawMatrix>& parts, Isa isa);
   static Result<PackedMatrix> pack(const RawMatrix& m, Isa isa) { return pack(std::vector<RawMatrix>{m}, isa); }
 
+  // The first part's type (with mixed parts, see segment_types).
   GgmlType type() const { return type_; }
+  // One type per run of outputs of one type, in output order (one entry unless mixed).
+  std::vector<GgmlType> segment_types() const;
   int64_t n_in() const { return n_in_; }
   int64_t n_out() const { return n_out_; }
   Isa isa() const { return isa_; }
@@ -68,23 +75,40 @@ class PackedMatrix {
   GgmlType type_ = GgmlType::F32;
   int64_t n_in_ = 0, n_out_ = 0;
   Isa isa_ = Isa::kScalar;
-  // Layouts (matmul_detail::Layout). kInterleaved16 (Q4_0, Q4_1, Q8_0): output rows in groups
-  // of 16 (n_out padded with zero rows), group-major, then one record per 32-element block:
-  //   f16 d[16] | (Q4_1 only) f16 m[16] | quants
-  // where quants is an array of 64-byte vectors; byte 4*c+t of vector j holds, for output c of
-  // the group, Q4: the raw qs[4j+t] (low nibble = element 4j+t, high = element 16+4j+t),
-  // j = 0..3; Q8_0: raw qs[4j+t] + 128 as unsigned (element 4j+t), j = 0..7. One 64-byte load
-  // is then 4 consecutive elements of 16 outputs: the operand vpdpbusd wants.
+  // Layouts (matmul_detail::Layout).
+  // kInterleaved16 (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K): output rows in groups of 16 (n_out
+  // padded with zero rows), group-major, then one record per 32-element block. Every record
+  // starts with per-output scales, then quants: an array of 64-byte vectors where byte 4*c+t
+  // of vector j belongs to output c of the group, so one 64-byte load is 4 consecutive
+  // elements of 16 outputs: the operand vpdpbusd wants. Per 32-element block (e = 0..31):
+  //   Q4_0:  f16 d[16] | Q4 nibbles                                    w = d·(q − 8)
+  //   Q4_1:  f16 d[16] | f16 m[16] | Q4 nibbles                       w = d·q + m
+  //   Q8_0:  f16 d[16] | 8 vectors, byte = qs[4j+t] + 128 (unsigned)   w = d·qs
+  //   Q5_0:  f16 d[16] | u64 hbit[4][2] | Q4 nibbles (the low 4 bits)  w = d·(q − 16)
+  //          bit 4c+t of hbit[j][0] / hbit[j][1]: bit 4 of element 4j+t / 16+4j+t
+  //   Q4_K:  f32 d[16] | f32 m[16] | Q4 nibbles                       w = d·q + m
+  //          d = d_super·sc, m = −dmin·m_sub of the block's sub-block (both exact in f32)
+  //   Q6_K:  f32 da[16] | f32 db[16] | 8 vectors, byte = q (0..63)     w = d·(q − 32)
+  //          da / db = d_super·sc of elements 0-15 / 16-31 (exact in f32)
+  // where "Q4 nibbles" are 4 vectors, byte = element 4j+t (low nibble) | element 16+4j+t
+  // (high nibble). Every conversion is lossless: the packed w equals the GGUF value.
+  // Runs of groups of one type are segments; each starts on a 64-byte boundary.
   // kF32Rows (F32, F16): rows of f32 padded to a multiple of 16 elements.
-  // kRawRows (Q4_K, Q6_K, BF16): the GGUF bytes as they are; dequantized a row at a time.
+  // kRawRows (BF16): the GGUF bytes as they are; dequantized a row at a time.
+  struct Segment {
+    GgmlType type;
+    int64_t g0, g1;  // groups [g0, g1)
+    int64_t offset;  // bytes into data_ of group g0
+  };
   int layout_ = 0;
   int64_t row_stride_ = 0;  // kF32Rows: floats per padded row; kRawRows: bytes per row
+  std::vector<Segment> segments_;  // kInterleaved16
   std::vector<uint8_t, AlignedAllocator<uint8_t>> data_;
   friend void matmul(const PackedMatrix&, const float*, int64_t, float*, ThreadPool&);
 };
 
 // Y[n_rows, n_out] = X[n_rows, n_in] · Wᵀ, parallel over pool. X and Y rows are contiguous;
-// Y must not overlap X. Q4_0/Q4_1/Q8_0 weights: each X row is quantized per 32-block to two
+// Y must not overlap X. Quantized weights: each X row is quantized per 32-block to two
 // int8 levels (ActQuant::kQ8x2, the default; see QAct): x ≈ D·(254·q1 + q2), D = amax/32258,
 // so |error| ≤ ~amax_b/64516 per element and Σ_blocks amax_b/64516 · Σ_b|w| per output
 // (single-level kQ8: amax_b/254). The scalar, AVX2 and AVX-512 kernels give bit-identical Y.
@@ -109,14 +133,22 @@ void matmul_ref(const RawMatrix& w, const float* x, int64_t n_rows, float* y);
 namespace matmul_detail {
 
 enum Layout { kInterleaved16 = 1, kF32Rows = 2, kRawRows = 3 };
-enum class QFmt { kQ4_0, kQ4_1, kQ8_0 };
+enum class QFmt { kQ4_0, kQ4_1, kQ8_0, kQ5_0, kQ4_K, kQ6_K };
 constexpr int kGroup = 16;  // outputs interleaved per group
 constexpr int kQK = 32;     // elements per quant block
-// Bytes of one 16-output record of one 32-element block.
-constexpr int64_t record_bytes(QFmt f) {
-  return f == QFmt::kQ4_1 ? 64 + 256 : f == QFmt::kQ4_0 ? 32 + 256 : 32 + 512;
+// Bytes of one 16-output record of one 32-element block, and where its quants start.
+constexpr int64_t quant_offset(QFmt f) {
+  switch (f) {
+    case QFmt::kQ4_0: case QFmt::kQ8_0: return 32;
+    case QFmt::kQ4_1: return 64;
+    case QFmt::kQ5_0: return 96;
+    case QFmt::kQ4_K: case QFmt::kQ6_K: return 128;
+  }
+  return 0;
 }
-constexpr int64_t quant_offset(QFmt f) { return f == QFmt::kQ4_1 ? 64 : 32; }
+constexpr int64_t record_bytes(QFmt f) {
+  return quant_offset(f) + (f == QFmt::kQ8_0 || f == QFmt::kQ6_K ? 512 : 256);
+}
 
 // Activations quantized per 32-element block, with the float steps (identical in every ISA):
 //   amax = max|x|, d = amax/127, id = amax > 0 ? 127/amax : 0
@@ -124,8 +156,8 @@ constexpr int64_t quant_offset(QFmt f) { return f == QFmt::kQ4_1 ? 64 : 32; }
 // two-level (kQ8x2) also:
 //   id2 = amax > 0 ? 32258/amax : 0 (32258 = 127·254), r = fma(−d, q1, x)  (|r| ≲ d/2)
 //   q2 = clamp(nearbyint(r·id2), −127, 127),  D = amax/32258 (≈ d/254)
-// so x ≈ D·Q with the exact integer Q = 254·q1 + q2. Kernels form the integer block sum
-// I = 254·Σ w·q1 + Σ w·q2 (exact in int32) and need one float scale per block:
+// so x ≈ D·Q with the exact integer Q = 254·q1 + q2 (|Q| ≤ 32385). Kernels form the integer
+// block sum I = 254·Σ w·q1 + Σ w·q2 (exact in int32) and need one float scale per block:
 //   two-level: d[] = D, s[] = float(S), S = 254·Σq1 + Σq2; single-level: d[] = d, S = Σq1, q2
 //   unused. Rows are n_in bytes / nb entries apart.
 struct QAct {
@@ -133,28 +165,38 @@ struct QAct {
   int8_t* q2;       // [n_rows, n_in] second level (two-level only)
   float* d;         // [n_rows, nb] block scale applied to the combined integer sum
   float* s;         // [n_rows, nb] S of the block, as float (Q4 min / offset term)
-  int32_t* s128;    // [n_rows, nb] 128·S (Q8_0: removes the +128 weight offset)
+  int32_t* s128;    // [n_rows, nb] 128·S (Q8_0: removes the +128 weight offset; Q5_0: /8)
+  int32_t* s16;     // [n_rows, n_in/16] S of each 16 elements (Q6_K, whose scales are per 16;
+                    // filled by sum16_rows only when a Q6_K segment needs it)
   int64_t n_in, nb;
   bool two;         // two-level (kQ8x2)
 };
 constexpr int32_t kLevel2 = 254;  // weight of q1 relative to q2
 
-// Weight side of a quantized matmul: the packed records of groups [0, n_groups).
+// Weight side of a quantized matmul: the packed records of groups [g_base, ...) of one format.
 struct QWeights {
   QFmt fmt;
-  const uint8_t* data;
-  int64_t nb;        // blocks per output row
-  int64_t n_out;     // real outputs (the last group may be partial)
+  const uint8_t* data;  // records of group g_base
+  int64_t g_base;
+  int64_t nb;           // blocks per output row
+  int64_t n_out;        // real outputs of the whole matrix (the last group may be partial);
+                        // also the row stride of y
 };
 
+// Fills a.s16 for rows [r0, r1) from a.q (and a.q2): integer, so the same in every ISA.
+void sum16_rows(int64_t r0, int64_t r1, const QAct& a);
+
 // Per-ISA kernels. Every one computes each output with the same sequence of float
-// operations, so all ISAs give bit-identical results:
-//   for each block b in order:
-//     i = Σ u·q1 (single-level) or 254·Σ u·q1 + Σ u·q2 (two-level); exact int32
-//         (Q8_0: minus s128). Bounds: Q4 |i| ≤ 255·15·127·32 < 2^24 (so float(i) is exact);
-//         Q8_0 |i| ≤ 255·128·127·32 < 2^28.
-//     Q4: t = fma(m_w, s_x, d_w * float(i));  Q8_0: t = d_w * float(i)
-//     acc = fma(t, d_x, acc)
+// operations, so all ISAs give bit-identical results. For each block b in order, with
+// u the stored (unsigned) weight value, X = q1 (single-level) or 254·q1 + q2 (two-level):
+//   Q4_0, Q4_1, Q4_K:  i = Σ u·X                   t = fma(m_w, s_x, d_w·float(i))
+//                      (Q4_0: m_w = −8·d_w)        |i| ≤ 15·32385·32 < 2^24: float(i) exact
+//   Q8_0:              i = Σ u·X − 128·S           t = d_w·float(i)     (|i| < 2^28)
+//   Q5_0:              i = Σ u·X − 16·S            t = d_w·float(i)     (|i| ≤ 16·32385·32 < 2^24)
+//   Q6_K:              i_a = Σ_{e<16} u·X − 32·S16_a,  i_b = Σ_{e≥16} u·X − 32·S16_b
+//                      t = fma(db_w, float(i_b), da_w·float(i_a))  (|i_a|, |i_b| ≤ 32·32385·16 < 2^24)
+//   acc = fma(t, d_x, acc)
+// All integer sums are exact in int32, so how a kernel splits them is free.
 // quantize_rows: rows [r0, r1) of x [*, n_in] into a.
 // q_gemm: y[r, c] for rows [0, n_rows), outputs of groups [g0, g1).
 void quantize_rows_scalar(const float* x, int64_t r0, int64_t r1, const QAct& a);

@@ -21,12 +21,22 @@ inline __m256i bcast4(const int8_t* p) {
 
 constexpr int64_t kPrefetch = 2048;  // bytes ahead in the weight stream (see matmul_avx512.cpp)
 
+// 0x10 in byte k of the result where bit k of bits is set (Q5_0's fifth bit).
+inline __m256i bit4_from_mask(uint32_t bits) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i sel = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)), spread), sel);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(v, sel), _mm256_set1_epi8(0x10));
+}
+
 // Rows [r0, r0 + R) × the 16 outputs of group g. kPf: first pass over this group's weights,
 // which come from RAM: prefetch ahead. T: two-level activations (see QAct).
 template <QFmt F, int R, bool kPf, bool T>
 inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float* y) {
   constexpr int64_t kRec = record_bytes(F), kQo = quant_offset(F);
-  const uint8_t* base = w.data + g * w.nb * kRec;
+  constexpr bool kF32 = F == QFmt::kQ4_K || F == QFmt::kQ6_K;
+  const uint8_t* base = w.data + (g - w.g_base) * w.nb * kRec;
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   const __m256i ones16 = _mm256_set1_epi16(1);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
@@ -39,19 +49,26 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
     const uint8_t* qs = blk + kQo;
     if constexpr (kPf)
       for (int64_t l = 0; l < kRec; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + l), _MM_HINT_T0);
-    __m256 dw[2], mw[2];
+    __m256 dw[2], mw[2];  // Q6_K: da, db
     for (int h = 0; h < 2; ++h) {
-      dw[h] = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
-      if constexpr (F == QFmt::kQ4_1)
-        mw[h] = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * h)));
-      else if constexpr (F == QFmt::kQ4_0)
-        mw[h] = _mm256_mul_ps(dw[h], _mm256_set1_ps(-8.0f));
-      else
-        mw[h] = dw[h];
+      if constexpr (kF32) {
+        dw[h] = _mm256_load_ps(reinterpret_cast<const float*>(blk) + 8 * h);
+        mw[h] = _mm256_load_ps(reinterpret_cast<const float*>(blk + 64) + 8 * h);
+      } else {
+        dw[h] = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
+        if constexpr (F == QFmt::kQ4_1)
+          mw[h] = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * h)));
+        else if constexpr (F == QFmt::kQ4_0)
+          mw[h] = _mm256_mul_ps(dw[h], _mm256_set1_ps(-8.0f));
+        else
+          mw[h] = dw[h];
+      }
     }
-    __m256i is[R][2], is2[R][2];
+    // Per row and 8-output half h: the block's integer sum (Q6_K: of elements 0-15; isb: 16-31).
+    __m256i is[R][2], is2[R][2], isb[R][2], isb2[R][2];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) is[r][h] = is2[r][h] = isb[r][h] = isb2[r][h] = _mm256_setzero_si256();
     if constexpr (F == QFmt::kQ8_0) {
-      for (int r = 0; r < R; ++r) is[r][0] = is[r][1] = is2[r][0] = is2[r][1] = _mm256_setzero_si256();
       for (int j = 0; j < 8; ++j)
         for (int h = 0; h < 2; ++h) {
           // Signed weight; |w|·sign(x, w) keeps vpmaddubsw pairs within int16.
@@ -67,42 +84,91 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
             }
           }
         }
+    } else if constexpr (F == QFmt::kQ6_K) {
+      // u ≤ 63: a vpmaddubsw pair is ≤ 2·63·127 < 32768; widened to int32 at once. Vectors 0-3
+      // (elements 0-15) sum into is, 4-7 into isb: two loops, so the sums stay in registers.
+      auto vectors = [&](int j0, __m256i (&s1)[R][2], __m256i (&s2)[R][2]) {
+        for (int j = j0; j < j0 + 4; ++j)
+          for (int h = 0; h < 2; ++h) {
+            const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(qs + 64 * j + 32 * h));
+            for (int r = 0; r < R; ++r) {
+              s1[r][h] = _mm256_add_epi32(s1[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(v, bcast4(a.q + (r0 + r) * a.n_in + b * 32 + 4 * j)), ones16));
+              if constexpr (T)
+                s2[r][h] = _mm256_add_epi32(s2[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(v, bcast4(a.q2 + (r0 + r) * a.n_in + b * 32 + 4 * j)), ones16));
+            }
+          }
+      };
+      vectors(0, is, is2);
+      vectors(4, isb, isb2);
     } else {
-      // 16 nibble×int8 products per int16 lane of one block: |sum| ≤ 16·15·127 < 32768.
+      // Nibbles: 16 products per int16 lane of one block, |sum| ≤ 16·15·127 < 32768. Q5_0's
+      // 5-bit values would overflow that: widened after every vector (≤ 4·31·127).
+      constexpr bool kWiden = F == QFmt::kQ5_0;
       __m256i s16[R][2], s16b[R][2];
       for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = s16b[r][0] = s16b[r][1] = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j)
         for (int h = 0; h < 2; ++h) {
           const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(qs + 64 * j + 32 * h));
-          const __m256i lo = _mm256_and_si256(v, m4);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+          __m256i lo = _mm256_and_si256(v, m4);
+          __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+          if constexpr (F == QFmt::kQ5_0) {
+            uint32_t klo, khi;
+            std::memcpy(&klo, blk + 32 + 16 * j + 4 * h, 4);
+            std::memcpy(&khi, blk + 40 + 16 * j + 4 * h, 4);
+            lo = _mm256_or_si256(lo, bit4_from_mask(klo));
+            hi = _mm256_or_si256(hi, bit4_from_mask(khi));
+          }
           for (int r = 0; r < R; ++r) {
             const int8_t* xb = a.q + (r0 + r) * a.n_in + b * 32;
-            s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_maddubs_epi16(lo, bcast4(xb + 4 * j)));
-            s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * j)));
+            __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xb + 4 * j)),
+                                         _mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * j)));
+            if constexpr (kWiden)
+              is[r][h] = _mm256_add_epi32(is[r][h], _mm256_madd_epi16(p, ones16));
+            else
+              s16[r][h] = _mm256_add_epi16(s16[r][h], p);
             if constexpr (T) {
               const int8_t* xb2 = a.q2 + (r0 + r) * a.n_in + b * 32;
-              s16b[r][h] = _mm256_add_epi16(s16b[r][h], _mm256_maddubs_epi16(lo, bcast4(xb2 + 4 * j)));
-              s16b[r][h] = _mm256_add_epi16(s16b[r][h], _mm256_maddubs_epi16(hi, bcast4(xb2 + 16 + 4 * j)));
+              __m256i p2 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xb2 + 4 * j)),
+                                            _mm256_maddubs_epi16(hi, bcast4(xb2 + 16 + 4 * j)));
+              if constexpr (kWiden)
+                is2[r][h] = _mm256_add_epi32(is2[r][h], _mm256_madd_epi16(p2, ones16));
+              else
+                s16b[r][h] = _mm256_add_epi16(s16b[r][h], p2);
             }
           }
         }
-      for (int r = 0; r < R; ++r)
-        for (int h = 0; h < 2; ++h) {
-          is[r][h] = _mm256_madd_epi16(s16[r][h], ones16);
-          if constexpr (T) is2[r][h] = _mm256_madd_epi16(s16b[r][h], ones16);
-        }
+      if constexpr (!kWiden)
+        for (int r = 0; r < R; ++r)
+          for (int h = 0; h < 2; ++h) {
+            is[r][h] = _mm256_madd_epi16(s16[r][h], ones16);
+            if constexpr (T) is2[r][h] = _mm256_madd_epi16(s16b[r][h], ones16);
+          }
     }
     if constexpr (T)
       for (int r = 0; r < R; ++r)
-        for (int h = 0; h < 2; ++h)
+        for (int h = 0; h < 2; ++h) {
           is[r][h] = _mm256_add_epi32(_mm256_mullo_epi32(is[r][h], _mm256_set1_epi32(kLevel2)), is2[r][h]);
+          if constexpr (F == QFmt::kQ6_K)
+            isb[r][h] = _mm256_add_epi32(_mm256_mullo_epi32(isb[r][h], _mm256_set1_epi32(kLevel2)), isb2[r][h]);
+        }
     for (int r = 0; r < R; ++r) {
       const __m256 dx = _mm256_set1_ps(a.d[(r0 + r) * a.nb + b]);
       const __m256 sx = _mm256_set1_ps(a.s[(r0 + r) * a.nb + b]);
+      const int32_t s128 = a.s128[(r0 + r) * a.nb + b];
       for (int h = 0; h < 2; ++h) {
-        __m256 t = _mm256_mul_ps(dw[h], _mm256_cvtepi32_ps(is[r][h]));
-        if constexpr (F != QFmt::kQ8_0) t = _mm256_fmadd_ps(mw[h], sx, t);
+        __m256 t;
+        if constexpr (F == QFmt::kQ6_K) {
+          const int32_t* s16 = a.s16 + (r0 + r) * (a.n_in / 16) + 2 * b;
+          const __m256i ia = _mm256_sub_epi32(is[r][h], _mm256_set1_epi32(32 * s16[0]));
+          const __m256i ib = _mm256_sub_epi32(isb[r][h], _mm256_set1_epi32(32 * s16[1]));
+          t = _mm256_fmadd_ps(mw[h], _mm256_cvtepi32_ps(ib), _mm256_mul_ps(dw[h], _mm256_cvtepi32_ps(ia)));
+        } else {
+          __m256i i = is[r][h];
+          // (Q8_0 needs no offset: its sums above use the signed weights.)
+          if constexpr (F == QFmt::kQ5_0) i = _mm256_sub_epi32(i, _mm256_set1_epi32(s128 / 8));
+          t = _mm256_mul_ps(dw[h], _mm256_cvtepi32_ps(i));
+          if constexpr (F == QFmt::kQ4_0 || F == QFmt::kQ4_1 || F == QFmt::kQ4_K) t = _mm256_fmadd_ps(mw[h], sx, t);
+        }
         acc[r][h] = _mm256_fmadd_ps(t, dx, acc[r][h]);
       }
     }
@@ -150,14 +216,25 @@ inline float hsum_tree(__m256 s8) {
   return _mm_cvtss_f32(s1);
 }
 
+template <QFmt F>
+void run_any(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1, float* y) {
+  if (a.two)
+    run<F, true>(w, a, n_rows, g0, g1, y);
+  else
+    run<F, false>(w, a, n_rows, g0, g1, y);
+}
+
 }  // namespace
 
 void q_gemm_avx2(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1,
                  float* y) {
   switch (w.fmt) {
-    case QFmt::kQ4_0: a.two ? run<QFmt::kQ4_0, true>(w, a, n_rows, g0, g1, y) : run<QFmt::kQ4_0, false>(w, a, n_rows, g0, g1, y); break;
-    case QFmt::kQ4_1: a.two ? run<QFmt::kQ4_1, true>(w, a, n_rows, g0, g1, y) : run<QFmt::kQ4_1, false>(w, a, n_rows, g0, g1, y); break;
-    case QFmt::kQ8_0: a.two ? run<QFmt::kQ8_0, true>(w, a, n_rows, g0, g1, y) : run<QFmt::kQ8_0, false>(w, a, n_rows, g0, g1, y); break;
+    case QFmt::kQ4_0: run_any<QFmt::kQ4_0>(w, a, n_rows, g0, g1, y); break;
+    case QFmt::kQ4_1: run_any<QFmt::kQ4_1>(w, a, n_rows, g0, g1, y); break;
+    case QFmt::kQ8_0: run_any<QFmt::kQ8_0>(w, a, n_rows, g0, g1, y); break;
+    case QFmt::kQ5_0: run_any<QFmt::kQ5_0>(w, a, n_rows, g0, g1, y); break;
+    case QFmt::kQ4_K: run_any<QFmt::kQ4_K>(w, a, n_rows, g0, g1, y); break;
+    case QFmt::kQ6_K: run_any<QFmt::kQ6_K>(w, a, n_rows, g0, g1, y); break;
   }
 }
 

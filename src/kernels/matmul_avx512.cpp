@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/matmul.h"
 
@@ -37,24 +38,32 @@ constexpr int64_t kPrefetch = KV_PREFETCH;
 template <QFmt F, int R, int C, bool kPf, bool T>
 inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float* y) {
   constexpr int64_t kRec = record_bytes(F), kQo = quant_offset(F);
+  // Byte-wide quants (8 vectors per block) or nibble pairs (4 vectors, two elements a byte).
+  constexpr bool kBytes = F == QFmt::kQ8_0 || F == QFmt::kQ6_K;
+  constexpr bool kHalves = F == QFmt::kQ6_K;  // a scale per 16 elements: two sums per block
+  constexpr bool kF32 = F == QFmt::kQ4_K || F == QFmt::kQ6_K;
   // Few accumulators → split each block's sum over two registers to shorten the chain
-  // (two-level already has two independent chains).
-  constexpr int S = (!T && R * C <= 4) ? 2 : 1;
+  // (two-level already has two independent chains). Q6_K always keeps its halves apart.
+  constexpr int S = kHalves ? 2 : (!T && R * C <= 4) ? 2 : 1;
+  constexpr int S2 = kHalves ? 2 : 1;
   const int64_t gstride = w.nb * kRec;
-  const uint8_t* base = w.data + g * gstride;
+  const uint8_t* base = w.data + (g - w.g_base) * gstride;
   const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i b16 = _mm512_set1_epi8(0x10);
 
   const int8_t* xq[R];
   const int8_t* xq2[R];
   const float* xd[R];
   const float* xs[R];
   const int32_t* xs128[R];
+  const int32_t* xs16[R];
   for (int r = 0; r < R; ++r) {
     xq[r] = a.q + (r0 + r) * a.n_in;
     xq2[r] = a.q2 + (r0 + r) * a.n_in;
     xd[r] = a.d + (r0 + r) * a.nb;
     xs[r] = a.s + (r0 + r) * a.nb;
     xs128[r] = a.s128 + (r0 + r) * a.nb;
+    xs16[r] = a.s16 + (r0 + r) * (a.n_in / 16);
   }
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -62,49 +71,72 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
 
   for (int64_t b = 0; b < w.nb; ++b) {
     const uint8_t* blk[C];
-    __m512 dw[C], mw[C];
+    __m512 dw[C], mw[C];  // Q6_K: da, db
     for (int c = 0; c < C; ++c) {
       blk[c] = base + c * gstride + b * kRec;
       if constexpr (kPf) {
         for (int64_t l = 0; l < kRec; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk[c] + kPrefetch + l), _MM_HINT_T0);
       }
-      dw[c] = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(blk[c])));
-      if constexpr (F == QFmt::kQ4_1)
-        mw[c] = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(blk[c] + 32)));
-      else if constexpr (F == QFmt::kQ4_0)
-        mw[c] = _mm512_mul_ps(dw[c], _mm512_set1_ps(-8.0f));
-      else
-        mw[c] = dw[c];
+      if constexpr (kF32) {
+        dw[c] = _mm512_load_ps(blk[c]);
+        mw[c] = _mm512_load_ps(blk[c] + 64);
+      } else {
+        dw[c] = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(blk[c])));
+        if constexpr (F == QFmt::kQ4_1)
+          mw[c] = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(blk[c] + 32)));
+        else if constexpr (F == QFmt::kQ4_0)
+          mw[c] = _mm512_mul_ps(dw[c], _mm512_set1_ps(-8.0f));
+        else
+          mw[c] = dw[c];
+      }
     }
-    __m512i is[R][C][S], is2[R][C];
+    __m512i is[R][C][S], is2[R][C][S2];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) {
         for (int s = 0; s < S; ++s) is[r][c][s] = _mm512_setzero_si512();
-        if constexpr (T) is2[r][c] = _mm512_setzero_si512();
+        if constexpr (T)
+          for (int s = 0; s < S2; ++s) is2[r][c][s] = _mm512_setzero_si512();
       }
 
-    if constexpr (F == QFmt::kQ8_0) {
-      for (int j = 0; j < 8; ++j)
-        for (int c = 0; c < C; ++c) {
-          const __m512i v = _mm512_loadu_si512(blk[c] + kQo + 64 * j);
-          for (int r = 0; r < R; ++r) {
-            is[r][c][j % S] = _mm512_dpbusd_epi32(is[r][c][j % S], v, bcast4(xq[r] + b * 32 + 4 * j));
-            if constexpr (T) is2[r][c] = _mm512_dpbusd_epi32(is2[r][c], v, bcast4(xq2[r] + b * 32 + 4 * j));
+    if constexpr (kBytes) {
+      // Q6_K: vectors 0-3 (elements 0-15) into sum 0, 4-7 into sum 1. Two loops with a constant
+      // sum index each, so the sums stay in registers.
+      auto vectors = [&](auto half) {
+        constexpr int h = decltype(half)::value;
+        constexpr int j0 = kHalves ? 4 * h : 0, j1 = kHalves ? j0 + 4 : 8;
+        for (int j = j0; j < j1; ++j)
+          for (int c = 0; c < C; ++c) {
+            const __m512i v = _mm512_loadu_si512(blk[c] + kQo + 64 * j);
+            const int s = kHalves ? h : j % S;
+            for (int r = 0; r < R; ++r) {
+              is[r][c][s] = _mm512_dpbusd_epi32(is[r][c][s], v, bcast4(xq[r] + b * 32 + 4 * j));
+              if constexpr (T) is2[r][c][h] = _mm512_dpbusd_epi32(is2[r][c][h], v, bcast4(xq2[r] + b * 32 + 4 * j));
+            }
           }
-        }
+      };
+      vectors(std::integral_constant<int, 0>{});
+      if constexpr (kHalves) vectors(std::integral_constant<int, 1>{});
     } else {
       for (int j = 0; j < 4; ++j)
         for (int c = 0; c < C; ++c) {
           const __m512i v = _mm512_loadu_si512(blk[c] + kQo + 64 * j);
-          const __m512i lo = _mm512_and_si512(v, m4);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+          __m512i lo = _mm512_and_si512(v, m4);
+          __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+          if constexpr (F == QFmt::kQ5_0) {
+            // Bit 4 of each element from its mask: one bit per byte lane.
+            uint64_t klo, khi;
+            std::memcpy(&klo, blk[c] + 32 + 16 * j, 8);
+            std::memcpy(&khi, blk[c] + 40 + 16 * j, 8);
+            lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(klo), lo, b16);
+            hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(khi), hi, b16);
+          }
           for (int r = 0; r < R; ++r) {
             is[r][c][0] = _mm512_dpbusd_epi32(is[r][c][0], lo, bcast4(xq[r] + b * 32 + 4 * j));
             is[r][c][S - 1] =
                 _mm512_dpbusd_epi32(is[r][c][S - 1], hi, bcast4(xq[r] + b * 32 + 16 + 4 * j));
             if constexpr (T) {
-              is2[r][c] = _mm512_dpbusd_epi32(is2[r][c], lo, bcast4(xq2[r] + b * 32 + 4 * j));
-              is2[r][c] = _mm512_dpbusd_epi32(is2[r][c], hi, bcast4(xq2[r] + b * 32 + 16 + 4 * j));
+              is2[r][c][0] = _mm512_dpbusd_epi32(is2[r][c][0], lo, bcast4(xq2[r] + b * 32 + 4 * j));
+              is2[r][c][0] = _mm512_dpbusd_epi32(is2[r][c][0], hi, bcast4(xq2[r] + b * 32 + 16 + 4 * j));
             }
           }
         }
@@ -113,12 +145,26 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
     for (int r = 0; r < R; ++r) {
       const __m512 dx = _mm512_set1_ps(xd[r][b]);
       for (int c = 0; c < C; ++c) {
-        __m512i i = is[r][c][0];
-        if constexpr (S == 2) i = _mm512_add_epi32(i, is[r][c][1]);
-        if constexpr (T) i = _mm512_add_epi32(_mm512_mullo_epi32(i, _mm512_set1_epi32(kLevel2)), is2[r][c]);
-        if constexpr (F == QFmt::kQ8_0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(xs128[r][b]));
-        __m512 t = _mm512_mul_ps(dw[c], _mm512_cvtepi32_ps(i));
-        if constexpr (F != QFmt::kQ8_0) t = _mm512_fmadd_ps(mw[c], _mm512_set1_ps(xs[r][b]), t);
+        __m512 t;
+        if constexpr (kHalves) {
+          __m512i ia = is[r][c][0], ib = is[r][c][1];
+          if constexpr (T) {
+            ia = _mm512_add_epi32(_mm512_mullo_epi32(ia, _mm512_set1_epi32(kLevel2)), is2[r][c][0]);
+            ib = _mm512_add_epi32(_mm512_mullo_epi32(ib, _mm512_set1_epi32(kLevel2)), is2[r][c][1]);
+          }
+          ia = _mm512_sub_epi32(ia, _mm512_set1_epi32(32 * xs16[r][2 * b]));
+          ib = _mm512_sub_epi32(ib, _mm512_set1_epi32(32 * xs16[r][2 * b + 1]));
+          t = _mm512_fmadd_ps(mw[c], _mm512_cvtepi32_ps(ib), _mm512_mul_ps(dw[c], _mm512_cvtepi32_ps(ia)));
+        } else {
+          __m512i i = is[r][c][0];
+          if constexpr (S == 2) i = _mm512_add_epi32(i, is[r][c][1]);
+          if constexpr (T) i = _mm512_add_epi32(_mm512_mullo_epi32(i, _mm512_set1_epi32(kLevel2)), is2[r][c][0]);
+          if constexpr (F == QFmt::kQ8_0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(xs128[r][b]));
+          if constexpr (F == QFmt::kQ5_0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(xs128[r][b] / 8));
+          t = _mm512_mul_ps(dw[c], _mm512_cvtepi32_ps(i));
+          if constexpr (F == QFmt::kQ4_0 || F == QFmt::kQ4_1 || F == QFmt::kQ4_K)
+            t = _mm512_fmadd_ps(mw[c], _mm512_set1_ps(xs[r][b]), t);
+        }
         acc[r][c] = _mm512_fmadd_ps(t, dx, acc[r][c]);
       }
     }
@@ -212,6 +258,9 @@ void q_gemm_avx512(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0,
     case QFmt::kQ4_0: run_any<QFmt::kQ4_0>(w, a, n_rows, g0, g1, y); break;
     case QFmt::kQ4_1: run_any<QFmt::kQ4_1>(w, a, n_rows, g0, g1, y); break;
     case QFmt::kQ8_0: run_any<QFmt::kQ8_0>(w, a, n_rows, g0, g1, y); break;
+    case QFmt::kQ5_0: run_any<QFmt::kQ5_0>(w, a, n_rows, g0, g1, y); break;
+    case QFmt::kQ4_K: run_any<QFmt::kQ4_K>(w, a, n_rows, g0, g1, y); break;
+    case QFmt::kQ6_K: run_any<QFmt::kQ6_K>(w, a, n_rows, g0, g1, y); break;
   }
 }
 

@@ -13,8 +13,10 @@
 //       Σ_b (amax_b / 64516) · Σ_{i∈b} |w_ci|        (×1.05 for the terms above),
 //     computed per output from the dequantized weights. On top comes float rounding of the
 //     per-block steps (float(i): Q8_0 only, 2^-24 relative; the fma chain over ≤ 48 blocks):
-//     2e-6·Σ|x·w| plus, for Q4_1, 2e-6·Σ|x|·|m| (the min term can cancel against the rest).
-//     Tolerance for F32/F16/K-quant weights: float rounding only, 2e-6·Σ|x·w|.
+//     2e-6·Σ|x·w| plus, for Q4_1 and Q4_K, 2e-6·Σ|x|·|m| (the min term can cancel against the
+//     rest). Q5_0, Q4_K and Q6_K are repacked losslessly into integer quants with per-block
+//     (Q6_K: per-16) scales, so the same bound holds for them. Tolerance for F32/F16 weights:
+//     float rounding only, 2e-6·Σ|x·w|.
 //     The bound is 127× tighter than the single-level one (amax_b/254 per element), whose
 //     typical error (a random walk, ≈ sqrt(n/12)·d·|w|) exceeds it several-fold:
 //     SingleLevelFailsTwoLevelBound checks that dropping the second level fails it.
@@ -22,15 +24,20 @@
 //     so the result must be bit-identical (checked with memcmp), in both activation modes.
 //  3. Batch invariance: row r alone, inside any batch size, with 1 or 2 threads, gives the
 //     same bits.
+// Plus parts of mixed types packed as one matrix, and real tensors of every quantized type of
+// gemma-3-270m-Q4_K_M.gguf (Q5_0, Q4_K, Q6_K, Q8_0).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <random>
 #include <vector>
 
 #include "common/thread_pool.h"
+#include "gguf/gguf.h"
 #include "kernels/matmul.h"
 #include "kernels/quant.h"
 
@@ -66,6 +73,7 @@ std::vector<uint8_t> random_weights(GgmlType type, int64_t n_in, int64_t n_out, 
         break;
       case GgmlType::Q4_0:
       case GgmlType::Q4_1:
+      case GgmlType::Q5_0:
       case GgmlType::Q8_0: {
         const int64_t bb = type_block_bytes(type);
         for (int64_t b = 0; b < n_in / 32; ++b) {
@@ -122,7 +130,30 @@ std::vector<Isa> isas() {
   return v;
 }
 
-bool quantized(GgmlType t) { return t == GgmlType::Q4_0 || t == GgmlType::Q4_1 || t == GgmlType::Q8_0; }
+bool quantized(GgmlType t) {
+  return t == GgmlType::Q4_0 || t == GgmlType::Q4_1 || t == GgmlType::Q8_0 || t == GgmlType::Q5_0 ||
+         t == GgmlType::Q4_K || t == GgmlType::Q6_K;
+}
+
+// |min| of the 32-element block b of a raw row, for the formats with an additive min (the
+// term that can cancel): Q4_1's m; Q4_K's dmin·m of the sub-block (ggml's get_scale_min_k4).
+double block_min(GgmlType type, const uint8_t* row, int64_t b) {
+  if (type == GgmlType::Q4_1) {
+    uint16_t mh;
+    std::memcpy(&mh, row + b * 20 + 2, 2);
+    return std::fabs(static_cast<double>(fp16_to_fp32(mh)));
+  }
+  if (type == GgmlType::Q4_K) {
+    const uint8_t* blk = row + (b / 8) * 144;
+    const uint8_t* q = blk + 4;
+    const int j = static_cast<int>(b % 8);
+    const int m = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    uint16_t dmin;
+    std::memcpy(&dmin, blk + 2, 2);
+    return std::fabs(static_cast<double>(fp16_to_fp32(dmin)) * m);
+  }
+  return 0.0;
+}
 
 // Outputs of y outside the tolerance documented at the top (failures reported when report).
 // levels: 2 = the two-level bound (default mode), 1 = the single-level bound (amax/254).
@@ -151,11 +182,7 @@ int count_outside_tol(GgmlType type, const RawMatrix& raw, const std::vector<flo
           mag += std::fabs(static_cast<double>(xr[i]) * wrow[static_cast<size_t>(i)]);
         }
         bound += amax / step * wsum;
-        if (type == GgmlType::Q4_1) {
-          uint16_t mh;
-          std::memcpy(&mh, wraw + (b / 32) * 20 + 2, 2);
-          mag += xsum * std::fabs(static_cast<double>(fp16_to_fp32(mh)));
-        }
+        mag += xsum * block_min(type, wraw, b / 32);
       }
       const double q = quantized(type) ? bound : 0.0;
       const double tol = q * 1.05 + 2e-6 * mag + 1e-30;
@@ -191,14 +218,14 @@ TEST_F(MatmulTest, AllFormatsIsasShapesAgainstRefAndScalar) {
   const std::vector<Case> cases = {
       {GgmlType::Q4_1, {32, 64, 96, 576, 1536}}, {GgmlType::Q8_0, {32, 64, 96, 576, 1536}},
       {GgmlType::Q4_0, {32, 96, 576}},           {GgmlType::F32, {32, 7, 96, 576}},
-      {GgmlType::F16, {32, 17, 576}},            {GgmlType::Q4_K, {256, 512}},
-      {GgmlType::Q6_K, {256, 512}},
+      {GgmlType::F16, {32, 17, 576}},            {GgmlType::Q5_0, {32, 64, 96, 640, 1536}},
+      {GgmlType::Q4_K, {256, 512, 1024}},        {GgmlType::Q6_K, {256, 512, 1024}},
   };
   const std::vector<int64_t> n_outs = {1, 3, 15, 16, 17, 63, 64, 65, 960};
   const std::vector<int64_t> rows_list = {1, 2, 3, 4, 5, 7, 8, 33};
   const std::vector<Isa> all_isas = isas();
   int n_checked = 0;
-  double worst = 0;  // largest |error| / two-level quantization bound seen
+  std::map<std::string, double> worst;  // per type: largest |error| / two-level quantization bound
   for (const Case& cs : cases) {
     for (int64_t n_in : cs.n_ins) {
       for (int64_t n_out : n_outs) {
@@ -226,7 +253,7 @@ TEST_F(MatmulTest, AllFormatsIsasShapesAgainstRefAndScalar) {
                                  (mode == ActQuant::kQ8 ? " single-level" : "");
               if (y_scalar.empty()) {
                 if (mode == ActQuant::kQ8x2)
-                  expect_close_to_ref(cs.type, raw, x, n_rows, y, what, &worst);
+                  expect_close_to_ref(cs.type, raw, x, n_rows, y, what, &worst[type_name(cs.type)]);
                 else
                   EXPECT_EQ(count_outside_tol(cs.type, raw, x, n_rows, y, what, 1, true), 0) << what;
                 y_scalar = y;
@@ -241,15 +268,20 @@ TEST_F(MatmulTest, AllFormatsIsasShapesAgainstRefAndScalar) {
     }
   }
   EXPECT_GT(n_checked, 1000);
-  std::printf("  worst |error| / two-level quantization bound: %.3f\n", worst);
+  std::printf("  worst |error| / two-level quantization bound:");
+  for (const auto& [name, ratio] : worst)
+    if (ratio > 0) std::printf(" %s %.3f", name.c_str(), ratio);
+  std::printf("\n");
 }
 
 // The two-level bound must be tight enough that the single-level error breaks it: a kernel
 // that dropped (or mis-scaled) the second level would not pass the test above.
 TEST_F(MatmulTest, SingleLevelFailsTwoLevelBound) {
   std::mt19937 rng(4321);
-  for (GgmlType type : {GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0}) {
-    for (int64_t n_in : {int64_t{32}, int64_t{576}, int64_t{1536}}) {
+  for (GgmlType type : {GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q4_K,
+                        GgmlType::Q6_K}) {
+    const bool k_quant = type_block_elems(type) == 256;
+    for (int64_t n_in : {k_quant ? int64_t{256} : int64_t{32}, k_quant ? int64_t{512} : int64_t{576}, int64_t{1536}}) {
       const int64_t n_out = 64, n_rows = 4;
       auto w = random_weights(type, n_in, n_out, rng);
       RawMatrix raw{type, w.data(), n_in, n_out};
@@ -274,10 +306,11 @@ TEST_F(MatmulTest, SingleLevelFailsTwoLevelBound) {
 TEST_F(MatmulTest, BatchInvariance) {
   std::mt19937 rng(99);
   for (ActQuant mode : {ActQuant::kQ8x2, ActQuant::kQ8})
-  for (GgmlType type : {GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::F32}) {
+  for (GgmlType type : {GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::F32, GgmlType::Q5_0,
+                        GgmlType::Q4_K, GgmlType::Q6_K}) {
     if (mode == ActQuant::kQ8 && type == GgmlType::F32) continue;
     set_act_quant(mode);
-    const int64_t n_in = 576, n_out = 200, max_rows = 70;
+    const int64_t n_in = type_block_elems(type) == 256 ? 512 : 576, n_out = 200, max_rows = 70;
     auto w = random_weights(type, n_in, n_out, rng);
     RawMatrix raw{type, w.data(), n_in, n_out};
     std::vector<float> x = random_x(max_rows * n_in, rng);
@@ -330,6 +363,136 @@ TEST_F(MatmulTest, FusedPartsEqualSeparate) {
   }
 }
 
+// Parts of different quantized types packed as one matrix give, column for column, the bits
+// of each part packed alone: every ISA, single row and batches, 1 and 2 threads.
+TEST_F(MatmulTest, MixedTypePartsEqualSeparate) {
+  std::mt19937 rng(17);
+  struct Mix {
+    std::vector<std::pair<GgmlType, int64_t>> parts;
+    int64_t n_in;
+  };
+  const std::vector<Mix> mixes = {
+      // Gemma 3 270M's QKV where attn_v is Q8_0.
+      {{{GgmlType::Q5_0, 1024}, {GgmlType::Q5_0, 256}, {GgmlType::Q8_0, 256}}, 640},
+      // Type changes on multiples of 16; same-type neighbours may meet anywhere; ragged end.
+      {{{GgmlType::Q4_K, 48}, {GgmlType::Q6_K, 32}, {GgmlType::Q4_K, 17}}, 512},
+      {{{GgmlType::Q8_0, 16}, {GgmlType::Q4_0, 32}, {GgmlType::Q4_1, 16}, {GgmlType::Q5_0, 16},
+        {GgmlType::Q6_K, 16}, {GgmlType::Q4_K, 33}},
+       256},
+      {{{GgmlType::Q5_0, 100}, {GgmlType::Q5_0, 28}, {GgmlType::Q8_0, 20}}, 640},
+  };
+  for (ActQuant mode : {ActQuant::kQ8x2, ActQuant::kQ8}) {
+    set_act_quant(mode);
+    for (const Mix& mix : mixes) {
+      std::vector<std::vector<uint8_t>> bufs;
+      std::vector<RawMatrix> raws;
+      int64_t n_out = 0;
+      for (const auto& [type, n] : mix.parts) {
+        bufs.push_back(random_weights(type, mix.n_in, n, rng));
+        raws.push_back(RawMatrix{type, bufs.back().data(), mix.n_in, n});
+        n_out += n;
+      }
+      std::vector<float> x = random_x(64 * mix.n_in, rng);
+      for (Isa isa : isas()) {
+        auto fused = PackedMatrix::pack(raws, isa);
+        ASSERT_TRUE(fused.is_ok()) << fused.message();
+        ASSERT_EQ(fused->n_out(), n_out);
+        for (int64_t n_rows : {1, 5, 64})
+          for (ThreadPool* pool : {&pool1_, &pool2_}) {
+            std::vector<float> yf(static_cast<size_t>(n_rows * n_out));
+            matmul(*fused, x.data(), n_rows, yf.data(), *pool);
+            int64_t col = 0;
+            for (const RawMatrix& r : raws) {
+              auto p = PackedMatrix::pack(r, isa);
+              ASSERT_TRUE(p.is_ok()) << p.message();
+              std::vector<float> y(static_cast<size_t>(n_rows * r.n_out));
+              matmul(*p, x.data(), n_rows, y.data(), *pool);
+              for (int64_t row = 0; row < n_rows; ++row)
+                EXPECT_EQ(0, std::memcmp(&y[static_cast<size_t>(row * r.n_out)], &yf[static_cast<size_t>(row * n_out + col)],
+                                         static_cast<size_t>(r.n_out) * 4))
+                    << type_name(r.type) << " part at column " << col << " " << isa_name(isa) << " rows=" << n_rows
+                    << " threads=" << pool->size();
+              col += r.n_out;
+            }
+          }
+      }
+    }
+  }
+}
+
+// Real weights: one tensor of each quantized type in gemma-3-270m-Q4_K_M.gguf (and its mixed
+// QKV), against the exact reference, every ISA bit-identical, batch-invariant.
+TEST_F(MatmulTest, GemmaTensors) {
+  const std::string path = std::string(KV_SOURCE_DIR) + "/models/gemma-3-270m-Q4_K_M.gguf";
+  auto file = GgufFile::open(path);
+  ASSERT_TRUE(file.is_ok()) << path << ": " << file.message() << " (run `make models`)";
+  auto raw_of = [&](const std::string& name, int64_t max_rows = 0) {
+    const GgufTensor* t = (*file)->find_tensor(name);
+    EXPECT_NE(t, nullptr) << name;
+    if (!t) return RawMatrix{GgmlType::F32, nullptr, 0, 0};
+    const int64_t rows = max_rows > 0 ? std::min(max_rows, t->rows()) : t->rows();
+    return RawMatrix{t->type, t->data, t->ne[0], rows};
+  };
+  struct Item {
+    std::vector<RawMatrix> parts;
+    std::vector<GgmlType> want_types;
+  };
+  const std::vector<Item> items = {
+      {{raw_of("blk.0.attn_q.weight")}, {GgmlType::Q5_0}},
+      {{raw_of("blk.0.attn_output.weight")}, {GgmlType::Q4_K}},
+      {{raw_of("blk.0.ffn_down.weight")}, {GgmlType::Q6_K}},
+      {{raw_of("blk.2.ffn_down.weight")}, {GgmlType::Q4_K}},
+      {{raw_of("blk.0.attn_v.weight")}, {GgmlType::Q8_0}},
+      // The tied output matrix, its first 1000 rows (the whole is 262144).
+      {{raw_of("token_embd.weight", 1000)}, {GgmlType::Q8_0}},
+      {{raw_of("blk.0.attn_q.weight"), raw_of("blk.0.attn_k.weight"), raw_of("blk.0.attn_v.weight")},
+       {GgmlType::Q5_0, GgmlType::Q8_0}},
+  };
+  std::mt19937 rng(2718);
+  const int64_t n_rows = 6;
+  for (const Item& it : items) {
+    int64_t n_out = 0;
+    for (const RawMatrix& r : it.parts) {
+      ASSERT_NE(r.data, nullptr);
+      n_out += r.n_out;
+    }
+    const int64_t n_in = it.parts[0].n_in;
+    std::string what = "gemma";
+    for (const RawMatrix& r : it.parts) what += std::string(" ") + type_name(r.type) + "[" + std::to_string(r.n_out) + "x" + std::to_string(r.n_in) + "]";
+    std::vector<float> x = random_x(n_rows * n_in, rng);
+    std::vector<float> y_first;
+    for (Isa isa : isas()) {
+      auto p = PackedMatrix::pack(it.parts, isa);
+      ASSERT_TRUE(p.is_ok()) << what << ": " << p.message();
+      EXPECT_EQ(p->segment_types(), it.want_types) << what;
+      std::vector<float> y(static_cast<size_t>(n_rows * n_out));
+      matmul(*p, x.data(), n_rows, y.data(), pool2_);
+      if (y_first.empty()) {
+        // Against the exact answer, part by part.
+        int64_t col = 0;
+        for (const RawMatrix& r : it.parts) {
+          std::vector<float> yp(static_cast<size_t>(n_rows * r.n_out));
+          for (int64_t row = 0; row < n_rows; ++row)
+            std::memcpy(&yp[static_cast<size_t>(row * r.n_out)], &y[static_cast<size_t>(row * n_out + col)],
+                        static_cast<size_t>(r.n_out) * 4);
+          expect_close_to_ref(r.type, r, x, n_rows, yp, what + " " + isa_name(isa));
+          col += r.n_out;
+        }
+        y_first = y;
+      } else {
+        EXPECT_EQ(0, std::memcmp(y.data(), y_first.data(), y.size() * 4)) << what << " " << isa_name(isa) << " differs from scalar";
+      }
+      // Each row alone, one thread: the same bits as in the batch.
+      for (int64_t row = 0; row < n_rows; ++row) {
+        std::vector<float> y1(static_cast<size_t>(n_out));
+        matmul(*p, x.data() + row * n_in, 1, y1.data(), pool1_);
+        EXPECT_EQ(0, std::memcmp(y1.data(), &y[static_cast<size_t>(row * n_out)], y1.size() * 4))
+            << what << " " << isa_name(isa) << " row " << row << " alone differs from the batch";
+      }
+    }
+  }
+}
+
 TEST_F(MatmulTest, PackRejectsBadInput) {
   std::vector<uint8_t> w(20 * 4);
   EXPECT_FALSE(PackedMatrix::pack(std::vector<RawMatrix>{}, Isa::kScalar).is_ok());
@@ -341,6 +504,22 @@ TEST_F(MatmulTest, PackRejectsBadInput) {
                                   Isa::kScalar)
                    .is_ok());
   EXPECT_FALSE(PackedMatrix::pack(RawMatrix{GgmlType::Q5_1, w.data(), 32, 2}, Isa::kScalar).is_ok());
+  // Types may mix only on a multiple of 16 outputs, and only between quantized types.
+  EXPECT_FALSE(PackedMatrix::pack({RawMatrix{GgmlType::Q5_0, w.data(), 32, 17}, RawMatrix{GgmlType::Q8_0, w.data(), 32, 1}},
+                                  Isa::kScalar)
+                   .is_ok());
+  EXPECT_TRUE(PackedMatrix::pack({RawMatrix{GgmlType::Q5_0, w.data(), 32, 16}, RawMatrix{GgmlType::Q8_0, w.data(), 32, 1}},
+                                 Isa::kScalar)
+                  .is_ok());
+  EXPECT_FALSE(PackedMatrix::pack({RawMatrix{GgmlType::Q8_0, w.data(), 32, 16}, RawMatrix{GgmlType::F32, w.data(), 32, 1}},
+                                  Isa::kScalar)
+                   .is_ok());
+  // K-quants need n_in to be a multiple of 256, also when mixed.
+  std::vector<uint8_t> big(16 * 210 * 2);
+  EXPECT_FALSE(PackedMatrix::pack(RawMatrix{GgmlType::Q6_K, big.data(), 128, 2}, Isa::kScalar).is_ok());
+  EXPECT_FALSE(PackedMatrix::pack({RawMatrix{GgmlType::Q8_0, big.data(), 288, 16}, RawMatrix{GgmlType::Q4_K, big.data(), 288, 1}},
+                                  Isa::kScalar)
+                   .is_ok());
   EXPECT_TRUE(PackedMatrix::pack(RawMatrix{GgmlType::Q4_1, w.data(), 32, 4}, Isa::kScalar).is_ok());
 }
 
