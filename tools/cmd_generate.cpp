@@ -32,7 +32,7 @@ void run_generate(const GenerateOptions& o) {
     fail("prompt is " + std::to_string(toks.size()) + " tokens, the context is " + std::to_string(ctx) + " (use a shorter prompt or --ctx)");
   const int64_t max_new = std::min<int64_t>(o.n_predict, ctx - static_cast<int64_t>(toks.size()));
 
-  kv::SequenceRunner seq(*lm.model, *lm.pool, *lm.threads, o.chunk);
+  kv::SequenceRunner seq(*lm.model, *lm.pool, lm.pool_g1.get(), *lm.threads, o.chunk);
   kv::Sampler sampler(o.sp);
   kv::IncrementalDetokenizer detok(*lm.tokenizer);
   std::vector<int32_t> history = toks;

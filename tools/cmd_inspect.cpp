@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "kernels/kv_tile.h"
 #include "common/units.h"
 #include "gguf/gguf.h"
 
@@ -116,6 +117,18 @@ class Describer {
     kvb["int8"] = bytes(2);
     kvb["int4"] = bytes(1);
     j["kv_bytes_per_token"] = kvb;
+    // What kvserve's pages really take per token (pages of 16, scales and zero points
+    // included; see kernels/kv_tile.h), for every --kv-cache-dtype.
+    if (kv_lora_rank == 0 && head_dim == head_dim_v && head_dim % 16 == 0) {
+      Json pb;
+      for (int e = 0; e < kv::kKvElemCount; ++e) {
+        const auto el = static_cast<kv::KvElem>(e);
+        int64_t b = 0;
+        for (int64_t h : n_head_kv) b += h * (kv::kv_k_tile_bytes(el, 16, int(head_dim)) + kv::kv_v_tile_bytes(el, 16, int(head_dim)));
+        pb[kv::kv_elem_name(el)] = b % 16 == 0 ? Json(b / 16) : Json(b / 16.0);
+      }
+      j["kv_page_bytes_per_token"] = pb;
+    }
 
     const int64_t ft = integer("general.file_type", -1);
     j["file_type"] = ft >= 0 ? Json(file_type_name(ft)) : Json(nullptr);
@@ -222,6 +235,11 @@ void print_text(const Json& j) {
   std::printf("KV bytes/token ");
   for (const auto& [k, v] : j["kv_bytes_per_token"].items()) std::printf(" %s=%s", k.c_str(), show(v).c_str());
   std::printf("\n");
+  if (j.contains("kv_page_bytes_per_token")) {
+    std::printf("KV page bytes/token (kvserve pages of 16, scales included)\n               ");
+    for (const auto& [k, v] : j["kv_page_bytes_per_token"].items()) std::printf(" %s=%s", k.c_str(), show(v).c_str());
+    std::printf("\n");
+  }
   const Json& t = j["tensors"];
   std::printf("file type       %s\n", show(j["file_type"]).c_str());
   std::printf("tensors         %s, %s of weights\n", show(t["count"]).c_str(),

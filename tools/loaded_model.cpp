@@ -25,7 +25,7 @@ void add_kv_options(CLI::App* cmd, KvOptions* kvo) {
                   "per-layer KV dtypes over --kv-cache-dtype, e.g. \"0-1:f16,28-29:f16\"");
 }
 
-kv::KvLayout make_kv_layout(const kv::LlamaModel& model, const KvOptions& kvo) {
+kv::KvLayout make_kv_layout(const kv::LlamaModel& model, const KvOptions& kvo, int group) {
   auto dtype = kv::parse_kv_dtype(kvo.dtype);
   if (!dtype) fail(dtype.message());
   std::vector<kv::KvDtype> layers;
@@ -34,7 +34,7 @@ kv::KvLayout make_kv_layout(const kv::LlamaModel& model, const KvOptions& kvo) {
     if (!l) fail(l.message());
     layers = std::move(*l);
   }
-  kv::KvLayout layout = model.kv_layout(kvo.block_size, *dtype, std::move(layers));
+  kv::KvLayout layout = model.kv_layout(kvo.block_size, *dtype, std::move(layers), group);
   if (kv::Status st = layout.validate(); !st) fail(st.message());
   return layout;
 }
@@ -72,7 +72,15 @@ LoadedModel load_model(const std::string& path, int n_threads, const KvOptions& 
   auto bytes = kv::parse_memory_size(kvo.memory);
   if (!bytes) fail(bytes.message());
   kv::KvLayout layout = make_kv_layout(*lm.model, kvo);
-  int64_t n_pages = kv::PagePool::pages_for_bytes(layout, *bytes);
+  int64_t budget = *bytes;
+  if (lm.model->kv_groups().size() > 1) {
+    // Sliding-window layers: one sequence needs its window plus one chunk of pages there.
+    const kv::KvLayout l1 = make_kv_layout(*lm.model, kvo, 1);
+    const int64_t n1 = (lm.model->kv_groups()[1].window + 512) / kvo.block_size + 4;
+    lm.pool_g1 = std::make_unique<kv::PagePool>(l1, static_cast<int32_t>(n1));
+    budget -= lm.pool_g1->total_bytes();
+  }
+  int64_t n_pages = kv::PagePool::pages_for_bytes(layout, budget);
   if (n_pages < 1) fail("--kv-cache-memory " + kvo.memory + " holds no page (one page is " + kv::format_bytes(layout.page_bytes()) + ")");
   if (n_pages > (int64_t(1) << 30)) n_pages = int64_t(1) << 30;
   lm.pool = std::make_unique<kv::PagePool>(layout, static_cast<int32_t>(n_pages));
@@ -81,9 +89,13 @@ LoadedModel load_model(const std::string& path, int n_threads, const KvOptions& 
     const auto& c = lm.model->config();
     std::fprintf(stderr, "model: %s (%s, %d layers, %s %d/%d heads), kernels: %s, threads: %d\n", c.name.c_str(), c.arch.c_str(),
                  c.n_layer, c.attention_kind(), c.n_head, c.n_head_kv, kv::isa_name(kv::detect_isa()), lm.threads->size());
-    std::fprintf(stderr, "KV cache: %s %s in %lld pages of %d tokens = %lld tokens (%s per token)\n",
+    std::fprintf(stderr, "KV cache: %s %s in %lld pages of %d tokens = %lld tokens (%s per token)%s\n",
                  kv::format_bytes(lm.pool->total_bytes()).c_str(), layout.describe().c_str(), static_cast<long long>(n_pages),
-                 kvo.block_size, static_cast<long long>(n_pages * kvo.block_size), kv::format_bytes(layout.bytes_per_token()).c_str());
+                 kvo.block_size, static_cast<long long>(n_pages * kvo.block_size), kv::format_bytes(layout.bytes_per_token()).c_str(),
+                 lm.pool_g1 ? (" in the global layers; sliding-window layers: " + kv::format_bytes(lm.pool_g1->total_bytes()) + " (" +
+                               std::to_string(lm.pool_g1->n_pages()) + " pages, window " +
+                               std::to_string(lm.model->kv_groups()[1].window) + ")").c_str()
+                            : "");
   }
   return lm;
 }

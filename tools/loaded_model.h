@@ -20,13 +20,14 @@ struct KvOptions {
 };
 
 // The KV layout the options ask for, validated (exits with a message when it is not valid).
-kv::KvLayout make_kv_layout(const kv::LlamaModel& model, const KvOptions& kvo);
+kv::KvLayout make_kv_layout(const kv::LlamaModel& model, const KvOptions& kvo, int group = 0);
 
 struct LoadedModel {
   std::unique_ptr<kv::GgufFile> file;
   std::unique_ptr<kv::LlamaModel> model;
   std::unique_ptr<kv::Tokenizer> tokenizer;
-  std::unique_ptr<kv::PagePool> pool;
+  std::unique_ptr<kv::PagePool> pool;     // KV group 0 (all layers, or the global ones)
+  std::unique_ptr<kv::PagePool> pool_g1;  // hybrid models: the sliding-window layers, else null
   std::unique_ptr<kv::ThreadPool> threads;
 };
 

@@ -45,6 +45,7 @@ struct Engine::Sequence {
   int32_t n_prompt = 0;
   int64_t n_computed = 0;          // positions whose K/V are in pages
   BlockTable table;
+  BlockTable table_g1;  // hybrid models: the sliding-window layers' pages (-1: slid out, freed)
   Sampler sampler;
   IncrementalDetokenizer detok;
   std::string held;                // decoded text not yet emitted (stop-string holdback)
@@ -73,9 +74,25 @@ Engine::Engine(LlamaModel& model, const Tokenizer& tok, const EngineConfig& cfg)
   // Staging (quantized layers): one partly filled page per running sequence, plus forks.
   const int32_t n_staging = staging_slots(cfg);
   int64_t n_pages = std::min<int64_t>(PagePool::pages_for_bytes(layout, cfg.kv_cache_bytes, n_staging), int64_t(1) << 30);
+  if (model.kv_groups().size() > 1) {
+    // Sliding-window layers: each running sequence holds at most its window plus the
+    // positions of one step there; the rest of the budget goes to the global layers.
+    window_g1_ = model.kv_groups()[1].window;
+    const KvLayout l1 = model.kv_layout(cfg.block_size, cfg.kv_dtype, cfg.kv_layer_dtypes, 1);
+    const int64_t per_seq = window_g1_ / cfg.block_size + 2;
+    const int64_t one = per_seq + cfg.max_num_batched_tokens / cfg.block_size + 2;  // one sequence's worst step
+    int64_t n1 = int64_t(cfg.max_num_seqs) * per_seq + cfg.max_num_batched_tokens / cfg.block_size + 4;
+    // at most half the budget (more sequences than fit get preempted), at least one sequence
+    n1 = std::max(one, std::min(n1, PagePool::pages_for_bytes(l1, cfg.kv_cache_bytes / 2, n_staging)));
+    pool_g1_ = std::make_unique<PagePool>(l1, static_cast<int32_t>(std::min<int64_t>(n1, int64_t(1) << 30)), n_staging);
+    n_pages = std::min<int64_t>(PagePool::pages_for_bytes(layout, cfg.kv_cache_bytes - pool_g1_->total_bytes(), n_staging),
+                                int64_t(1) << 30);
+  }
   pool_ = std::make_unique<PagePool>(layout, static_cast<int32_t>(std::max<int64_t>(n_pages, 0)), n_staging);
   threads_ = std::make_unique<ThreadPool>(cfg.n_threads);
-  if (cfg.enable_prefix_caching)
+  // Prefix caching of hybrid (sliding-window) models is not implemented yet: a cached prefix
+  // would also need the local layers' last window of pages.
+  if (cfg.enable_prefix_caching && !pool_g1_)
     cache_ = std::make_unique<PrefixCache>(*pool_, model.fingerprint(), static_cast<int32_t>(cfg.kv_dtype));
   metrics_.set_gauges(0, 0, pool_->n_pages(), 0);
 }
@@ -87,6 +104,7 @@ Engine::~Engine() {
     for (auto& s : *q) {
       if (cache_) cache_->unpin(s->pin);
       s->table.release_all(*pool_);
+      if (pool_g1_) s->table_g1.release_all(*pool_g1_);
     }
 }
 
@@ -172,26 +190,50 @@ void Engine::drain_incoming() {
 bool Engine::ensure_pages(Sequence& s, int64_t n_new) {
   const int32_t bs = cfg_.block_size;
   const int64_t end = s.n_computed + n_new;
-  int32_t need = BlockTable::pages_for(end, bs) - static_cast<int32_t>(s.table.pages.size());
-  need = std::max(need, 0);
   // Copy-on-write: the page receiving position n_computed may be shared (n > 1 forks).
   const int64_t first_page = s.n_computed / bs;
-  const bool cow = first_page < static_cast<int64_t>(s.table.pages.size()) && pool_->refcount(s.table.pages[first_page]) > 1;
+  auto shared_tail = [&](const BlockTable& t, const PagePool& p) {
+    return first_page < static_cast<int64_t>(t.pages.size()) && t.pages[first_page] >= 0 && p.refcount(t.pages[first_page]) > 1;
+  };
+  int32_t need = std::max(BlockTable::pages_for(end, bs) - static_cast<int32_t>(s.table.pages.size()), 0);
+  const bool cow = shared_tail(s.table, *pool_);
   const int32_t total = need + (cow ? 1 : 0);
+  int32_t need1 = 0;
+  bool cow1 = false;
+  if (pool_g1_) {
+    slide(s);
+    need1 = std::max(BlockTable::pages_for(end, bs) - static_cast<int32_t>(s.table_g1.pages.size()), 0);
+    cow1 = shared_tail(s.table_g1, *pool_g1_);
+    if (!pool_g1_->can_allocate(need1 + (cow1 ? 1 : 0))) return false;
+  }
   if (!pool_->can_allocate(total) && !(cache_ && cache_->ensure_free(total))) return false;
-  if (cow) {
+  auto copy_on_write = [&](BlockTable& t, PagePool& p) {
     std::vector<int32_t> fresh;
-    pool_->allocate(1, &fresh);
-    const int32_t old = s.table.pages[first_page];
-    if (!pool_->copy_page(old, fresh[0])) {  // no staging slot for the copy: try again next step
-      pool_->release(fresh[0]);
+    p.allocate(1, &fresh);
+    const int32_t old = t.pages[first_page];
+    if (!p.copy_page(old, fresh[0])) {  // no staging slot for the copy: try again next step
+      p.release(fresh[0]);
       return false;
     }
-    pool_->release(old);
-    s.table.pages[first_page] = fresh[0];
-  }
+    p.release(old);
+    t.pages[first_page] = fresh[0];
+    return true;
+  };
+  if (cow && !copy_on_write(s.table, *pool_)) return false;
+  if (cow1 && !copy_on_write(s.table_g1, *pool_g1_)) return false;
   pool_->allocate(need, &s.table.pages);
+  if (pool_g1_) pool_g1_->allocate(need1, &s.table_g1.pages);
   return true;
+}
+
+void Engine::slide(Sequence& s) {
+  // Sliding-window pages no query from position n_computed on can see are freed at once.
+  const int64_t first_needed = std::max<int64_t>(0, s.n_computed - window_g1_ + 1) / cfg_.block_size;
+  for (int64_t i = 0; i < std::min<int64_t>(first_needed, static_cast<int64_t>(s.table_g1.pages.size())); ++i)
+    if (s.table_g1.pages[i] >= 0) {
+      pool_g1_->release(s.table_g1.pages[i]);
+      s.table_g1.pages[i] = -1;
+    }
 }
 
 void Engine::preempt(Sequence& s) {
@@ -252,7 +294,8 @@ bool Engine::schedule(Plan* plan) {
     if (s.to_compute() <= 1) continue;
     // As much of the chunk as the free pages hold; the rest waits for the next step.
     const int32_t bs = cfg_.block_size;
-    const int64_t room = (static_cast<int64_t>(s.table.pages.size()) + pool_->n_free()) * bs - s.n_computed;
+    int64_t room = (static_cast<int64_t>(s.table.pages.size()) + pool_->n_free()) * bs - s.n_computed;
+    if (pool_g1_) room = std::min<int64_t>(room, (static_cast<int64_t>(s.table_g1.pages.size()) + pool_g1_->n_free()) * bs - s.n_computed);
     int32_t n = static_cast<int32_t>(std::min<int64_t>({budget, s.to_compute(), room}));
     if (n <= 0 || !ensure_pages(s, n)) continue;
     plan->items.push_back({&s, n, n == s.to_compute()});
@@ -280,7 +323,8 @@ bool Engine::schedule(Plan* plan) {
     return true;  // state changed: ask for another step
   }
   for (const auto& it : plan->items)
-    plan->batch.add(it.seq->table.pages.data(), it.seq->n_computed, it.seq->tokens.data() + it.seq->n_computed, it.n, it.logits);
+    plan->batch.add(it.seq->table.pages.data(), it.seq->n_computed, it.seq->tokens.data() + it.seq->n_computed, it.n, it.logits,
+                    pool_g1_ ? it.seq->table_g1.pages.data() : nullptr);
   return !plan->items.empty();
 }
 
@@ -321,6 +365,7 @@ bool Engine::admit(Sequence& s, int64_t budget, int32_t* n_out) {
     s.pin = PrefixHandle{};
     s.published = 0;
     s.table.release_all(*pool_);
+    if (pool_g1_) s.table_g1.release_all(*pool_g1_);
     s.n_computed = 0;
     return false;
   }
@@ -345,6 +390,11 @@ Engine::Sequence* Engine::fork(Sequence& parent, int32_t index) {
   c->table.pages = parent.table.pages;
   c->table.n_tokens = parent.table.n_tokens;
   for (int32_t p : c->table.pages) pool_->retain(p);  // shared until written (copy-on-write)
+  if (pool_g1_) {
+    c->table_g1 = parent.table_g1;
+    for (int32_t p : c->table_g1.pages)
+      if (p >= 0) pool_g1_->retain(p);
+  }
   c->pin = parent.pin;
   c->published = parent.published;
   if (cache_) cache_->pin(c->pin);
@@ -481,6 +531,7 @@ void Engine::release(Sequence& s) {
   }
   s.published = 0;
   s.table.release_all(*pool_);
+  if (pool_g1_) s.table_g1.release_all(*pool_g1_);
 }
 
 void Engine::maybe_finish_request(Sequence& s) {
@@ -520,7 +571,8 @@ bool Engine::step() {
   if (!plan.items.empty()) {
     const size_t n_logits = static_cast<size_t>(plan.batch.n_logit_rows()) * model_.config().n_vocab;
     if (logits_.size() < n_logits) logits_.resize(n_logits);
-    Status st = model_.forward(plan.batch, *pool_, *threads_, logits_.data());
+    PagePool* pools[2] = {pool_.get(), pool_g1_.get()};
+    Status st = model_.forward(plan.batch, pools, *threads_, logits_.data());
     if (!st) {
       // A forward failure is a bug or a bad token; fail the affected requests, keep serving.
       for (auto& it : plan.items) it.seq->rs->req.stream->push(StreamEvent{StreamEvent::kError, it.seq->index, "", {}, "", st.message(), 500});
@@ -542,6 +594,7 @@ void Engine::publish_gauges() {
     for (const auto& s : *q)
       for (int32_t p : s->table.pages)
         if (!held_scratch_[p]++) ++held;
+  if (pool_g1_) held += pool_g1_->n_used();  // sliding-window pages are only ever held by requests
   pages_in_use_.store(held);
   pages_cached_.store(cache_ ? cache_->n_cached_pages() : 0);
   metrics_.set_gauges(static_cast<int64_t>(running_.size()), n_waiting_total_.load(), pool_->n_pages(), held);
@@ -563,6 +616,18 @@ Status Engine::check_integrity() const {
   for (auto* q : {&running_, &waiting_})
     for (const auto& s : *q)
       for (int32_t p : s->table.pages) ++held[p];
+  if (pool_g1_) {  // sliding-window layers: every reference is a table entry
+    if (Status st = pool_g1_->check_integrity(); !st) return Status::error("sliding-window pool: " + st.message());
+    std::vector<int32_t> held1(pool_g1_->n_pages(), 0);
+    for (auto* q : {&running_, &waiting_})
+      for (const auto& s : *q)
+        for (int32_t p : s->table_g1.pages)
+          if (p >= 0) ++held1[p];
+    for (int32_t p = 0; p < pool_g1_->n_pages(); ++p)
+      if (held1[p] != pool_g1_->refcount(p))
+        return Status::error("sliding-window page " + std::to_string(p) + " has refcount " + std::to_string(pool_g1_->refcount(p)) +
+                             " but " + std::to_string(held1[p]) + " holders");
+  }
   if (cache_) return cache_->check_integrity(held);
   for (int32_t p = 0; p < pool_->n_pages(); ++p)
     if (held[p] != pool_->refcount(p))

@@ -83,6 +83,7 @@ class Engine {
   Status check_integrity() const;
   const EngineConfig& config() const { return cfg_; }
   const PagePool& pool() const { return *pool_; }
+  const PagePool* pool_g1() const { return pool_g1_.get(); }  // hybrid models, else null
   // Pages held by requests (block tables). Cached-only pages (held by the prefix cache alone)
   // are not "in use": they are reclaimable. Thread-safe.
   int32_t pages_in_use() const { return pages_in_use_.load(); }
@@ -110,6 +111,9 @@ class Engine {
   const Tokenizer& tok_;
   EngineConfig cfg_;
   std::unique_ptr<PagePool> pool_;
+  std::unique_ptr<PagePool> pool_g1_;  // hybrid models: the sliding-window layers' pages
+  int32_t window_g1_ = 0;
+  void slide(Sequence& s);
   std::unique_ptr<PrefixCache> cache_;  // after pool_: destroyed first, releasing into the pool
   std::unique_ptr<ThreadPool> threads_;
   Metrics metrics_;

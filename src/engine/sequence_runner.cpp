@@ -8,17 +8,78 @@ namespace kv {
 Status SequenceRunner::reserve(int64_t n_new) {
   const int32_t bs = pool_.layout().block_size;
   const int32_t need = BlockTable::pages_for(table_.n_tokens + n_new, bs) - static_cast<int32_t>(table_.pages.size());
-  if (need <= 0) return Status::ok();
-  if (!pool_.allocate(need, &table_.pages))
+  if (need > 0 && !pool_.allocate(need, &table_.pages))
     return Status::error("KV cache full: need " + std::to_string(need) + " more pages, " + std::to_string(pool_.n_free()) +
                          " free (raise --kv-cache-memory or shorten the prompt)");
+  // The sliding-window group (pool_g1_) allocates chunk by chunk in forward(), so at most
+  // window + chunk positions are held there.
   return Status::ok();
+}
+
+void SequenceRunner::slide(int64_t pos0) {
+  if (!pool_g1_ || window_g1_ <= 0) return;
+  const int64_t first_needed = std::max<int64_t>(0, pos0 - window_g1_ + 1) / pool_g1_->layout().block_size;
+  for (int64_t i = 0; i < std::min<int64_t>(first_needed, table_g1_.pages.size()); ++i)
+    if (table_g1_.pages[i] >= 0) {
+      pool_g1_->release(table_g1_.pages[i]);
+      table_g1_.pages[i] = -1;
+    }
+}
+
+Status SequenceRunner::forward(float* logits) {
+  if (pool_g1_) {
+    // group 1 pages for the batch's positions (slid-out ones freed first)
+    int64_t pos0 = batch_.seqs.front().pos0, end = pos0;
+    for (const BatchSeq& s : batch_.seqs) end = std::max(end, s.pos0 + s.n_tokens);
+    slide(pos0);
+    const int32_t bs = pool_g1_->layout().block_size;
+    const int32_t need = BlockTable::pages_for(end, bs) - static_cast<int32_t>(table_g1_.pages.size());
+    if (need > 0 && !pool_g1_->allocate(need, &table_g1_.pages))
+      return Status::error("KV cache full (sliding-window layers): need " + std::to_string(need) + " more pages, " +
+                           std::to_string(pool_g1_->n_free()) + " free");
+    for (BatchSeq& s : batch_.seqs) s.pages_g1 = table_g1_.pages.data();
+    PagePool* pools[2] = {&pool_, pool_g1_};
+    return model_.forward(batch_, pools, tp_, logits);
+  }
+  return model_.forward(batch_, pool_, tp_, logits);
+}
+
+bool SequenceRunner::truncate(int64_t n) {
+  n = std::clamp<int64_t>(n, 0, table_.n_tokens);
+  if (pool_g1_ && window_g1_ > 0 && n > 0) {
+    // the window ending at n must still be allocated in the sliding-window group
+    const int64_t bs = pool_g1_->layout().block_size;
+    for (int64_t i = std::max<int64_t>(0, n - window_g1_) / bs; i < (n - 1) / bs + 1 && i < int64_t(table_g1_.pages.size()); ++i)
+      if (table_g1_.pages[i] < 0) {
+        reset();
+        return false;
+      }
+  }
+  const size_t keep = static_cast<size_t>(BlockTable::pages_for(n, pool_.layout().block_size));
+  for (size_t i = keep; i < table_.pages.size(); ++i) pool_.release(table_.pages[i]);
+  table_.pages.resize(std::min(keep, table_.pages.size()));
+  table_.n_tokens = n;
+  if (pool_g1_) {  // sliding-window group: pages freed by the window cannot be brought back
+    for (size_t i = keep; i < table_g1_.pages.size(); ++i)
+      if (table_g1_.pages[i] >= 0) pool_g1_->release(table_g1_.pages[i]);
+    table_g1_.pages.resize(std::min(keep, table_g1_.pages.size()));
+    table_g1_.n_tokens = n;
+  }
+  return true;
 }
 
 int32_t SequenceRunner::chunk() const {
   // A quantized layer holds one staging slot per page a forward fills, until its attention ran.
-  if (pool_.layout().n_staged_layers() == 0) return chunk_;
-  return std::max<int32_t>(1, std::min<int32_t>(chunk_, (pool_.n_staging() - 2) * pool_.layout().block_size));
+  int32_t c = chunk_;
+  const PagePool* pools[2] = {&pool_, pool_g1_};
+  for (const PagePool* p : pools)
+    if (p && p->layout().n_staged_layers() > 0)
+      c = std::max<int32_t>(1, std::min<int32_t>(c, (p->n_staging() - 2) * p->layout().block_size));
+  if (pool_g1_) {  // the sliding-window pool holds one window plus one chunk
+    const int64_t bs = pool_g1_->layout().block_size;
+    c = static_cast<int32_t>(std::max<int64_t>(1, std::min<int64_t>(c, (pool_g1_->n_pages() - 2) * bs - window_g1_)));
+  }
+  return c;
 }
 
 Status SequenceRunner::feed(const int32_t* tokens, int64_t n, bool want_logits) {
@@ -31,7 +92,7 @@ Status SequenceRunner::feed(const int32_t* tokens, int64_t n, bool want_logits) 
     const bool last = i + len == n;
     batch_.clear();
     batch_.add(table_.pages.data(), table_.n_tokens, tokens + i, len, last && want_logits);
-    if (Status st = model_.forward(batch_, pool_, tp_, logits_.data()); !st) return st;
+    if (Status st = forward(logits_.data()); !st) return st;
     table_.n_tokens += len;
   }
   return Status::ok();
@@ -47,7 +108,7 @@ Status SequenceRunner::feed_all_logits(const int32_t* tokens, int64_t n, std::ve
     const int32_t len = static_cast<int32_t>(std::min<int64_t>(chunk_, n - i));
     batch_.clear();
     for (int32_t k = 0; k < len; ++k) batch_.add(table_.pages.data(), table_.n_tokens + k, tokens + i + k, 1, true);
-    if (Status st = model_.forward(batch_, pool_, tp_, out->data() + i * nv); !st) return st;
+    if (Status st = forward(out->data() + i * nv); !st) return st;
     table_.n_tokens += len;
   }
   return Status::ok();

@@ -17,6 +17,12 @@ class SequenceRunner {
  public:
   SequenceRunner(LlamaModel& model, PagePool& pool, ThreadPool& tp, int32_t chunk = 512)
       : model_(model), pool_(pool), tp_(tp), chunk_(chunk) {}
+  // Hybrid models (two KV layer groups): pool_g1 holds group 1, the sliding-window layers,
+  // whose pages are freed as soon as they leave the window.
+  SequenceRunner(LlamaModel& model, PagePool& pool, PagePool* pool_g1, ThreadPool& tp, int32_t chunk = 512)
+      : model_(model), pool_(pool), pool_g1_(pool_g1), tp_(tp), chunk_(chunk) {
+    if (pool_g1_ && model.kv_groups().size() > 1) window_g1_ = model.kv_groups()[1].window;
+  }
   ~SequenceRunner() { reset(); }
 
   // Appends tokens to the sequence (chunked); logits of the last one land in logits()
@@ -27,12 +33,30 @@ class SequenceRunner {
   const std::vector<float>& logits() const { return logits_; }
   int64_t n_tokens() const { return table_.n_tokens; }
   const BlockTable& table() const { return table_; }
-  void reset() { table_.release_all(pool_); }
+  void reset() {
+    table_.release_all(pool_);
+    if (pool_g1_) table_g1_.release_all(*pool_g1_);
+  }
+  const BlockTable& table_g1() const { return table_g1_; }
+  // Rolls the sequence back to its first n positions (n clamped to [0, n_tokens()]): pages
+  // wholly past n go back to the pool, and the next feed overwrites positions n onward. A
+  // kept page already quantized is rewritten through PagePool's staging (its first n % block
+  // slots read back to f16, so they may differ by one quantization round trip). The pages
+  // must be this sequence's alone (refcount 1), as they are for a SequenceRunner.
+  // Hybrid models: false (and the sequence reset to empty) when the sliding-window pages the
+  // position n needs were already freed; the caller must feed the tokens again.
+  bool truncate(int64_t n);
 
  private:
   Status reserve(int64_t n_new);
+  // Frees group 1's pages that no query from position pos0 on can see.
+  void slide(int64_t pos0);
+  Status forward(float* logits);
   LlamaModel& model_;
   PagePool& pool_;
+  PagePool* pool_g1_ = nullptr;
+  int32_t window_g1_ = 0;
+  BlockTable table_g1_;
   ThreadPool& tp_;
   int32_t chunk() const;  // chunk_, capped by the pool's staging slots for quantized layers
   int32_t chunk_;

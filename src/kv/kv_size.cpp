@@ -308,6 +308,56 @@ int64_t default_swa_period(const std::string& arch) {
 
 }  // namespace
 
+Result<int64_t> sliding_window_layers(const GgufFile& f, int64_t L, std::vector<bool>* local, std::string* notes_out) {
+  using R = Result<int64_t>;
+  auto arch_r = f.get_string("general.architecture", "");
+  if (!arch_r) return arch_r.status();
+  const std::string arch = arch_r.value();
+  GgufReader g(f, arch + ".");
+  std::vector<bool>& is_local = *local;
+  is_local.assign(static_cast<size_t>(L), false);
+  std::string notes;
+  auto win = g.integer("attention.sliding_window", 0);
+  if (!win) return win.status();
+  const int64_t window = win.value();
+  if (window > 0) {
+    const GgufValue* pat = g.find("attention.sliding_window_pattern");
+    int64_t period = 0;
+    if (pat && pat->type == GgufType::ARRAY) {
+      // Per-layer flags: true = sliding window.
+      if (static_cast<int64_t>(pat->arr.size()) != L)
+        return R::error("metadata '" + arch + ".attention.sliding_window_pattern' has " +
+                        std::to_string(pat->arr.size()) + " entries for " + std::to_string(L) + " layers");
+      for (int64_t il = 0; il < L; ++il) {
+        if (!pat->arr[il].is_int())
+          return R::error("metadata '" + arch + ".attention.sliding_window_pattern' should hold booleans");
+        is_local[il] = pat->arr[il].i != 0;
+      }
+      notes = "layer pattern from " + arch + ".attention.sliding_window_pattern";
+    } else {
+      if (pat) {
+        auto p = g.integer("attention.sliding_window_pattern", 0);
+        if (!p) return p.status();
+        period = p.value();
+        notes = "layer pattern: every " + std::to_string(period) + "th layer global (" + arch +
+                ".attention.sliding_window_pattern)";
+      } else {
+        period = default_swa_period(arch);
+        if (period > 0)
+          notes = "layer pattern: every " + std::to_string(period) + "th layer global (llama.cpp's default for " + arch +
+                  "; the GGUF stores only sliding_window)";
+      }
+      if (period > 0) {
+        for (int64_t il = 0; il < L; ++il) is_local[il] = il % period < period - 1;
+      } else {
+        notes = arch + ".attention.sliding_window is set but the layer pattern is unknown: all layers counted as global (upper bound)";
+      }
+    }
+  }
+  if (notes_out) *notes_out = notes;
+  return window;
+}
+
 Result<KvSizeSpec> kv_size_spec_from_gguf(const GgufFile& f) {
   using R = Result<KvSizeSpec>;
   auto arch_r = f.get_string("general.architecture", "");
@@ -383,45 +433,11 @@ Result<KvSizeSpec> kv_size_spec_from_gguf(const GgufFile& f) {
   if (!v_swa) return v_swa.status();
 
   // Which layers are sliding-window (local).
-  auto win = g.integer("attention.sliding_window", 0);
+  std::vector<bool> is_local;
+  std::string notes;
+  auto win = sliding_window_layers(f, L, &is_local, &notes);
   if (!win) return win.status();
   const int64_t window = win.value();
-  std::vector<bool> is_local(static_cast<size_t>(L), false);
-  std::string notes;
-  if (window > 0) {
-    const GgufValue* pat = g.find("attention.sliding_window_pattern");
-    int64_t period = 0;
-    if (pat && pat->type == GgufType::ARRAY) {
-      // Per-layer flags: true = sliding window.
-      if (static_cast<int64_t>(pat->arr.size()) != L)
-        return R::error("metadata '" + arch + ".attention.sliding_window_pattern' has " +
-                        std::to_string(pat->arr.size()) + " entries for " + std::to_string(L) + " layers");
-      for (int64_t il = 0; il < L; ++il) {
-        if (!pat->arr[il].is_int())
-          return R::error("metadata '" + arch + ".attention.sliding_window_pattern' should hold booleans");
-        is_local[il] = pat->arr[il].i != 0;
-      }
-      notes = "layer pattern from " + arch + ".attention.sliding_window_pattern";
-    } else {
-      if (pat) {
-        auto p = g.integer("attention.sliding_window_pattern", 0);
-        if (!p) return p.status();
-        period = p.value();
-        notes = "layer pattern: every " + std::to_string(period) + "th layer global (" + arch +
-                ".attention.sliding_window_pattern)";
-      } else {
-        period = default_swa_period(arch);
-        if (period > 0)
-          notes = "layer pattern: every " + std::to_string(period) + "th layer global (llama.cpp's default for " + arch +
-                  "; the GGUF stores only sliding_window)";
-      }
-      if (period > 0) {
-        for (int64_t il = 0; il < L; ++il) is_local[il] = il % period < period - 1;
-      } else {
-        notes = arch + ".attention.sliding_window is set but the layer pattern is unknown: all layers counted as global (upper bound)";
-      }
-    }
-  }
 
   // Group layers with the same shape; layers with no kv heads cache nothing.
   std::map<std::tuple<int, int64_t>, int64_t> counts;  // (kind, n_head_kv) -> layers

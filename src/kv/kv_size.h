@@ -115,6 +115,10 @@ std::string group_thousands(int64_t v);  // 10737418240 -> "10,737,418,240"
 std::string binary_size(double bytes);   // "10.00 GiB", "22.50 KiB", "512 B"
 
 // From a GGUF's `{arch}.*` metadata (llama.cpp names). Errors name the missing key.
+// The sliding window ({arch}.attention.sliding_window, 0 if none) and which of the L layers
+// use it: {arch}.attention.sliding_window_pattern (per-layer flags or a period), else
+// llama.cpp's default period for the architecture. notes: where the pattern came from.
+Result<int64_t> sliding_window_layers(const GgufFile& f, int64_t L, std::vector<bool>* local, std::string* notes);
 Result<KvSizeSpec> kv_size_spec_from_gguf(const GgufFile& f);
 
 struct KvSizePreset {

@@ -125,9 +125,11 @@ struct BlockTable {
 
   // Pages needed to hold n positions.
   static int32_t pages_for(int64_t n, int32_t block_size) { return static_cast<int32_t>((n + block_size - 1) / block_size); }
-  // Returns every page to the pool and empties the table.
+  // Returns every page to the pool and empties the table (-1 entries: pages already freed,
+  // e.g. slid out of a sliding window).
   void release_all(PagePool& pool) {
-    for (int32_t p : pages) pool.release(p);
+    for (int32_t p : pages)
+      if (p >= 0) pool.release(p);
     pages.clear();
     n_tokens = 0;
   }

@@ -7,8 +7,12 @@
 
 namespace kv {
 
+// KV layer groups a model may have (global full-attention layers; sliding-window layers).
+inline constexpr int kMaxKvGroups = 2;
+
 struct BatchSeq {
-  const int32_t* pages = nullptr;  // the sequence's block table (covers pos0 + n_tokens)
+  const int32_t* pages = nullptr;  // the sequence's block table (covers pos0 + n_tokens), group 0
+  const int32_t* pages_g1 = nullptr;  // group 1's block table (hybrid models), else null
   int64_t pos0 = 0;                // position of the run's first token (= tokens already in KV)
   int32_t n_tokens = 0;            // run length; the run's tokens are tokens[offset, offset+n)
   int32_t offset = 0;
@@ -20,8 +24,9 @@ struct Batch {
   std::vector<BatchSeq> seqs;
 
   // Appends one sequence's run; returns its index.
-  int add(const int32_t* pages, int64_t pos0, const int32_t* toks, int32_t n, bool want_logits) {
-    BatchSeq s{pages, pos0, n, static_cast<int32_t>(tokens.size()), want_logits};
+  int add(const int32_t* pages, int64_t pos0, const int32_t* toks, int32_t n, bool want_logits,
+          const int32_t* pages_g1 = nullptr) {
+    BatchSeq s{pages, pages_g1, pos0, n, static_cast<int32_t>(tokens.size()), want_logits};
     tokens.insert(tokens.end(), toks, toks + n);
     seqs.push_back(s);
     return static_cast<int>(seqs.size()) - 1;
@@ -32,6 +37,7 @@ struct Batch {
     return n;
   }
   void clear() { tokens.clear(); seqs.clear(); }
+  static const int32_t* group_pages(const BatchSeq& s, int g) { return g == 0 ? s.pages : s.pages_g1; }
 };
 
 }  // namespace kv

@@ -1,5 +1,7 @@
 #include "model/config.h"
 
+#include "kv/kv_size.h"
+
 #include "gguf/gguf.h"
 
 namespace kv {
@@ -51,6 +53,19 @@ Result<ModelConfig> ModelConfig::from_gguf(const GgufFile& f) {
   int32_t nv = c.n_vocab;
   geti("vocab_size", nv, &c.n_vocab);
   if (!err) return err;
+  if (c.arch == "gemma3") {
+    c.gemma3 = true;
+    getf("rope.freq_base_swa", 10000.0, &c.rope_base_swa);
+    getf("final_logit_softcapping", 0.0, &c.final_softcap);
+    if (!err) return err;
+    std::vector<bool> local;
+    auto win = sliding_window_layers(f, c.n_layer, &local, nullptr);
+    if (!win) return win.status();
+    if (win.value() < 0 || win.value() > (int64_t(1) << 30))
+      return Result<ModelConfig>::error("bad sliding window " + std::to_string(win.value()));
+    c.n_swa = static_cast<int32_t>(win.value());
+    if (c.n_swa > 0) c.layer_swa = local;
+  }
   // llama-family GGUFs were permuted by the converter for adjacent-pair RoPE.
   c.rope_style = (c.arch == "llama" || c.arch == "mistral" || c.arch == "granite") ? RopeStyle::kNorm : RopeStyle::kNeox;
   return c;

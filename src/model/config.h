@@ -2,6 +2,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 #include "kernels/ops.h"
@@ -26,6 +27,19 @@ struct ModelConfig {
   float rope_scale = 1.f;  // frequency scale (1 / linear scaling factor)
   float rms_eps = 1e-5f;
   RopeStyle rope_style = RopeStyle::kNorm;
+
+  // Gemma 3 (arch "gemma3"): QK-norm, post-attention / post-FFN norms, GELU-tanh gated MLP,
+  // embeddings scaled by √n_embd, sliding-window layers with their own RoPE base.
+  bool gemma3 = false;
+  int32_t n_swa = 0;                 // sliding window (0: none)
+  std::vector<bool> layer_swa;       // per layer: true = sliding window (local)
+  float rope_base_swa = 10000.f;     // RoPE base of sliding-window layers
+  float final_softcap = 0.f;         // logits = c·tanh(logits / c) when > 0
+  bool hybrid() const {              // both local and global layers
+    int n = 0;
+    for (bool b : layer_swa) n += b;
+    return n > 0 && n < n_layer;
+  }
 
   // Reads and validates the config: every size positive, n_head a multiple of n_head_kv,
   // head_dim × n_head consistent with the tensors (checked by the loader).

@@ -41,12 +41,35 @@ Result<std::vector<float>> get_vector(const GgufFile& f, const std::string& name
 Result<std::unique_ptr<LlamaModel>> LlamaModel::load(const GgufFile& f, Isa isa, LoadProgress* progress) {
   auto cfg = ModelConfig::from_gguf(f);
   if (!cfg) return cfg.status();
-  if (cfg->arch != "llama")
-    return Result<std::unique_ptr<LlamaModel>>::error("architecture '" + cfg->arch + "' is not supported by the llama forward");
+  if (cfg->arch != "llama" && cfg->arch != "gemma3")
+    return Result<std::unique_ptr<LlamaModel>>::error("architecture '" + cfg->arch + "' is not supported (llama, gemma3)");
   std::unique_ptr<LlamaModel> m(new LlamaModel());
   m->cfg_ = *cfg;
   const ModelConfig& c = m->cfg_;
-  if (c.head_dim > kAttnMaxHeadDim) return Result<std::unique_ptr<LlamaModel>>::error("head_dim " + std::to_string(c.head_dim) + " exceeds the attention kernel's limit");
+  if (c.head_dim > kAttnMaxHeadDim || c.head_dim % 16 != 0)
+    return Result<std::unique_ptr<LlamaModel>>::error("head_dim " + std::to_string(c.head_dim) + " is not supported by the attention kernel (a multiple of 16, at most " + std::to_string(kAttnMaxHeadDim) + ")");
+  if (c.n_group() > kAttnMaxGroup)
+    return Result<std::unique_ptr<LlamaModel>>::error("query group size " + std::to_string(c.n_group()) + " exceeds the attention kernel's limit");
+  // KV layer groups: global layers, then (hybrid models) the sliding-window layers.
+  {
+    KvGroup global{"global", {}, 0}, local{"local", {}, c.n_swa};
+    m->layer_group_.resize(c.n_layer);
+    m->layer_slot_.resize(c.n_layer);
+    for (int32_t il = 0; il < c.n_layer; ++il) {
+      const bool swa = !c.layer_swa.empty() && c.layer_swa[il];
+      KvGroup& g = swa ? local : global;
+      m->layer_group_[il] = swa ? 1 : 0;
+      m->layer_slot_[il] = static_cast<int32_t>(g.layers.size());
+      g.layers.push_back(il);
+    }
+    if (global.layers.empty()) {  // every layer slides: one group, windowed
+      m->groups_.push_back(std::move(local));
+      std::fill(m->layer_group_.begin(), m->layer_group_.end(), 0);
+    } else {
+      m->groups_.push_back(std::move(global));
+      if (!local.layers.empty()) m->groups_.push_back(std::move(local));
+    }
+  }
   const int64_t n_q = int64_t(c.n_head) * c.head_dim, n_kv = int64_t(c.n_head_kv) * c.head_dim;
 
   const GgufTensor* emb = f.find_tensor("token_embd.weight");
@@ -77,9 +100,20 @@ Result<std::unique_ptr<LlamaModel>> LlamaModel::load(const GgufFile& f, Isa isa,
       if (!*s) return fail(*s);
     L.attn_norm = std::move(*an);
     L.ffn_norm = std::move(*fn);
-    // Q, K, V share their input: one packed matrix when the types agree.
-    if (wq->type != wk->type || wq->type != wv->type || wg->type != wu->type)
-      return Result<std::unique_ptr<LlamaModel>>::error(p + ": mixed weight types within attn_q/k/v or ffn_gate/up are not supported yet");
+    if (c.gemma3) {
+      auto qn = get_vector(f, p + "attn_q_norm.weight", c.head_dim);
+      auto kn = get_vector(f, p + "attn_k_norm.weight", c.head_dim);
+      auto pa = get_vector(f, p + "post_attention_norm.weight", c.n_embd);
+      auto pf = get_vector(f, p + "post_ffw_norm.weight", c.n_embd);
+      for (const Status* s : {&qn.status(), &kn.status(), &pa.status(), &pf.status()})
+        if (!*s) return fail(*s);
+      L.q_norm = std::move(*qn);
+      L.k_norm = std::move(*kn);
+      L.post_attn_norm = std::move(*pa);
+      L.post_ffw_norm = std::move(*pf);
+    }
+    // Q, K, V share their input: one packed matrix (parts may differ in type; pack says when
+    // it cannot do that).
     auto qkv = PackedMatrix::pack({*wq, *wk, *wv}, isa);
     auto o = PackedMatrix::pack(*wo, isa);
     auto gu = PackedMatrix::pack({*wg, *wu}, isa);
@@ -121,10 +155,12 @@ Result<std::unique_ptr<LlamaModel>> LlamaModel::load(const GgufFile& f, Isa isa,
   return Result<std::unique_ptr<LlamaModel>>(std::move(m));
 }
 
-KvLayout LlamaModel::kv_layout(int32_t block_size, KvDtype dtype, std::vector<KvDtype> layer_dtypes) const {
+KvLayout LlamaModel::kv_layout(int32_t block_size, KvDtype dtype, std::vector<KvDtype> layer_dtypes, int g) const {
   KvLayout l;
-  l.layer_dtypes = std::move(layer_dtypes);
-  l.n_layer = cfg_.n_layer;
+  const KvGroup& grp = groups_[g];
+  if (!layer_dtypes.empty())
+    for (int32_t il : grp.layers) l.layer_dtypes.push_back(layer_dtypes[il]);
+  l.n_layer = static_cast<int32_t>(grp.layers.size());
   l.n_head_kv = cfg_.n_head_kv;
   l.head_dim = cfg_.head_dim;
   l.block_size = block_size;
@@ -185,10 +221,21 @@ void LlamaModel::plan_attention(const Batch& batch, int32_t block_size) {
 }
 
 Status LlamaModel::forward(const Batch& batch, PagePool& pool, ThreadPool& tp, float* logits) {
+  if (groups_.size() != 1) return Status::error("this model has " + std::to_string(groups_.size()) + " KV layer groups: pass one pool per group");
+  PagePool* pools[1] = {&pool};
+  return forward(batch, pools, tp, logits);
+}
+
+Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPool& tp, float* logits) {
   const ModelConfig& c = cfg_;
-  const KvLayout& kl = pool.layout();
-  if (kl.n_layer != c.n_layer || kl.n_head_kv != c.n_head_kv || kl.head_dim != c.head_dim)
-    return Status::error("page pool layout does not match the model");
+  const int n_groups = static_cast<int>(groups_.size());
+  for (int g = 0; g < n_groups; ++g) {
+    const KvLayout& l = pools[g]->layout();
+    if (l.n_layer != static_cast<int32_t>(groups_[g].layers.size()) || l.n_head_kv != c.n_head_kv || l.head_dim != c.head_dim ||
+        l.block_size != pools[0]->layout().block_size)
+      return Status::error("page pool layout does not match the model's KV group " + std::string(groups_[g].name));
+  }
+  const KvLayout& kl = pools[0]->layout();
   const int64_t n_tok = static_cast<int64_t>(batch.tokens.size());
   if (n_tok == 0) return Status::ok();
   for (int32_t t : batch.tokens)
@@ -199,12 +246,15 @@ Status LlamaModel::forward(const Batch& batch, PagePool& pool, ThreadPool& tp, f
   const int64_t n_q = int64_t(c.n_head) * HD, n_kv = int64_t(c.n_head_kv) * HD;
   const int64_t n_qkv = n_q + 2 * n_kv;
   const float scale = 1.f / std::sqrt(static_cast<float>(HD));
+  const float emb_scale = c.gemma3 ? std::sqrt(static_cast<float>(E)) : 1.f;
 
   // x: [n_tok][E] ← embedding rows
   const int64_t emb_row = row_bytes(tok_embd_.type, E);
   for (int64_t t = 0; t < n_tok; ++t)
     dequantize_row_ref(tok_embd_.type, static_cast<const uint8_t*>(tok_embd_.data) + batch.tokens[t] * emb_row,
                        x_.data() + t * E, E);
+  if (emb_scale != 1.f)
+    for (int64_t i = 0; i < n_tok * E; ++i) x_[i] *= emb_scale;
 
   plan_attention(batch, kl.block_size);
   const std::vector<AttnUnit>& units = units_;
@@ -212,6 +262,10 @@ Status LlamaModel::forward(const Batch& batch, PagePool& pool, ThreadPool& tp, f
 
   for (int il = 0; il < c.n_layer; ++il) {
     const Layer& L = layers_[il];
+    const int grp = layer_group_[il], li = layer_slot_[il];
+    PagePool& pool = *pools[grp];
+    const int32_t window = groups_[grp].window;
+    const float rope_base = (!c.layer_swa.empty() && c.layer_swa[il]) ? c.rope_base_swa : c.rope_base;
     // h = rmsnorm(x) ; qkv = h · Wqkvᵀ     [n_tok][n_qkv]
     for (int64_t t = 0; t < n_tok; ++t) rms_norm(x_.data() + t * E, L.attn_norm.data(), h_.data() + t * E, E, c.rms_eps);
     matmul(L.wqkv, h_.data(), n_tok, qkv_.data(), tp);
@@ -221,18 +275,23 @@ Status LlamaModel::forward(const Batch& batch, PagePool& pool, ThreadPool& tp, f
       for (int32_t i = 0; i < s.n_tokens; ++i) {
         const int64_t t = s.offset + i, pos = s.pos0 + i;
         float* row = qkv_.data() + t * n_qkv;
-        rope(row, c.n_head, c.head_dim, c.n_rot, pos, c.rope_base, c.rope_scale, c.rope_style);
-        rope(row + n_q, c.n_head_kv, c.head_dim, c.n_rot, pos, c.rope_base, c.rope_scale, c.rope_style);
-        const int32_t page = s.pages[pos / bs];
+        if (c.gemma3) {  // QK-norm: RMSNorm over each head
+          for (int h = 0; h < c.n_head; ++h) rms_norm(row + h * HD, L.q_norm.data(), row + h * HD, HD, c.rms_eps);
+          for (int h = 0; h < c.n_head_kv; ++h) rms_norm(row + n_q + h * HD, L.k_norm.data(), row + n_q + h * HD, HD, c.rms_eps);
+        }
+        rope(row, c.n_head, c.head_dim, c.n_rot, pos, rope_base, c.rope_scale, c.rope_style);
+        rope(row + n_q, c.n_head_kv, c.head_dim, c.n_rot, pos, rope_base, c.rope_scale, c.rope_style);
+        const int32_t page = Batch::group_pages(s, grp)[pos / bs];
         const int slot = static_cast<int>(pos % bs);
-        if (!pool.write_token(il, page, slot, row + n_q, row + n_q + n_kv)) {
-          pool.release_filled(il);
+        if (!pool.write_token(li, page, slot, row + n_q, row + n_q + n_kv)) {
+          pool.release_filled(li);
           return Status::error("KV staging slots exhausted (more partly filled pages than the pool was sized for)");
         }
       }
     }
     // attn: [n_tok][n_q]
-    const PagedKvView view = pool.view(il);
+    PagedKvView view = pool.view(li);
+    view.window = window;
     const int n_group = c.n_group();
     tp.run([&](int ith, int nth) {
       int64_t b, e;
@@ -241,7 +300,7 @@ Status LlamaModel::forward(const Batch& batch, PagePool& pool, ThreadPool& tp, f
         const AttnUnit& w = units[u];
         const BatchSeq& s = batch.seqs[w.seq];
         PagedKvView v = view;
-        v.pages = s.pages;
+        v.pages = Batch::group_pages(s, grp);
         const int64_t t = s.offset + w.t0;
         if (w.split < 0) {
           paged_attention(v, w.head, n_group, qkv_.data() + t * n_qkv, n_qkv, s.pos0 + w.t0, w.n, scale,
@@ -265,18 +324,23 @@ Status LlamaModel::forward(const Batch& batch, PagePool& pool, ThreadPool& tp, f
                         part_l_.data() + sp.ml_off, sp.head, attn_.data() + t * n_q, n_q);
       }
     });
-    pool.release_filled(il);
-    // x += attn · Woᵀ
+    pool.release_filled(li);
+    // x += attn · Woᵀ   (Gemma 3: normed first)
     matmul(L.wo, attn_.data(), n_tok, tmp_.data(), tp);
+    if (c.gemma3)
+      for (int64_t t = 0; t < n_tok; ++t) rms_norm(tmp_.data() + t * E, L.post_attn_norm.data(), tmp_.data() + t * E, E, c.rms_eps);
     add_inplace(x_.data(), tmp_.data(), n_tok * E);
     // x += down(silu(gate(h)) * up(h)),  h = rmsnorm(x)
     for (int64_t t = 0; t < n_tok; ++t) rms_norm(x_.data() + t * E, L.ffn_norm.data(), h_.data() + t * E, E, c.rms_eps);
     matmul(L.wgu, h_.data(), n_tok, gu_.data(), tp);
     for (int64_t t = 0; t < n_tok; ++t) {
       const float* g = gu_.data() + t * 2 * c.n_ff;
-      silu_mul(g, g + c.n_ff, h_.data() + t * c.n_ff, c.n_ff);
+      if (c.gemma3) gelu_mul(g, g + c.n_ff, h_.data() + t * c.n_ff, c.n_ff);
+      else silu_mul(g, g + c.n_ff, h_.data() + t * c.n_ff, c.n_ff);
     }
     matmul(L.wdown, h_.data(), n_tok, tmp_.data(), tp);
+    if (c.gemma3)
+      for (int64_t t = 0; t < n_tok; ++t) rms_norm(tmp_.data() + t * E, L.post_ffw_norm.data(), tmp_.data() + t * E, E, c.rms_eps);
     add_inplace(x_.data(), tmp_.data(), n_tok * E);
   }
 
@@ -289,6 +353,8 @@ Status LlamaModel::forward(const Batch& batch, PagePool& pool, ThreadPool& tp, f
     ++r;
   }
   if (r > 0) matmul(output_, last_.data(), r, logits, tp);
+  if (c.final_softcap > 0)
+    for (int64_t i = 0; i < r * int64_t(c.n_vocab); ++i) logits[i] = c.final_softcap * std::tanh(logits[i] / c.final_softcap);
   return Status::ok();
 }
 

@@ -1,5 +1,10 @@
 // The Llama-family forward (MHA / GQA / MQA by n_head_kv; RoPE; RMSNorm; SwiGLU; tied or
-// separate output) over paged KV storage.
+// separate output) over paged KV storage, and Gemma 3 (QK-norm, post-norms, GELU-tanh gated
+// MLP, √d-scaled embeddings, sliding-window layers interleaved with global ones).
+//
+// KV layer groups: layers that share a page pool and block table. Llama: one group. Gemma 3:
+// group 0 = the global (full-attention) layers, group 1 = the sliding-window layers, whose
+// pages outside the window can be freed (a block table entry of -1 is such a freed page).
 //
 // Weights are packed once at load from the mmap'd GGUF (which must outlive the model). One
 // forward() processes a Batch: every run's K/V is written into its pages, attention reads
@@ -30,8 +35,14 @@ class LlamaModel {
   static Result<std::unique_ptr<LlamaModel>> load(const GgufFile& f, Isa isa, LoadProgress* progress = nullptr);
 
   const ModelConfig& config() const { return cfg_; }
-  // layer_dtypes: per-layer overrides (empty: every layer `dtype`).
-  KvLayout kv_layout(int32_t block_size, KvDtype dtype, std::vector<KvDtype> layer_dtypes = {}) const;
+  struct KvGroup {
+    const char* name;             // "global", "local"
+    std::vector<int32_t> layers;  // model layer indices, ascending
+    int32_t window = 0;           // > 0: sliding window (positions a query sees)
+  };
+  const std::vector<KvGroup>& kv_groups() const { return groups_; }
+  // The layout of group g. layer_dtypes: per model layer overrides (empty: every layer `dtype`).
+  KvLayout kv_layout(int32_t block_size, KvDtype dtype, std::vector<KvDtype> layer_dtypes = {}, int g = 0) const;
   // Bytes of weights one decode token reads (every matrix once + one embedding row).
   int64_t weight_bytes_per_token() const { return weight_bytes_; }
   // Identifies the weights (tensor directory + a sample of every tensor's bytes): part of the
@@ -41,10 +52,14 @@ class LlamaModel {
   // Runs the batch. logits: [batch.n_logit_rows()][n_vocab], rows in batch.seqs order.
   // The pool's layout must equal kv_layout(...) for some block size and dtype.
   Status forward(const Batch& batch, PagePool& pool, ThreadPool& tp, float* logits);
+  // Models with several KV groups: pools[g] holds group g (BatchSeq::pages / pages_g1).
+  Status forward(const Batch& batch, PagePool* const* pools, ThreadPool& tp, float* logits);
 
  private:
   struct Layer {
     std::vector<float> attn_norm, ffn_norm;  // [n_embd]
+    std::vector<float> q_norm, k_norm;       // [head_dim] (Gemma 3)
+    std::vector<float> post_attn_norm, post_ffw_norm;  // [n_embd] (Gemma 3)
     PackedMatrix wqkv;                       // [n_embd] -> [(n_head + 2 n_head_kv) head_dim]
     PackedMatrix wo;                         // [n_head head_dim] -> [n_embd]
     PackedMatrix wgu;                        // [n_embd] -> [2 n_ff] (gate rows, then up rows)
@@ -54,6 +69,8 @@ class LlamaModel {
   void ensure_scratch(int64_t n_tokens, int64_t n_logits);
 
   ModelConfig cfg_;
+  std::vector<KvGroup> groups_;
+  std::vector<int32_t> layer_group_, layer_slot_;  // per model layer: its group, its index there
   RawMatrix tok_embd_{};                     // [n_vocab][n_embd], read one row per token
   std::vector<float> output_norm_;           // [n_embd]
   PackedMatrix output_;                      // [n_embd] -> [n_vocab]

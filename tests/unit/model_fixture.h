@@ -37,4 +37,25 @@ inline kv::LlamaModel* smollm2_model() {
   return model.get();
 }
 
+inline std::string gemma3_path() { return std::string(KV_SOURCE_DIR) + "/models/gemma-3-270m-Q4_K_M.gguf"; }
+
+// Gemma 3 270M (hybrid: sliding-window + global layers), opened once; fails when missing.
+inline kv::LlamaModel* gemma3_model() {
+  static std::unique_ptr<kv::GgufFile> file = [] {
+    auto f = kv::GgufFile::open(gemma3_path());
+    return f ? std::move(*f) : nullptr;
+  }();
+  static std::unique_ptr<kv::LlamaModel> model = []() -> std::unique_ptr<kv::LlamaModel> {
+    if (!file) return nullptr;
+    auto m = kv::LlamaModel::load(*file, kv::detect_isa());
+    if (!m) {
+      ADD_FAILURE() << m.message();
+      return nullptr;
+    }
+    return std::move(*m);
+  }();
+  if (!file) ADD_FAILURE() << "cannot open " << gemma3_path() << ": run `make models`";
+  return model.get();
+}
+
 }  // namespace kvtest
