@@ -38,6 +38,7 @@ const uint8_t* k_tile(const PagedKvView& kv, int32_t page, int head, bool staged
   return kv.k_base + page * kv.k_page_bytes + head * kv_k_tile_bytes(kv.elem, kv.block_size, kv.head_dim);
 }
 const uint8_t* v_tile(const PagedKvView& kv, int32_t page, int head, bool staged) {
+  if (kv.v_from_k > 0) return nullptr;  // values come from the K tile
   if (staged)
     return kv.v_stage + kv.stage_of[page] * kv.stage_bytes + head * kv_stage_tile_bytes(kv.block_size, kv.head_dim);
   return kv.v_base + page * kv.v_page_bytes + head * kv_v_tile_bytes(kv.elem, kv.block_size, kv.head_dim);
@@ -132,11 +133,15 @@ constexpr int64_t values_bytes(KvElem e, int64_t n) {
 }
 
 // One page against NR rows [r0, r0 + NR): scores, online softmax, Σ p·v. n_keys valid slots.
-template <KvElem E, int NR>
-void page_rows(const uint8_t* kt, const uint8_t* vt, int bs, int hd, int64_t key0, int n_keys, int32_t window,
-               Rows& rows, int r0) {
+// K tile of type E; V tile of type EV (E, or f32 for MLA: the K tile's first dv channels made
+// token-major by the caller), token-major with row stride hd; dv value channels (hd, or C).
+template <KvElem E, KvElem EV, int NR>
+void page_rows(const uint8_t* kt, const uint8_t* vt, int bs, int hd, int dv, int64_t key0, int n_keys,
+               int32_t window, Rows& rows, int r0) {
   constexpr bool kInt = E == KvElem::kInt8 || E == KvElem::kInt4;
   constexpr bool kFp8 = E == KvElem::kFp8E4M3 || E == KvElem::kFp8E5M2;
+  constexpr bool kIntV = EV == KvElem::kInt8 || EV == KvElem::kInt4;
+  constexpr bool kFp8V = EV == KvElem::kFp8E4M3 || EV == KvElem::kFp8E5M2;
   const int64_t n = int64_t(bs) * hd;
   const int n_chunks = (n_keys + 15) / 16;
   alignas(64) float qe[NR][kAttnMaxHeadDim];  // effective query: q·scale·(per-channel / tile scale)
@@ -230,7 +235,7 @@ void page_rows(const uint8_t* kt, const uint8_t* vt, int bs, int hd, int64_t key
     if (corr != 1.f) {
       float* acc = rows.acc[row];
       const __m512 cv = _mm512_set1_ps(corr);
-      for (int d = 0; d < hd; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), cv));
+      for (int d = 0; d < dv; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), cv));
     }
   }
 
@@ -238,22 +243,22 @@ void page_rows(const uint8_t* kt, const uint8_t* vt, int bs, int hd, int64_t key
   int j_end = 0;
   for (int r = 0; r < NR; ++r) j_end = std::max(j_end, hi[r]);
   if (j_end == 0) return;
-  if constexpr (kFp8) {
+  if constexpr (kFp8V) {
     float ts;
     std::memcpy(&ts, vt + n, 4);
-    const __m512 tv = _mm512_set1_ps(E == KvElem::kFp8E4M3 ? ts * 256.f : ts);
+    const __m512 tv = _mm512_set1_ps(EV == KvElem::kFp8E4M3 ? ts * 256.f : ts);
     for (int r = 0; r < NR; ++r)
       for (int c = 0; c < n_chunks; ++c) _mm512_store_ps(s[r] + c * 16, _mm512_mul_ps(_mm512_load_ps(s[r] + c * 16), tv));
   }
-  const int G = kInt ? kv_v_group(E, hd) : hd;
+  const int G = kIntV ? kv_v_group(EV, hd) : hd;
   // int values: v = min + scale·q per (token, group), so Σ p·v = Σ (p·scale)·q + Σ p·min:
   // pw[g][r][j] = p·scale, zr[r][g] = Σ_j p·min, both per page.
-  constexpr int kMaxG = kInt ? kAttnMaxHeadDim / 16 : 1;
+  constexpr int kMaxG = kIntV ? kAttnMaxHeadDim / 16 : 1;
   alignas(64) float pw[kMaxG][NR][kAttnMaxBlockSize];
   float zr[NR][kMaxG];
-  if constexpr (kInt) {
+  if constexpr (kIntV) {
     const int ng = hd / G;
-    const uint16_t* meta = reinterpret_cast<const uint16_t*>(vt + values_bytes(E, n));
+    const uint16_t* meta = reinterpret_cast<const uint16_t*>(vt + values_bytes(EV, n));
     alignas(64) float vs[kAttnMaxBlockSize], vz[kAttnMaxBlockSize];
     for (int g = 0; g < ng; ++g) {
       if (ng == 1) {
@@ -279,68 +284,94 @@ void page_rows(const uint8_t* kt, const uint8_t* vt, int bs, int hd, int64_t key
       }
     }
   }
-  for (int cc = 0; cc < hd / 16; ++cc) {
-    const int g = kInt ? cc * 16 / G : 0;
+  for (int cc = 0; cc < dv / 16; ++cc) {
+    const int g = kIntV ? cc * 16 / G : 0;
     auto w = [&](int r, int j) -> float {
-      if constexpr (kInt) return pw[g][r][j];
+      if constexpr (kIntV) return pw[g][r][j];
       return s[r][j];
     };
     __m512 a0[NR] = {}, a1[NR] = {};
     for (int r = 0; r < NR; ++r) a0[r] = _mm512_loadu_ps(rows.acc[r0 + r] + cc * 16);
     int j = 0;
     for (; j + 2 <= j_end; j += 2) {
-      const __m512 v0 = load_v<E>(vt, hd, G, j, cc);
-      const __m512 v1 = load_v<E>(vt, hd, G, j + 1, cc);
+      const __m512 v0 = load_v<EV>(vt, hd, G, j, cc);
+      const __m512 v1 = load_v<EV>(vt, hd, G, j + 1, cc);
       for (int r = 0; r < NR; ++r) {
         a0[r] = _mm512_fmadd_ps(_mm512_set1_ps(w(r, j)), v0, a0[r]);
         a1[r] = _mm512_fmadd_ps(_mm512_set1_ps(w(r, j + 1)), v1, a1[r]);
       }
     }
     if (j < j_end) {
-      const __m512 v0 = load_v<E>(vt, hd, G, j, cc);
+      const __m512 v0 = load_v<EV>(vt, hd, G, j, cc);
       for (int r = 0; r < NR; ++r) a0[r] = _mm512_fmadd_ps(_mm512_set1_ps(w(r, j)), v0, a0[r]);
     }
     for (int r = 0; r < NR; ++r) {
       __m512 t = _mm512_add_ps(a0[r], a1[r]);
-      if constexpr (kInt) t = _mm512_add_ps(t, _mm512_set1_ps(zr[r][g]));
+      if constexpr (kIntV) t = _mm512_add_ps(t, _mm512_set1_ps(zr[r][g]));
       _mm512_storeu_ps(rows.acc[r0 + r] + cc * 16, t);
     }
   }
 }
 
-template <KvElem E>
-void page_all_rows(const uint8_t* kt, const uint8_t* vt, int bs, int hd, int64_t key0, int n_keys, int32_t window,
-                   Rows& rows, int r_begin, int r_end) {
+template <KvElem E, KvElem EV>
+void page_all_rows(const uint8_t* kt, const uint8_t* vt, int bs, int hd, int dv, int64_t key0, int n_keys,
+                   int32_t window, Rows& rows, int r_begin, int r_end) {
   int r = r_begin;
-  for (; r + 4 <= r_end; r += 4) page_rows<E, 4>(kt, vt, bs, hd, key0, n_keys, window, rows, r);
+  for (; r + 4 <= r_end; r += 4) page_rows<E, EV, 4>(kt, vt, bs, hd, dv, key0, n_keys, window, rows, r);
   switch (r_end - r) {
-    case 3: page_rows<E, 3>(kt, vt, bs, hd, key0, n_keys, window, rows, r); break;
-    case 2: page_rows<E, 2>(kt, vt, bs, hd, key0, n_keys, window, rows, r); break;
-    case 1: page_rows<E, 1>(kt, vt, bs, hd, key0, n_keys, window, rows, r); break;
+    case 3: page_rows<E, EV, 3>(kt, vt, bs, hd, dv, key0, n_keys, window, rows, r); break;
+    case 2: page_rows<E, EV, 2>(kt, vt, bs, hd, dv, key0, n_keys, window, rows, r); break;
+    case 1: page_rows<E, EV, 1>(kt, vt, bs, hd, dv, key0, n_keys, window, rows, r); break;
     default: break;
   }
 }
 
-void page_dispatch(KvElem e, const uint8_t* kt, const uint8_t* vt, int bs, int hd, int64_t key0, int n_keys,
-                   int32_t window, Rows& rows, int r_begin, int r_end) {
+// MLA (values = the K tile's first v_from_k channels): the page's keys are dequantized once,
+// token-major, into an f32 tile (row stride hd) that serves as the V tile for every row group.
+template <KvElem E>
+void page_all_rows_vk(const uint8_t* kt, int bs, int hd, int dv, int64_t key0, int n_keys, int32_t window,
+                      Rows& rows, int r_begin, int r_end) {
+  alignas(64) float vf[kAttnMaxBlockSize * kAttnMaxHeadDim];
+  kv_read_k(kt, E, bs, hd, n_keys, vf);
+  page_all_rows<E, KvElem::kF32>(kt, reinterpret_cast<const uint8_t*>(vf), bs, hd, dv, key0, n_keys, window, rows,
+                                 r_begin, r_end);
+}
+
+void page_dispatch(KvElem e, const uint8_t* kt, const uint8_t* vt, int bs, int hd, int v_from_k, int64_t key0,
+                   int n_keys, int32_t window, Rows& rows, int r_begin, int r_end) {
+  if (v_from_k > 0) {
+    const int dv = v_from_k;
+    switch (e) {
+      case KvElem::kF32: return page_all_rows_vk<KvElem::kF32>(kt, bs, hd, dv, key0, n_keys, window, rows, r_begin, r_end);
+      case KvElem::kF16: return page_all_rows_vk<KvElem::kF16>(kt, bs, hd, dv, key0, n_keys, window, rows, r_begin, r_end);
+      case KvElem::kBF16: return page_all_rows_vk<KvElem::kBF16>(kt, bs, hd, dv, key0, n_keys, window, rows, r_begin, r_end);
+      case KvElem::kFp8E4M3: return page_all_rows_vk<KvElem::kFp8E4M3>(kt, bs, hd, dv, key0, n_keys, window, rows, r_begin, r_end);
+      case KvElem::kFp8E5M2: return page_all_rows_vk<KvElem::kFp8E5M2>(kt, bs, hd, dv, key0, n_keys, window, rows, r_begin, r_end);
+      case KvElem::kInt8: return page_all_rows_vk<KvElem::kInt8>(kt, bs, hd, dv, key0, n_keys, window, rows, r_begin, r_end);
+      case KvElem::kInt4: return page_all_rows_vk<KvElem::kInt4>(kt, bs, hd, dv, key0, n_keys, window, rows, r_begin, r_end);
+    }
+    return;
+  }
   switch (e) {
-    case KvElem::kF32: return page_all_rows<KvElem::kF32>(kt, vt, bs, hd, key0, n_keys, window, rows, r_begin, r_end);
-    case KvElem::kF16: return page_all_rows<KvElem::kF16>(kt, vt, bs, hd, key0, n_keys, window, rows, r_begin, r_end);
-    case KvElem::kBF16: return page_all_rows<KvElem::kBF16>(kt, vt, bs, hd, key0, n_keys, window, rows, r_begin, r_end);
-    case KvElem::kFp8E4M3: return page_all_rows<KvElem::kFp8E4M3>(kt, vt, bs, hd, key0, n_keys, window, rows, r_begin, r_end);
-    case KvElem::kFp8E5M2: return page_all_rows<KvElem::kFp8E5M2>(kt, vt, bs, hd, key0, n_keys, window, rows, r_begin, r_end);
-    case KvElem::kInt8: return page_all_rows<KvElem::kInt8>(kt, vt, bs, hd, key0, n_keys, window, rows, r_begin, r_end);
-    case KvElem::kInt4: return page_all_rows<KvElem::kInt4>(kt, vt, bs, hd, key0, n_keys, window, rows, r_begin, r_end);
+    case KvElem::kF32: return page_all_rows<KvElem::kF32, KvElem::kF32>(kt, vt, bs, hd, hd, key0, n_keys, window, rows, r_begin, r_end);
+    case KvElem::kF16: return page_all_rows<KvElem::kF16, KvElem::kF16>(kt, vt, bs, hd, hd, key0, n_keys, window, rows, r_begin, r_end);
+    case KvElem::kBF16: return page_all_rows<KvElem::kBF16, KvElem::kBF16>(kt, vt, bs, hd, hd, key0, n_keys, window, rows, r_begin, r_end);
+    case KvElem::kFp8E4M3: return page_all_rows<KvElem::kFp8E4M3, KvElem::kFp8E4M3>(kt, vt, bs, hd, hd, key0, n_keys, window, rows, r_begin, r_end);
+    case KvElem::kFp8E5M2: return page_all_rows<KvElem::kFp8E5M2, KvElem::kFp8E5M2>(kt, vt, bs, hd, hd, key0, n_keys, window, rows, r_begin, r_end);
+    case KvElem::kInt8: return page_all_rows<KvElem::kInt8, KvElem::kInt8>(kt, vt, bs, hd, hd, key0, n_keys, window, rows, r_begin, r_end);
+    case KvElem::kInt4: return page_all_rows<KvElem::kInt4, KvElem::kInt4>(kt, vt, bs, hd, hd, key0, n_keys, window, rows, r_begin, r_end);
   }
 }
 
 #else  // portable path: dequantize one page tile to floats, then plain loops
 
-void page_dispatch(KvElem e, const uint8_t* kt, const uint8_t* vt, int bs, int hd, int64_t key0, int n_keys,
-                   int32_t window, Rows& rows, int r_begin, int r_end) {
+void page_dispatch(KvElem e, const uint8_t* kt, const uint8_t* vt, int bs, int hd, int v_from_k, int64_t key0,
+                   int n_keys, int32_t window, Rows& rows, int r_begin, int r_end) {
   std::vector<float> kf(size_t(n_keys) * hd), vf(size_t(n_keys) * hd), s(n_keys);
   kv_read_k(kt, e, bs, hd, n_keys, kf.data());
-  kv_read_v(vt, e, bs, hd, n_keys, vf.data());
+  if (v_from_k > 0) vf = kf;  // values: the first v_from_k channels of each key row
+  else kv_read_v(vt, e, bs, hd, n_keys, vf.data());
+  const int dv = v_from_k > 0 ? v_from_k : hd;
   for (int r = r_begin; r < r_end; ++r) {
     int lo, hi;
     visible(rows.pos[r], key0, n_keys, window, &lo, &hi);
@@ -354,12 +385,12 @@ void page_dispatch(KvElem e, const uint8_t* kt, const uint8_t* vt, int bs, int h
     }
     const float m_new = std::max(rows.m[r], mx), corr = std::exp(rows.m[r] - m_new);
     float* acc = rows.acc[r];
-    for (int i = 0; i < hd; ++i) acc[i] *= corr;
+    for (int i = 0; i < dv; ++i) acc[i] *= corr;
     float sum = 0;
     for (int j = lo; j < hi; ++j) {
       const float p = std::exp(s[j] - m_new);
       sum += p;
-      for (int i = 0; i < hd; ++i) acc[i] += p * vf[size_t(j) * hd + i];
+      for (int i = 0; i < dv; ++i) acc[i] += p * vf[size_t(j) * hd + i];
     }
     rows.l[r] = rows.l[r] * corr + sum;
     rows.m[r] = m_new;
@@ -371,7 +402,7 @@ void page_dispatch(KvElem e, const uint8_t* kt, const uint8_t* vt, int bs, int h
 // Runs the rows of one query tile over keys [key_begin, key_end), leaving acc/m/l unnormalised.
 void attend(const PagedKvView& kv, int kv_head, int n_group, const float* q, int64_t q_stride, int64_t pos0, int n_q,
             int64_t key_begin, int64_t key_end, float scale, float* acc, float* m, float* l) {
-  const int hd = kv.head_dim, bs = kv.block_size;
+  const int hd = kv.head_dim, bs = kv.block_size, dv = kv.value_dim();
   alignas(64) float qs[kMaxRows][kAttnMaxHeadDim];
   Rows rows;
   rows.n = n_q * n_group;
@@ -384,8 +415,8 @@ void attend(const PagedKvView& kv, int kv_head, int n_group, const float* q, int
       for (int i = 0; i < hd; ++i) qs[r][i] = src[i] * scale;
       rows.qs[r] = qs[r];
       rows.pos[r] = pos0 + t;
-      rows.acc[r] = acc + int64_t(r) * hd;
-      std::fill(rows.acc[r], rows.acc[r] + hd, 0.f);
+      rows.acc[r] = acc + int64_t(r) * dv;
+      std::fill(rows.acc[r], rows.acc[r] + dv, 0.f);
       m[r] = kNegInf;
       l[r] = 0.f;
     }
@@ -397,8 +428,8 @@ void attend(const PagedKvView& kv, int kv_head, int n_group, const float* q, int
     const int n_keys = static_cast<int>(std::min<int64_t>(bs, hi - key0));
     const int32_t page = kv.pages[pg];
     if (!has_stage(kv, page)) {
-      page_dispatch(kv.elem, k_tile(kv, page, kv_head, false), v_tile(kv, page, kv_head, false), bs, hd, key0, n_keys,
-                    kv.window, rows, 0, rows.n);
+      page_dispatch(kv.elem, k_tile(kv, page, kv_head, false), v_tile(kv, page, kv_head, false), bs, hd, kv.v_from_k,
+                    key0, n_keys, kv.window, rows, 0, rows.n);
       continue;
     }
     // rows [0, own): before the page (see none of it); [own, later): their own page, from
@@ -408,11 +439,11 @@ void attend(const PagedKvView& kv, int kv_head, int n_group, const float* q, int
     later = own;
     while (later < rows.n && rows.pos[later] < key0 + bs) ++later;
     if (later > own)
-      page_dispatch(KvElem::kF16, k_tile(kv, page, kv_head, true), v_tile(kv, page, kv_head, true), bs, hd, key0, n_keys,
-                    kv.window, rows, own, later);
+      page_dispatch(KvElem::kF16, k_tile(kv, page, kv_head, true), v_tile(kv, page, kv_head, true), bs, hd, kv.v_from_k,
+                    key0, n_keys, kv.window, rows, own, later);
     if (rows.n > later)
-      page_dispatch(kv.elem, k_tile(kv, page, kv_head, false), v_tile(kv, page, kv_head, false), bs, hd, key0, n_keys,
-                    kv.window, rows, later, rows.n);
+      page_dispatch(kv.elem, k_tile(kv, page, kv_head, false), v_tile(kv, page, kv_head, false), bs, hd, kv.v_from_k,
+                    key0, n_keys, kv.window, rows, later, rows.n);
   }
 }
 
@@ -448,21 +479,22 @@ void attention_merge(int n_parts, int n_group, int n_q, int head_dim, const floa
 
 void paged_attention(const PagedKvView& kv, int kv_head, int n_group, const float* q, int64_t q_stride,
                      int64_t pos0, int n_q, float scale, float* out, int64_t o_stride) {
-  const int hd = kv.head_dim;
+  const int dv = kv.value_dim();
   alignas(64) float acc[kMaxRows * kAttnMaxHeadDim];
   float m[kMaxRows], l[kMaxRows];
   for (int t0 = 0; t0 < n_q; t0 += kAttnQTile) {
     const int nt = std::min(kAttnQTile, n_q - t0);
     attend(kv, kv_head, n_group, q + int64_t(t0) * q_stride, q_stride, pos0 + t0, nt, 0, pos0 + t0 + nt, scale, acc, m,
            l);
-    attention_merge(1, n_group, nt, hd, acc, m, l, kv_head, out + int64_t(t0) * o_stride, o_stride);
+    attention_merge(1, n_group, nt, dv, acc, m, l, kv_head, out + int64_t(t0) * o_stride, o_stride);
   }
 }
 
 void paged_attention_ref(const PagedKvView& kv, int kv_head, int n_group, const float* q, int64_t q_stride,
                          int64_t pos0, int n_q, float scale, float* out, int64_t o_stride) {
-  const int hd = kv.head_dim, bs = kv.block_size;
-  // Reads all tokens of a page (both K and V) through the tile readers.
+  const int hd = kv.head_dim, bs = kv.block_size, dv = kv.value_dim();
+  // Reads all tokens of a page (both K and V) through the tile readers (MLA, v_from_k > 0: the
+  // values are the first v_from_k channels of each key).
   std::vector<float> kp(size_t(bs) * hd), vp(size_t(bs) * hd);
   for (int t = 0; t < n_q; ++t) {
     const int64_t qpos = pos0 + t;
@@ -478,7 +510,8 @@ void paged_attention_ref(const PagedKvView& kv, int kv_head, int n_group, const 
         const uint8_t* vt = v_tile(kv, kv.pages[pg], kv_head, staged);
         const KvElem e = staged ? KvElem::kF16 : kv.elem;
         kv_read_k(kt, e, bs, hd, bs, kp.data());
-        kv_read_v(vt, e, bs, hd, bs, vp.data());
+        if (kv.v_from_k > 0) vp = kp;
+        else kv_read_v(vt, e, bs, hd, bs, vp.data());
         for (int j = 0; j < bs; ++j) {
           const int64_t pos = pg * bs + j;
           if (pos < first || pos > qpos) continue;
@@ -486,16 +519,16 @@ void paged_attention_ref(const PagedKvView& kv, int kv_head, int n_group, const 
           for (int i = 0; i < hd; ++i) d += double(qr[i]) * kp[size_t(j) * hd + i];
           sc[pos] = d * scale;
           mx = std::max(mx, sc[pos]);
-          vals[pos].assign(vp.begin() + size_t(j) * hd, vp.begin() + size_t(j + 1) * hd);
+          vals[pos].assign(vp.begin() + size_t(j) * hd, vp.begin() + size_t(j) * hd + dv);
         }
       }
       double sum = 0;
       for (int64_t j = first; j <= qpos; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
-      std::vector<double> o(hd, 0.0);
+      std::vector<double> o(dv, 0.0);
       for (int64_t j = first; j <= qpos; ++j)
-        for (int i = 0; i < hd; ++i) o[i] += sc[j] / sum * vals[j][i];
-      float* orow = out + int64_t(t) * o_stride + int64_t(kv_head * n_group + g) * hd;
-      for (int i = 0; i < hd; ++i) orow[i] = static_cast<float>(o[i]);
+        for (int i = 0; i < dv; ++i) o[i] += sc[j] / sum * vals[j][i];
+      float* orow = out + int64_t(t) * o_stride + int64_t(kv_head * n_group + g) * dv;
+      for (int i = 0; i < dv; ++i) orow[i] = static_cast<float>(o[i]);
     }
   }
 }

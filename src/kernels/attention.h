@@ -43,6 +43,13 @@ struct PagedKvView {
   int64_t stage_bytes = 0;
   // > 0: a query at position p sees only keys in (p - window, p] (sliding-window layers).
   int32_t window = 0;
+  // > 0 (MLA, latent cache): there is no V tile; the value of a key is the first v_from_k
+  // channels of its K row (the latent c_kv of [c_kv ‖ k_pe]), read from the K tile (channel-
+  // major, dequantized as keys are: int8/int4 per channel min + scale·q). Outputs and partial
+  // accumulators then hold v_from_k values per query head instead of head_dim (a multiple
+  // of 16, at most head_dim).
+  int32_t v_from_k = 0;
+  int value_dim() const { return v_from_k > 0 ? v_from_k : head_dim; }
 };
 
 // For KV head `kv_head` and its n_group query heads, n_q consecutive query tokens at
@@ -50,12 +57,13 @@ struct PagedKvView {
 // written into the pages).
 //   q:   [n_q][q_stride] floats; head h of token t at q + t*q_stride + h*head_dim
 //   out: [n_q][o_stride] floats, same head layout; heads kv_head*n_group .. +n_group written
+//        (head h at out + t*o_stride + h*kv.value_dim(): head_dim, or v_from_k for MLA)
 void paged_attention(const PagedKvView& kv, int kv_head, int n_group, const float* q, int64_t q_stride,
                      int64_t pos0, int n_q, float scale, float* out, int64_t o_stride);
 
 // One part of a split key range: as paged_attention for n_q ≤ kAttnQTile tokens, but only keys
 // in [key_begin, key_end) (key_begin a multiple of block_size) and without normalising. Rows
-// r = t * n_group + g: acc [rows][head_dim] (Σ p·v), m [rows] (running max, -inf if the row saw
+// r = t * n_group + g: acc [rows][kv.value_dim()] (Σ p·v), m [rows] (running max, -inf if the row saw
 // no key), l [rows] (Σ p).
 void paged_attention_partial(const PagedKvView& kv, int kv_head, int n_group, const float* q, int64_t q_stride,
                              int64_t pos0, int n_q, int64_t key_begin, int64_t key_end, float scale, float* acc,

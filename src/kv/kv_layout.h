@@ -27,6 +27,10 @@ struct KvLayout {
   int32_t block_size = 16;  // token positions per page
   KvDtype dtype = KvDtype::kF16;
   std::vector<KvDtype> layer_dtypes;  // per layer; empty = every layer `dtype`
+  // > 0: K tiles only (MLA). A token's cached row is the K row (latent ‖ rope key,
+  // head_dim values); the values are its first v_from_k channels, read from the K tile, so no
+  // V tile is stored (v_layer_page_bytes() = 0, no V staging).
+  int32_t v_from_k = 0;
 
   KvDtype dtype_of(int32_t layer) const { return layer_dtypes.empty() ? dtype : layer_dtypes[layer]; }
   bool mixed() const;  // layers do not all share one dtype
@@ -35,15 +39,17 @@ struct KvLayout {
 
   // Bytes of one (layer, page) for K (or V): n_head_kv tiles, metadata included.
   int64_t k_layer_page_bytes(int32_t layer) const { return n_head_kv * kv_k_tile_bytes(dtype_of(layer), block_size, head_dim); }
-  int64_t v_layer_page_bytes(int32_t layer) const { return n_head_kv * kv_v_tile_bytes(dtype_of(layer), block_size, head_dim); }
+  int64_t v_layer_page_bytes(int32_t layer) const {
+    return v_from_k > 0 ? 0 : n_head_kv * kv_v_tile_bytes(dtype_of(layer), block_size, head_dim);
+  }
   // Bytes of one page across all layers, K and V.
   int64_t page_bytes() const;
   // KV bytes per token of context (page bytes / block size; metadata included).
   double bytes_per_token() const { return double(page_bytes()) / block_size; }
   // Layers whose pages are quantized on fill (fp8 / int8 / int4) and so need staging.
   bool staged(int32_t layer) const { return kv_elem_staged(dtype_of(layer)); }
-  // Bytes of one staging slot of one layer: K and V of every head at f16.
-  int64_t stage_layer_bytes() const { return 2 * int64_t(n_head_kv) * kv_stage_tile_bytes(block_size, head_dim); }
+  // Bytes of one staging slot of one layer: K and V (K only when v_from_k) of every head at f16.
+  int64_t stage_layer_bytes() const { return (v_from_k > 0 ? 1 : 2) * int64_t(n_head_kv) * kv_stage_tile_bytes(block_size, head_dim); }
   int32_t n_staged_layers() const;
   // "f16", or "int4 (f16: 0-1,28-29)" when layers differ.
   std::string describe() const;

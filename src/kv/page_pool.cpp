@@ -67,6 +67,9 @@ Status KvLayout::validate() const {
   if (!layer_dtypes.empty() && static_cast<int32_t>(layer_dtypes.size()) != n_layer)
     return Status::error("per-layer KV dtypes name " + std::to_string(layer_dtypes.size()) + " layers, the model has " +
                          std::to_string(n_layer));
+  if (v_from_k < 0 || v_from_k > head_dim || v_from_k % 16 != 0)
+    return Status::error("K-only (MLA) layout: value channels " + std::to_string(v_from_k) +
+                         " must be a multiple of 16 and at most head_dim " + std::to_string(head_dim));
   for (int32_t l = 0; l < n_layer; ++l)
     if (const char* e = kv_tile_shape_error(dtype_of(l), block_size, head_dim))
       return Status::error(std::string(kv_dtype_name(dtype_of(l))) + " KV: " + e + " (block size " +
@@ -220,6 +223,7 @@ bool PagePool::ensure_stage(int32_t layer, int32_t page, int32_t slot) {
     for (int32_t h = 0; h < layout_.n_head_kv; ++h) {
       kv_read_k(k_data(layer, page) + h * kt, e, bs, hd, slot, tmp.data());
       for (int j = 0; j < slot; ++j) kv_write_k(stage_k(layer, s) + h * st, KvElem::kF16, bs, hd, j, tmp.data() + size_t(j) * hd);
+      if (layout_.v_from_k > 0) continue;
       kv_read_v(v_data(layer, page) + h * vt, e, bs, hd, slot, tmp.data());
       for (int j = 0; j < slot; ++j) kv_write_v(stage_v(layer, s) + h * st, KvElem::kF16, bs, hd, j, tmp.data() + size_t(j) * hd);
     }
@@ -235,7 +239,7 @@ void PagePool::quantize_layer(int32_t layer, int32_t page) {
   const int64_t kt = kv_k_tile_bytes(e, bs, hd), vt = kv_v_tile_bytes(e, bs, hd), st = kv_stage_tile_bytes(bs, hd);
   for (int32_t h = 0; h < layout_.n_head_kv; ++h) {
     kv_quantize_k(reinterpret_cast<const uint16_t*>(stage_k(layer, s) + h * st), e, bs, hd, k_data(layer, page) + h * kt);
-    kv_quantize_v(reinterpret_cast<const uint16_t*>(stage_v(layer, s) + h * st), e, bs, hd, v_data(layer, page) + h * vt);
+    if (layout_.v_from_k == 0) kv_quantize_v(reinterpret_cast<const uint16_t*>(stage_v(layer, s) + h * st), e, bs, hd, v_data(layer, page) + h * vt);
   }
 }
 
@@ -260,7 +264,7 @@ bool PagePool::write_token(int32_t layer, int32_t page, int32_t slot, const floa
     const int64_t st = kv_stage_tile_bytes(bs, hd);
     for (int32_t h = 0; h < layout_.n_head_kv; ++h) {
       kv_write_k(stage_k(layer, s) + h * st, KvElem::kF16, bs, hd, slot, k + int64_t(h) * hd);
-      kv_write_v(stage_v(layer, s) + h * st, KvElem::kF16, bs, hd, slot, v + int64_t(h) * hd);
+      if (layout_.v_from_k == 0) kv_write_v(stage_v(layer, s) + h * st, KvElem::kF16, bs, hd, slot, v + int64_t(h) * hd);
     }
     if (slot == bs - 1) {
       quantize_layer(layer, page);
@@ -271,7 +275,7 @@ bool PagePool::write_token(int32_t layer, int32_t page, int32_t slot, const floa
   const int64_t kt = kv_k_tile_bytes(e, bs, hd), vt = kv_v_tile_bytes(e, bs, hd);
   for (int32_t h = 0; h < layout_.n_head_kv; ++h) {
     kv_write_k(k_data(layer, page) + h * kt, e, bs, hd, slot, k + int64_t(h) * hd);
-    kv_write_v(v_data(layer, page) + h * vt, e, bs, hd, slot, v + int64_t(h) * hd);
+    if (layout_.v_from_k == 0) kv_write_v(v_data(layer, page) + h * vt, e, bs, hd, slot, v + int64_t(h) * hd);
   }
   return true;
 }
@@ -287,6 +291,11 @@ PagedKvView PagePool::view(int32_t layer) const {
   v.block_size = layout_.block_size;
   v.head_dim = layout_.head_dim;
   v.elem = layout_.dtype_of(layer);
+  v.v_from_k = layout_.v_from_k;
+  if (v.v_from_k > 0) {
+    v.v_base = nullptr;
+    v.v_page_bytes = 0;
+  }
   if (layout_.staged(layer)) {
     v.stage_of = stage_table(layer);
     v.k_stage = self.stage_k(layer, 0);

@@ -77,12 +77,16 @@ class PagePool {
   // The staging slot of (layer, page), or -1.
   int32_t stage_of(int32_t layer, int32_t page) const { return stage_of_.empty() ? -1 : stage_of_[int64_t(layer) * n_pages_ + page]; }
   const int32_t* stage_table(int32_t layer) const { return stage_of_.empty() ? nullptr : stage_of_.data() + int64_t(layer) * n_pages_; }
-  // Staging slot s of a staged layer: K tiles then V tiles, n_head_kv each, f16.
+  // Staging slot s of a staged layer: K tiles then V tiles, n_head_kv each, f16 (K-only
+  // layouts, v_from_k > 0: K tiles only; stage_v is null).
   uint8_t* stage_k(int32_t layer, int32_t s) { return stage_base_[layer] + int64_t(s) * layout_.stage_layer_bytes(); }
-  uint8_t* stage_v(int32_t layer, int32_t s) { return stage_k(layer, s) + layout_.stage_layer_bytes() / 2; }
+  uint8_t* stage_v(int32_t layer, int32_t s) {
+    return layout_.v_from_k > 0 ? nullptr : stage_k(layer, s) + layout_.stage_layer_bytes() / 2;
+  }
   // Quantizes (layer, page)'s staged tiles into the page (the staging slot stays).
   void quantize_layer(int32_t layer, int32_t page);
-  // Writes one token's K and V (n_head_kv × head_dim floats each) into slot `slot` of
+  // Writes one token's K and V (n_head_kv × head_dim floats each; v unused, may be null, for
+  // a K-only layout) into slot `slot` of
   // (layer, page): straight into the page, or for a staged layer into its staging tiles,
   // quantizing the page when `slot` is its last (its staging is freed by release_filled).
   // False when no staging slot is free.

@@ -68,6 +68,46 @@ Result<ModelConfig> ModelConfig::from_gguf(const GgufFile& f) {
   }
   // llama-family GGUFs were permuted by the converter for adjacent-pair RoPE.
   c.rope_style = (c.arch == "llama" || c.arch == "mistral" || c.arch == "granite") ? RopeStyle::kNorm : RopeStyle::kNeox;
+  if (c.arch == "deepseek2") {
+    c.mla = true;
+    c.rope_style = RopeStyle::kNorm;  // GGML_ROPE_TYPE_NORM: adjacent pairs
+    int32_t rope_dim = 0, k_mla = 0, v_mla = 0, key_len = 0, val_len = 0;
+    geti("attention.kv_lora_rank", 0, &c.kv_lora_rank);
+    geti("attention.q_lora_rank", 0, &c.q_lora_rank);
+    geti("rope.dimension_count", 0, &rope_dim);
+    geti("attention.key_length_mla", 0, &k_mla);
+    geti("attention.value_length_mla", 0, &v_mla);
+    geti("attention.key_length", 0, &key_len);
+    geti("attention.value_length", 0, &val_len);
+    geti("leading_dense_block_count", 0, &c.n_layer_dense_lead);
+    if (!err) return err;
+    if (f.find(p + "rope.scaling.yarn_log_multiplier"))
+      return Result<ModelConfig>::error("deepseek2: YaRN RoPE scaling is not supported");
+    if (auto st = f.get_string(p + "rope.scaling.type", "none"); st && *st != "none")
+      return Result<ModelConfig>::error("deepseek2: RoPE scaling '" + *st + "' is not supported");
+    if (c.n_layer_dense_lead < c.n_layer)
+      return Result<ModelConfig>::error("deepseek2: MoE layers are not supported (leading_dense_block_count " +
+                                        std::to_string(c.n_layer_dense_lead) + " < block_count " +
+                                        std::to_string(c.n_layer) + "); only all-dense models run");
+    if (k_mla > 0 && v_mla > 0) {  // split attn_k_b / attn_v_b (current converters)
+      c.qk_nope = k_mla - rope_dim;
+      c.v_head_dim = v_mla;
+    } else {  // legacy: attn_kv_b, key_length = dn + dr, value_length = dv
+      c.mla_legacy = true;
+      c.qk_nope = key_len - rope_dim;
+      c.v_head_dim = val_len;
+    }
+    c.qk_rope = rope_dim;
+    if (c.kv_lora_rank <= 0 || rope_dim <= 0 || rope_dim % 2 || c.qk_nope <= 0 || c.v_head_dim <= 0 || c.q_lora_rank < 0)
+      return Result<ModelConfig>::error("deepseek2: bad MLA dimensions (kv_lora_rank " + std::to_string(c.kv_lora_rank) +
+                                        ", rope " + std::to_string(rope_dim) + ", qk_nope " + std::to_string(c.qk_nope) +
+                                        ", v_head " + std::to_string(c.v_head_dim) + ")");
+    // The cache's view: one latent "KV head" of width C + dr, rotated in its last dr channels
+    // (the model rotates q_pe / k_pe itself; n_rot is dr).
+    c.n_head_kv = 1;
+    c.head_dim = c.kv_lora_rank + rope_dim;
+    c.n_rot = rope_dim;
+  }
   return c;
 }
 

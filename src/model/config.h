@@ -35,6 +35,21 @@ struct ModelConfig {
   std::vector<bool> layer_swa;       // per layer: true = sliding window (local)
   float rope_base_swa = 10000.f;     // RoPE base of sliding-window layers
   float final_softcap = 0.f;         // logits = c·tanh(logits / c) when > 0
+  // DeepSeek-V2 MLA (arch "deepseek2", dense layers only). The KV cache holds one latent row per
+  // token and layer: [c_kv (kv_lora_rank) ‖ k_pe (qk_rope)], so for the cache n_head_kv = 1 and
+  // head_dim = kv_lora_rank + qk_rope; n_rot = qk_rope. Query heads are qk_nope + qk_rope
+  // wide; attention runs absorbed (W_UK into the query, W_UV after the latent output).
+  bool mla = false;
+  int32_t q_lora_rank = 0;           // 0: attn_q; > 0: attn_q_a → attn_q_a_norm → attn_q_b
+  int32_t kv_lora_rank = 0;          // C
+  int32_t qk_nope = 0;               // dn
+  int32_t qk_rope = 0;               // dr (= n_rot)
+  int32_t v_head_dim = 0;            // dv
+  bool mla_legacy = false;           // one attn_kv_b per layer (old GGUFs) instead of attn_k_b / attn_v_b
+  int32_t n_layer_dense_lead = 0;    // leading_dense_block_count
+  // Per query head: the attention kernel's output width (C for MLA: the latent; head_dim
+  // otherwise). MLA's softmax scale is 1/√(dn + dr), not 1/√head_dim.
+  int32_t attn_value_dim() const { return mla ? kv_lora_rank : head_dim; }
   bool hybrid() const {              // both local and global layers
     int n = 0;
     for (bool b : layer_swa) n += b;

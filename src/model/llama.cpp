@@ -36,18 +36,113 @@ Result<std::vector<float>> get_vector(const GgufFile& f, const std::string& name
   return v;
 }
 
+// A weight of any rank dequantized to f32, its GGUF dims checked (ne[0] contiguous).
+Result<std::vector<float>> get_tensor_f32(const GgufFile& f, const std::string& name, const std::vector<int64_t>& ne) {
+  const GgufTensor* t = f.find_tensor(name);
+  if (!t) return Result<std::vector<float>>::error("tensor '" + name + "' is missing");
+  std::vector<int64_t> got = t->ne;
+  while (got.size() > ne.size() && got.back() == 1) got.pop_back();
+  if (got != ne) {
+    auto str = [](const std::vector<int64_t>& v) {
+      std::string r = "[";
+      for (size_t i = 0; i < v.size(); ++i) r += (i ? ", " : "") + std::to_string(v[i]);
+      return r + "]";
+    };
+    return Result<std::vector<float>>::error("tensor '" + name + "' has shape " + str(t->ne) + ", expected " + str(ne));
+  }
+  std::vector<float> v(t->n_elements);
+  if (!dequantize_row_ref(t->type, t->data, v.data(), t->n_elements))
+    return Result<std::vector<float>>::error("tensor '" + name + "' has unsupported type " + type_name(t->type));
+  return v;
+}
+
 }  // namespace
+
+Status LlamaModel::load_mla_layer(const GgufFile& f, int il, Isa isa, Layer* L) {
+  const ModelConfig& c = cfg_;
+  const std::string p = "blk." + std::to_string(il) + ".";
+  const int64_t H = c.n_head, C = c.kv_lora_rank, dn = c.qk_nope, dr = c.qk_rope, dv = c.v_head_dim;
+  const int64_t n_qh = H * (dn + dr);
+  auto an = get_vector(f, p + "attn_norm.weight", c.n_embd);
+  auto fn = get_vector(f, p + "ffn_norm.weight", c.n_embd);
+  auto wkv = get_matrix(f, p + "attn_kv_a_mqa.weight", c.n_embd, C + dr);
+  auto kvn = get_vector(f, p + "attn_kv_a_norm.weight", C);
+  auto wo = get_matrix(f, p + "attn_output.weight", H * dv, c.n_embd);
+  auto wg = get_matrix(f, p + "ffn_gate.weight", c.n_embd, c.n_ff);
+  auto wu = get_matrix(f, p + "ffn_up.weight", c.n_embd, c.n_ff);
+  auto wd = get_matrix(f, p + "ffn_down.weight", c.n_ff, c.n_embd);
+  for (const Status* st : {&an.status(), &fn.status(), &wkv.status(), &kvn.status(), &wo.status(), &wg.status(),
+                           &wu.status(), &wd.status()})
+    if (!*st) return *st;
+  L->attn_norm = std::move(*an);
+  L->ffn_norm = std::move(*fn);
+  L->kv_a_norm = std::move(*kvn);
+  RawMatrix wq_first;  // the query's first matrix: attn_q, or attn_q_a (query LoRA)
+  if (c.q_lora_rank > 0) {
+    auto qa = get_matrix(f, p + "attn_q_a.weight", c.n_embd, c.q_lora_rank);
+    auto qan = get_vector(f, p + "attn_q_a_norm.weight", c.q_lora_rank);
+    auto qb = get_matrix(f, p + "attn_q_b.weight", c.q_lora_rank, n_qh);
+    for (const Status* st : {&qa.status(), &qan.status(), &qb.status()})
+      if (!*st) return *st;
+    wq_first = *qa;
+    L->q_a_norm = std::move(*qan);
+    auto qbp = PackedMatrix::pack(*qb, isa);
+    if (!qbp) return Status::error(p + "attn_q_b: " + qbp.message());
+    L->wq_b = std::move(*qbp);
+  } else {
+    auto wq = get_matrix(f, p + "attn_q.weight", c.n_embd, n_qh);
+    if (!wq) return wq.status();
+    wq_first = *wq;
+  }
+  if (!c.mla_legacy) {
+    auto kb = get_tensor_f32(f, p + "attn_k_b.weight", {dn, C, H});  // [H][C][dn]
+    auto vb = get_tensor_f32(f, p + "attn_v_b.weight", {C, dv, H});  // [H][dv][C]
+    if (!kb) return kb.status();
+    if (!vb) return vb.status();
+    L->w_uk = std::move(*kb);
+    L->w_uv = std::move(*vb);
+  } else {  // attn_kv_b [H (dn + dv)][C]: per head rows W_UK (dn) then W_UV (dv)
+    auto kvb = get_tensor_f32(f, p + "attn_kv_b.weight", {C, H * (dn + dv)});
+    if (!kvb) return kvb.status();
+    L->w_uk.resize(H * C * dn);
+    L->w_uv.resize(H * dv * C);
+    for (int64_t h = 0; h < H; ++h) {
+      const float* b = kvb->data() + h * (dn + dv) * C;
+      for (int64_t i = 0; i < dn; ++i)
+        for (int64_t k = 0; k < C; ++k) L->w_uk[(h * C + k) * dn + i] = b[i * C + k];
+      std::copy(b + dn * C, b + (dn + dv) * C, L->w_uv.begin() + h * dv * C);
+    }
+  }
+  auto qkv = PackedMatrix::pack({wq_first, *wkv}, isa);
+  auto o = PackedMatrix::pack(*wo, isa);
+  auto gu = PackedMatrix::pack({*wg, *wu}, isa);
+  auto d = PackedMatrix::pack(*wd, isa);
+  for (const Status* st : {&qkv.status(), &o.status(), &gu.status(), &d.status()})
+    if (!*st) return Status::error(p + ": " + st->message());
+  L->wqkv = std::move(*qkv);
+  L->wo = std::move(*o);
+  L->wgu = std::move(*gu);
+  L->wdown = std::move(*d);
+  weight_bytes_ += L->wqkv.bytes() + L->wq_b.bytes() + L->wo.bytes() + L->wgu.bytes() + L->wdown.bytes() +
+                   4 * int64_t(L->w_uk.size() + L->w_uv.size()) + 2 * 4 * c.n_embd;
+  return Status::ok();
+}
 
 Result<std::unique_ptr<LlamaModel>> LlamaModel::load(const GgufFile& f, Isa isa, LoadProgress* progress) {
   auto cfg = ModelConfig::from_gguf(f);
   if (!cfg) return cfg.status();
-  if (cfg->arch != "llama" && cfg->arch != "gemma3")
-    return Result<std::unique_ptr<LlamaModel>>::error("architecture '" + cfg->arch + "' is not supported (llama, gemma3)");
+  if (cfg->arch != "llama" && cfg->arch != "gemma3" && cfg->arch != "deepseek2")
+    return Result<std::unique_ptr<LlamaModel>>::error("architecture '" + cfg->arch + "' is not supported (llama, gemma3, deepseek2)");
   std::unique_ptr<LlamaModel> m(new LlamaModel());
   m->cfg_ = *cfg;
   const ModelConfig& c = m->cfg_;
   if (c.head_dim > kAttnMaxHeadDim || c.head_dim % 16 != 0)
-    return Result<std::unique_ptr<LlamaModel>>::error("head_dim " + std::to_string(c.head_dim) + " is not supported by the attention kernel (a multiple of 16, at most " + std::to_string(kAttnMaxHeadDim) + ")");
+    return Result<std::unique_ptr<LlamaModel>>::error(
+        (c.mla ? "MLA cache row kv_lora_rank + rope = " : "head_dim ") + std::to_string(c.head_dim) +
+        " is not supported by the attention kernel (a multiple of 16, at most " + std::to_string(kAttnMaxHeadDim) + ")");
+  if (c.mla && (c.kv_lora_rank % 16 != 0 || c.qk_rope % 16 != 0))
+    return Result<std::unique_ptr<LlamaModel>>::error("MLA: kv_lora_rank " + std::to_string(c.kv_lora_rank) + " and rope dim " +
+                                                      std::to_string(c.qk_rope) + " must be multiples of 16");
   if (c.n_group() > kAttnMaxGroup)
     return Result<std::unique_ptr<LlamaModel>>::error("query group size " + std::to_string(c.n_group()) + " exceeds the attention kernel's limit");
   // KV layer groups: global layers, then (hybrid models) the sliding-window layers.
@@ -86,6 +181,13 @@ Result<std::unique_ptr<LlamaModel>> LlamaModel::load(const GgufFile& f, Isa isa,
   for (int il = 0; il < c.n_layer; ++il) {
     const std::string p = "blk." + std::to_string(il) + ".";
     Layer L;
+    if (c.mla) {
+      Status st = m->load_mla_layer(f, il, isa, &L);
+      if (!st) return fail(st);
+      m->layers_.push_back(std::move(L));
+      if (progress) progress->on_tensor(il + 1, total);
+      continue;
+    }
     auto an = get_vector(f, p + "attn_norm.weight", c.n_embd);
     auto fn = get_vector(f, p + "ffn_norm.weight", c.n_embd);
     auto wq = get_matrix(f, p + "attn_q.weight", c.n_embd, n_q);
@@ -165,6 +267,7 @@ KvLayout LlamaModel::kv_layout(int32_t block_size, KvDtype dtype, std::vector<Kv
   l.head_dim = cfg_.head_dim;
   l.block_size = block_size;
   l.dtype = dtype;
+  if (cfg_.mla) l.v_from_k = cfg_.kv_lora_rank;  // pages hold only the latent row [c_kv ‖ k_pe]
   return l;
 }
 
@@ -177,6 +280,15 @@ void LlamaModel::ensure_scratch(int64_t n_tokens, int64_t n_logits) {
     h_.resize(n_tokens * std::max<int64_t>(std::max(c.n_embd, c.n_ff), int64_t(c.n_head) * c.head_dim));
     qkv_.resize(n_tokens * n_qkv);
     attn_.resize(n_tokens * int64_t(c.n_head) * c.head_dim);
+    if (c.mla) {
+      const int64_t n_qh = int64_t(c.n_head) * (c.qk_nope + c.qk_rope);
+      const int64_t first = (c.q_lora_rank > 0 ? c.q_lora_rank : n_qh) + c.kv_lora_rank + c.qk_rope;
+      if (first > n_qkv) qkv_.resize(n_tokens * first);
+      mla_q_.resize(n_tokens * int64_t(c.n_head) * c.head_dim);
+      mla_qb_.resize(c.q_lora_rank > 0 ? n_tokens * n_qh : 0);
+      mla_qa_.resize(n_tokens * int64_t(c.q_lora_rank));
+      mla_o_.resize(n_tokens * int64_t(c.n_head) * c.v_head_dim);
+    }
     gu_.resize(n_tokens * 2 * int64_t(c.n_ff));
     tmp_.resize(n_tokens * c.n_embd);
   }
@@ -204,7 +316,7 @@ void LlamaModel::plan_attention(const Batch& batch, int32_t block_size) {
         splits_.push_back({s, h, 0, bs.n_tokens, n_parts, acc, ml});
         for (int32_t p = 0; p < n_parts; ++p)
           units_.push_back({s, h, 0, bs.n_tokens, p * split_keys, std::min<int64_t>(ctx, (p + 1) * split_keys), split, p});
-        acc += n_parts * rows * c.head_dim;
+        acc += n_parts * rows * c.attn_value_dim();
         ml += n_parts * rows;
       }
       continue;
@@ -232,7 +344,7 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
   for (int g = 0; g < n_groups; ++g) {
     const KvLayout& l = pools[g]->layout();
     if (l.n_layer != static_cast<int32_t>(groups_[g].layers.size()) || l.n_head_kv != c.n_head_kv || l.head_dim != c.head_dim ||
-        l.block_size != pools[0]->layout().block_size)
+        l.block_size != pools[0]->layout().block_size || l.v_from_k != (c.mla ? c.kv_lora_rank : 0))
       return Status::error("page pool layout does not match the model's KV group " + std::string(groups_[g].name));
   }
   const KvLayout& kl = pools[0]->layout();
@@ -259,11 +371,31 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
   plan_attention(batch, kl.block_size);
   const std::vector<AttnUnit>& units = units_;
   const int64_t bs = kl.block_size;
+  if (c.mla) {
+    tok_pos_.resize(n_tok);
+    for (const BatchSeq& s : batch.seqs)
+      for (int32_t i = 0; i < s.n_tokens; ++i) tok_pos_[s.offset + i] = s.pos0 + i;
+  }
 
   for (int il = 0; il < c.n_layer; ++il) {
     const Layer& L = layers_[il];
     const int grp = layer_group_[il], li = layer_slot_[il];
     PagePool& pool = *pools[grp];
+    if (c.mla) {
+      for (int64_t t = 0; t < n_tok; ++t) rms_norm(x_.data() + t * E, L.attn_norm.data(), h_.data() + t * E, E, c.rms_eps);
+      Status st = mla_attention(batch, il, pool, tp);
+      if (!st) return st;
+      add_inplace(x_.data(), tmp_.data(), n_tok * E);
+      for (int64_t t = 0; t < n_tok; ++t) rms_norm(x_.data() + t * E, L.ffn_norm.data(), h_.data() + t * E, E, c.rms_eps);
+      matmul(L.wgu, h_.data(), n_tok, gu_.data(), tp);
+      for (int64_t t = 0; t < n_tok; ++t) {
+        const float* g = gu_.data() + t * 2 * c.n_ff;
+        silu_mul(g, g + c.n_ff, h_.data() + t * c.n_ff, c.n_ff);
+      }
+      matmul(L.wdown, h_.data(), n_tok, tmp_.data(), tp);
+      add_inplace(x_.data(), tmp_.data(), n_tok * E);
+      continue;
+    }
     const int32_t window = groups_[grp].window;
     const float rope_base = (!c.layer_swa.empty() && c.layer_swa[il]) ? c.rope_base_swa : c.rope_base;
     // h = rmsnorm(x) ; qkv = h · Wqkvᵀ     [n_tok][n_qkv]
@@ -355,6 +487,126 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
   if (r > 0) matmul(output_, last_.data(), r, logits, tp);
   if (c.final_softcap > 0)
     for (int64_t i = 0; i < r * int64_t(c.n_vocab); ++i) logits[i] = c.final_softcap * std::tanh(logits[i] / c.final_softcap);
+  return Status::ok();
+}
+
+// MLA, absorbed: per token, q (per head [q_nope (dn) ‖ q_pe (dr)]) and the latent row
+// kv = [c (C) ‖ k_pe (dr)]; c is RMS-normed, q_pe and k_pe rotated (adjacent pairs), the row
+// written into the page (its only KV). Each head's query becomes [W_UKᵀ q_nope (C) ‖ q_pe]: all
+// heads are one query group over the single latent "KV head" of width C + dr, scale
+// 1/√(dn + dr); the kernel's output per head is Σ p·c (C values, the values being the K tile's
+// first C channels), then o[h] = W_UV[h] · that, and attn_output.
+Status LlamaModel::mla_attention(const Batch& batch, int il, PagePool& pool, ThreadPool& tp) {
+  const ModelConfig& c = cfg_;
+  const Layer& L = layers_[il];
+  const int li = layer_slot_[il];
+  const int64_t n_tok = static_cast<int64_t>(batch.tokens.size());
+  const int64_t H = c.n_head, C = c.kv_lora_rank, dn = c.qk_nope, dr = c.qk_rope, dv = c.v_head_dim;
+  const int64_t n_qh = H * (dn + dr), HD = c.head_dim;  // HD = C + dr
+  const int64_t first = (c.q_lora_rank > 0 ? c.q_lora_rank : n_qh) + C + dr;
+  const int64_t bs = pool.layout().block_size;
+  // [q or q_a | kv] = h · [Wq ; Wkv_a]ᵀ
+  matmul(L.wqkv, h_.data(), n_tok, qkv_.data(), tp);
+  const float* qsrc = qkv_.data();
+  int64_t q_stride = first;
+  if (c.q_lora_rank > 0) {
+    const int64_t R = c.q_lora_rank;
+    for (int64_t t = 0; t < n_tok; ++t) rms_norm(qkv_.data() + t * first, L.q_a_norm.data(), mla_qa_.data() + t * R, R, c.rms_eps);
+    matmul(L.wq_b, mla_qa_.data(), n_tok, mla_qb_.data(), tp);
+    qsrc = mla_qb_.data();
+    q_stride = n_qh;
+  }
+  const int64_t kv_off = first - (C + dr);
+  // Latent rows: norm + rope, then into the pages (one writer: staging slots are taken here).
+  for (int64_t t = 0; t < n_tok; ++t) {
+    float* kv = qkv_.data() + t * first + kv_off;
+    rms_norm(kv, L.kv_a_norm.data(), kv, C, c.rms_eps);
+    rope(kv + C, 1, static_cast<int>(dr), static_cast<int>(dr), tok_pos_[t], c.rope_base, c.rope_scale, c.rope_style);
+  }
+  for (const BatchSeq& s : batch.seqs)
+    for (int32_t i = 0; i < s.n_tokens; ++i) {
+      const int64_t t = s.offset + i, pos = s.pos0 + i;
+      const int32_t page = Batch::group_pages(s, 0)[pos / bs];
+      if (!pool.write_token(li, page, static_cast<int>(pos % bs), qkv_.data() + t * first + kv_off, nullptr)) {
+        pool.release_filled(li);
+        return Status::error("KV staging slots exhausted (more partly filled pages than the pool was sized for)");
+      }
+    }
+  // Absorbed queries: mla_q_[t][h] = [W_UK[h]ᵀ q_nope (C) ‖ rope(q_pe) (dr)]
+  tp.run([&](int ith, int nth) {
+    int64_t b, e;
+    ThreadPool::split(n_tok, ith, nth, 1, &b, &e);
+    for (int64_t t = b; t < e; ++t) {
+      float* q = const_cast<float*>(qsrc) + t * q_stride;
+      rope(q + dn, static_cast<int>(H), static_cast<int>(dn + dr), static_cast<int>(dr), tok_pos_[t], c.rope_base,
+           c.rope_scale, c.rope_style);
+      for (int64_t h = 0; h < H; ++h) {
+        const float* qn = q + h * (dn + dr);
+        float* out = mla_q_.data() + t * H * HD + h * HD;
+        const float* w = L.w_uk.data() + h * C * dn;
+        for (int64_t k = 0; k < C; ++k) {
+          float a = 0.f;
+          for (int64_t i = 0; i < dn; ++i) a += w[k * dn + i] * qn[i];
+          out[k] = a;
+        }
+        std::memcpy(out + C, qn + dn, dr * sizeof(float));
+      }
+    }
+  });
+  // Latent attention: one KV head, all H query heads in its group; out [n_tok][H][C].
+  PagedKvView view = pool.view(li);
+  const float scale = 1.f / std::sqrt(static_cast<float>(dn + dr));
+  const int n_group = static_cast<int>(H);
+  const int64_t q_ld = H * HD, o_ld = H * C;
+  tp.run([&](int ith, int nth) {
+    int64_t b, e;
+    ThreadPool::split(static_cast<int64_t>(units_.size()), ith, nth, 1, &b, &e);
+    for (int64_t u = b; u < e; ++u) {
+      const AttnUnit& w = units_[u];
+      const BatchSeq& s = batch.seqs[w.seq];
+      PagedKvView v = view;
+      v.pages = Batch::group_pages(s, 0);
+      const int64_t t = s.offset + w.t0;
+      if (w.split < 0) {
+        paged_attention(v, w.head, n_group, mla_q_.data() + t * q_ld, q_ld, s.pos0 + w.t0, w.n, scale,
+                        attn_.data() + t * o_ld, o_ld);
+      } else {
+        const AttnSplit& sp = splits_[w.split];
+        const int64_t rows = int64_t(w.n) * n_group;
+        paged_attention_partial(v, w.head, n_group, mla_q_.data() + t * q_ld, q_ld, s.pos0 + w.t0, w.n, w.key_begin,
+                                w.key_end, scale, part_acc_.data() + sp.acc_off + w.part * rows * C,
+                                part_m_.data() + sp.ml_off + w.part * rows, part_l_.data() + sp.ml_off + w.part * rows);
+      }
+    }
+    if (splits_.empty()) return;
+    tp.barrier();
+    ThreadPool::split(static_cast<int64_t>(splits_.size()), ith, nth, 1, &b, &e);
+    for (int64_t i = b; i < e; ++i) {
+      const AttnSplit& sp = splits_[i];
+      const BatchSeq& s = batch.seqs[sp.seq];
+      const int64_t t = s.offset + sp.t0;
+      attention_merge(sp.n_parts, n_group, sp.n, static_cast<int>(C), part_acc_.data() + sp.acc_off,
+                      part_m_.data() + sp.ml_off, part_l_.data() + sp.ml_off, sp.head, attn_.data() + t * o_ld, o_ld);
+    }
+  });
+  pool.release_filled(li);
+  // o[t][h] = W_UV[h] · o_lat[t][h]   (dv each), then attn_output
+  tp.run([&](int ith, int nth) {
+    int64_t b, e;
+    ThreadPool::split(n_tok, ith, nth, 1, &b, &e);
+    for (int64_t t = b; t < e; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        const float* lat = attn_.data() + t * o_ld + h * C;
+        const float* w = L.w_uv.data() + h * dv * C;
+        float* o = mla_o_.data() + (t * H + h) * dv;
+        for (int64_t k = 0; k < dv; ++k) {
+          float a = 0.f;
+          for (int64_t j = 0; j < C; ++j) a += w[k * C + j] * lat[j];
+          o[k] = a;
+        }
+      }
+  });
+  matmul(L.wo, mla_o_.data(), n_tok, tmp_.data(), tp);
   return Status::ok();
 }
 

@@ -1,6 +1,10 @@
 // The Llama-family forward (MHA / GQA / MQA by n_head_kv; RoPE; RMSNorm; SwiGLU; tied or
 // separate output) over paged KV storage, and Gemma 3 (QK-norm, post-norms, GELU-tanh gated
-// MLP, √d-scaled embeddings, sliding-window layers interleaved with global ones).
+// MLP, √d-scaled embeddings, sliding-window layers interleaved with global ones), and
+// DeepSeek-V2 MLA (arch "deepseek2", dense layers): one KV group whose pages hold only the
+// latent row [c_kv ‖ k_pe] per token and layer (KvLayout::v_from_k = kv_lora_rank, n_head_kv 1),
+// attention in the absorbed form (W_UK folded into the query, W_UV applied to the latent
+// output) so no per-head K or V is ever materialised.
 //
 // KV layer groups: layers that share a page pool and block table. Llama: one group. Gemma 3:
 // group 0 = the global (full-attention) layers, group 1 = the sliding-window layers, whose
@@ -64,9 +68,18 @@ class LlamaModel {
     PackedMatrix wo;                         // [n_head head_dim] -> [n_embd]
     PackedMatrix wgu;                        // [n_embd] -> [2 n_ff] (gate rows, then up rows)
     PackedMatrix wdown;                      // [n_ff] -> [n_embd]
+    // MLA (deepseek2): wqkv = [attn_q (or attn_q_a) ; attn_kv_a_mqa], wo = attn_output.
+    PackedMatrix wq_b;                       // [q_lora] -> [n_head (dn + dr)] (q_lora_rank > 0)
+    std::vector<float> q_a_norm;             // [q_lora]
+    std::vector<float> kv_a_norm;            // [C]
+    std::vector<float> w_uk;                 // [n_head][C][dn]: q_lat[h] = w_uk[h] · q_nope[h]
+    std::vector<float> w_uv;                 // [n_head][dv][C]: o[h] = w_uv[h] · o_lat[h]
   };
   LlamaModel() = default;
   void ensure_scratch(int64_t n_tokens, int64_t n_logits);
+  Status load_mla_layer(const GgufFile& f, int il, Isa isa, Layer* L);
+  // MLA attention block of layer il: from h_ (normed input) to tmp_ (the attn_output result).
+  Status mla_attention(const Batch& batch, int il, PagePool& pool, ThreadPool& tp);
 
   ModelConfig cfg_;
   std::vector<KvGroup> groups_;
@@ -87,6 +100,11 @@ class LlamaModel {
   std::vector<float> gu_;    // [n_tokens][2 n_ff]
   std::vector<float> last_;  // [n_logits][n_embd]
   std::vector<float> tmp_;   // [n_tokens][n_embd]
+  // MLA scratch: absorbed queries [n_tokens][n_head (C + dr)], q after attn_q_b
+  // [n_tokens][n_head (dn + dr)], normed q_a [n_tokens][q_lora], per-head values
+  // [n_tokens][n_head dv]; token positions of the batch.
+  std::vector<float> mla_q_, mla_qb_, mla_qa_, mla_o_;
+  std::vector<int64_t> tok_pos_;
   // Attention work units: (sequence, kv head, tile of query tokens, key range), spread over
   // threads. A run of at most kAttnQTile tokens with a long context is split into parts of
   // kSplitKeys keys (flash-decoding); the parts' partial results are merged by log-sum-exp.

@@ -263,3 +263,141 @@ TEST(KvTile, F16WriteRoundsToNearest) {
   EXPECT_EQ(fp16_to_fp32(h[0 * 4 + 1]), 1.0009765625f);
   EXPECT_NEAR(fp16_to_fp32(h[1 * 4 + 1]), -3.14159f, 1e-3);
 }
+
+// ---- MLA: a K-only (latent) cache whose values are the first C channels of each key row.
+
+namespace {
+
+// One layer of rows [c (C) ‖ k_pe (hd - C)] in a K-only pool (KvLayout::v_from_k = C), written
+// as Store writes them (decode one at a time, then the last n_last as one prefill pass).
+struct MlaStore {
+  std::unique_ptr<PagePool> pool;
+  std::vector<int32_t> table;
+  PagedKvView view;
+  std::vector<float> rows;  // [n_ctx][hd] as written
+  MlaStore(int hd, int C, int bs, KvElem elem, int64_t n_ctx, uint32_t seed, int64_t n_last) {
+    KvLayout l;
+    l.n_layer = 1;
+    l.n_head_kv = 1;
+    l.head_dim = hd;
+    l.block_size = bs;
+    l.dtype = elem;
+    l.v_from_k = C;
+    EXPECT_TRUE(l.validate().is_ok());
+    const int n_pages = static_cast<int>((n_ctx + bs - 1) / bs);
+    pool = std::make_unique<PagePool>(l, n_pages + 3, static_cast<int32_t>(n_last / bs + 3));
+    std::vector<int32_t> got;
+    pool->allocate(n_pages + 3, &got);
+    std::mt19937 rng(seed);
+    std::shuffle(got.begin(), got.end(), rng);
+    table.assign(got.begin(), got.begin() + n_pages);
+    for (size_t i = n_pages; i < got.size(); ++i) pool->release(got[i]);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    rows.resize(size_t(n_ctx) * hd);
+    for (int64_t pos = 0; pos < n_ctx; ++pos) {
+      float* k = rows.data() + pos * hd;
+      for (int i = 0; i < hd; ++i) k[i] = nd(rng) + 0.3f * float(i % 5);
+      EXPECT_TRUE(pool->write_token(0, table[pos / bs], static_cast<int>(pos % bs), k, nullptr));
+      if (pos < n_ctx - n_last) pool->release_filled(0);
+    }
+    view = pool->view(0);
+    view.pages = table.data();
+  }
+};
+
+// H query heads of width hd against the latent rows; outputs C per head.
+double run_mla_case(int H, int hd, int C, int bs, KvElem elem, int64_t pos0, int n_q, uint32_t seed) {
+  MlaStore st(hd, C, bs, elem, pos0 + n_q, seed, n_q);
+  EXPECT_EQ(st.view.value_dim(), C);
+  std::mt19937 rng(seed + 7);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const int64_t q_stride = int64_t(H) * hd + 3, o_stride = int64_t(H) * C + 5;
+  std::vector<float> q(n_q * q_stride), out(n_q * o_stride, 0.f), ref(n_q * o_stride, 0.f);
+  for (auto& x : q) x = nd(rng) * 1.5f;
+  const float scale = 1.f / std::sqrt(48.f);
+  paged_attention(st.view, 0, H, q.data(), q_stride, pos0, n_q, scale, out.data(), o_stride);
+  paged_attention_ref(st.view, 0, H, q.data(), q_stride, pos0, n_q, scale, ref.data(), o_stride);
+  for (int t = 0; t < n_q; ++t)  // padding between rows untouched
+    for (int64_t i = int64_t(H) * C; i < o_stride; ++i) EXPECT_EQ(out[t * o_stride + i], 0.f);
+  if (elem == KvElem::kF32) {  // f32 pages: the reference against the written rows directly
+    for (int t = 0; t < n_q; ++t)
+      for (int h = 0; h < H; ++h) {
+        const int64_t qpos = pos0 + t;
+        std::vector<double> sc(qpos + 1);
+        double mx = -1e300, sum = 0;
+        for (int64_t j = 0; j <= qpos; ++j) {
+          double d = 0;
+          for (int i = 0; i < hd; ++i) d += double(q[t * q_stride + h * hd + i]) * st.rows[j * hd + i];
+          mx = std::max(mx, sc[j] = d * scale);
+        }
+        for (auto& x : sc) sum += (x = std::exp(x - mx));
+        for (int c = 0; c < C; ++c) {
+          double o = 0;
+          for (int64_t j = 0; j <= qpos; ++j) o += sc[j] / sum * st.rows[j * hd + c];
+          EXPECT_NEAR(ref[t * o_stride + h * C + c], o, 1e-5);
+        }
+      }
+  }
+  return rel_err(out, ref);
+}
+
+}  // namespace
+
+TEST(PagedAttentionMla, KOnlyLayoutStoresOnlyTheLatent) {
+  KvLayout l;
+  l.n_layer = 4;
+  l.n_head_kv = 1;
+  l.head_dim = 80;  // C 64 + rope 16
+  l.block_size = 16;
+  l.dtype = KvDtype::kF16;
+  l.v_from_k = 64;
+  ASSERT_TRUE(l.validate().is_ok());
+  EXPECT_EQ(l.v_layer_page_bytes(0), 0);
+  EXPECT_EQ(l.k_layer_page_bytes(0), 80 * 16 * 2);
+  EXPECT_DOUBLE_EQ(l.bytes_per_token(), 4.0 * 80 * 2);  // (C + rope) f16 values per layer
+  l.dtype = KvDtype::kInt8;
+  EXPECT_EQ(l.stage_layer_bytes(), 80 * 16 * 2);  // K staging only
+  PagePool pool(l, 8);
+  EXPECT_EQ(pool.page_store_bytes(), 8 * 4 * kv_k_tile_bytes(KvElem::kInt8, 16, 80));
+  l.v_from_k = 72;  // not a multiple of 16
+  EXPECT_FALSE(l.validate().is_ok());
+  l.v_from_k = 96;  // more than head_dim
+  EXPECT_FALSE(l.validate().is_ok());
+}
+
+TEST(PagedAttentionMla, MatchesReferenceAllDtypes) {
+  uint32_t seed = 300;
+  for (KvElem elem : kAll)
+    for (int bs : {16, 32})
+      for (auto [pos0, nq] : {std::pair<int64_t, int>{0, 1}, {0, 19}, {7, 1}, {40, 9}, {300, 1}, {129, 4}}) {
+        const double err = run_mla_case(8, 80, 64, bs, elem, pos0, nq, seed++);
+        EXPECT_LT(err, kTol) << kv_elem_name(elem) << " bs=" << bs << " pos0=" << pos0 << " nq=" << nq;
+      }
+  // other shapes: 16 heads (kAttnMaxGroup), DeepSeek-like widths within the kernel's limits
+  for (KvElem elem : {KvElem::kF16, KvElem::kInt8, KvElem::kInt4}) {
+    EXPECT_LT(run_mla_case(16, 80, 64, 16, elem, 50, 3, 9), kTol) << kv_elem_name(elem);
+    EXPECT_LT(run_mla_case(4, 160, 128, 16, elem, 70, 2, 10), kTol) << kv_elem_name(elem);
+  }
+}
+
+TEST(PagedAttentionMla, SplitPartsMergeToTheFullResult) {
+  const int H = 8, hd = 80, C = 64, bs = 16;
+  for (KvElem elem : {KvElem::kF16, KvElem::kInt4}) {
+    const int64_t pos0 = 700;
+    const int nq = 2;
+    MlaStore st(hd, C, bs, elem, pos0 + nq, 17, nq);
+    std::mt19937 rng(5);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    const int64_t qs = H * hd, os = H * C, ctx = pos0 + nq, part = 256;
+    std::vector<float> q(nq * qs), full(nq * os), merged(nq * os);
+    for (auto& x : q) x = nd(rng);
+    paged_attention(st.view, 0, H, q.data(), qs, pos0, nq, 0.144f, full.data(), os);
+    const int n_parts = static_cast<int>((ctx + part - 1) / part), rows = nq * H;
+    std::vector<float> acc(size_t(n_parts) * rows * C), m(size_t(n_parts) * rows), l(m.size());
+    for (int p = 0; p < n_parts; ++p)
+      paged_attention_partial(st.view, 0, H, q.data(), qs, pos0, nq, p * part, std::min(ctx, (p + 1) * part), 0.144f,
+                              acc.data() + size_t(p) * rows * C, m.data() + p * rows, l.data() + p * rows);
+    attention_merge(n_parts, H, nq, C, acc.data(), m.data(), l.data(), 0, merged.data(), os);
+    EXPECT_LT(rel_err(merged, full), 1e-6) << kv_elem_name(elem);
+  }
+}
