@@ -11,7 +11,7 @@ MODEL       ?= models/SmolLM2-135M-Instruct.Q4_1.gguf
 PROMPT      ?= The three most important ideas in computer science are
 N_TOKENS    ?= 64
 
-.PHONY: all deps models build test serve bench peer clean distclean
+.PHONY: all deps models text build test serve bench peer clean distclean
 
 all: build
 
@@ -21,6 +21,10 @@ deps:
 models:
 	scripts/fetch_models.sh
 
+# The public-domain text `kvserve perplexity` and its tests run on (data/text/, git-ignored).
+text:
+	scripts/fetch_text.sh
+
 build: deps
 	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE)
 	cmake --build $(BUILD_DIR) -j$(JOBS)
@@ -28,7 +32,7 @@ build: deps
 # A hung test fails after CTEST_TIMEOUT seconds instead of eating the CI budget.
 # pytest exits 5 when it collects no test: not a failure while tests/py is still empty.
 # tests/e2e starts the real server (build/kvserve serve) on the default model.
-test: deps models build
+test: deps models text build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j$(JOBS) --timeout $(CTEST_TIMEOUT)
 	$(PYTHON) -m pytest -q tests/py tests/e2e; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest: no tests collected in tests/py tests/e2e"; rc=0; fi; \
@@ -49,6 +53,13 @@ bench: deps models build
 
 peer:
 	bench/peer/build_llama.sh
+
+# Decode speed at long context (0-8k), kvserve f16/int8/int4 KV vs llama.cpp f16/q8_0 KV:
+# bench/out/context_bench.{json,png}. CONTEXT_BENCH_ARGS adds flags (--rounds 5, --wait-load 1.5).
+CONTEXT_BENCH_ARGS ?=
+.PHONY: bench-context
+bench-context: deps models build peer
+	$(PYTHON) bench/context_bench.py --kvserve $(BUILD_DIR)/kvserve $(CONTEXT_BENCH_ARGS)
 
 clean:
 	rm -rf $(BUILD_DIR)

@@ -23,6 +23,7 @@ int main(int argc, char** argv) {
   kvtools::add_bench_command(app);
   kvtools::add_serve_command(app);
   kvtools::add_kv_size_command(app);
+  kvtools::add_perplexity_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build the peer: llama.cpp's llama-bench, llama-completion (the plain one-shot generator)
+# Build the peer: llama.cpp's llama-bench, llama-completion (the plain one-shot generator),
+# llama-perplexity (the oracle of `kvserve perplexity`, used by bench/ppl_compare.py)
 # and llama-server (the OpenAI-compatible HTTP server, the peer of `kvserve serve`, used by
 # bench/serve_bench.py). LLAMA_WITH_SERVER=0 skips llama-server; LLAMA_WITH_CLI=1 also builds
 # the newer chat llama-cli (which shares the server library).
@@ -29,7 +30,7 @@ SRC="$SRC_PARENT/llama_cpp_python-$VER/vendor/llama.cpp"
 BUILD="$WORK/build-$VER"
 BIN="$BUILD/bin"
 
-targets=(llama-bench llama-completion)
+targets=(llama-bench llama-completion llama-perplexity)
 [[ "${LLAMA_WITH_SERVER:-1}" == 1 ]] && targets+=(llama-server)
 [[ "${LLAMA_WITH_CLI:-0}" == 1 ]] && targets+=(llama-cli)
 need_server=0
