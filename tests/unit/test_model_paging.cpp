@@ -129,3 +129,72 @@ TEST(ModelPaging, KvCacheFullIsAnErrorNotACrash) {
   EXPECT_NE(st.message().find("KV cache full"), std::string::npos);
   EXPECT_EQ(pool.n_used(), 0);
 }
+
+// SequenceRunner::truncate rolls a sequence back to a context: decoding after the rollback
+// gives the logits of a fresh run over the same tokens, and pages and staging slots past the
+// context go back to the pool. A rollback into a page still staged (f16) is exact; into a page
+// already quantized (int8/int4) its kept slots are read back from the quantized tiles, so the
+// result is within one quantization round trip (KL bound ~3x what was measured).
+TEST(ModelPaging, TruncateRollsBackToTheContext) {
+  LlamaModel* m = kvtest::smollm2_model();
+  ASSERT_NE(m, nullptr);
+  ThreadPool tp(2);
+  auto toks = [](size_t n, size_t seed) {
+    std::vector<int32_t> t(n);
+    for (size_t i = 0; i < n; ++i) t[i] = static_cast<int32_t>(200 + ((i + seed) * 7919) % 40000);
+    return t;
+  };
+  const auto ctx = toks(100, 0), tail = toks(40, 1000), next = toks(20, 2000);
+  for (auto [d, bound] : {std::pair{KvDtype::kF16, 0.0}, {KvDtype::kInt8, 5e-6}, {KvDtype::kInt4, 8e-3}}) {
+    SCOPED_TRACE(kv_dtype_name(d));
+    PagePool pool(m->kv_layout(16, d), 64);
+    std::vector<float> ref;
+    {
+      SequenceRunner seq(*m, pool, tp, 64);
+      ASSERT_TRUE(seq.feed(ctx.data(), 100).is_ok());
+      ASSERT_TRUE(seq.feed(next.data(), 20).is_ok());
+      ref = seq.logits();
+    }
+    ASSERT_EQ(pool.n_used(), 0);
+    {
+      SequenceRunner seq(*m, pool, tp, 64);
+      ASSERT_TRUE(seq.feed(ctx.data(), 100).is_ok());
+      // 1. back into the partly filled page 6 (positions 96..111), still staged: exact
+      ASSERT_TRUE(seq.feed(tail.data(), 5).is_ok());
+      EXPECT_TRUE(seq.truncate(100));
+      EXPECT_EQ(seq.n_tokens(), 100);
+      EXPECT_EQ(seq.table().pages.size(), 7u);
+      EXPECT_EQ(pool.n_used(), 7);
+      ASSERT_TRUE(seq.feed(next.data(), 20).is_ok());
+      EXPECT_EQ(max_abs_diff(seq.logits(), ref), 0.0);
+      // 2. back into page 6 after it filled (quantized for int8/int4) and two more pages
+      EXPECT_TRUE(seq.truncate(100));
+      ASSERT_TRUE(seq.feed(tail.data(), 40).is_ok());
+      EXPECT_EQ(pool.n_used(), 9);
+      EXPECT_TRUE(seq.truncate(100));
+      EXPECT_EQ(pool.n_used(), 7);
+      EXPECT_TRUE(pool.check_integrity().is_ok());
+      ASSERT_TRUE(seq.feed(next.data(), 20).is_ok());
+      const double k = kl(ref, seq.logits());
+      std::printf("[ truncate %-5s ] KL after rewriting a filled page %.3g\n", kv_dtype_name(d), k);
+      if (d == KvDtype::kF16) EXPECT_EQ(max_abs_diff(seq.logits(), ref), 0.0);
+      else EXPECT_LT(k, bound);
+      // 3. a page boundary, past the end (no-op), then to empty
+      EXPECT_TRUE(seq.truncate(96));
+      EXPECT_EQ(seq.n_tokens(), 96);
+      EXPECT_EQ(pool.n_used(), 6);
+      EXPECT_TRUE(seq.truncate(500));
+      EXPECT_EQ(seq.n_tokens(), 96);
+      EXPECT_TRUE(seq.truncate(0));
+      EXPECT_EQ(seq.n_tokens(), 0);
+      EXPECT_EQ(pool.n_used(), 0);
+      EXPECT_EQ(pool.n_staging_used(), 0);
+      ASSERT_TRUE(seq.feed(ctx.data(), 100).is_ok());
+      ASSERT_TRUE(seq.feed(next.data(), 20).is_ok());
+      EXPECT_EQ(max_abs_diff(seq.logits(), ref), 0.0);
+    }
+    EXPECT_EQ(pool.n_used(), 0);
+    EXPECT_EQ(pool.n_staging_used(), 0);
+    EXPECT_TRUE(pool.check_integrity().is_ok());
+  }
+}
