@@ -423,7 +423,27 @@ void attend(const PagedKvView& kv, int kv_head, int n_group, const float* q, int
   int64_t lo = key_begin;
   const int64_t hi = std::min(key_end, pos0 + n_q);  // one past the last key any row sees
   if (kv.window > 0) lo = std::max(lo, (pos0 - kv.window + 1) / bs * bs);
-  for (int64_t pg = std::max<int64_t>(lo, 0) / bs; pg * bs < hi; ++pg) {
+  // Pages are scattered tiles of a few KiB: ask for the tiles kPrefetchAhead pages ahead so
+  // the memory system streams them while this page is computed.
+  constexpr int kPrefetchAhead = 4;
+  const int64_t k_bytes = kv_k_tile_bytes(kv.elem, bs, hd);
+  const int64_t v_bytes = kv.v_from_k ? 0 : kv_v_tile_bytes(kv.elem, bs, hd);
+  const int64_t pg_end = (hi + bs - 1) / bs;
+  auto prefetch = [&](int64_t pg) {
+    if (pg >= pg_end) return;
+    const int32_t page = kv.pages[pg];
+    if (page < 0 || has_stage(kv, page)) return;
+    const char* kp = reinterpret_cast<const char*>(k_tile(kv, page, kv_head, false));
+    for (int64_t o = 0; o < k_bytes; o += 64) _mm_prefetch(kp + o, _MM_HINT_T0);
+    if (v_bytes) {
+      const char* vp = reinterpret_cast<const char*>(v_tile(kv, page, kv_head, false));
+      for (int64_t o = 0; o < v_bytes; o += 64) _mm_prefetch(vp + o, _MM_HINT_T0);
+    }
+  };
+  const int64_t pg0 = std::max<int64_t>(lo, 0) / bs;
+  for (int64_t a = 0; a < kPrefetchAhead; ++a) prefetch(pg0 + a);
+  for (int64_t pg = pg0; pg * bs < hi; ++pg) {
+    prefetch(pg + kPrefetchAhead);
     const int64_t key0 = pg * bs;
     const int n_keys = static_cast<int>(std::min<int64_t>(bs, hi - key0));
     const int32_t page = kv.pages[pg];
