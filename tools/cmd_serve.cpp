@@ -100,7 +100,7 @@ void run_serve(const ServeOptions& o) {
                ec.block_size, static_cast<long long>(n_tokens), kv::format_bytes(layout.bytes_per_token()).c_str(),
                static_cast<long long>(n_pages / pages_per_seq), ec.max_model_len);
   if (const kv::PagePool* g1 = engine.pool_g1())
-    std::fprintf(stderr, "KV cache, sliding-window layers (window %d): %s, %d pages (the window of %lld sequences); prefix caching is off for hybrid models (not implemented yet)\n",
+    std::fprintf(stderr, "KV cache, sliding-window layers (window %d): %s, %d pages (the window of %lld sequences); the prefix cache keeps these pages too while they fit\n",
                  (*model)->kv_groups()[1].window, kv::format_bytes(g1->total_bytes()).c_str(), g1->n_pages(),
                  static_cast<long long>(g1->n_pages() / ((*model)->kv_groups()[1].window / ec.block_size + 2)));
   std::fprintf(stderr, "engine: max_num_seqs %d, max_num_batched_tokens %d, max_queue %d, prefix caching %s, policy %s\n",

@@ -90,10 +90,11 @@ Engine::Engine(LlamaModel& model, const Tokenizer& tok, const EngineConfig& cfg)
   }
   pool_ = std::make_unique<PagePool>(layout, static_cast<int32_t>(std::max<int64_t>(n_pages, 0)), n_staging);
   threads_ = std::make_unique<ThreadPool>(cfg.n_threads);
-  // Prefix caching of hybrid (sliding-window) models is not implemented yet: a cached prefix
-  // would also need the local layers' last window of pages.
-  if (cfg.enable_prefix_caching && !pool_g1_)
-    cache_ = std::make_unique<PrefixCache>(*pool_, model.fingerprint(), static_cast<int32_t>(cfg.kv_dtype));
+  // Hybrid models: the cache also keeps the sliding-window layers' pages, and a prefix counts
+  // only with its last window present (prefix_cache.h).
+  if (cfg.enable_prefix_caching)
+    cache_ = std::make_unique<PrefixCache>(*pool_, model.fingerprint(), static_cast<int32_t>(cfg.kv_dtype), nullptr,
+                                           WindowGroup{pool_g1_.get(), window_g1_});
   metrics_.set_gauges(0, 0, pool_->n_pages(), 0);
 }
 
@@ -204,7 +205,8 @@ bool Engine::ensure_pages(Sequence& s, int64_t n_new) {
     slide(s);
     need1 = std::max(BlockTable::pages_for(end, bs) - static_cast<int32_t>(s.table_g1.pages.size()), 0);
     cow1 = shared_tail(s.table_g1, *pool_g1_);
-    if (!pool_g1_->can_allocate(need1 + (cow1 ? 1 : 0))) return false;
+    const int32_t total1 = need1 + (cow1 ? 1 : 0);
+    if (!pool_g1_->can_allocate(total1) && !(cache_ && cache_->ensure_free_window(total1))) return false;
   }
   if (!pool_->can_allocate(total) && !(cache_ && cache_->ensure_free(total))) return false;
   auto copy_on_write = [&](BlockTable& t, PagePool& p) {
@@ -294,8 +296,15 @@ bool Engine::schedule(Plan* plan) {
     if (s.to_compute() <= 1) continue;
     // As much of the chunk as the free pages hold; the rest waits for the next step.
     const int32_t bs = cfg_.block_size;
-    int64_t room = (static_cast<int64_t>(s.table.pages.size()) + pool_->n_free()) * bs - s.n_computed;
-    if (pool_g1_) room = std::min<int64_t>(room, (static_cast<int64_t>(s.table_g1.pages.size()) + pool_g1_->n_free()) * bs - s.n_computed);
+    // (free pages, and cached pages that eviction can free)
+    int64_t room = (static_cast<int64_t>(s.table.pages.size()) + pool_->n_free() + (cache_ ? cache_->n_evictable_pages() : 0)) * bs -
+                   s.n_computed;
+    if (pool_g1_) {
+      int64_t free1 = pool_g1_->n_free();
+      if (cache_ && (free1 + static_cast<int64_t>(s.table_g1.pages.size())) * bs < s.n_computed + std::min(budget, s.to_compute()))
+        free1 += cache_->n_evictable_window_pages();  // counts the pool: only when short
+      room = std::min<int64_t>(room, (static_cast<int64_t>(s.table_g1.pages.size()) + free1) * bs - s.n_computed);
+    }
     int32_t n = static_cast<int32_t>(std::min<int64_t>({budget, s.to_compute(), room}));
     if (n <= 0 || !ensure_pages(s, n)) continue;
     plan->items.push_back({&s, n, n == s.to_compute()});
@@ -355,6 +364,12 @@ bool Engine::admit(Sequence& s, int64_t budget, int32_t* n_out) {
     for (int32_t p : m.pages) pool_->retain(p);
     s.table.pages = m.pages;
     s.n_computed = s.table.n_tokens = m.n_tokens;
+    if (pool_g1_) {  // the window's pages of the prefix (-1 before it)
+      for (int32_t p : m.window_pages)
+        if (p >= 0) pool_g1_->retain(p);
+      s.table_g1.pages = m.window_pages;
+      s.table_g1.n_tokens = m.n_tokens;
+    }
     s.pin = m.handle;
     s.published = m.n_tokens;
   }
@@ -515,7 +530,8 @@ void Engine::publish(Sequence& s) {
   const int32_t bs = cfg_.block_size;
   const int64_t full = s.n_computed / bs * bs;
   if (full <= s.published) return;
-  PrefixInsert ins = cache_->insert(s.rs->req.params.cache_namespace, s.tokens.data(), full, s.table.pages.data());
+  PrefixInsert ins = cache_->insert(s.rs->req.params.cache_namespace, s.tokens.data(), full, s.table.pages.data(),
+                                    pool_g1_ ? s.table_g1.pages.data() : nullptr);
   cache_->pin(ins.handle);  // the deeper path now protects every page this sequence reads
   cache_->unpin(s.pin);
   s.pin = ins.handle;
@@ -525,7 +541,8 @@ void Engine::publish(Sequence& s) {
 void Engine::release(Sequence& s) {
   if (cache_) {
     // Only positions whose K/V are written (n_computed) and only whole pages are cached.
-    cache_->insert(s.rs->req.params.cache_namespace, s.tokens.data(), s.n_computed, s.table.pages.data());
+    cache_->insert(s.rs->req.params.cache_namespace, s.tokens.data(), s.n_computed, s.table.pages.data(),
+                   pool_g1_ ? s.table_g1.pages.data() : nullptr);
     cache_->unpin(s.pin);
     s.pin = PrefixHandle{};
   }
@@ -594,13 +611,21 @@ void Engine::publish_gauges() {
     for (const auto& s : *q)
       for (int32_t p : s->table.pages)
         if (!held_scratch_[p]++) ++held;
-  if (pool_g1_) held += pool_g1_->n_used();  // sliding-window pages are only ever held by requests
+  if (pool_g1_) {
+    held_scratch_.assign(pool_g1_->n_pages(), 0);
+    for (auto* q : {&running_, &waiting_})
+      for (const auto& s : *q)
+        for (int32_t p : s->table_g1.pages)
+          if (p >= 0 && !held_scratch_[p]++) ++held;
+  }
   pages_in_use_.store(held);
   pages_cached_.store(cache_ ? cache_->n_cached_pages() : 0);
+  window_pages_cached_.store(cache_ ? cache_->n_cached_window_pages() : 0);
   metrics_.set_gauges(static_cast<int64_t>(running_.size()), n_waiting_total_.load(), pool_->n_pages(), held);
   if (cache_) {
     PrefixCacheStats st = cache_->stats();
-    metrics_.set_prefix_cache(st.queries_tokens, st.hit_tokens, st.evicted_pages, st.cached_pages);
+    metrics_.set_prefix_cache(st.queries_tokens, st.hit_tokens, st.evicted_pages, st.cached_pages, st.cached_window_pages,
+                              st.evicted_window_pages);
   }
 }
 
@@ -616,19 +641,21 @@ Status Engine::check_integrity() const {
   for (auto* q : {&running_, &waiting_})
     for (const auto& s : *q)
       for (int32_t p : s->table.pages) ++held[p];
-  if (pool_g1_) {  // sliding-window layers: every reference is a table entry
+  std::vector<int32_t> held1;
+  if (pool_g1_) {  // sliding-window layers: every reference is a table entry or the cache's
     if (Status st = pool_g1_->check_integrity(); !st) return Status::error("sliding-window pool: " + st.message());
-    std::vector<int32_t> held1(pool_g1_->n_pages(), 0);
+    held1.assign(pool_g1_->n_pages(), 0);
     for (auto* q : {&running_, &waiting_})
       for (const auto& s : *q)
         for (int32_t p : s->table_g1.pages)
           if (p >= 0) ++held1[p];
-    for (int32_t p = 0; p < pool_g1_->n_pages(); ++p)
-      if (held1[p] != pool_g1_->refcount(p))
-        return Status::error("sliding-window page " + std::to_string(p) + " has refcount " + std::to_string(pool_g1_->refcount(p)) +
-                             " but " + std::to_string(held1[p]) + " holders");
+    if (!cache_)
+      for (int32_t p = 0; p < pool_g1_->n_pages(); ++p)
+        if (held1[p] != pool_g1_->refcount(p))
+          return Status::error("sliding-window page " + std::to_string(p) + " has refcount " + std::to_string(pool_g1_->refcount(p)) +
+                               " but " + std::to_string(held1[p]) + " holders");
   }
-  if (cache_) return cache_->check_integrity(held);
+  if (cache_) return cache_->check_integrity(held, held1);
   for (int32_t p = 0; p < pool_->n_pages(); ++p)
     if (held[p] != pool_->refcount(p))
       return Status::error("page " + std::to_string(p) + " has refcount " + std::to_string(pool_->refcount(p)) + " but " +

@@ -88,6 +88,8 @@ class Engine {
   // are not "in use": they are reclaimable. Thread-safe.
   int32_t pages_in_use() const { return pages_in_use_.load(); }
   int32_t pages_cached() const { return pages_cached_.load(); }
+  // Hybrid models: sliding-window pages held by the prefix cache (pages_in_use counts both pools).
+  int32_t window_pages_cached() const { return window_pages_cached_.load(); }
 
  private:
   struct Sequence;
@@ -134,6 +136,7 @@ class Engine {
   std::vector<int32_t> idx_;    // [n_vocab] top-logprobs ordering
   std::atomic<int32_t> pages_in_use_{0};
   std::atomic<int32_t> pages_cached_{0};
+  std::atomic<int32_t> window_pages_cached_{0};
   std::vector<int32_t> held_scratch_;  // [n_pages], reused by publish_gauges
   static constexpr int kLpmWindow = 64;
   static constexpr int kLpmMaxSkips = 8;

@@ -27,12 +27,15 @@ void Metrics::set_gauges(int64_t running, int64_t waiting, int64_t pages_total, 
   m_.kv_pages_used = pages_used;
   m_.kv_cache_usage_perc = pages_total > 0 ? double(pages_used) / pages_total : 0;
 }
-void Metrics::set_prefix_cache(int64_t queries, int64_t hits, int64_t evictions, int64_t cached_pages) {
+void Metrics::set_prefix_cache(int64_t queries, int64_t hits, int64_t evictions, int64_t cached_pages, int64_t window_pages,
+                               int64_t window_evictions) {
   std::lock_guard<std::mutex> l(mu_);
   m_.prefix_cache_queries_total = queries;
   m_.prefix_cache_hits_total = hits;
   m_.prefix_cache_evictions_total = evictions;
   m_.prefix_cache_cached_pages = cached_pages;
+  m_.prefix_cache_window_pages = window_pages;
+  m_.prefix_cache_window_evictions_total = window_evictions;
 }
 void Metrics::add_preemption() { std::lock_guard<std::mutex> l(mu_); ++m_.num_preemptions_total; }
 void Metrics::add_prompt_tokens(int64_t n) { std::lock_guard<std::mutex> l(mu_); m_.prompt_tokens_total += n; }
@@ -93,6 +96,10 @@ std::string render_prometheus(const MetricsSnapshot& m) {
   counter(out, "kvserve:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", double(m.prefix_cache_hits_total));
   counter(out, "kvserve:prefix_cache_evictions_total", "KV pages evicted from the prefix cache.", double(m.prefix_cache_evictions_total));
   gauge(out, "kvserve:prefix_cache_cached_pages", "KV pages held by the prefix cache.", double(m.prefix_cache_cached_pages));
+  gauge(out, "kvserve:prefix_cache_window_pages", "Sliding-window layers' KV pages held by the prefix cache (hybrid models).",
+        double(m.prefix_cache_window_pages));
+  counter(out, "kvserve:prefix_cache_window_evictions_total",
+          "Sliding-window layers' KV pages dropped from the prefix cache (hybrid models).", double(m.prefix_cache_window_evictions_total));
   histogram(out, "kvserve:time_to_first_token_seconds", "Time to first token.", m.ttft);
   histogram(out, "kvserve:inter_token_latency_seconds", "Time between tokens of a sequence.", m.itl);
   histogram(out, "kvserve:e2e_request_latency_seconds", "Request latency from arrival to finish.", m.e2e);

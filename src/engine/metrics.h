@@ -42,6 +42,9 @@ struct MetricsSnapshot {
   int64_t prefix_cache_hits_total = 0;      // of those, tokens found cached
   int64_t prefix_cache_evictions_total = 0; // pages evicted
   int64_t prefix_cache_cached_pages = 0;
+  // Hybrid models: the sliding-window layers' pages the cache holds, and those dropped alone.
+  int64_t prefix_cache_window_pages = 0;
+  int64_t prefix_cache_window_evictions_total = 0;
   Histogram ttft{{}}, itl{{}}, e2e{{}};
 };
 
@@ -53,7 +56,8 @@ class Metrics {
   // All mutators are engine-thread only except rejections (submit runs on HTTP threads);
   // the mutex makes snapshots consistent.
   void set_gauges(int64_t running, int64_t waiting, int64_t pages_total, int64_t pages_used);
-  void set_prefix_cache(int64_t queries, int64_t hits, int64_t evictions, int64_t cached_pages);
+  void set_prefix_cache(int64_t queries, int64_t hits, int64_t evictions, int64_t cached_pages, int64_t window_pages = 0,
+                        int64_t window_evictions = 0);
   void add_preemption();
   void add_prompt_tokens(int64_t n);
   void add_generation_tokens(int64_t n);

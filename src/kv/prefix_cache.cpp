@@ -31,20 +31,28 @@ std::string PageHash::hex() const {
   return s;
 }
 
-PrefixCache::PrefixCache(PagePool& pool, uint64_t model_fingerprint, int32_t kv_dtype_tag, Clock clock)
+PrefixCache::PrefixCache(PagePool& pool, uint64_t model_fingerprint, int32_t kv_dtype_tag, Clock clock, WindowGroup window)
     : pool_(pool),
       block_size_(pool.layout().block_size),
       model_fingerprint_(model_fingerprint),
       kv_dtype_tag_(kv_dtype_tag),
-      clock_(std::move(clock)) {
+      clock_(std::move(clock)),
+      wpool_(window.pool),
+      window_(window.window) {
   assert(block_size_ > 0);
   page_node_.assign(pool.n_pages(), -1);
+  if (wpool_) {
+    assert(window_ > 0 && wpool_->layout().block_size == block_size_);
+    wpage_node_.assign(wpool_->n_pages(), -1);
+  }
 }
 
 PrefixCache::~PrefixCache() {
   assert(stats_.pinned_pages == 0 && "PrefixCache destroyed while requests pin it");
   for (int32_t p = 0; p < static_cast<int32_t>(page_node_.size()); ++p)
     if (page_node_[p] >= 0) pool_.release(p);
+  for (int32_t p = 0; p < static_cast<int32_t>(wpage_node_.size()); ++p)
+    if (wpage_node_[p] >= 0) wpool_->release(p);
 }
 
 uint64_t PrefixCache::now() {
@@ -118,7 +126,8 @@ int32_t PrefixCache::root_for(const std::string& ns) const {
   return it == roots_.end() ? -1 : it->second;
 }
 
-PrefixCache::Walk PrefixCache::walk(int32_t root, const int32_t* tokens, int64_t max_pages, std::vector<int32_t>* pages) const {
+PrefixCache::Walk PrefixCache::walk(int32_t root, const int32_t* tokens, int64_t max_pages, std::vector<int32_t>* pages,
+                                    std::vector<int32_t>* wpages) const {
   Walk w;
   w.node = root;
   int64_t done = 0;
@@ -130,6 +139,7 @@ PrefixCache::Walk PrefixCache::walk(int32_t root, const int32_t* tokens, int64_t
     int32_t k = 0;
     while (k < n_edge && done < max_pages && same_page(cn.tokens.data() + int64_t(k) * block_size_, tokens + done * block_size_, block_size_)) {
       if (pages) pages->push_back(cn.pages[k]);
+      if (wpages) wpages->push_back(cn.wpages.empty() ? -1 : cn.wpages[k]);
       ++k;
       ++done;
     }
@@ -177,6 +187,16 @@ int32_t PrefixCache::split(int32_t x, int32_t k) {
   X.pages.erase(X.pages.begin(), X.pages.begin() + k);
   X.hashes.erase(X.hashes.begin(), X.hashes.begin() + k);
   for (int32_t p : Y.pages) page_node_[p] = y;
+  if (wpool_) {
+    Y.wpages.assign(X.wpages.begin(), X.wpages.begin() + k);
+    X.wpages.erase(X.wpages.begin(), X.wpages.begin() + k);
+    for (int32_t p : Y.wpages)
+      if (p >= 0) {
+        wpage_node_[p] = y;
+        ++Y.n_wpages;
+        --X.n_wpages;
+      }
+  }
   // Y takes X's slot under the parent (same first page, same key); X hangs under Y.
   Node& P = nodes_[Y.parent];
   auto [b, e] = P.children.equal_range(page_key(Y.tokens.data()));
@@ -187,6 +207,8 @@ int32_t PrefixCache::split(int32_t x, int32_t k) {
     }
   Y.children.emplace(page_key(X.tokens.data()), x);
   X.parent = y;
+  wlru_update(x);
+  wlru_update(y);
   // X keeps its id, path, pins, time and LRU state; Y has a child so it is not a leaf.
   return y;
 }
@@ -219,22 +241,49 @@ void PrefixCache::touch_path(int32_t x, uint64_t t) {
   for (; x >= 0; x = nodes_[x].parent) {
     Node& n = nodes_[x];
     if (n.last_access >= t) continue;
-    const bool was = n.in_lru;
+    const bool was = n.in_lru, wwas = n.in_wlru;
     lru_remove(x);
+    if (wwas) wlru_.erase({n.last_access, x});
     n.last_access = t;
     if (was) lru_add(x);
+    if (wwas) wlru_.insert({n.last_access, x});
   }
+}
+
+void PrefixCache::wlru_update(int32_t x) {
+  Node& n = nodes_[x];
+  const bool want = n.live && n.n_wpages > 0;
+  if (want == n.in_wlru) return;
+  if (want)
+    wlru_.insert({n.last_access, x});
+  else
+    wlru_.erase({n.last_access, x});
+  n.in_wlru = want;
+}
+
+void PrefixCache::drop_wpage(Node& n, int32_t k) {
+  const int32_t p = n.wpages[k];
+  assert(p >= 0);
+  wpage_node_[p] = -1;
+  wpool_->release(p);
+  n.wpages[k] = -1;
+  --n.n_wpages;
+  --stats_.cached_window_pages;
+  ++stats_.evicted_window_pages;
 }
 
 void PrefixCache::remove_node(int32_t x) {
   // The caller has unlinked x from its parent and released its pages.
   Node& n = nodes_[x];
   lru_remove(x);
+  n.n_wpages = 0;  // the caller released them
+  wlru_update(x);
   n.live = false;
   ++n.gen;
   n.tokens = {};
   n.pages = {};
   n.hashes = {};
+  n.wpages = {};
   n.children = {};
   n.ns = {};
   free_nodes_.push_back(x);
@@ -247,11 +296,30 @@ bool PrefixCache::is_valid(const PrefixHandle& h) const {
 
 // ---- lookup ------------------------------------------------------------------------------
 
+int64_t PrefixCache::usable_pages(const std::vector<int32_t>& wpages) const {
+  // The deepest P whose window [window_first_page(P), P) has no tombstone; P = 0 always is.
+  int64_t last_hole = -1;  // deepest tombstone seen in [0, P)
+  int64_t best = 0;
+  for (int64_t P = 1; P <= static_cast<int64_t>(wpages.size()); ++P) {
+    if (wpages[P - 1] < 0) last_hole = P - 1;
+    if (last_hole < window_first_page(P)) best = P;
+  }
+  return best;
+}
+
 PrefixMatch PrefixCache::match(const std::string& ns, const int32_t* tokens, int64_t n_tokens) {
   PrefixMatch m;
   const int32_t root = root_for(ns);
   if (root < 0 || n_tokens <= 1) return m;
-  const Walk w = walk(root, tokens, (n_tokens - 1) / block_size_, &m.pages);
+  int64_t max_pages = (n_tokens - 1) / block_size_;
+  if (wpool_) {
+    // Walk the whole matching path, then keep its longest usable part.
+    walk(root, tokens, max_pages, nullptr, &m.window_pages);
+    max_pages = usable_pages(m.window_pages);
+    m.window_pages.resize(max_pages);
+    for (int64_t k = 0; k < window_first_page(max_pages); ++k) m.window_pages[k] = -1;
+  }
+  const Walk w = walk(root, tokens, max_pages, &m.pages);
   const int32_t end = w.child >= 0 ? split(w.child, w.n_in_child) : w.node;
   m.n_tokens = w.n_pages * block_size_;
   if (end != root) m.handle = PrefixHandle{end, nodes_[end].gen};
@@ -261,6 +329,11 @@ PrefixMatch PrefixCache::match(const std::string& ns, const int32_t* tokens, int
 int64_t PrefixCache::match_length(const std::string& ns, const int32_t* tokens, int64_t n_tokens) const {
   const int32_t root = root_for(ns);
   if (root < 0 || n_tokens <= 1) return 0;
+  if (wpool_) {
+    std::vector<int32_t> wp;
+    walk(root, tokens, (n_tokens - 1) / block_size_, nullptr, &wp);
+    return usable_pages(wp) * block_size_;
+  }
   return walk(root, tokens, (n_tokens - 1) / block_size_, nullptr).n_pages * block_size_;
 }
 
@@ -303,7 +376,8 @@ void PrefixCache::unpin(const PrefixHandle& h) {
 
 // ---- insert ------------------------------------------------------------------------------
 
-PrefixInsert PrefixCache::insert(const std::string& ns, const int32_t* tokens, int64_t n_tokens, const int32_t* pages) {
+PrefixInsert PrefixCache::insert(const std::string& ns, const int32_t* tokens, int64_t n_tokens, const int32_t* pages,
+                                 const int32_t* window_pages) {
   PrefixInsert r;
   const int64_t n_pages = n_tokens / block_size_;
   if (n_pages <= 0) return r;
@@ -315,6 +389,27 @@ PrefixInsert PrefixCache::insert(const std::string& ns, const int32_t* tokens, i
   }
   const Walk w = walk(root, tokens, n_pages, &r.pages);
   int32_t end = w.child >= 0 ? split(w.child, w.n_in_child) : w.node;
+  // Window tombstones on the already-cached part: take the caller's page where it has one.
+  auto adopt_window = [&](Node& n, int32_t x, int64_t pos, int32_t k) {
+    const int32_t p = window_pages[pos];
+    if (p < 0 || n.wpages[k] >= 0 || is_cached_window(p)) return;
+    assert(p < wpool_->n_pages() && wpool_->refcount(p) > 0);
+    wpool_->retain(p);
+    wpage_node_[p] = x;
+    n.wpages[k] = p;
+    ++n.n_wpages;
+    ++stats_.cached_window_pages;
+  };
+  if (wpool_ && window_pages) {
+    int64_t pos = w.n_pages;  // positions [0, w.n_pages) lie on the path root → end
+    for (int32_t x = end; nodes_[x].parent >= 0; x = nodes_[x].parent) {
+      Node& n = nodes_[x];
+      pos -= static_cast<int64_t>(n.pages.size());
+      if (n.n_wpages < static_cast<int32_t>(n.pages.size()))
+        for (int32_t k = 0; k < static_cast<int32_t>(n.pages.size()); ++k) adopt_window(n, x, pos + k, k);
+      wlru_update(x);
+    }
+  }
   if (w.n_pages < n_pages) {
     // The rest becomes one new leaf under `end`, adopting the caller's pages.
     const int32_t y = new_node();
@@ -332,12 +427,17 @@ PrefixInsert PrefixCache::insert(const std::string& ns, const int32_t* tokens, i
       Y.pages.push_back(p);
       Y.hashes.push_back(h);
       r.pages.push_back(p);
+      if (wpool_) {
+        Y.wpages.push_back(-1);
+        if (window_pages) adopt_window(Y, y, k, static_cast<int32_t>(Y.wpages.size()) - 1);
+      }
     }
     r.n_new_pages = static_cast<int32_t>(n_pages - w.n_pages);
     nodes_[end].children.emplace(page_key(Y.tokens.data()), y);
     // Pins through `end` do not cover the new leaf: its lock starts at 0.
     update_lru(end);
     end = y;
+    wlru_update(y);
     stats_.cached_pages += r.n_new_pages;
     stats_.inserted_pages += r.n_new_pages;
   }
@@ -371,6 +471,8 @@ int32_t PrefixCache::evict(int32_t n_pages) {
         page_node_[page] = -1;
         pool_.release(page);
       }
+      for (int32_t k = 0; k < static_cast<int32_t>(n.wpages.size()); ++k)
+        if (n.wpages[k] >= 0) drop_wpage(n, k);
       remove_node(x);
       if (nodes_[parent].parent < 0 && nodes_[parent].children.empty()) {
         roots_.erase(nodes_[parent].ns);
@@ -382,6 +484,10 @@ int32_t PrefixCache::evict(int32_t n_pages) {
       // Shorten the leaf from its deepest page; its first page (and so its key) stays.
       for (int32_t k = 0; k < take; ++k) {
         const int32_t page = n.pages.back();
+        if (wpool_) {
+          if (n.wpages.back() >= 0) drop_wpage(n, static_cast<int32_t>(n.wpages.size()) - 1);
+          n.wpages.pop_back();
+        }
         n.pages.pop_back();
         n.hashes.pop_back();
         n.tokens.resize(n.tokens.size() - block_size_);
@@ -389,6 +495,7 @@ int32_t PrefixCache::evict(int32_t n_pages) {
         pool_.release(page);
       }
       ++n.gen;  // a handle to this node would now name a shorter path
+      wlru_update(x);
     }
     done += take;
   }
@@ -402,6 +509,39 @@ bool PrefixCache::ensure_free(int32_t n_free) {
   return pool_.n_free() >= n_free;
 }
 
+bool PrefixCache::ensure_free_window(int32_t n_free) {
+  if (!wpool_) return false;
+  // Matches end at node ends (the tree splits where requests diverge, and match() splits
+  // where one stops), and a match ending at node x's end reads x's window pages from
+  // window_first_page(end(x)) on; no deeper match reads x's earlier ones. So the first pass
+  // drops only those earlier pages, the second anything; both oldest node first, earliest
+  // positions first, skipping pages a request also holds (dropping those frees nothing).
+  for (int pass = 0; pass < 2 && wpool_->n_free() < n_free; ++pass) {
+    for (auto it = wlru_.begin(); it != wlru_.end() && wpool_->n_free() < n_free;) {
+      const int32_t x = it->second;
+      ++it;  // drop_wpage may take x out of the set
+      Node& n = nodes_[x];
+      const int32_t n_edge = static_cast<int32_t>(n.wpages.size());
+      int32_t k_end = n_edge;
+      if (pass == 0) {
+        int64_t end = 0;  // pages from the root to the end of x
+        for (int32_t y = x; nodes_[y].parent >= 0; y = nodes_[y].parent) end += static_cast<int64_t>(nodes_[y].pages.size());
+        k_end = static_cast<int32_t>(std::clamp<int64_t>(window_first_page(end) - (end - n_edge), 0, n_edge));
+      }
+      for (int32_t k = 0; k < k_end && wpool_->n_free() < n_free; ++k)
+        if (n.wpages[k] >= 0 && wpool_->refcount(n.wpages[k]) == 1) drop_wpage(n, k);
+      wlru_update(x);
+    }
+  }
+  return wpool_->n_free() >= n_free;
+}
+
+int32_t PrefixCache::n_evictable_window_pages() const {
+  int32_t n = 0;
+  for (int32_t p = 0; p < static_cast<int32_t>(wpage_node_.size()); ++p) n += wpage_node_[p] >= 0 && wpool_->refcount(p) == 1;
+  return n;
+}
+
 PrefixCacheStats PrefixCache::stats() const {
   PrefixCacheStats s = stats_;
   s.evictable_pages = s.cached_pages - s.pinned_pages;
@@ -410,12 +550,16 @@ PrefixCacheStats PrefixCache::stats() const {
 
 // ---- integrity ---------------------------------------------------------------------------
 
-Status PrefixCache::check_integrity(std::span<const int32_t> other_holders) const {
+Status PrefixCache::check_integrity(std::span<const int32_t> other_holders, std::span<const int32_t> other_window_holders) const {
   auto fail = [](const std::string& what, int32_t x) { return Status::error("prefix cache: node " + std::to_string(x) + ": " + what); };
   const int32_t n_pool = pool_.n_pages();
   if (static_cast<int32_t>(page_node_.size()) != n_pool) return Status::error("prefix cache: page map size differs from the pool");
   std::vector<uint8_t> seen(n_pool, 0);
   int32_t n_cached = 0, n_pinned = 0, n_lru = 0, n_reached = 0;
+  const int32_t n_wpool = wpool_ ? wpool_->n_pages() : 0;
+  if (static_cast<int32_t>(wpage_node_.size()) != n_wpool) return Status::error("prefix cache: window page map size differs from the pool");
+  std::vector<uint8_t> wseen(n_wpool, 0);
+  int32_t n_wcached = 0, n_wlru = 0;
 
   for (const auto& [ns, root] : roots_) {
     if (root < 0 || root >= static_cast<int32_t>(nodes_.size())) return Status::error("prefix cache: bad root id for namespace '" + ns + "'");
@@ -444,6 +588,21 @@ Status PrefixCache::check_integrity(std::span<const int32_t> other_holders) cons
           h = chain_hash(h, n.tokens.data() + k * block_size_, block_size_, model_fingerprint_, kv_dtype_tag_, ns);
           if (!(h == n.hashes[k])) return fail("chain hash of page " + std::to_string(p) + " is stale", x);
         }
+        if (n.wpages.size() != (wpool_ ? np : 0)) return fail("window page list size disagrees", x);
+        int32_t nw = 0;
+        for (int32_t p : n.wpages) {
+          if (p < 0) continue;
+          if (p >= n_wpool) return fail("invalid window page id " + std::to_string(p), x);
+          if (wseen[p]) return fail("window page " + std::to_string(p) + " cached twice", x);
+          wseen[p] = 1;
+          if (wpage_node_[p] != x) return fail("window page map disagrees for page " + std::to_string(p), x);
+          if (wpool_->refcount(p) < 1) return fail("cached window page " + std::to_string(p) + " has refcount 0", x);
+          ++nw;
+        }
+        if (nw != n.n_wpages) return fail("window page count is stale", x);
+        if ((nw > 0) != n.in_wlru || (n.in_wlru && !wlru_.count({n.last_access, x}))) return fail("window LRU membership is wrong", x);
+        n_wlru += n.in_wlru;
+        n_wcached += nw;
         n_cached += static_cast<int32_t>(np);
         if (n.lock > 0) n_pinned += static_cast<int32_t>(np);
         const bool evictable = n.lock == 0 && n.children.empty();
@@ -471,6 +630,21 @@ Status PrefixCache::check_integrity(std::span<const int32_t> other_holders) cons
   int32_t n_mapped = 0;
   for (int32_t p = 0; p < n_pool; ++p) n_mapped += page_node_[p] >= 0;
   if (n_mapped != n_cached) return Status::error("prefix cache: page map holds pages outside the tree");
+  if (static_cast<int32_t>(wlru_.size()) != n_wlru) return Status::error("prefix cache: window LRU set holds stale entries");
+  int32_t n_wmapped = 0;
+  for (int32_t p = 0; p < n_wpool; ++p) n_wmapped += wpage_node_[p] >= 0;
+  if (n_wmapped != n_wcached || n_wcached != stats_.cached_window_pages)
+    return Status::error("prefix cache: window pages: map holds " + std::to_string(n_wmapped) + ", tree " + std::to_string(n_wcached) +
+                         ", counter " + std::to_string(stats_.cached_window_pages));
+  if (!other_window_holders.empty()) {
+    if (static_cast<int32_t>(other_window_holders.size()) != n_wpool) return Status::error("prefix cache: other_window_holders size differs from the pool");
+    for (int32_t p = 0; p < n_wpool; ++p) {
+      const int32_t want = other_window_holders[p] + (wseen[p] ? 1 : 0);
+      if (wpool_->refcount(p) != want)
+        return Status::error("prefix cache: window page " + std::to_string(p) + " has refcount " + std::to_string(wpool_->refcount(p)) +
+                             ", holders " + std::to_string(want));
+    }
+  }
   if (n_cached != stats_.cached_pages || n_pinned != stats_.pinned_pages)
     return Status::error("prefix cache: counters say " + std::to_string(stats_.cached_pages) + " cached / " + std::to_string(stats_.pinned_pages) +
                          " pinned, tree holds " + std::to_string(n_cached) + " / " + std::to_string(n_pinned));

@@ -40,9 +40,24 @@
 // transfer key pages by it. A golden test freezes the format: changing it invalidates every
 // stored page, so bump kChainHashVersion when you do.
 //
+// Sliding-window layer group (hybrid models such as Gemma 3). The model's local layers keep
+// their K/V in a second pool whose pages a query needs only inside its window. The cache then
+// holds, beside each position's global page, that position's window-group page, or -1 when it
+// is gone (a tombstone). A cached prefix of P pages is usable only when the window pages the
+// next query sees are all present: positions [P·bs - window + 1, P·bs), i.e. pages
+// [window_first_page(P), P). match() returns the longest such P. Window pages go two ways:
+// with their position, when evict() drops the global page; or alone, by ensure_free_window()
+// when the window pool needs room — first those no match ending at a node end can read, then
+// the rest, least recently used node first, its earliest pages first. Window
+// eviction ignores pins: a request holds its own reference on every window page it reads, so
+// dropping the cache's reference never takes a page from a running request; it only shortens
+// what later requests can reuse. A tombstone is refilled when a later insert() brings the page
+// again.
+//
 // Threading. Not thread-safe. The engine thread owns the cache, like the PagePool it wraps;
 // other threads read stats() only through a snapshot the engine copies under its own lock.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <set>
@@ -76,6 +91,9 @@ struct PrefixHandle {
 
 struct PrefixMatch {
   std::vector<int32_t> pages;  // [n_tokens / block_size] cached page ids, in sequence order
+  // Hybrid models: [pages.size()] window-group pages of the same positions; -1 before
+  // window_first_page (pages no later query sees). Empty without a window pool.
+  std::vector<int32_t> window_pages;
   int64_t n_tokens = 0;        // tokens covered: a multiple of block_size, at most n_query - 1
   PrefixHandle handle;         // the node holding the last matched page; pin before evicting
 };
@@ -96,6 +114,15 @@ struct PrefixCacheStats {
   int32_t cached_pages = 0;    // pages in the tree now (the cache holds one reference on each)
   int32_t pinned_pages = 0;    // of those, in nodes pinned by at least one request
   int32_t evictable_pages = 0; // cached - pinned
+  // Sliding-window layer group (hybrid models); 0 without one.
+  int32_t cached_window_pages = 0;    // window pages in the tree now (one reference each)
+  int64_t evicted_window_pages = 0;   // cache references on window pages dropped
+};
+
+// The sliding-window layer group's pool and window (tokens), for hybrid models.
+struct WindowGroup {
+  PagePool* pool = nullptr;
+  int32_t window = 0;  // a query at position p sees keys in (p - window, p]
 };
 
 class PrefixCache {
@@ -107,14 +134,20 @@ class PrefixCache {
   // block_size is the pool's. model_fingerprint identifies the weights (and anything else
   // that changes K/V: architecture, rope scaling); kv_dtype_tag identifies the page format
   // (e.g. static_cast<int32_t>(KvDtype)). Both only feed the chain hash. A null clock means
-  // std::chrono::steady_clock in nanoseconds.
-  PrefixCache(PagePool& pool, uint64_t model_fingerprint, int32_t kv_dtype_tag, Clock clock = nullptr);
+  // std::chrono::steady_clock in nanoseconds. window: the sliding-window group of a hybrid
+  // model (its pool must have pool's block size), else empty.
+  PrefixCache(PagePool& pool, uint64_t model_fingerprint, int32_t kv_dtype_tag, Clock clock = nullptr, WindowGroup window = {});
   // Drops every cache reference (pool.release per cached page). Asserts nothing is pinned.
   ~PrefixCache();
   PrefixCache(const PrefixCache&) = delete;
   PrefixCache& operator=(const PrefixCache&) = delete;
 
   int32_t block_size() const { return block_size_; }
+  bool has_window() const { return wpool_ != nullptr; }
+  // First page a query at position n_pages * block_size reads in the window group.
+  int64_t window_first_page(int64_t n_pages) const {
+    return std::max<int64_t>(0, n_pages * block_size_ - window_ + 1) / block_size_;
+  }
 
   // --- lookup -----------------------------------------------------------------------------
   // The longest cached prefix of tokens[0, n_tokens) in namespace ns, in whole pages, and at
@@ -122,7 +155,8 @@ class PrefixCache {
   // because the engine needs logits from the last prompt position. Changes no page,
   // refcount, pin, LRU time or stat; it may split a node so the handle ends exactly at the
   // last matched page (tree shape only). The caller then pins the handle and takes its own
-  // reference on each page it keeps (pool.retain).
+  // reference on each page it keeps (pool.retain). Hybrid models: only prefixes whose window
+  // pages are all present count (see above); the caller retains window_pages too.
   PrefixMatch match(const std::string& ns, const int32_t* tokens, int64_t n_tokens);
   // Tokens match() would return, without splitting anything (for lpm ordering).
   int64_t match_length(const std::string& ns, const int32_t* tokens, int64_t n_tokens) const;
@@ -147,7 +181,11 @@ class PrefixCache {
   // write it again. A page id may be cached at one position only. Refreshes the LRU time of
   // the path. Called when a request finishes or is preempted, before it releases its block
   // table; may also be called while it runs (then pin the returned handle until it ends).
-  PrefixInsert insert(const std::string& ns, const int32_t* tokens, int64_t n_tokens, const int32_t* pages);
+  // window_pages (hybrid models): the caller's window-group pages of the same positions, -1
+  // where it no longer holds one; each one present is adopted where the cache has none for
+  // its position (a new position, or a tombstone), under the same rules as pages.
+  PrefixInsert insert(const std::string& ns, const int32_t* tokens, int64_t n_tokens, const int32_t* pages,
+                      const int32_t* window_pages = nullptr);
 
   // --- eviction -------------------------------------------------------------------------
   // Drops the cache's reference on up to n_pages unpinned pages: the least recently used
@@ -161,6 +199,13 @@ class PrefixCache {
   // succeeds exactly when pool.n_free() + n_evictable_pages() >= n_free: check that first
   // to avoid evicting for nothing.
   bool ensure_free(int32_t n_free);
+  // Window group: drops the cache's reference on window pages until the window pool has
+  // n_free free pages, skipping pages a request also holds (dropping those frees nothing):
+  // first the pages no match ending at a node end reads, then any; LRU node first, earliest
+  // positions first. Returns whether the pool has n_free free pages.
+  bool ensure_free_window(int32_t n_free);
+  // Window pages only the cache holds (what ensure_free_window can free at most).
+  int32_t n_evictable_window_pages() const;
 
   // --- hashes ---------------------------------------------------------------------------
   static PageHash chain_hash(const PageHash& parent, const int32_t* tokens, int32_t block_size, uint64_t model_fingerprint,
@@ -179,6 +224,10 @@ class PrefixCache {
   int32_t n_namespaces() const { return static_cast<int32_t>(roots_.size()); }
   PrefixCacheStats stats() const;
   bool is_cached(int32_t page) const { return page >= 0 && page < static_cast<int32_t>(page_node_.size()) && page_node_[page] >= 0; }
+  bool is_cached_window(int32_t page) const {
+    return page >= 0 && page < static_cast<int32_t>(wpage_node_.size()) && wpage_node_[page] >= 0;
+  }
+  int32_t n_cached_window_pages() const { return stats_.cached_window_pages; }
 
   // Tree invariants: links, edge sizes, sibling keys, chain hashes recomputed, each cached
   // page in one position only with pool refcount >= 1, lock counts = direct pins + children's
@@ -186,7 +235,8 @@ class PrefixCache {
   // With other_holders ([pool.n_pages()], references held outside the cache, e.g. counted
   // from block tables) also: refcount(p) == other_holders[p] + (cached ? 1 : 0) for every p,
   // i.e. the cache holds exactly one reference per cached page and none elsewhere.
-  Status check_integrity(std::span<const int32_t> other_holders = {}) const;
+  // other_window_holders: the same for the window pool (hybrid models).
+  Status check_integrity(std::span<const int32_t> other_holders = {}, std::span<const int32_t> other_window_holders = {}) const;
 
  private:
   struct Node {
@@ -194,12 +244,15 @@ class PrefixCache {
     uint32_t gen = 0;              // bumped when the node shrinks or dies
     bool live = false;
     bool in_lru = false;
+    bool in_wlru = false;
     int32_t lock = 0;              // pins through this node (own + descendants')
     int32_t own_pins = 0;          // pins whose handle is this node
     uint64_t last_access = 0;      // never below any child's
     std::vector<int32_t> tokens;   // [n_pages * block_size] edge tokens
     std::vector<int32_t> pages;    // [n_pages]
     std::vector<PageHash> hashes;  // [n_pages] chain hash of each page
+    std::vector<int32_t> wpages;   // [n_pages] window-group page per position, -1: none (hybrid only)
+    int32_t n_wpages = 0;          // entries of wpages >= 0
     // Children keyed by a 64-bit hash of their first page's tokens (collisions resolved by
     // comparing tokens).
     std::unordered_multimap<uint64_t, int32_t> children;
@@ -218,7 +271,12 @@ class PrefixCache {
     int32_t n_in_child = 0;
     int64_t n_pages = 0;
   };
-  Walk walk(int32_t root, const int32_t* tokens, int64_t max_pages, std::vector<int32_t>* pages) const;
+  Walk walk(int32_t root, const int32_t* tokens, int64_t max_pages, std::vector<int32_t>* pages,
+            std::vector<int32_t>* wpages = nullptr) const;
+  // Longest usable prefix (in pages) of a walked path whose window pages are wpages.
+  int64_t usable_pages(const std::vector<int32_t>& wpages) const;
+  void wlru_update(int32_t x);  // in the window LRU set iff live and holding a window page
+  void drop_wpage(Node& n, int32_t k);  // releases n.wpages[k] (>= 0) back to the window pool
   int32_t new_node();
   // Splits node x after k pages (0 < k < size): a new node takes the first k pages and
   // becomes x's parent. Returns the new node. x keeps its id, path, pins and children.
@@ -242,6 +300,11 @@ class PrefixCache {
   std::unordered_map<std::string, int32_t> roots_;  // namespace -> root node
   std::vector<int32_t> page_node_;                  // [pool.n_pages()] node caching the page, or -1
   std::set<LruKey> lru_;                            // evictable leaves, oldest first
+  // Window group (hybrid models; null pool otherwise).
+  PagePool* wpool_ = nullptr;
+  int32_t window_ = 0;
+  std::vector<int32_t> wpage_node_;                 // [wpool.n_pages()] node caching the page, or -1
+  std::set<LruKey> wlru_;                           // nodes holding window pages, oldest first
   PrefixCacheStats stats_;
 };
 

@@ -220,6 +220,8 @@ void HttpServer::handle_debug_kv(httplib::Response& res) {
   Status st = engine_.check_integrity();
   write_json(res, json{{"pages_total", engine_.pool().n_pages()},
                        {"pages_in_use", pages_in_use},
+                       {"pages_cached", engine_.pages_cached()},
+                       {"window_pages_cached", engine_.window_pages_cached()},
                        {"block_size", engine_.config().block_size},
                        {"num_requests_running", m.num_requests_running},
                        {"num_requests_waiting", m.num_requests_waiting},

@@ -28,16 +28,16 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *extra: str):
+    def __init__(self, *extra: str, model: str = MODEL, max_model_len: int = MAX_MODEL_LEN, kv_memory: str = "48MiB"):
         if not os.path.exists(KVSERVE):
             pytest.fail(f"{KVSERVE} is missing: run `make build`")
-        if not os.path.exists(MODEL):
-            pytest.fail(f"{MODEL} is missing: run `make models`")
+        if not os.path.exists(model):
+            pytest.fail(f"{model} is missing: run `make models`")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-e2e-", suffix=".log", delete=False)
-        cmd = [KVSERVE, "serve", "-m", MODEL, "--port", str(self.port), "--threads", "2",
-               "--kv-cache-memory", "48MiB", "--max-model-len", str(MAX_MODEL_LEN), "--max-n", str(MAX_N), *extra]
+        cmd = [KVSERVE, "serve", "-m", model, "--port", str(self.port), "--threads", "2",
+               "--kv-cache-memory", kv_memory, "--max-model-len", str(max_model_len), "--max-n", str(MAX_N), *extra]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 60
         while True:

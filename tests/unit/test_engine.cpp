@@ -64,6 +64,7 @@ void run_until_idle(Engine& e) {
 void expect_drained(const Engine& e) {
   EXPECT_EQ(e.pages_in_use(), 0);
   EXPECT_EQ(e.pool().n_used(), e.pages_cached());
+  if (e.pool_g1()) EXPECT_EQ(e.pool_g1()->n_used(), e.window_pages_cached());
   Status st = e.check_integrity();
   EXPECT_TRUE(st.is_ok()) << st.message();
 }
@@ -393,26 +394,33 @@ TEST(Engine, LpmPrefersTheCachedPrefixFcfsDoesNot) {
   }
 }
 
-// Gemma 3 (hybrid: 3 global + 15 sliding-window layers, window 512) through the engine: two
-// KV pools, the window's pages freed as it slides. A 700-token prompt decoded alone equals the
-// same prompt decoded among other requests; n = 2 forks share (and copy-on-write) pages in both
-// pools; every page of both pools returns.
-TEST(Engine, Gemma3HybridSlidingWindowPools) {
-  LlamaModel* m = kvtest::gemma3_model();
-  ASSERT_NE(m, nullptr);
-  ASSERT_EQ(m->kv_groups().size(), 2u);
-  ASSERT_EQ(m->kv_groups()[1].window, 512);
-  std::unique_ptr<Tokenizer> tok;
-  {
-    auto f = GgufFile::open(kvtest::gemma3_path());
-    ASSERT_TRUE(f.is_ok());
-    auto t = Tokenizer::from_gguf(**f);
-    ASSERT_TRUE(t.is_ok()) << t.message();
-    tok = std::move(*t);
-  }
-  std::vector<int32_t> longp(700);
-  for (size_t i = 0; i < longp.size(); ++i) longp[i] = static_cast<int32_t>(300 + (i * 7919) % 200000);
-  longp[0] = tok->bos_id();
+namespace {
+std::unique_ptr<Tokenizer> gemma3_tokenizer() {
+  auto f = GgufFile::open(kvtest::gemma3_path());
+  if (!f.is_ok()) return nullptr;
+  auto t = Tokenizer::from_gguf(**f);
+  return t.is_ok() ? std::move(*t) : nullptr;
+}
+
+// Deterministic filler ids (ordinary vocabulary) after BOS.
+std::vector<int32_t> filler(const Tokenizer& tok, size_t n, uint32_t salt) {
+  std::vector<int32_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<int32_t>(300 + (i * 7919 + salt * 104729) % 200000);
+  v[0] = tok.bos_id();
+  return v;
+}
+// n ordinary ids (no BOS): a prompt's continuation.
+std::vector<int32_t> more(size_t n, uint32_t salt) {
+  std::vector<int32_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<int32_t>(300 + (i * 7919 + salt * 104729) % 200000);
+  return v;
+}
+std::vector<int32_t> join(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+EngineConfig gemma_config() {
   EngineConfig c;
   c.max_num_batched_tokens = 128;
   c.max_num_seqs = 8;
@@ -420,6 +428,36 @@ TEST(Engine, Gemma3HybridSlidingWindowPools) {
   c.block_size = 16;
   c.kv_cache_bytes = 96ll << 20;
   c.n_threads = 2;
+  return c;
+}
+
+// Outputs of prompts run one after another, each to completion, in one engine.
+std::vector<Outcome> run_in_turn(Engine& e, const std::vector<std::vector<int32_t>>& prompts, int max_tokens) {
+  std::vector<Outcome> out;
+  for (const auto& p : prompts) {
+    auto s = submit(e, p, max_tokens);
+    run_until_idle(e);
+    out.push_back(collect(*s));
+  }
+  return out;
+}
+}  // namespace
+
+// Gemma 3 (hybrid: 3 global + 15 sliding-window layers, window 512) through the engine: two
+// KV pools, the window's pages freed as it slides. A 700-token prompt decoded alone equals the
+// same prompt decoded among other requests; n = 2 forks share (and copy-on-write) pages in both
+// pools; every page of both pools returns. (Prefix caching off: the cache would keep pages; its
+// hybrid behaviour has tests of its own below.)
+TEST(Engine, Gemma3HybridSlidingWindowPools) {
+  LlamaModel* m = kvtest::gemma3_model();
+  ASSERT_NE(m, nullptr);
+  ASSERT_EQ(m->kv_groups().size(), 2u);
+  ASSERT_EQ(m->kv_groups()[1].window, 512);
+  auto tok = gemma3_tokenizer();
+  ASSERT_NE(tok, nullptr);
+  const std::vector<int32_t> longp = filler(*tok, 700, 0);
+  EngineConfig c = gemma_config();
+  c.enable_prefix_caching = false;
   std::string alone;
   {
     Engine e(*m, *tok, c);
@@ -450,4 +488,77 @@ TEST(Engine, Gemma3HybridSlidingWindowPools) {
     expect_drained(e);
     EXPECT_EQ(e.pool_g1()->n_used(), 0);
   }
+}
+
+// Gemma 3 with the prefix cache on: a hit needs the global layers' pages of the whole prefix
+// and the sliding-window layers' pages of its last window (512 positions). A 700-token shared
+// prefix is computed once: a second request diverging after it, and a follow-up that extends
+// the first request's prompt, reuse it with outputs identical to the cache off.
+TEST(Engine, Gemma3PrefixCacheReusesGlobalPagesAndTheLastWindow) {
+  LlamaModel* m = kvtest::gemma3_model();
+  ASSERT_NE(m, nullptr);
+  auto tok = gemma3_tokenizer();
+  ASSERT_NE(tok, nullptr);
+  const std::vector<int32_t> shared = filler(*tok, 700, 1);
+  const std::vector<int32_t> a = join(shared, more(20, 2));
+  const std::vector<int32_t> b = join(shared, more(30, 3));
+  const std::vector<int32_t> c = join(a, more(40, 4));
+  EngineConfig off = gemma_config();
+  off.enable_prefix_caching = false;
+  std::vector<Outcome> want;
+  {
+    Engine e(*m, *tok, off);
+    want = run_in_turn(e, {a, b, c}, 16);
+    expect_drained(e);
+  }
+  Engine e(*m, *tok, gemma_config());
+  std::vector<Outcome> got = run_in_turn(e, {a, b, c}, 16);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_FALSE(want[i].text[0].empty());
+    EXPECT_EQ(got[i].text[0], want[i].text[0]) << "request " << i;
+  }
+  EXPECT_EQ(got[0].usage.cached_tokens, 0);
+  EXPECT_EQ(got[1].usage.cached_tokens, 700 / 16 * 16);  // the shared prefix's full pages
+  EXPECT_EQ(got[2].usage.cached_tokens, 720);            // a's whole prompt (45 pages)
+  EXPECT_GT(e.window_pages_cached(), 0);
+  // the cache keeps the window pages it was handed, not only the last window
+  EXPECT_GT(e.window_pages_cached(), 512 / 16 + 2);
+  expect_drained(e);
+}
+
+// The same with a sliding-window pool too small to keep what the cache is handed: window pages
+// are evicted (cache-only ones, oldest first) to let requests run; a prefix whose window went
+// is recomputed. Outputs never change, every page is accounted for at every step.
+TEST(Engine, Gemma3PrefixCacheUnderWindowPoolPressure) {
+  LlamaModel* m = kvtest::gemma3_model();
+  ASSERT_NE(m, nullptr);
+  auto tok = gemma3_tokenizer();
+  ASSERT_NE(tok, nullptr);
+  // Two 600-token prefixes in turn: the pool cannot keep both windows beside a running request.
+  const std::vector<int32_t> pa = filler(*tok, 600, 5), pb = filler(*tok, 600, 6);
+  std::vector<std::vector<int32_t>> prompts;
+  for (uint32_t i = 0; i < 6; ++i) prompts.push_back(join(i % 2 ? pb : pa, more(30 + 10 * i, 7 + i)));
+  EngineConfig c = gemma_config();
+  c.max_num_seqs = 2;  // the window pool holds about two sequences' windows
+  EngineConfig off = c;
+  off.enable_prefix_caching = false;
+  std::vector<Outcome> want;
+  {
+    Engine e(*m, *tok, off);
+    want = run_in_turn(e, prompts, 8);
+  }
+  Engine e(*m, *tok, c);
+  ASSERT_NE(e.pool_g1(), nullptr);
+  const int32_t n_window_pool = e.pool_g1()->n_pages();
+  EXPECT_LT(n_window_pool, 3 * (600 / 16));
+  std::vector<Outcome> got = run_in_turn(e, prompts, 8);
+  int32_t n_hits = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(got[i].text[0], want[i].text[0]) << "request " << i;
+    n_hits += got[i].usage.cached_tokens > 0;
+    std::printf("request %zu: %d of %zu prompt tokens cached\n", i, got[i].usage.cached_tokens, prompts[i].size());
+  }
+  EXPECT_GE(n_hits, 2);
+  EXPECT_GT(e.metrics().prefix_cache_window_evictions_total, 0);  // the pool did run short
+  expect_drained(e);
 }
