@@ -27,6 +27,9 @@ Schemes (name: K / V):
                       (the {scale, min} layout int8 keys use) / per-tile V scale
   e4m3_mant           e4m3's 3-bit mantissa with unlimited exponent range, no scale (what
                       no choice of scale can beat) / same
+  e4m3_kmid           e4m3 keys with a per-(page, channel) f16 zero point (midpoint) and ONE
+                      per-tile f32 scale for the residual / per-tile V scale
+  e5m2_kmid           the same with e5m2 codes / e5m2 per-tile V scale
 
 Outputs (JSON, --out): per scheme and layer the relative error ||X^-X||/||X|| of K and V
 (clean run's K/V, f32 reference), the relative error of that layer's attention output when
@@ -152,6 +155,20 @@ def q_fp8_chan_zp(x, rnd, maxv):
     return (z + rnd(y) * scale).astype(np.float32).reshape(x.shape)
 
 
+def q_fp8_kmid(x, rnd, maxv):
+    """Per (page, head, channel) f16 zero point z = the channel's midpoint over the page's
+    tokens, and ONE f32 scale per (page, head) tile for the residual x - z."""
+    p = pages(f16(x))
+    mn, mx = p.min(axis=1, keepdims=True), p.max(axis=1, keepdims=True)
+    z = f16((mn + mx) / 2)
+    r = (p - z).astype(np.float32)
+    amax = np.abs(r).max(axis=(1, 3), keepdims=True)
+    scale = np.where(amax > 0, amax / np.float32(maxv), np.float32(1)).astype(np.float32)
+    inv = (np.float32(1) / scale).astype(np.float32)
+    y = np.clip(r * inv, -maxv, maxv)
+    return (z + rnd(y) * scale).astype(np.float32).reshape(x.shape)
+
+
 def q_fp8_noscale(x, rnd, maxv):
     return rnd(np.clip(f16(x), -maxv, maxv))
 
@@ -202,6 +219,9 @@ def make_schemes(head_dim):
         "e4m3_tile_Vonly": (f16, t4),
         "e4m3_kzp": (lambda x: q_fp8_chan_zp(x, e4m3, E4M3_MAX), t4),
         "e4m3_mant": (q_mant3, q_mant3),
+        "e4m3_kmid": (lambda x: q_fp8_kmid(x, e4m3, E4M3_MAX), t4),
+        "e5m2_kmid": (lambda x: q_fp8_kmid(x, e5m2, E5M2_MAX),
+                      lambda x: q_fp8_tile(x, e5m2, E5M2_MAX)),
     }
 
 
@@ -508,7 +528,8 @@ def plot(res, path):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.4))
     sch = res["schemes"]
-    show = [n for n in ("e4m3_tile", "e4m3_kchan", "e4m3_noscale", "e4m3_kzp", "e5m2_tile", "int8", "int4")
+    show = [n for n in ("e4m3_tile", "e4m3_kchan", "e4m3_noscale", "e4m3_kzp", "e4m3_kmid", "e5m2_tile",
+                        "e5m2_kmid", "int8", "int4")
             if n in sch]
     for n in show:
         st = sch[n]["per_layer"]
