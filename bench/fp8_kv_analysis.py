@@ -10,16 +10,18 @@ K and V tiles exactly as kvserve's paged cache stores them (src/kernels/kv_tile.
     quantized when the page is full; a query reads its OWN page at f16 and every earlier
     page quantized (src/kv/page_pool.h);
   * fp8 (kvserve): one f32 scale per (page, kv head) tile, scale = amax / max_finite,
-    round-to-nearest-even, saturating;
+    round-to-nearest-even, saturating; keys first less a per-channel f16 zero point (the
+    channel's midpoint over the page), the scale then sized for the residuals (e4m3_kmid;
+    before: e4m3_tile);
   * int8 / int4 (kvserve): K per channel over the page's 16 tokens, V per token (int8: one
     group of head_dim channels; int4: groups of 32), {scale, min} stored as f16.
 
 Schemes (name: K / V):
   f16                 f16 / f16 (the staging rounding alone)
-  e4m3_tile      (a)  kvserve fp8_e4m3: per-(page, head) scale / same
+  e4m3_tile      (a)  kvserve's first fp8_e4m3: per-(page, head) scale / same
   e4m3_kchan     (b)  e4m3 with per-(page, channel) key scale / per-tile V scale
   e4m3_noscale   (c)  plain e4m3 cast, no scale (saturating) / same
-  e5m2_tile      (d)  kvserve fp8_e5m2 / same
+  e5m2_tile      (d)  kvserve's first fp8_e5m2 / same
   int8, int4     (e)  kvserve int8 / int4
   e4m3_tile_Konly     e4m3_tile K / f16 V      (attribution)
   e4m3_tile_Vonly     f16 K / e4m3_tile V      (attribution)
@@ -27,6 +29,9 @@ Schemes (name: K / V):
                       (the {scale, min} layout int8 keys use) / per-tile V scale
   e4m3_mant           e4m3's 3-bit mantissa with unlimited exponent range, no scale (what
                       no choice of scale can beat) / same
+  e4m3_kmid           kvserve fp8_e4m3: keys with a per-(page, channel) f16 zero point
+                      (midpoint) and ONE per-tile f32 scale for the residual / per-tile V scale
+  e5m2_kmid           kvserve fp8_e5m2: the same with e5m2 codes / e5m2 per-tile V scale
 
 Outputs (JSON, --out): per scheme and layer the relative error ||X^-X||/||X|| of K and V
 (clean run's K/V, f32 reference), the relative error of that layer's attention output when
@@ -152,6 +157,20 @@ def q_fp8_chan_zp(x, rnd, maxv):
     return (z + rnd(y) * scale).astype(np.float32).reshape(x.shape)
 
 
+def q_fp8_kmid(x, rnd, maxv):
+    """Per (page, head, channel) f16 zero point z = the channel's midpoint over the page's
+    tokens, and ONE f32 scale per (page, head) tile for the residual x - z."""
+    p = pages(f16(x))
+    mn, mx = p.min(axis=1, keepdims=True), p.max(axis=1, keepdims=True)
+    z = f16((mn + mx) / 2)
+    r = (p - z).astype(np.float32)
+    amax = np.abs(r).max(axis=(1, 3), keepdims=True)
+    scale = np.where(amax > 0, amax / np.float32(maxv), np.float32(1)).astype(np.float32)
+    inv = (np.float32(1) / scale).astype(np.float32)
+    y = np.clip(r * inv, -maxv, maxv)
+    return (z + rnd(y) * scale).astype(np.float32).reshape(x.shape)
+
+
 def q_fp8_noscale(x, rnd, maxv):
     return rnd(np.clip(f16(x), -maxv, maxv))
 
@@ -202,6 +221,9 @@ def make_schemes(head_dim):
         "e4m3_tile_Vonly": (f16, t4),
         "e4m3_kzp": (lambda x: q_fp8_chan_zp(x, e4m3, E4M3_MAX), t4),
         "e4m3_mant": (q_mant3, q_mant3),
+        "e4m3_kmid": (lambda x: q_fp8_kmid(x, e4m3, E4M3_MAX), t4),
+        "e5m2_kmid": (lambda x: q_fp8_kmid(x, e5m2, E5M2_MAX),
+                      lambda x: q_fp8_tile(x, e5m2, E5M2_MAX)),
     }
 
 
@@ -359,7 +381,8 @@ def check_cpp(caps, head_dim, layers=(0, 1, 15, 29)):
                    check=True)
     so = ctypes.CDLL(lib)
     ptr = lambda a: a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-    elems = {"e4m3_tile": 3, "e5m2_tile": 4, "int8": 5, "int4": 6}
+    # kvserve's fp8 pages: keys with a per-channel zero point (kmid), values per-tile scaled
+    elems = {"e4m3_kmid": 3, "e5m2_kmid": 4, "int8": 5, "int4": 6}
     sch = make_schemes(head_dim)
     out = {}
     for n, el in elems.items():
@@ -508,7 +531,8 @@ def plot(res, path):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.4))
     sch = res["schemes"]
-    show = [n for n in ("e4m3_tile", "e4m3_kchan", "e4m3_noscale", "e4m3_kzp", "e5m2_tile", "int8", "int4")
+    show = [n for n in ("e4m3_tile", "e4m3_kchan", "e4m3_noscale", "e4m3_kzp", "e4m3_kmid", "e5m2_tile",
+                        "e5m2_kmid", "int8", "int4")
             if n in sch]
     for n in show:
         st = sch[n]["per_layer"]

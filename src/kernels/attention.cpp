@@ -145,7 +145,7 @@ void page_rows(const uint8_t* kt, const uint8_t* vt, int bs, int hd, int dv, int
   const int64_t n = int64_t(bs) * hd;
   const int n_chunks = (n_keys + 15) / 16;
   alignas(64) float qe[NR][kAttnMaxHeadDim];  // effective query: q·scale·(per-channel / tile scale)
-  float cadd[NR] = {};                         // Σ q·scale·min (int keys' zero points)
+  float cadd[NR] = {};                         // Σ q·scale·zero (int keys' min, fp8 keys' midpoint)
   int lo[NR], hi[NR];
   bool any = false;
   for (int r = 0; r < NR; ++r) {
@@ -155,10 +155,17 @@ void page_rows(const uint8_t* kt, const uint8_t* vt, int bs, int hd, int dv, int
   if (!any) return;
 
   // 1. effective queries
-  if constexpr (kInt) {
+  if constexpr (kInt || kFp8) {
     const uint16_t* meta = reinterpret_cast<const uint16_t*>(kt + values_bytes(E, n));
     alignas(64) float ks[kAttnMaxHeadDim], kz[kAttnMaxHeadDim];
     for (int d = 0; d < hd; d += 16) {
+      if constexpr (kFp8) {  // one tile scale (e4m3: ×256, see fp8x16), then f16 zero points
+        float ts;
+        std::memcpy(&ts, meta, 4);
+        _mm512_store_ps(ks + d, _mm512_set1_ps(E == KvElem::kFp8E4M3 ? ts * 256.f : ts));
+        _mm512_store_ps(kz + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 2 + d))));
+        continue;
+      }
       // meta pairs {scale, min} per channel: deinterleave 16 pairs
       const __m512i pr = _mm512_loadu_si512(meta + 2 * d);
       _mm512_store_ps(ks + d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(pr)));
@@ -174,13 +181,6 @@ void page_rows(const uint8_t* kt, const uint8_t* vt, int bs, int hd, int dv, int
       }
       cadd[r] = _mm512_reduce_add_ps(c);
     }
-  } else if constexpr (kFp8) {
-    float ts;
-    std::memcpy(&ts, kt + n, 4);
-    if (E == KvElem::kFp8E4M3) ts *= 256.f;
-    const __m512 tv = _mm512_set1_ps(ts);
-    for (int r = 0; r < NR; ++r)
-      for (int d = 0; d < hd; d += 16) _mm512_store_ps(qe[r] + d, _mm512_mul_ps(_mm512_loadu_ps(rows.qs[r0 + r] + d), tv));
   }
   auto qrow = [&](int r) -> const float* {
     if constexpr (kInt || kFp8) return qe[r];

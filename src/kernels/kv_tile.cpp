@@ -88,10 +88,53 @@ void quantize_fp8(const uint16_t* stage, KvElem e, int64_t n, uint8_t* tile) {
   std::memcpy(tile + n, &scale, sizeof scale);
 }
 
+// fp8 keys: per channel an f16 zero point (the midpoint of the page's tokens), then one tile
+// scale for the residuals key - zero (kv_tile.h). The residual uses the f16-rounded zero, so
+// decoding sees exactly what encoding assumed.
+void quantize_fp8_k(const uint16_t* stage, KvElem e, int bs, int hd, uint8_t* tile) {
+  const bool e4 = e == KvElem::kFp8E4M3;
+  const int64_t n = int64_t(bs) * hd;
+  uint8_t* zeros = tile + n + 4;  // f16 [hd], written bytewise: the tile is only 4-byte aligned
+  float amax = 0.f;
+  for (int d = 0; d < hd; ++d) {
+    const uint16_t* row = stage + int64_t(d) * bs;
+    float mn = INFINITY, mx = -INFINITY;
+    for (int j = 0; j < bs; ++j) {
+      const float x = fp16_to_fp32(row[j]);
+      mn = std::min(mn, x);
+      mx = std::max(mx, x);
+    }
+    const uint16_t z16 = fp32_to_fp16((mn + mx) / 2);
+    std::memcpy(zeros + 2 * d, &z16, 2);
+    const float z = fp16_to_fp32(z16);
+    amax = std::max({amax, std::fabs(mx - z), std::fabs(mn - z)});
+  }
+  const float scale = amax > 0 ? amax / (e4 ? kFp8E4M3Max : kFp8E5M2Max) : 1.f;
+  const float inv = 1.f / scale;
+  for (int d = 0; d < hd; ++d) {
+    uint16_t z16;
+    std::memcpy(&z16, zeros + 2 * d, 2);
+    const float z = fp16_to_fp32(z16);
+    for (int j = 0; j < bs; ++j) {
+      const int64_t i = int64_t(d) * bs + j;
+      const float x = (fp16_to_fp32(stage[i]) - z) * inv;
+      tile[i] = e4 ? fp32_to_fp8_e4m3(x) : fp32_to_fp8_e5m2(x);
+    }
+  }
+  std::memcpy(tile + n, &scale, sizeof scale);
+}
+
 float fp8_value(const uint8_t* tile, KvElem e, int64_t n, int64_t i) {
   float scale;
   std::memcpy(&scale, tile + n, sizeof scale);
   return (e == KvElem::kFp8E4M3 ? fp8_e4m3_to_fp32(tile[i]) : fp8_e5m2_to_fp32(tile[i])) * scale;
+}
+
+// Key at channel d, channel-major index i of an fp8 K tile.
+float fp8_key(const uint8_t* tile, KvElem e, int64_t n, int d, int64_t i) {
+  uint16_t z16;
+  std::memcpy(&z16, tile + n + 4 + 2 * int64_t(d), 2);
+  return fp16_to_fp32(z16) + fp8_value(tile, e, n, i);
 }
 
 float meta_value(const uint16_t* meta, int q) { return fp16_to_fp32(meta[1]) + fp16_to_fp32(meta[0]) * q; }
@@ -141,7 +184,7 @@ int64_t kv_k_tile_bytes(KvElem e, int block_size, int head_dim) {
   const int64_t n = int64_t(block_size) * head_dim;
   switch (e) {
     case KvElem::kFp8E4M3:
-    case KvElem::kFp8E5M2: return n + 4;
+    case KvElem::kFp8E5M2: return n + 4 + int64_t(head_dim) * 2;  // + scale + f16 zero per channel
     case KvElem::kInt8:
     case KvElem::kInt4: return value_bytes(e, n) + int64_t(head_dim) * 4;
     default: return value_bytes(e, n);
@@ -174,7 +217,7 @@ void kv_write_v(uint8_t* tile, KvElem e, int /*block_size*/, int head_dim, int s
 
 void kv_quantize_k(const uint16_t* stage, KvElem e, int bs, int hd, uint8_t* tile) {
   const int64_t n = int64_t(bs) * hd;
-  if (e == KvElem::kFp8E4M3 || e == KvElem::kFp8E5M2) return quantize_fp8(stage, e, n, tile);
+  if (e == KvElem::kFp8E4M3 || e == KvElem::kFp8E5M2) return quantize_fp8_k(stage, e, bs, hd, tile);
   uint16_t* meta = reinterpret_cast<uint16_t*>(tile + value_bytes(e, n));
   for (int d = 0; d < hd; ++d) {
     const uint16_t* row = stage + int64_t(d) * bs;
@@ -224,7 +267,7 @@ void kv_read_k(const uint8_t* tile, KvElem e, int bs, int hd, int n_tok, float* 
       float x;
       switch (e) {
         case KvElem::kFp8E4M3:
-        case KvElem::kFp8E5M2: x = fp8_value(tile, e, n, i); break;
+        case KvElem::kFp8E5M2: x = fp8_key(tile, e, n, d, i); break;
         case KvElem::kInt8: x = meta_value(meta + 2 * d, tile[i]); break;
         case KvElem::kInt4: {
           const uint8_t b = tile[int64_t(d) * (bs / 2) + (j / 16) * 8 + (j % 8)];

@@ -9,7 +9,12 @@
 //     quantization (KIVI's values) scales one contiguous run.
 //   f32 / f16 / bf16: the values only.
 //   fp8_e4m3 / fp8_e5m2 (OCP 8-bit formats): 1 byte per value, then one f32 scale for the
-//     tile (per page, per head): value = decode(byte) · scale; scale = amax / max_finite.
+//     tile (per page, per head).
+//     V: value = decode(byte) · scale; scale = amax / max_finite.
+//     K: then f16 zero[hd] (at byte bs·hd + 4): key = zero[d] + decode(byte) · scale, zero[d]
+//     = channel d's midpoint (min + max) / 2 over the page's tokens (rounded to f16), scale =
+//     max |key - zero| / max_finite over the tile. Real keys have a few channels with a large
+//     constant offset; without the zero point fp8's relative error applies to the whole offset.
 //   int8: uint8 q, then metadata as f16 pairs {scale, min}: value = min + scale · q.
 //     K: one pair per channel (over the page's bs tokens). V: one pair per token per group of
 //     kv_v_group() channels.

@@ -52,6 +52,12 @@ def test_smollm2_json():
     assert kvb["f32"] == 46080
     assert kvb["int8"] == kvb["fp8"] == 11520
     assert kvb["int4"] == 5760
+    # kvserve's pages of 16, metadata included: per head and layer, K 1024 codes + 4 (tile scale)
+    # + 64·2 (f16 zero per channel) = 1156 and V 1024 + 4 = 1028 → 30 · 3 · 2184 / 16
+    pb = j["kv_page_bytes_per_token"]
+    assert pb["fp8_e4m3"] == pb["fp8_e5m2"] == 30 * 3 * (1156 + 1028) / 16 == 12285
+    assert pb["int8"] == 30 * 3 * (1024 + 64 * 4 + 1024 + 16 * 4) / 16 == 13320
+    assert pb["f16"] == 23040
     t = j["tensors"]
     assert t["count"] == 272
     assert t["by_type"]["Q8_0"]["count"] == 1

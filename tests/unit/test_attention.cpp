@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "kernels/attention.h"
@@ -114,7 +115,7 @@ TEST(PagedAttention, HeadDimsAndLongContext) {
 }
 
 TEST(PagedAttention, SlidingWindowMatchesReference) {
-  for (KvElem elem : {KvElem::kF16, KvElem::kInt8, KvElem::kInt4})
+  for (KvElem elem : {KvElem::kF16, KvElem::kFp8E4M3, KvElem::kFp8E5M2, KvElem::kInt8, KvElem::kInt4})
     for (auto [pos0, nq, win] : {std::tuple<int64_t, int, int>{0, 40, 8}, {100, 3, 16}, {500, 20, 37}, {63, 1, 64}})
       EXPECT_LT(run_case(1, 4, 64, 16, elem, pos0, nq, 5, win), kTol)
           << kv_elem_name(elem) << " pos0=" << pos0 << " nq=" << nq << " window=" << win;
@@ -122,7 +123,7 @@ TEST(PagedAttention, SlidingWindowMatchesReference) {
 
 // Flash-decoding: page-aligned parts merged by log-sum-exp equal one pass.
 TEST(PagedAttention, SplitPartsMergeToTheFullResult) {
-  for (KvElem elem : {KvElem::kF16, KvElem::kInt4}) {
+  for (KvElem elem : {KvElem::kF16, KvElem::kFp8E4M3, KvElem::kFp8E5M2, KvElem::kInt4}) {
     const int hkv = 3, grp = 3, hd = 64, bs = 16;
     for (auto [pos0, nq] : {std::pair<int64_t, int>{1000, 1}, {700, 8}, {64, 1}}) {
       Store st(hkv, hd, bs, elem, pos0 + nq, 11, 0.f, nq);
@@ -162,7 +163,7 @@ TEST(PagedAttention, QuantizedPagesStayCloseToF32) {
   for (auto& x : q) x = nd(rng);
   for (int h = 0; h < hkv; ++h) paged_attention(ref.view, h, grp, q.data(), stride, pos0, nq, 0.125f, base.data(), stride);
   const std::pair<KvElem, double> bounds[] = {{KvElem::kF16, 2e-3}, {KvElem::kBF16, 1e-2}, {KvElem::kInt8, 1e-2},
-                                              {KvElem::kFp8E4M3, 1.2e-1}, {KvElem::kFp8E5M2, 2.5e-1}, {KvElem::kInt4, 1.5e-1}};
+                                              {KvElem::kFp8E4M3, 8e-2}, {KvElem::kFp8E5M2, 1.3e-1}, {KvElem::kInt4, 1.5e-1}};
   double err_of[kKvElemCount] = {};
   for (auto [elem, bound] : bounds) {
     Store st(hkv, hd, bs, elem, pos0 + nq, 21, 0.5f, nq);  // same seed: same K/V values
@@ -243,13 +244,69 @@ TEST(KvTile, IntQuantizationErrorWithinHalfAStep) {
   }
 }
 
+// fp8 keys: per channel zero point = the midpoint (f16), one tile scale for the residuals.
+// Each key is off by at most half an fp8 step of its residual |key - zero| (3 mantissa bits for
+// e4m3, 2 for e5m2; the subnormal step below), so a channel with a large constant offset costs
+// no more than its spread — and the bound is tight: the worst error reaches a good part of it.
+TEST(KvTile, Fp8KeysZeroPointErrorWithinHalfAStep) {
+  const int bs = 16, hd = 64;
+  std::mt19937 rng(13);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<uint16_t> kst(bs * hd);
+  std::vector<float> kf(bs * hd);  // token-major originals
+  for (int j = 0; j < bs; ++j)
+    for (int d = 0; d < hd; ++d) {
+      const float offset = d % 9 == 0 ? 12.f * (d % 2 ? -1.f : 1.f) : 0.f;  // outlier channels
+      kst[d * bs + j] = fp32_to_fp16(offset + nd(rng) * (1 + d % 3));
+      kf[j * hd + d] = fp16_to_fp32(kst[d * bs + j]);
+    }
+  for (KvElem e : {KvElem::kFp8E4M3, KvElem::kFp8E5M2}) {
+    const bool e4 = e == KvElem::kFp8E4M3;
+    std::vector<uint8_t> kt(kv_k_tile_bytes(e, bs, hd));
+    kv_quantize_k(kst.data(), e, bs, hd, kt.data());
+    std::vector<float> kr(bs * hd);
+    kv_read_k(kt.data(), e, bs, hd, bs, kr.data());
+    float scale;
+    std::memcpy(&scale, kt.data() + bs * hd, 4);
+    float rmax = 0.f;
+    double worst_ratio = 0, sq_err = 0, sq_off_err = 0;
+    for (int d = 0; d < hd; ++d) {
+      float mn = 1e9, mx = -1e9;
+      for (int j = 0; j < bs; ++j) mn = std::min(mn, kf[j * hd + d]), mx = std::max(mx, kf[j * hd + d]);
+      uint16_t z16;
+      std::memcpy(&z16, kt.data() + bs * hd + 4 + 2 * d, 2);
+      const float z = fp16_to_fp32(z16);
+      EXPECT_EQ(z16, fp32_to_fp16((mn + mx) / 2)) << d;
+      for (int j = 0; j < bs; ++j) {
+        const float r = std::abs(kf[j * hd + d] - z);
+        rmax = std::max(rmax, r);
+        // half a step: relative 2^-(m+1) in the normal range, half the subnormal step below
+        const float bound = std::max(r * (e4 ? 0.0625f : 0.125f), scale * (e4 ? 0x1p-10f : 0x1p-17f)) * 1.0001f + 1e-6f;
+        const float err = std::abs(kr[j * hd + d] - kf[j * hd + d]);
+        ASSERT_LE(err, bound) << kv_elem_name(e) << " d=" << d << " j=" << j;
+        worst_ratio = std::max(worst_ratio, double(err) / bound);
+        sq_err += double(err) * err;
+        // what the bare tile scale (no zero point) would have to meet: half a step of |key|
+        const float k = std::abs(kf[j * hd + d]);
+        sq_off_err += double(k * (e4 ? 0.0625f : 0.125f)) * (k * (e4 ? 0.0625f : 0.125f));
+      }
+    }
+    EXPECT_FLOAT_EQ(scale, rmax / (e4 ? kFp8E4M3Max : kFp8E5M2Max));
+    EXPECT_GT(worst_ratio, 0.5) << kv_elem_name(e) << ": the bound should be nearly reached";
+    EXPECT_LT(sq_err, 0.25 * sq_off_err) << kv_elem_name(e) << ": the zero point must take the offsets out";
+  }
+}
+
 TEST(KvTile, BytesPerTileAndShapeRules) {
   EXPECT_EQ(kv_k_tile_bytes(KvElem::kF16, 16, 64), 2048);
   EXPECT_EQ(kv_k_tile_bytes(KvElem::kInt8, 16, 64), 1024 + 64 * 4);   // + {scale, min} per channel
   EXPECT_EQ(kv_v_tile_bytes(KvElem::kInt8, 16, 64), 1024 + 16 * 4);   // + {scale, min} per token
   EXPECT_EQ(kv_k_tile_bytes(KvElem::kInt4, 32, 64), 1024 + 64 * 4);
   EXPECT_EQ(kv_v_tile_bytes(KvElem::kInt4, 32, 64), 1024 + 32 * 2 * 4);  // groups of 32 channels
-  EXPECT_EQ(kv_k_tile_bytes(KvElem::kFp8E4M3, 16, 64), 1024 + 4);
+  EXPECT_EQ(kv_k_tile_bytes(KvElem::kFp8E4M3, 16, 64), 1024 + 4 + 64 * 2);  // + tile scale + f16 zero per channel
+  EXPECT_EQ(kv_k_tile_bytes(KvElem::kFp8E5M2, 16, 64), 1024 + 4 + 64 * 2);
+  EXPECT_EQ(kv_v_tile_bytes(KvElem::kFp8E4M3, 16, 64), 1024 + 4);           // + tile scale
+  EXPECT_EQ(kv_k_tile_bytes(KvElem::kFp8E4M3, 16, 64) % 4, 0);              // next tile's scale stays aligned
   EXPECT_NE(kv_tile_shape_error(KvElem::kInt8, 8, 64), nullptr);
   EXPECT_EQ(kv_tile_shape_error(KvElem::kF16, 8, 64), nullptr);
   EXPECT_NE(kv_tile_shape_error(KvElem::kF16, 16, 40), nullptr);
@@ -374,7 +431,7 @@ TEST(PagedAttentionMla, MatchesReferenceAllDtypes) {
         EXPECT_LT(err, kTol) << kv_elem_name(elem) << " bs=" << bs << " pos0=" << pos0 << " nq=" << nq;
       }
   // other shapes: 16 heads (kAttnMaxGroup), DeepSeek-like widths within the kernel's limits
-  for (KvElem elem : {KvElem::kF16, KvElem::kInt8, KvElem::kInt4}) {
+  for (KvElem elem : {KvElem::kF16, KvElem::kFp8E4M3, KvElem::kFp8E5M2, KvElem::kInt8, KvElem::kInt4}) {
     EXPECT_LT(run_mla_case(16, 80, 64, 16, elem, 50, 3, 9), kTol) << kv_elem_name(elem);
     EXPECT_LT(run_mla_case(4, 160, 128, 16, elem, 70, 2, 10), kTol) << kv_elem_name(elem);
   }
@@ -382,7 +439,7 @@ TEST(PagedAttentionMla, MatchesReferenceAllDtypes) {
 
 TEST(PagedAttentionMla, SplitPartsMergeToTheFullResult) {
   const int H = 8, hd = 80, C = 64, bs = 16;
-  for (KvElem elem : {KvElem::kF16, KvElem::kInt4}) {
+  for (KvElem elem : {KvElem::kF16, KvElem::kFp8E4M3, KvElem::kFp8E5M2, KvElem::kInt4}) {
     const int64_t pos0 = 700;
     const int nq = 2;
     MlaStore st(hd, C, bs, elem, pos0 + nq, 17, nq);

@@ -150,6 +150,11 @@ TEST(PagePool, QuantizedBytesPerToken) {
   l.dtype = KvDtype::kInt4;
   // K 512 + 256, V 512 + 16·2·4 → 1408
   EXPECT_DOUBLE_EQ(l.bytes_per_token(), 30 * 3 * 1408 / 16.0);
+  for (KvDtype fp8 : {KvDtype::kFp8E4M3, KvDtype::kFp8E5M2}) {
+    l.dtype = fp8;
+    // K 1024 + 4 (scale) + 64·2 (f16 zero per channel) = 1156, V 1024 + 4 = 1028 → 2184
+    EXPECT_DOUBLE_EQ(l.bytes_per_token(), 30 * 3 * 2184 / 16.0);  // 12,285
+  }
 }
 
 // A filling page lives in staging; the last slot quantizes it and frees the slot; copy-on-write
