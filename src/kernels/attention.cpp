@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/quant.h"
@@ -49,6 +50,21 @@ inline void visible(int64_t pos, int64_t key0, int n_keys, int32_t window, int* 
   *hi = static_cast<int>(std::clamp<int64_t>(pos + 1 - key0, 0, n_keys));
   *lo = window > 0 ? static_cast<int>(std::clamp<int64_t>(pos - window + 1 - key0, 0, *hi)) : 0;
 }
+
+// One page of a group as the kernels see it.
+struct PageRef {
+  const uint8_t* kt;  // K tile
+  const uint8_t* vt;  // V tile (MLA: the caller's f32 token-major copy of the K tile)
+  int64_t key0;       // position of slot 0
+  int n_keys;         // valid slots
+  bool f16 = false;   // the tiles are a staging copy at f16, whatever the group's element type
+};
+
+// Pages per online-softmax update. A page is only 16 keys by default: paying the row max, the
+// correction exp and the accumulator rescale once per group of pages instead of once per page
+// is what long-context decode gains here (the q·k and p·v work itself is the same).
+constexpr int kGroupPages = 4;
+constexpr int kGroupKeys = kGroupPages * kAttnMaxBlockSize;  // score buffer width per row
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 
@@ -132,29 +148,20 @@ constexpr int64_t values_bytes(KvElem e, int64_t n) {
   return e == KvElem::kF32 ? 4 * n : (e == KvElem::kF16 || e == KvElem::kBF16) ? 2 * n : e == KvElem::kInt4 ? n / 2 : n;
 }
 
-// One page against NR rows [r0, r0 + NR): scores, online softmax, Σ p·v. n_keys valid slots.
-// K tile of type E; V tile of type EV (E, or f32 for MLA: the K tile's first dv channels made
-// token-major by the caller), token-major with row stride hd; dv value channels (hd, or C).
-template <KvElem E, KvElem EV, int NR>
-void page_rows(const uint8_t* kt, const uint8_t* vt, int bs, int hd, int dv, int64_t key0, int n_keys,
-               int32_t window, Rows& rows, int r0) {
+// Scores of one page for rows [r0, r0 + NR) into s[r][off, off + n_chunks·16): q·k, 16 keys
+// per vector, one FMA per channel and row (two accumulator sets for ILP). Int keys: the
+// per-channel scales are folded into the query and the zero points add one constant per row;
+// fp8 keys: the tile scale is folded into the query, the channel midpoints likewise add one
+// constant per row.
+template <KvElem E, int NR>
+inline void page_scores(const uint8_t* kt, int bs, int hd, int n_keys, const Rows& rows, int r0,
+                        float (*s)[kGroupKeys], int off) {
   constexpr bool kInt = E == KvElem::kInt8 || E == KvElem::kInt4;
   constexpr bool kFp8 = E == KvElem::kFp8E4M3 || E == KvElem::kFp8E5M2;
-  constexpr bool kIntV = EV == KvElem::kInt8 || EV == KvElem::kInt4;
-  constexpr bool kFp8V = EV == KvElem::kFp8E4M3 || EV == KvElem::kFp8E5M2;
   const int64_t n = int64_t(bs) * hd;
   const int n_chunks = (n_keys + 15) / 16;
-  alignas(64) float qe[NR][kAttnMaxHeadDim];  // effective query: q·scale·(per-channel / tile scale)
-  float cadd[NR] = {};                         // Σ q·scale·zero (int keys' min, fp8 keys' midpoint)
-  int lo[NR], hi[NR];
-  bool any = false;
-  for (int r = 0; r < NR; ++r) {
-    visible(rows.pos[r0 + r], key0, n_keys, window, &lo[r], &hi[r]);
-    any |= hi[r] > lo[r];
-  }
-  if (!any) return;
-
-  // 1. effective queries
+  alignas(64) float qe[(kInt || kFp8) ? NR : 1][kAttnMaxHeadDim];  // q·scale·(per-channel / tile scale)
+  float cadd[NR] = {};  // Σ q·scale·zero (int keys' min, fp8 keys' channel midpoint)
   if constexpr (kInt || kFp8) {
     const uint16_t* meta = reinterpret_cast<const uint16_t*>(kt + values_bytes(E, n));
     alignas(64) float ks[kAttnMaxHeadDim], kz[kAttnMaxHeadDim];
@@ -186,15 +193,12 @@ void page_rows(const uint8_t* kt, const uint8_t* vt, int bs, int hd, int dv, int
     if constexpr (kInt || kFp8) return qe[r];
     return rows.qs[r0 + r];
   };
-
-  // 2. scores: 16 keys per vector, one FMA per channel and row (two accumulator sets for ILP)
-  alignas(64) float s[NR][kAttnMaxBlockSize];
-  for (int c = 0; c < n_chunks; ++c) {
-    const int left = std::min(16, bs - c * 16);
-    const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1);
+  auto chunk = [&](int c, auto full) {
+    // full: all 16 slots of the chunk exist (bs a multiple of 16, the usual case), so the
+    // loads need no mask and fold into the conversions
+    const __mmask16 mask = full ? 0xFFFF : static_cast<__mmask16>((1u << std::min(16, bs - c * 16)) - 1);
     __m512 a0[NR] = {}, a1[NR] = {};
-    int d = 0;
-    for (; d + 2 <= hd; d += 2) {
+    for (int d = 0; d + 2 <= hd; d += 2) {
       const __m512 k0 = load_k<E>(kt, bs, d, c, mask);
       const __m512 k1 = load_k<E>(kt, bs, d + 1, c, mask);
       for (int r = 0; r < NR; ++r) {
@@ -203,201 +207,287 @@ void page_rows(const uint8_t* kt, const uint8_t* vt, int bs, int hd, int dv, int
       }
     }
     for (int r = 0; r < NR; ++r)
-      _mm512_store_ps(s[r] + c * 16, _mm512_add_ps(_mm512_add_ps(a0[r], a1[r]), _mm512_set1_ps(cadd[r])));
+      _mm512_store_ps(s[r] + off + c * 16, _mm512_add_ps(_mm512_add_ps(a0[r], a1[r]), _mm512_set1_ps(cadd[r])));
+  };
+  for (int c = 0; c < n_chunks; ++c) {
+    if (bs - c * 16 >= 16) chunk(c, std::true_type{});
+    else chunk(c, std::false_type{});
   }
+}
 
-  // 3. online softmax per row; s becomes p (0 outside the row's visible keys)
+// A group of n_pg pages against NR rows [r0, r0 + NR): scores of every page, one online-
+// softmax update per row for the whole group, then Σ p·v with the accumulators kept in
+// registers across the group's pages. K tiles of type E; V tiles of type EV (E, or f32 for
+// MLA: the K tile's first dv channels made token-major by the caller), token-major with row
+// stride hd; dv value channels (hd, or C).
+template <KvElem E, KvElem EV, int NR>
+void group_rows(const PageRef* pg, int n_pg, int bs, int hd, int dv, int32_t window, Rows& rows, int r0) {
+  constexpr bool kIntV = EV == KvElem::kInt8 || EV == KvElem::kInt4;
+  constexpr bool kFp8V = EV == KvElem::kFp8E4M3 || EV == KvElem::kFp8E5M2;
+  const int64_t n = int64_t(bs) * hd;
+  const int cpp = (bs + 15) / 16;  // 16-key chunks per page in the score buffer
+  int lo[kGroupPages][NR], hi[kGroupPages][NR];
+  int j_end[kGroupPages];  // one past the last key any row sees in page i (0: none)
+  bool any = false, full = bs % 16 == 0;  // full: every row sees every slot of every page
+  for (int i = 0; i < n_pg; ++i) {
+    j_end[i] = 0;
+    for (int r = 0; r < NR; ++r) {
+      visible(rows.pos[r0 + r], pg[i].key0, pg[i].n_keys, window, &lo[i][r], &hi[i][r]);
+      if (hi[i][r] > lo[i][r]) j_end[i] = std::max(j_end[i], hi[i][r]);
+      full &= lo[i][r] == 0 && hi[i][r] == bs;
+    }
+    any |= j_end[i] > 0;
+  }
+  if (!any) return;
+
+  // 1. scores, page i at s[r][i·cpp·16, ...)
+  alignas(64) float s[NR][kGroupKeys];
+  for (int i = 0; i < n_pg; ++i)
+    if (j_end[i] > 0) {
+      if (kv_elem_staged(E) && pg[i].f16) page_scores<KvElem::kF16, NR>(pg[i].kt, bs, hd, pg[i].n_keys, rows, r0, s, i * cpp * 16);
+      else page_scores<E, NR>(pg[i].kt, bs, hd, pg[i].n_keys, rows, r0, s, i * cpp * 16);
+    }
+
+  // 2. one online-softmax update per row for the group; s becomes p (0 where the row sees no key)
+  float corr[NR];
   for (int r = 0; r < NR; ++r) {
     const int row = r0 + r;
-    if (hi[r] <= lo[r]) {
-      for (int c = 0; c < n_chunks; ++c) _mm512_store_ps(s[r] + c * 16, _mm512_setzero_ps());
+    __mmask16 vm[kGroupKeys / 16];
+    __m512 mxv = _mm512_set1_ps(kNegInf);
+    for (int i = 0; i < n_pg; ++i)
+      for (int c = 0; c < cpp; ++c) {
+        const int j0 = c * 16, k = i * cpp + c;
+        if (full) {
+          vm[k] = 0xFFFF;
+        } else {
+          const int a = std::clamp(lo[i][r] - j0, 0, 16), b = std::clamp(hi[i][r] - j0, 0, 16);
+          vm[k] = static_cast<__mmask16>(((1u << b) - 1) & ~((1u << a) - 1));
+        }
+        if (vm[k]) mxv = _mm512_mask_max_ps(mxv, vm[k], mxv, _mm512_load_ps(s[r] + k * 16));
+      }
+    const float mx = _mm512_reduce_max_ps(mxv);
+    if (mx == kNegInf) {  // the row sees none of the group's keys
+      corr[r] = 1.f;
+      for (int k = 0; k < n_pg * cpp; ++k) _mm512_store_ps(s[r] + k * 16, _mm512_setzero_ps());
       continue;
     }
-    __mmask16 vm[kAttnMaxBlockSize / 16];
-    __m512 mxv = _mm512_set1_ps(kNegInf);
-    for (int c = 0; c < n_chunks; ++c) {
-      const int j0 = c * 16;
-      const int a = std::clamp(lo[r] - j0, 0, 16), b = std::clamp(hi[r] - j0, 0, 16);
-      vm[c] = static_cast<__mmask16>(((1u << b) - 1) & ~((1u << a) - 1));
-      mxv = _mm512_mask_max_ps(mxv, vm[c], mxv, _mm512_load_ps(s[r] + j0));
-    }
-    const float m_new = std::max(rows.m[row], _mm512_reduce_max_ps(mxv));
-    const float corr = std::exp(rows.m[row] - m_new);
+    const float m_old = rows.m[row], m_new = std::max(m_old, mx);
+    corr[r] = m_new == m_old ? 1.f : std::exp(m_old - m_new);  // deep in a context the max rarely moves
     const __m512 mv = _mm512_set1_ps(m_new);
     __m512 sum = _mm512_setzero_ps();
-    for (int c = 0; c < n_chunks; ++c) {
-      const __m512 p = _mm512_maskz_mov_ps(vm[c], exp16(_mm512_sub_ps(_mm512_load_ps(s[r] + c * 16), mv)));
-      _mm512_store_ps(s[r] + c * 16, p);
+    for (int k = 0; k < n_pg * cpp; ++k) {
+      const __m512 p = vm[k] ? _mm512_maskz_mov_ps(vm[k], exp16(_mm512_sub_ps(_mm512_load_ps(s[r] + k * 16), mv)))
+                             : _mm512_setzero_ps();
+      _mm512_store_ps(s[r] + k * 16, p);
       sum = _mm512_add_ps(sum, p);
     }
-    rows.l[row] = rows.l[row] * corr + _mm512_reduce_add_ps(sum);
+    rows.l[row] = rows.l[row] * corr[r] + _mm512_reduce_add_ps(sum);
     rows.m[row] = m_new;
-    if (corr != 1.f) {
-      float* acc = rows.acc[row];
-      const __m512 cv = _mm512_set1_ps(corr);
-      for (int d = 0; d < dv; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), cv));
+  }
+
+  // 3. value weights. fp8: p·(tile scale). int: v = min + scale·q per (token, channel group),
+  // so Σ p·v = Σ (p·scale)·q + Σ p·min: pw[g][r][j] = p·scale, zr[i][r][g] = Σ_j p·min of page i
+  // (added page by page: the two terms nearly cancel, so summing each over the group first
+  // would cost precision).
+  const int G = kIntV ? kv_v_group(EV, hd) : hd;
+  constexpr int kMaxG = kIntV ? kAttnMaxHeadDim / 16 : 1;
+  alignas(64) float pw[kMaxG][kIntV ? NR : 1][kIntV ? kGroupKeys : 1];
+  float zr[kIntV ? kGroupPages : 1][NR][kMaxG];
+  for (int i = 0; i < n_pg; ++i) {
+    if (j_end[i] == 0) continue;
+    const int off = i * cpp * 16, n_chunks = (j_end[i] + 15) / 16;
+    const uint8_t* vt = pg[i].vt;
+    if (kv_elem_staged(EV) && pg[i].f16) {  // f16 staging: the weights are p itself
+      if constexpr (kIntV)
+        for (int r = 0; r < NR; ++r) {
+          for (int g = 0; g < hd / G; ++g) {
+            zr[i][r][g] = 0.f;
+            for (int c = 0; c < n_chunks; ++c) _mm512_store_ps(pw[g][r] + off + c * 16, _mm512_load_ps(s[r] + off + c * 16));
+          }
+        }
+      continue;
+    }
+    if constexpr (kFp8V) {
+      float ts;
+      std::memcpy(&ts, vt + n, 4);
+      const __m512 tv = _mm512_set1_ps(EV == KvElem::kFp8E4M3 ? ts * 256.f : ts);
+      for (int r = 0; r < NR; ++r)
+        for (int c = 0; c < n_chunks; ++c)
+          _mm512_store_ps(s[r] + off + c * 16, _mm512_mul_ps(_mm512_load_ps(s[r] + off + c * 16), tv));
+    }
+    if constexpr (kIntV) {
+      const int ng = hd / G;
+      const uint16_t* meta = reinterpret_cast<const uint16_t*>(vt + values_bytes(EV, n));
+      alignas(64) float vs[kAttnMaxBlockSize], vz[kAttnMaxBlockSize];
+      for (int g = 0; g < ng; ++g) {
+        if (ng == 1) {
+          for (int c = 0; c < n_chunks; ++c) {
+            const __m512i pr = _mm512_loadu_si512(meta + 2 * c * 16);
+            _mm512_store_ps(vs + c * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(pr)));
+            _mm512_store_ps(vz + c * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(pr, 16))));
+          }
+        } else {
+          for (int j = 0; j < n_chunks * 16; ++j) {
+            vs[j] = j < bs ? _cvtsh_ss(meta[2 * (j * ng + g)]) : 0.f;
+            vz[j] = j < bs ? _cvtsh_ss(meta[2 * (j * ng + g) + 1]) : 0.f;
+          }
+        }
+        for (int r = 0; r < NR; ++r) {
+          __m512 z = _mm512_setzero_ps();
+          for (int c = 0; c < n_chunks; ++c) {
+            const __m512 p = _mm512_load_ps(s[r] + off + c * 16);
+            _mm512_store_ps(pw[g][r] + off + c * 16, _mm512_mul_ps(p, _mm512_load_ps(vs + c * 16)));
+            z = _mm512_fmadd_ps(p, _mm512_load_ps(vz + c * 16), z);
+          }
+          zr[i][r][g] = _mm512_reduce_add_ps(z);
+        }
+      }
     }
   }
 
-  // 4. Σ p·v over the page's keys, 16 channels at a time
-  int j_end = 0;
-  for (int r = 0; r < NR; ++r) j_end = std::max(j_end, hi[r]);
-  if (j_end == 0) return;
-  if constexpr (kFp8V) {
-    float ts;
-    std::memcpy(&ts, vt + n, 4);
-    const __m512 tv = _mm512_set1_ps(EV == KvElem::kFp8E4M3 ? ts * 256.f : ts);
-    for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < n_chunks; ++c) _mm512_store_ps(s[r] + c * 16, _mm512_mul_ps(_mm512_load_ps(s[r] + c * 16), tv));
-  }
-  const int G = kIntV ? kv_v_group(EV, hd) : hd;
-  // int values: v = min + scale·q per (token, group), so Σ p·v = Σ (p·scale)·q + Σ p·min:
-  // pw[g][r][j] = p·scale, zr[r][g] = Σ_j p·min, both per page.
-  constexpr int kMaxG = kIntV ? kAttnMaxHeadDim / 16 : 1;
-  alignas(64) float pw[kMaxG][NR][kAttnMaxBlockSize];
-  float zr[NR][kMaxG];
-  if constexpr (kIntV) {
-    const int ng = hd / G;
-    const uint16_t* meta = reinterpret_cast<const uint16_t*>(vt + values_bytes(EV, n));
-    alignas(64) float vs[kAttnMaxBlockSize], vz[kAttnMaxBlockSize];
-    for (int g = 0; g < ng; ++g) {
-      if (ng == 1) {
-        for (int c = 0; c < n_chunks; ++c) {
-          const __m512i pr = _mm512_loadu_si512(meta + 2 * c * 16);
-          _mm512_store_ps(vs + c * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(pr)));
-          _mm512_store_ps(vz + c * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(pr, 16))));
-        }
-      } else {
-        for (int j = 0; j < n_chunks * 16; ++j) {
-          vs[j] = _cvtsh_ss(meta[2 * (j * ng + g)]);
-          vz[j] = _cvtsh_ss(meta[2 * (j * ng + g) + 1]);
-        }
-      }
-      for (int r = 0; r < NR; ++r) {
-        __m512 z = _mm512_setzero_ps();
-        for (int c = 0; c < n_chunks; ++c) {
-          const __m512 p = _mm512_load_ps(s[r] + c * 16);
-          _mm512_store_ps(pw[g][r] + c * 16, _mm512_mul_ps(p, _mm512_load_ps(vs + c * 16)));
-          z = _mm512_fmadd_ps(p, _mm512_load_ps(vz + c * 16), z);
-        }
-        zr[r][g] = _mm512_reduce_add_ps(z);
-      }
-    }
-  }
+  // 4. acc = corr·acc + Σ_pages Σ_j p·v, 16 channels at a time, loaded and stored once per group
   for (int cc = 0; cc < dv / 16; ++cc) {
     const int g = kIntV ? cc * 16 / G : 0;
     auto w = [&](int r, int j) -> float {
       if constexpr (kIntV) return pw[g][r][j];
       return s[r][j];
     };
-    __m512 a0[NR] = {}, a1[NR] = {};
-    for (int r = 0; r < NR; ++r) a0[r] = _mm512_loadu_ps(rows.acc[r0 + r] + cc * 16);
-    int j = 0;
-    for (; j + 2 <= j_end; j += 2) {
-      const __m512 v0 = load_v<EV>(vt, hd, G, j, cc);
-      const __m512 v1 = load_v<EV>(vt, hd, G, j + 1, cc);
-      for (int r = 0; r < NR; ++r) {
-        a0[r] = _mm512_fmadd_ps(_mm512_set1_ps(w(r, j)), v0, a0[r]);
-        a1[r] = _mm512_fmadd_ps(_mm512_set1_ps(w(r, j + 1)), v1, a1[r]);
+    __m512 a0[NR], a1[NR] = {};
+    for (int r = 0; r < NR; ++r)
+      a0[r] = _mm512_mul_ps(_mm512_loadu_ps(rows.acc[r0 + r] + cc * 16), _mm512_set1_ps(corr[r]));
+    auto page_pv = [&](const uint8_t* vt, int off, int je, auto ev) {
+      constexpr KvElem T = decltype(ev)::value;
+      int j = 0;
+      for (; j + 2 <= je; j += 2) {
+        const __m512 v0 = load_v<T>(vt, hd, G, j, cc);
+        const __m512 v1 = load_v<T>(vt, hd, G, j + 1, cc);
+        for (int r = 0; r < NR; ++r) {
+          a0[r] = _mm512_fmadd_ps(_mm512_set1_ps(w(r, off + j)), v0, a0[r]);
+          a1[r] = _mm512_fmadd_ps(_mm512_set1_ps(w(r, off + j + 1)), v1, a1[r]);
+        }
       }
-    }
-    if (j < j_end) {
-      const __m512 v0 = load_v<EV>(vt, hd, G, j, cc);
-      for (int r = 0; r < NR; ++r) a0[r] = _mm512_fmadd_ps(_mm512_set1_ps(w(r, j)), v0, a0[r]);
+      if (j < je) {
+        const __m512 v0 = load_v<T>(vt, hd, G, j, cc);
+        for (int r = 0; r < NR; ++r) a0[r] = _mm512_fmadd_ps(_mm512_set1_ps(w(r, off + j)), v0, a0[r]);
+      }
+    };
+    for (int i = 0; i < n_pg; ++i) {
+      const int off = i * cpp * 16, je = j_end[i];
+      if (kv_elem_staged(EV) && pg[i].f16) page_pv(pg[i].vt, off, je, std::integral_constant<KvElem, KvElem::kF16>{});
+      else page_pv(pg[i].vt, off, je, std::integral_constant<KvElem, EV>{});
+      if constexpr (kIntV)
+        if (je > 0)
+          for (int r = 0; r < NR; ++r) a1[r] = _mm512_add_ps(a1[r], _mm512_set1_ps(zr[i][r][g]));
     }
     for (int r = 0; r < NR; ++r) {
-      __m512 t = _mm512_add_ps(a0[r], a1[r]);
-      if constexpr (kIntV) t = _mm512_add_ps(t, _mm512_set1_ps(zr[r][g]));
-      _mm512_storeu_ps(rows.acc[r0 + r] + cc * 16, t);
+      _mm512_storeu_ps(rows.acc[r0 + r] + cc * 16, _mm512_add_ps(a0[r], a1[r]));
     }
   }
 }
 
 template <KvElem E, KvElem EV>
-void page_all_rows(const uint8_t* kt, const uint8_t* vt, int bs, int hd, int dv, int64_t key0, int n_keys,
-                   int32_t window, Rows& rows, int r_begin, int r_end) {
+void group_all_rows(const PageRef* pg, int n_pg, int bs, int hd, int dv, int32_t window, Rows& rows, int r_begin,
+                    int r_end) {
   int r = r_begin;
-  for (; r + 4 <= r_end; r += 4) page_rows<E, EV, 4>(kt, vt, bs, hd, dv, key0, n_keys, window, rows, r);
+  for (; r + 4 <= r_end; r += 4) group_rows<E, EV, 4>(pg, n_pg, bs, hd, dv, window, rows, r);
   switch (r_end - r) {
-    case 3: page_rows<E, EV, 3>(kt, vt, bs, hd, dv, key0, n_keys, window, rows, r); break;
-    case 2: page_rows<E, EV, 2>(kt, vt, bs, hd, dv, key0, n_keys, window, rows, r); break;
-    case 1: page_rows<E, EV, 1>(kt, vt, bs, hd, dv, key0, n_keys, window, rows, r); break;
+    case 3: group_rows<E, EV, 3>(pg, n_pg, bs, hd, dv, window, rows, r); break;
+    case 2: group_rows<E, EV, 2>(pg, n_pg, bs, hd, dv, window, rows, r); break;
+    case 1: group_rows<E, EV, 1>(pg, n_pg, bs, hd, dv, window, rows, r); break;
     default: break;
   }
 }
 
-// MLA (values = the K tile's first v_from_k channels): the page's keys are dequantized once,
-// token-major, into an f32 tile (row stride hd) that serves as the V tile for every row group.
+// MLA (values = the K tile's first v_from_k channels): each page's keys are dequantized once,
+// token-major, into an f32 tile (row stride hd) that serves as the V tile for every row group;
+// one page per softmax update, since the f32 tile is per page.
 template <KvElem E>
-void page_all_rows_vk(const uint8_t* kt, int bs, int hd, int dv, int64_t key0, int n_keys, int32_t window,
-                      Rows& rows, int r_begin, int r_end) {
-  alignas(64) float vf[kAttnMaxBlockSize * kAttnMaxHeadDim];
-  kv_read_k(kt, E, bs, hd, n_keys, vf);
-  page_all_rows<E, KvElem::kF32>(kt, reinterpret_cast<const uint8_t*>(vf), bs, hd, dv, key0, n_keys, window, rows,
-                                 r_begin, r_end);
+void group_all_rows_vk(const PageRef* pg, int n_pg, int bs, int hd, int dv, int32_t window, Rows& rows, int r_begin,
+                       int r_end) {
+  alignas(64) float vf[kAttnMaxBlockSize * kAttnMaxHeadDim];  // [n_keys][hd]
+  for (int i = 0; i < n_pg; ++i) {
+    const PageRef one{pg[i].kt, reinterpret_cast<const uint8_t*>(vf), pg[i].key0, pg[i].n_keys};
+    if (kv_elem_staged(E) && pg[i].f16) {
+      kv_read_k(pg[i].kt, KvElem::kF16, bs, hd, pg[i].n_keys, vf);
+      group_all_rows<KvElem::kF16, KvElem::kF32>(&one, 1, bs, hd, dv, window, rows, r_begin, r_end);
+    } else {
+      kv_read_k(pg[i].kt, E, bs, hd, pg[i].n_keys, vf);
+      group_all_rows<E, KvElem::kF32>(&one, 1, bs, hd, dv, window, rows, r_begin, r_end);
+    }
+  }
 }
 
-void page_dispatch(KvElem e, const uint8_t* kt, const uint8_t* vt, int bs, int hd, int v_from_k, int64_t key0,
-                   int n_keys, int32_t window, Rows& rows, int r_begin, int r_end) {
+void page_dispatch(KvElem e, const PageRef* pg, int n_pg, int bs, int hd, int v_from_k, int32_t window, Rows& rows,
+                   int r_begin, int r_end) {
   if (v_from_k > 0) {
     const int dv = v_from_k;
     switch (e) {
-      case KvElem::kF32: return page_all_rows_vk<KvElem::kF32>(kt, bs, hd, dv, key0, n_keys, window, rows, r_begin, r_end);
-      case KvElem::kF16: return page_all_rows_vk<KvElem::kF16>(kt, bs, hd, dv, key0, n_keys, window, rows, r_begin, r_end);
-      case KvElem::kBF16: return page_all_rows_vk<KvElem::kBF16>(kt, bs, hd, dv, key0, n_keys, window, rows, r_begin, r_end);
-      case KvElem::kFp8E4M3: return page_all_rows_vk<KvElem::kFp8E4M3>(kt, bs, hd, dv, key0, n_keys, window, rows, r_begin, r_end);
-      case KvElem::kFp8E5M2: return page_all_rows_vk<KvElem::kFp8E5M2>(kt, bs, hd, dv, key0, n_keys, window, rows, r_begin, r_end);
-      case KvElem::kInt8: return page_all_rows_vk<KvElem::kInt8>(kt, bs, hd, dv, key0, n_keys, window, rows, r_begin, r_end);
-      case KvElem::kInt4: return page_all_rows_vk<KvElem::kInt4>(kt, bs, hd, dv, key0, n_keys, window, rows, r_begin, r_end);
+      case KvElem::kF32: return group_all_rows_vk<KvElem::kF32>(pg, n_pg, bs, hd, dv, window, rows, r_begin, r_end);
+      case KvElem::kF16: return group_all_rows_vk<KvElem::kF16>(pg, n_pg, bs, hd, dv, window, rows, r_begin, r_end);
+      case KvElem::kBF16: return group_all_rows_vk<KvElem::kBF16>(pg, n_pg, bs, hd, dv, window, rows, r_begin, r_end);
+      case KvElem::kFp8E4M3: return group_all_rows_vk<KvElem::kFp8E4M3>(pg, n_pg, bs, hd, dv, window, rows, r_begin, r_end);
+      case KvElem::kFp8E5M2: return group_all_rows_vk<KvElem::kFp8E5M2>(pg, n_pg, bs, hd, dv, window, rows, r_begin, r_end);
+      case KvElem::kInt8: return group_all_rows_vk<KvElem::kInt8>(pg, n_pg, bs, hd, dv, window, rows, r_begin, r_end);
+      case KvElem::kInt4: return group_all_rows_vk<KvElem::kInt4>(pg, n_pg, bs, hd, dv, window, rows, r_begin, r_end);
     }
     return;
   }
   switch (e) {
-    case KvElem::kF32: return page_all_rows<KvElem::kF32, KvElem::kF32>(kt, vt, bs, hd, hd, key0, n_keys, window, rows, r_begin, r_end);
-    case KvElem::kF16: return page_all_rows<KvElem::kF16, KvElem::kF16>(kt, vt, bs, hd, hd, key0, n_keys, window, rows, r_begin, r_end);
-    case KvElem::kBF16: return page_all_rows<KvElem::kBF16, KvElem::kBF16>(kt, vt, bs, hd, hd, key0, n_keys, window, rows, r_begin, r_end);
-    case KvElem::kFp8E4M3: return page_all_rows<KvElem::kFp8E4M3, KvElem::kFp8E4M3>(kt, vt, bs, hd, hd, key0, n_keys, window, rows, r_begin, r_end);
-    case KvElem::kFp8E5M2: return page_all_rows<KvElem::kFp8E5M2, KvElem::kFp8E5M2>(kt, vt, bs, hd, hd, key0, n_keys, window, rows, r_begin, r_end);
-    case KvElem::kInt8: return page_all_rows<KvElem::kInt8, KvElem::kInt8>(kt, vt, bs, hd, hd, key0, n_keys, window, rows, r_begin, r_end);
-    case KvElem::kInt4: return page_all_rows<KvElem::kInt4, KvElem::kInt4>(kt, vt, bs, hd, hd, key0, n_keys, window, rows, r_begin, r_end);
+    case KvElem::kF32: return group_all_rows<KvElem::kF32, KvElem::kF32>(pg, n_pg, bs, hd, hd, window, rows, r_begin, r_end);
+    case KvElem::kF16: return group_all_rows<KvElem::kF16, KvElem::kF16>(pg, n_pg, bs, hd, hd, window, rows, r_begin, r_end);
+    case KvElem::kBF16: return group_all_rows<KvElem::kBF16, KvElem::kBF16>(pg, n_pg, bs, hd, hd, window, rows, r_begin, r_end);
+    case KvElem::kFp8E4M3: return group_all_rows<KvElem::kFp8E4M3, KvElem::kFp8E4M3>(pg, n_pg, bs, hd, hd, window, rows, r_begin, r_end);
+    case KvElem::kFp8E5M2: return group_all_rows<KvElem::kFp8E5M2, KvElem::kFp8E5M2>(pg, n_pg, bs, hd, hd, window, rows, r_begin, r_end);
+    case KvElem::kInt8: return group_all_rows<KvElem::kInt8, KvElem::kInt8>(pg, n_pg, bs, hd, hd, window, rows, r_begin, r_end);
+    case KvElem::kInt4: return group_all_rows<KvElem::kInt4, KvElem::kInt4>(pg, n_pg, bs, hd, hd, window, rows, r_begin, r_end);
   }
 }
 
 #else  // portable path: dequantize one page tile to floats, then plain loops
 
-void page_dispatch(KvElem e, const uint8_t* kt, const uint8_t* vt, int bs, int hd, int v_from_k, int64_t key0,
-                   int n_keys, int32_t window, Rows& rows, int r_begin, int r_end) {
-  std::vector<float> kf(size_t(n_keys) * hd), vf(size_t(n_keys) * hd), s(n_keys);
-  kv_read_k(kt, e, bs, hd, n_keys, kf.data());
-  if (v_from_k > 0) vf = kf;  // values: the first v_from_k channels of each key row
-  else kv_read_v(vt, e, bs, hd, n_keys, vf.data());
+void page_dispatch(KvElem e, const PageRef* pg, int n_pg, int bs, int hd, int v_from_k, int32_t window, Rows& rows,
+                   int r_begin, int r_end) {
+  std::vector<float> kf(size_t(bs) * hd), vf(size_t(bs) * hd), s(bs);
   const int dv = v_from_k > 0 ? v_from_k : hd;
-  for (int r = r_begin; r < r_end; ++r) {
-    int lo, hi;
-    visible(rows.pos[r], key0, n_keys, window, &lo, &hi);
-    if (hi <= lo) continue;
-    float mx = kNegInf;
-    for (int j = lo; j < hi; ++j) {
-      float d = 0;
-      for (int i = 0; i < hd; ++i) d += rows.qs[r][i] * kf[size_t(j) * hd + i];
-      s[j] = d;
-      mx = std::max(mx, d);
+  for (int ip = 0; ip < n_pg; ++ip) {
+    const int n_keys = pg[ip].n_keys;
+    const KvElem pe = pg[ip].f16 ? KvElem::kF16 : e;
+    kv_read_k(pg[ip].kt, pe, bs, hd, n_keys, kf.data());
+    if (v_from_k > 0) vf = kf;  // values: the first v_from_k channels of each key row
+    else kv_read_v(pg[ip].vt, pe, bs, hd, n_keys, vf.data());
+    for (int r = r_begin; r < r_end; ++r) {
+      int lo, hi;
+      visible(rows.pos[r], pg[ip].key0, n_keys, window, &lo, &hi);
+      if (hi <= lo) continue;
+      float mx = kNegInf;
+      for (int j = lo; j < hi; ++j) {
+        float d = 0;
+        for (int i = 0; i < hd; ++i) d += rows.qs[r][i] * kf[size_t(j) * hd + i];
+        s[j] = d;
+        mx = std::max(mx, d);
+      }
+      const float m_new = std::max(rows.m[r], mx), corr = std::exp(rows.m[r] - m_new);
+      float* acc = rows.acc[r];
+      for (int i = 0; i < dv; ++i) acc[i] *= corr;
+      float sum = 0;
+      for (int j = lo; j < hi; ++j) {
+        const float p = std::exp(s[j] - m_new);
+        sum += p;
+        for (int i = 0; i < dv; ++i) acc[i] += p * vf[size_t(j) * hd + i];
+      }
+      rows.l[r] = rows.l[r] * corr + sum;
+      rows.m[r] = m_new;
     }
-    const float m_new = std::max(rows.m[r], mx), corr = std::exp(rows.m[r] - m_new);
-    float* acc = rows.acc[r];
-    for (int i = 0; i < dv; ++i) acc[i] *= corr;
-    float sum = 0;
-    for (int j = lo; j < hi; ++j) {
-      const float p = std::exp(s[j] - m_new);
-      sum += p;
-      for (int i = 0; i < dv; ++i) acc[i] += p * vf[size_t(j) * hd + i];
-    }
-    rows.l[r] = rows.l[r] * corr + sum;
-    rows.m[r] = m_new;
   }
 }
 
 #endif
+
+// Asks for a tile's cache lines ahead of use. Inline asm, not _mm_prefetch: GCC may delete a
+// loop whose only statements are prefetch builtins (no side effects, assumed finite).
+inline void prefetch_tile(const uint8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) asm volatile("prefetcht0 %0" ::"m"(p[o]));
+}
 
 // Runs the rows of one query tile over keys [key_begin, key_end), leaving acc/m/l unnormalised.
 void attend(const PagedKvView& kv, int kv_head, int n_group, const float* q, int64_t q_stride, int64_t pos0, int n_q,
@@ -425,45 +515,76 @@ void attend(const PagedKvView& kv, int kv_head, int n_group, const float* q, int
   if (kv.window > 0) lo = std::max(lo, (pos0 - kv.window + 1) / bs * bs);
   // Pages are scattered tiles of a few KiB: ask for the tiles kPrefetchAhead pages ahead so
   // the memory system streams them while this page is computed.
+  // (Measured at 8k context: 2 to 4 pages ahead are equal, 8 is no better; prefetcht1 is 15%
+  // and prefetchnta 3x slower; every cache line must be asked for, not every other one.)
   constexpr int kPrefetchAhead = 4;
   const int64_t k_bytes = kv_k_tile_bytes(kv.elem, bs, hd);
   const int64_t v_bytes = kv.v_from_k ? 0 : kv_v_tile_bytes(kv.elem, bs, hd);
+  const uint8_t* k_head = kv.k_base + kv_head * k_bytes;  // page p's tile at + p * k_page_bytes
+  const uint8_t* v_head = v_bytes ? kv.v_base + kv_head * v_bytes : nullptr;
+  auto kq = [&](int32_t page) { return k_head + page * kv.k_page_bytes; };
+  auto vq = [&](int32_t page) -> const uint8_t* { return v_head ? v_head + page * kv.v_page_bytes : nullptr; };
   const int64_t pg_end = (hi + bs - 1) / bs;
   auto prefetch = [&](int64_t pg) {
     if (pg >= pg_end) return;
     const int32_t page = kv.pages[pg];
     if (page < 0 || has_stage(kv, page)) return;
-    const char* kp = reinterpret_cast<const char*>(k_tile(kv, page, kv_head, false));
-    for (int64_t o = 0; o < k_bytes; o += 64) _mm_prefetch(kp + o, _MM_HINT_T0);
-    if (v_bytes) {
-      const char* vp = reinterpret_cast<const char*>(v_tile(kv, page, kv_head, false));
-      for (int64_t o = 0; o < v_bytes; o += 64) _mm_prefetch(vp + o, _MM_HINT_T0);
-    }
+    prefetch_tile(kq(page), k_bytes);
+    if (v_bytes) prefetch_tile(vq(page), v_bytes);
   };
   const int64_t pg0 = std::max<int64_t>(lo, 0) / bs;
   for (int64_t a = 0; a < kPrefetchAhead; ++a) prefetch(pg0 + a);
-  for (int64_t pg = pg0; pg * bs < hi; ++pg) {
-    prefetch(pg + kPrefetchAhead);
-    const int64_t key0 = pg * bs;
-    const int n_keys = static_cast<int>(std::min<int64_t>(bs, hi - key0));
-    const int32_t page = kv.pages[pg];
-    if (!has_stage(kv, page)) {
-      page_dispatch(kv.elem, k_tile(kv, page, kv_head, false), v_tile(kv, page, kv_head, false), bs, hd, kv.v_from_k,
-                    key0, n_keys, kv.window, rows, 0, rows.n);
+  // Pages go kGroupPages at a time to one softmax update, in groups aligned to absolute page
+  // indices: a row's sequence of updates then depends only on its position and the part, never
+  // on how the prompt was chunked or which pages still have staging (chunked prefill stays
+  // bit-identical to one pass). Within a group, rows are cut where their view of a staged page
+  // changes: rows before it leave it out, rows on it read its staging copy at f16, rows past
+  // it read its quantized tiles.
+  for (int64_t g0 = pg0; g0 < pg_end;) {
+    const int64_t g1 = std::min((g0 / kGroupPages + 1) * kGroupPages, pg_end);
+    PageRef grp[kGroupPages];
+    bool staged[kGroupPages], any_staged = false;
+    int n = 0;
+    for (int64_t pg = g0; pg < g1; ++pg, ++n) {
+      prefetch(pg + kPrefetchAhead);
+      const int64_t key0 = pg * bs;
+      const int32_t page = kv.pages[pg];
+      grp[n] = {kq(page), vq(page), key0, static_cast<int>(std::min<int64_t>(bs, hi - key0))};
+      staged[n] = has_stage(kv, page);
+      any_staged |= staged[n];
+    }
+    g0 = g1;
+    if (!any_staged) {
+      page_dispatch(kv.elem, grp, n, bs, hd, kv.v_from_k, kv.window, rows, 0, rows.n);
       continue;
     }
-    // rows [0, own): before the page (see none of it); [own, later): their own page, from
-    // staging; [later, n): later pages, from the quantized tiles.
-    int own = 0, later = 0;
-    while (own < rows.n && rows.pos[own] < key0) ++own;
-    later = own;
-    while (later < rows.n && rows.pos[later] < key0 + bs) ++later;
-    if (later > own)
-      page_dispatch(KvElem::kF16, k_tile(kv, page, kv_head, true), v_tile(kv, page, kv_head, true), bs, hd, kv.v_from_k,
-                    key0, n_keys, kv.window, rows, own, later);
-    if (rows.n > later)
-      page_dispatch(kv.elem, k_tile(kv, page, kv_head, false), v_tile(kv, page, kv_head, false), bs, hd, kv.v_from_k,
-                    key0, n_keys, kv.window, rows, later, rows.n);
+    auto view_of = [&](int r, int i) {  // 0: before the page, 1: on it, 2: past it
+      const int64_t pos = rows.pos[r], key0 = grp[i].key0;
+      return pos < key0 ? 0 : pos < key0 + bs ? 1 : 2;
+    };
+    for (int ra = 0, rb; ra < rows.n; ra = rb) {
+      rb = ra + 1;
+      for (bool same = true; rb < rows.n && same; rb += same) {
+        for (int i = 0; i < n && same; ++i) same = !staged[i] || view_of(rb, i) == view_of(ra, i);
+      }
+      PageRef sub[kGroupPages];
+      int n_sub = 0;
+      for (int i = 0; i < n; ++i) {
+        if (!staged[i]) {
+          sub[n_sub++] = grp[i];
+          continue;
+        }
+        const int32_t page = kv.pages[grp[i].key0 / bs];
+        switch (view_of(ra, i)) {
+          case 0: break;
+          case 1:
+            sub[n_sub++] = {k_tile(kv, page, kv_head, true), v_tile(kv, page, kv_head, true), grp[i].key0, grp[i].n_keys, true};
+            break;
+          default: sub[n_sub++] = grp[i]; break;
+        }
+      }
+      if (n_sub > 0) page_dispatch(kv.elem, sub, n_sub, bs, hd, kv.v_from_k, kv.window, rows, ra, rb);
+    }
   }
 }
 

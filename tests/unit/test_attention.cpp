@@ -144,7 +144,9 @@ TEST(PagedAttention, SplitPartsMergeToTheFullResult) {
                                     0.125f, acc.data() + size_t(p) * rows * hd, m.data() + p * rows, l.data() + p * rows);
           attention_merge(n_parts, grp, nq, hd, acc.data(), m.data(), l.data(), h, merged.data(), stride);
         }
-        EXPECT_LT(rel_err(merged, full), 1e-6) << kv_elem_name(elem) << " pos0=" << pos0 << " part=" << part;
+        // Both are float sums of the same terms in different orders (parts vs groups of pages),
+        // each within kTol of the double reference; measured up to 1.0e-6 apart (int4).
+        EXPECT_LT(rel_err(merged, full), kTol) << kv_elem_name(elem) << " pos0=" << pos0 << " part=" << part;
       }
     }
   }
