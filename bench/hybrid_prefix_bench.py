@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_bench import ROOT, Server, free_port, loadavg, log, make_text  # noqa: E402
+from serve_bench import ROOT, Server, free_port, loadavg, log, make_text, sse_events  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "gemma-3-270m-Q4_K_M.gguf"
 DEFAULT_KVSERVE = ROOT / "build" / "kvserve"
@@ -63,18 +63,10 @@ def stream_completion(port: int, model: str, prompt: str, max_tokens: int, timeo
             res["error"] = f"HTTP {r.status}: {r.read()[:300].decode('utf-8', 'replace')}"
             return res
         parts = []
-        while True:
-            line = r.readline()
-            if not line:
-                break
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
+        for ev in sse_events(r):
+            if ev is None:
                 res["ok"] = True
                 break
-            ev = json.loads(data)
             for ch in ev.get("choices") or []:
                 if ch.get("text"):
                     if res["ttft"] is None:

@@ -158,6 +158,22 @@ def http_get(port: int, path: str, timeout: float = 5.0) -> tuple[int, str]:
         conn.close()
 
 
+def sse_events(r):
+    """The JSON events of a server-sent-event response, then None at `data: [DONE]`."""
+    while True:
+        line = r.readline()
+        if not line:
+            return
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            yield None
+            return
+        yield json.loads(data)
+
+
 def stream_chat(port: int, model: str, messages: list, max_tokens: int, timeout: float) -> dict:
     """One streaming chat completion. Returns timings (seconds from send), text, usage."""
     body = json.dumps({
@@ -176,18 +192,10 @@ def stream_chat(port: int, model: str, messages: list, max_tokens: int, timeout:
             return res
         parts = []
         done = False
-        while True:
-            line = r.readline()
-            if not line:
-                break
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
+        for ev in sse_events(r):
+            if ev is None:
                 done = True
                 break
-            ev = json.loads(data)
             if "error" in ev:
                 res["error"] = f"stream error: {json.dumps(ev['error'])[:300]}"
                 return res
