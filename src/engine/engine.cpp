@@ -611,6 +611,7 @@ void Engine::publish_gauges() {
     for (const auto& s : *q)
       for (int32_t p : s->table.pages)
         if (!held_scratch_[p]++) ++held;
+  const int32_t held_global = held;  // the usage gauge is over the global pool's pages
   if (pool_g1_) {
     held_scratch_.assign(pool_g1_->n_pages(), 0);
     for (auto* q : {&running_, &waiting_})
@@ -621,7 +622,7 @@ void Engine::publish_gauges() {
   pages_in_use_.store(held);
   pages_cached_.store(cache_ ? cache_->n_cached_pages() : 0);
   window_pages_cached_.store(cache_ ? cache_->n_cached_window_pages() : 0);
-  metrics_.set_gauges(static_cast<int64_t>(running_.size()), n_waiting_total_.load(), pool_->n_pages(), held);
+  metrics_.set_gauges(static_cast<int64_t>(running_.size()), n_waiting_total_.load(), pool_->n_pages(), held_global);
   if (cache_) {
     PrefixCacheStats st = cache_->stats();
     metrics_.set_prefix_cache(st.queries_tokens, st.hit_tokens, st.evicted_pages, st.cached_pages, st.cached_window_pages,

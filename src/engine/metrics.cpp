@@ -84,8 +84,8 @@ std::string render_prometheus(const MetricsSnapshot& m) {
   gauge(out, "kvserve:num_requests_running", "Sequences in the running batch.", double(m.num_requests_running));
   gauge(out, "kvserve:num_requests_waiting", "Requests waiting to be scheduled.", double(m.num_requests_waiting));
   gauge(out, "kvserve:kv_cache_usage_perc", "Fraction of KV pages in use (1 = full).", m.kv_cache_usage_perc);
-  gauge(out, "kvserve:kv_cache_pages_total", "KV pages in the pool.", double(m.kv_pages_total));
-  gauge(out, "kvserve:kv_cache_pages_used", "KV pages held by sequences.", double(m.kv_pages_used));
+  gauge(out, "kvserve:kv_cache_pages_total", "KV pages in the pool (hybrid models: the global layers' pool).", double(m.kv_pages_total));
+  gauge(out, "kvserve:kv_cache_pages_used", "KV pages held by sequences (hybrid models: in the global layers' pool).", double(m.kv_pages_used));
   counter(out, "kvserve:num_preemptions_total", "Sequences preempted for lack of KV pages.", double(m.num_preemptions_total));
   counter(out, "kvserve:prompt_tokens_total", "Prompt tokens processed.", double(m.prompt_tokens_total));
   counter(out, "kvserve:generation_tokens_total", "Tokens generated.", double(m.generation_tokens_total));
