@@ -165,18 +165,20 @@ inline void page_scores(const uint8_t* kt, int bs, int hd, int n_keys, const Row
   if constexpr (kInt || kFp8) {
     const uint16_t* meta = reinterpret_cast<const uint16_t*>(kt + values_bytes(E, n));
     alignas(64) float ks[kAttnMaxHeadDim], kz[kAttnMaxHeadDim];
-    for (int d = 0; d < hd; d += 16) {
-      if constexpr (kFp8) {  // one tile scale (e4m3: ×256, see fp8x16), then f16 zero points
-        float ts;
-        std::memcpy(&ts, meta, 4);
-        _mm512_store_ps(ks + d, _mm512_set1_ps(E == KvElem::kFp8E4M3 ? ts * 256.f : ts));
+    if constexpr (kFp8) {  // one tile scale (e4m3: ×256, see fp8x16), then f16 zero points
+      float ts;
+      std::memcpy(&ts, meta, 4);
+      const __m512 tv = _mm512_set1_ps(E == KvElem::kFp8E4M3 ? ts * 256.f : ts);
+      for (int d = 0; d < hd; d += 16) {
+        _mm512_store_ps(ks + d, tv);
         _mm512_store_ps(kz + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 2 + d))));
-        continue;
       }
-      // meta pairs {scale, min} per channel: deinterleave 16 pairs
-      const __m512i pr = _mm512_loadu_si512(meta + 2 * d);
-      _mm512_store_ps(ks + d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(pr)));
-      _mm512_store_ps(kz + d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(pr, 16))));
+    } else {
+      for (int d = 0; d < hd; d += 16) {  // meta pairs {scale, min} per channel: deinterleave 16 pairs
+        const __m512i pr = _mm512_loadu_si512(meta + 2 * d);
+        _mm512_store_ps(ks + d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(pr)));
+        _mm512_store_ps(kz + d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(pr, 16))));
+      }
     }
     for (int r = 0; r < NR; ++r) {
       const float* q = rows.qs[r0 + r];
