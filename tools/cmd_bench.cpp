@@ -14,6 +14,8 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "common/units.h"
+#include "engine/engine.h"
 #include "engine/sampler.h"
 #include "engine/sequence_runner.h"
 #include "loaded_model.h"
@@ -33,6 +35,8 @@ struct BenchOptions {
   bool measure_bandwidth = false;
   int bandwidth_mib = 1024;
   int bandwidth_passes = 9;
+  int batch = 0;  // > 0: that many sequences decode together through the engine
+  kv::SamplingParams sp;
   KvOptions kvo;
 };
 
@@ -110,7 +114,108 @@ nlohmann::json measure_bandwidth(kv::ThreadPool& tp, int64_t bytes, int passes, 
   return j;
 }
 
+// --batch N: N sequences of random prompts decode together through the engine (continuous
+// batching, the server's path, with the sampling parameters given), each for gen_tokens.
+// Decode throughput counts from the step where every sequence has its first token to the end;
+// the step profile (kvserve:step_phase_seconds) over the same steps says where the time went.
+void run_bench_batch(const BenchOptions& o) {
+  LoadedModel lm = load_model(o.model, o.threads, o.kvo, o.json, /*with_runtime=*/false);
+  const auto& cfg = lm.model->config();
+  const int n_seq = o.batch;
+  const int n_prompt = std::max(o.prompt_tokens, 1);
+  kv::EngineConfig ec;
+  ec.max_num_seqs = n_seq;
+  ec.max_num_batched_tokens = std::max(o.chunk, n_seq);
+  ec.max_model_len = n_prompt + o.gen_tokens + 1;
+  ec.max_queue = n_seq;
+  ec.block_size = o.kvo.block_size;
+  auto bytes = kv::parse_memory_size(o.kvo.memory);
+  if (!bytes) fail(bytes.message());
+  ec.kv_cache_bytes = *bytes;
+  ec.n_threads = o.threads > 0 ? o.threads : kv::default_thread_count();
+  ec.enable_prefix_caching = false;  // distinct random prompts: nothing to share
+  const kv::KvLayout layout = make_kv_layout(*lm.model, o.kvo);
+  ec.kv_dtype = layout.dtype;
+  ec.kv_layer_dtypes = layout.layer_dtypes;
+  kv::Engine engine(*lm.model, *lm.tokenizer, ec);
+  if (int64_t(engine.pool().n_pages()) * ec.block_size < int64_t(n_seq) * (ec.max_model_len + ec.block_size))
+    fail("--kv-cache-memory " + o.kvo.memory + " does not hold " + std::to_string(n_seq) + " sequences of " +
+         std::to_string(ec.max_model_len) + " tokens");
+  uint64_t rng = 12345;
+  auto random_prompt = [&] {
+    std::vector<int32_t> p(n_prompt);
+    for (auto& t : p) {
+      rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+      t = static_cast<int32_t>(100 + (rng >> 33) % (cfg.n_vocab - 100));
+    }
+    return p;
+  };
+  using clock = std::chrono::steady_clock;
+  std::vector<double> tok_s, step_ms;
+  std::vector<std::vector<double>> share(kv::kNumStepPhases);  // [phase][repeat] fraction of decode time
+  for (int r = 0; r <= o.repeat; ++r) {  // round 0 warms up (pages touched, scratch sized)
+    std::vector<std::shared_ptr<kv::RequestStream>> streams;
+    for (int i = 0; i < n_seq; ++i) {
+      kv::Request req;
+      req.id = engine.next_request_id();
+      req.prompt = random_prompt();
+      req.params.max_tokens = o.gen_tokens;
+      req.params.ignore_eos = true;
+      req.params.sampling = o.sp;
+      req.params.sampling.seed = o.sp.seed + static_cast<uint64_t>(r) * 1000 + i;
+      req.stream = std::make_shared<kv::RequestStream>();
+      if (kv::Rejection rej = engine.submit(req); rej.http_status) fail("submit: " + rej.message);
+      streams.push_back(req.stream);
+    }
+    const int64_t gen0 = engine.metrics().generation_tokens_total;
+    while (engine.metrics().generation_tokens_total - gen0 < n_seq) engine.step();  // prompts, first tokens
+    const kv::MetricsSnapshot m0 = engine.metrics();
+    const auto t0 = clock::now();
+    while (engine.step()) {
+    }
+    const double secs = std::chrono::duration<double>(clock::now() - t0).count();
+    const kv::MetricsSnapshot m1 = engine.metrics();
+    const double n_tok = static_cast<double>(m1.generation_tokens_total - m0.generation_tokens_total);
+    if (n_tok != double(n_seq) * (o.gen_tokens - 1)) fail("generated " + std::to_string(n_tok) + " decode tokens, expected more");
+    if (r == 0) continue;
+    tok_s.push_back(n_tok / secs);
+    const double n_steps = static_cast<double>(m1.steps_total - m0.steps_total);
+    double total = 0;
+    std::vector<double> ph(kv::kNumStepPhases);
+    for (int i = 0; i < kv::kNumStepPhases; ++i) total += (ph[i] = m1.step_phase[i].sum() - m0.step_phase[i].sum());
+    for (int i = 0; i < kv::kNumStepPhases; ++i) share[i].push_back(ph[i] / total);
+    step_ms.push_back(1e3 * total / n_steps);
+    if (!o.json)
+      std::fprintf(stderr, "repeat %d/%d: %d sequences, decode %.1f tok/s aggregate (%.2f ms a step, sample %.1f%%)\n", r, o.repeat,
+                   n_seq, tok_s.back(), step_ms.back(), 100 * share[static_cast<int>(kv::StepPhase::kSample)].back());
+  }
+  if (engine.pages_in_use() != 0) fail("pages still in use after every sequence ended");
+  if (kv::Status st = engine.check_integrity(); !st) fail("engine integrity: " + st.message());
+  nlohmann::json j;
+  j["model"] = o.model;
+  j["mode"] = "batch";
+  j["batch"] = n_seq;
+  j["threads"] = ec.n_threads;
+  j["isa"] = kv::isa_name(kv::detect_isa());
+  j["kv_cache_dtype"] = layout.describe();
+  j["prompt_tokens"] = n_prompt;
+  j["gen_tokens"] = o.gen_tokens;
+  j["repeat"] = o.repeat;
+  j["sampling"] = {{"temperature", o.sp.temperature}, {"top_k", o.sp.top_k}, {"top_p", o.sp.top_p}, {"min_p", o.sp.min_p}};
+  const Stats d = stats(tok_s);
+  j["decode_tok_s"] = d.median;
+  j["decode_tok_s_min"] = d.min;
+  j["decode_tok_s_max"] = d.max;
+  j["decode_tok_s_per_sequence"] = d.median / n_seq;
+  j["step_ms"] = stats(step_ms).median;
+  nlohmann::json phases;
+  for (int i = 0; i < kv::kNumStepPhases; ++i) phases[kv::step_phase_name(static_cast<kv::StepPhase>(i))] = stats(share[i]).median;
+  j["step_phase_share"] = phases;  // median over repeats of each phase's fraction of decode-step time
+  std::printf("%s\n", j.dump(o.json ? -1 : 2).c_str());
+}
+
 void run_bench(const BenchOptions& o) {
+  if (o.batch > 0) return run_bench_batch(o);
   LoadedModel lm = load_model(o.model, o.threads, o.kvo, o.json);
   const auto& cfg = lm.model->config();
   // Deterministic pseudo-random prompt tokens, away from the control-token range.
@@ -217,6 +322,16 @@ void add_bench_command(CLI::App& app) {
                 "also measure the machine's read bandwidth (a read loop over a large buffer, same threads)");
   cmd->add_option("--bandwidth-mib", o->bandwidth_mib, "buffer of the bandwidth loop, MiB")->check(CLI::Range(1, 1 << 16))->capture_default_str();
   cmd->add_option("--bandwidth-passes", o->bandwidth_passes, "timed passes of the bandwidth loop (median)")->check(CLI::Range(1, 1000))->capture_default_str();
+  cmd->add_option("--batch,-b", o->batch,
+                  "sequences decoding together through the engine (continuous batching, sampling, step profile); 0 = one "
+                  "sequence, greedy, llama-bench style")
+      ->check(CLI::Range(0, 4096))
+      ->capture_default_str();
+  cmd->add_option("--temp", o->sp.temperature, "--batch: sampling temperature")->check(CLI::Range(0.0, 100.0))->capture_default_str();
+  cmd->add_option("--top-k", o->sp.top_k, "--batch: top-k (0 = off)")->check(CLI::Range(0, 1 << 30))->capture_default_str();
+  cmd->add_option("--top-p", o->sp.top_p, "--batch: top-p (1 = off)")->check(CLI::Range(0.0, 1.0))->capture_default_str();
+  cmd->add_option("--min-p", o->sp.min_p, "--batch: min-p (0 = off)")->check(CLI::Range(0.0, 1.0))->capture_default_str();
+  cmd->add_option("--seed", o->sp.seed, "--batch: base seed (sequence i of repeat r uses seed + 1000 r + i)")->capture_default_str();
   add_kv_options(cmd, &o->kvo);
   cmd->callback([o] { run_bench(*o); });
 }

@@ -5,6 +5,7 @@
 
 #include "common/units.h"
 #include "engine/sampler.h"
+#include "kernels/ops.h"
 
 namespace kv {
 
@@ -421,10 +422,9 @@ Engine::Sequence* Engine::fork(Sequence& parent, int32_t index) {
 void Engine::postprocess(Plan& plan, const float* logits) {
   const int32_t nv = model_.config().n_vocab;
   const auto now = Clock::now();
-  std::vector<float>& row = row_;  // sampler scratch: it may rewrite logits in place
-  row.resize(nv);
+  // 1. Bookkeeping, forks (n > 1) and the list of draws, in batch order.
   int64_t r = 0;
-  std::vector<Sequence*> emitters;
+  draws_.clear();
   for (auto& it : plan.items) {
     Sequence& s = *it.seq;
     s.n_computed += it.n;
@@ -434,81 +434,64 @@ void Engine::postprocess(Plan& plan, const float* logits) {
     if (!it.logits) continue;
     const float* lg = logits + r++ * nv;
     RequestState& rs = *s.rs;
-    emitters.clear();
-    emitters.push_back(&s);
+    draws_.push_back({&s, lg});
     if (rs.req.params.n > 1 && !rs.forked && s.index == 0) {
       rs.forked = true;
-      for (int32_t i = 1; i < rs.req.params.n; ++i) emitters.push_back(fork(s, i));
+      for (int32_t i = 1; i < rs.req.params.n; ++i) draws_.push_back({fork(s, i), lg});
     }
     if (!rs.first_token) {
       rs.first_token = true;
       metrics_.observe_ttft(seconds(rs.req.arrival, now));
     }
-    for (Sequence* e : emitters) {
-      const RequestParams& p = rs.req.params;
-      std::copy(lg, lg + nv, row.begin());
-      StreamEvent ev;
-      ev.index = e->index;
-      double lz = 0;  // log-partition of the raw logits
-      if (p.logprobs >= 0) {
-        // Log-probabilities of the model's distribution (before penalties and temperature).
-        float mx = *std::max_element(lg, lg + nv);
-        double z = 0;
-        for (int32_t i = 0; i < nv; ++i) z += std::exp(double(lg[i]) - mx);
-        lz = mx + std::log(z);
-        TokenLogprob tl;
-        if (p.logprobs > 0) {
-          std::vector<int32_t>& idx = idx_;
-          idx.resize(nv);
-          for (int32_t i = 0; i < nv; ++i) idx[i] = i;
-          const int32_t k = std::min(p.logprobs, nv);
-          std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int32_t a, int32_t b) { return lg[a] > lg[b] || (lg[a] == lg[b] && a < b); });
-          for (int32_t i = 0; i < k; ++i) tl.top.emplace_back(idx[i], static_cast<float>(double(lg[idx[i]]) - lz));
-        }
-        ev.logprobs.push_back(tl);
-      }
-      const int32_t tok = e->sampler.sample(row.data(), nv, e->tokens, static_cast<size_t>(e->n_prompt));
-      if (!ev.logprobs.empty()) {
-        ev.logprobs[0].token = tok;
-        ev.logprobs[0].logprob = static_cast<float>(double(lg[tok]) - lz);  // same arithmetic as `top`
-      }
-      e->tokens.push_back(tok);
-      ++e->n_generated;
-      ++rs.completion_tokens;
-      metrics_.add_generation_tokens(1);
-      if (e->n_generated > 1) metrics_.observe_itl(seconds(e->last_token_time, now));
-      e->last_token_time = now;
+  }
+  // 2. Sampling, every sequence at once on the thread pool: each draw touches only its own
+  // sequence's sampler and its thread's scratch, so the tokens do not depend on the split.
+  const auto t_sample = Clock::now();
+  sample_all(nv);
+  sample_seconds_ = seconds(t_sample, Clock::now());
+  // 3. Tokens, text, stop strings and streaming, in batch order.
+  for (Draw& d : draws_) {
+    Sequence* e = d.seq;
+    RequestState& rs = *e->rs;
+    const RequestParams& p = rs.req.params;
+    StreamEvent& ev = d.ev;
+    const int32_t tok = d.token;
+    e->tokens.push_back(tok);
+    ++e->n_generated;
+    ++rs.completion_tokens;
+    metrics_.add_generation_tokens(1);
+    if (e->n_generated > 1) metrics_.observe_itl(seconds(e->last_token_time, now));
+    e->last_token_time = now;
 
-      const char* reason = nullptr;
-      if (!p.ignore_eos && tok_.is_eog(tok)) {
-        reason = "stop";
-        ev.logprobs.clear();  // the end-of-generation token is not part of the text
-      } else {
-        e->held += e->detok.push(tok);
-        const bool at_limit = e->n_generated >= p.max_tokens || static_cast<int64_t>(e->tokens.size()) >= cfg_.max_model_len;
-        if (at_limit) e->held += e->detok.flush();
-        size_t cut = std::string::npos;
-        for (const auto& st : p.stop) {
-          size_t at = e->held.find(st);
-          if (at != std::string::npos) cut = std::min(cut, at);
-        }
-        if (cut != std::string::npos) {
-          ev.text = e->held.substr(0, cut);
-          e->held.clear();
-          reason = "stop";
-        } else if (at_limit) {
-          ev.text.swap(e->held);
-          reason = "length";
-        } else {
-          const size_t keep = stop_holdback(e->held, p.stop);
-          ev.text = e->held.substr(0, e->held.size() - keep);
-          e->held.erase(0, e->held.size() - keep);
-        }
+    const char* reason = nullptr;
+    if (!p.ignore_eos && tok_.is_eog(tok)) {
+      reason = "stop";
+      ev.logprobs.clear();  // the end-of-generation token is not part of the text
+    } else {
+      e->held += e->detok.push(tok);
+      const bool at_limit = e->n_generated >= p.max_tokens || static_cast<int64_t>(e->tokens.size()) >= cfg_.max_model_len;
+      if (at_limit) e->held += e->detok.flush();
+      size_t cut = std::string::npos;
+      for (const auto& st : p.stop) {
+        size_t at = e->held.find(st);
+        if (at != std::string::npos) cut = std::min(cut, at);
       }
-      if (!ev.text.empty() || !ev.logprobs.empty()) rs.req.stream->push(std::move(ev));
-      if (reason) e->rs->req.stream->push(StreamEvent{StreamEvent::kFinish, e->index, "", {}, reason, "", 0});
-      if (reason) e->n_prompt = -1;  // marks finished; removed from running below
+      if (cut != std::string::npos) {
+        ev.text = e->held.substr(0, cut);
+        e->held.clear();
+        reason = "stop";
+      } else if (at_limit) {
+        ev.text.swap(e->held);
+        reason = "length";
+      } else {
+        const size_t keep = stop_holdback(e->held, p.stop);
+        ev.text = e->held.substr(0, e->held.size() - keep);
+        e->held.erase(0, e->held.size() - keep);
+      }
     }
+    if (!ev.text.empty() || !ev.logprobs.empty()) rs.req.stream->push(std::move(ev));
+    if (reason) e->rs->req.stream->push(StreamEvent{StreamEvent::kFinish, e->index, "", {}, reason, "", 0});
+    if (reason) e->n_prompt = -1;  // marks finished; removed from running below
   }
   // Finished sequences leave the batch and give their pages back.
   for (auto it = running_.begin(); it != running_.end();) {
@@ -521,6 +504,50 @@ void Engine::postprocess(Plan& plan, const float* logits) {
       ++it;
     }
   }
+}
+
+void Engine::sample_all(int32_t nv) {
+  const int n_threads = threads_->size();
+  if (static_cast<int>(sample_ws_.size()) < n_threads) sample_ws_.resize(n_threads);
+  auto work = [&](int ith, int nth) {
+    int64_t b = 0, e = 0;
+    ThreadPool::split(static_cast<int64_t>(draws_.size()), ith, nth, 1, &b, &e);
+    SampleWorkspace& ws = sample_ws_[ith];
+    ws.row.resize(nv);
+    for (int64_t i = b; i < e; ++i) {
+      Draw& d = draws_[i];
+      Sequence& s = *d.seq;
+      const RequestParams& p = s.rs->req.params;
+      const float* lg = d.logits;
+      d.ev = StreamEvent{};
+      d.ev.index = s.index;
+      double lz = 0;  // log-partition of the raw logits
+      if (p.logprobs >= 0) {
+        // Log-probabilities of the model's distribution (before penalties and temperature).
+        const float mx = max_value(lg, nv);
+        double z = 0;
+        for (int32_t j = 0; j < nv; ++j) z += std::exp(double(lg[j]) - mx);
+        lz = mx + std::log(z);
+        TokenLogprob tl;
+        if (p.logprobs > 0) {
+          top_k_select(lg, nv, std::min(p.logprobs, nv), &ws.sampler.cand);
+          for (const auto& [v, id] : ws.sampler.cand) tl.top.emplace_back(id, static_cast<float>(double(v) - lz));
+        }
+        d.ev.logprobs.push_back(tl);
+      }
+      std::copy(lg, lg + nv, ws.row.begin());  // the sampler rewrites its row
+      d.token = s.sampler.sample(ws.row.data(), nv, s.tokens, static_cast<size_t>(s.n_prompt), &ws.sampler);
+      if (!d.ev.logprobs.empty()) {
+        d.ev.logprobs[0].token = d.token;
+        d.ev.logprobs[0].logprob = static_cast<float>(double(lg[d.token]) - lz);  // same arithmetic as `top`
+      }
+    }
+  };
+  // One sequence is not worth a wake-up of the pool.
+  if (draws_.size() <= 1 || n_threads <= 1)
+    work(0, 1);
+  else
+    threads_->run(work);
 }
 
 void Engine::publish(Sequence& s) {
@@ -582,14 +609,23 @@ void Engine::finish(Sequence& s, const char* reason) {
 
 bool Engine::step() {
   std::lock_guard<std::mutex> l(state_mu_);
+  const auto t0 = Clock::now();
   drain_incoming();
   Plan plan;
   const bool work = schedule(&plan);
+  double phase[kNumStepPhases] = {};
+  phase[static_cast<int>(StepPhase::kSchedule)] = seconds(t0, Clock::now());
+  sample_seconds_ = 0;
   if (!plan.items.empty()) {
     const size_t n_logits = static_cast<size_t>(plan.batch.n_logit_rows()) * model_.config().n_vocab;
     if (logits_.size() < n_logits) logits_.resize(n_logits);
     PagePool* pools[2] = {pool_.get(), pool_g1_.get()};
     Status st = model_.forward(plan.batch, pools, *threads_, logits_.data());
+    const LlamaModel::ForwardTimes& ft = model_.last_forward_times();
+    phase[static_cast<int>(StepPhase::kAttention)] = ft.attention;
+    phase[static_cast<int>(StepPhase::kLogits)] = ft.logits;
+    phase[static_cast<int>(StepPhase::kMatmul)] = std::max(0.0, ft.total - ft.attention - ft.logits);
+    const auto t_post = Clock::now();
     if (!st) {
       // A forward failure is a bug or a bad token; fail the affected requests, keep serving.
       for (auto& it : plan.items) it.seq->rs->req.stream->push(StreamEvent{StreamEvent::kError, it.seq->index, "", {}, "", st.message(), 500});
@@ -597,8 +633,13 @@ bool Engine::step() {
     } else {
       postprocess(plan, logits_.data());
     }
+    publish_gauges();
+    phase[static_cast<int>(StepPhase::kSample)] = sample_seconds_;
+    phase[static_cast<int>(StepPhase::kPostprocess)] = std::max(0.0, seconds(t_post, Clock::now()) - sample_seconds_);
+    metrics_.observe_step(phase);
+  } else {
+    publish_gauges();
   }
-  publish_gauges();
   return work;
 }
 

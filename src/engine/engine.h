@@ -25,6 +25,7 @@
 #include "common/thread_pool.h"
 #include "engine/metrics.h"
 #include "engine/request.h"
+#include "engine/sampler.h"
 #include "kv/page_pool.h"
 #include "kv/prefix_cache.h"
 #include "model/llama.h"
@@ -99,6 +100,7 @@ class Engine {
   bool ensure_pages(Sequence& s, int64_t n_new);
   void preempt(Sequence& s);
   void postprocess(Plan& plan, const float* logits);
+  void sample_all(int32_t n_vocab);  // draws_[i].token (and logprobs) for every draw, on the pool
   void finish(Sequence& s, const char* reason);
   void release(Sequence& s);  // hands full pages to the prefix cache, then frees the table
   void publish(Sequence& s);  // hands newly completed full pages to the prefix cache
@@ -132,8 +134,20 @@ class Engine {
   std::list<std::unique_ptr<Sequence>> waiting_;   // FCFS; preempted go to the front
   std::list<std::unique_ptr<Sequence>> running_;   // admission order (oldest first)
   std::vector<float> logits_;
-  std::vector<float> row_;      // [n_vocab] one sequence's logits for the sampler
-  std::vector<int32_t> idx_;    // [n_vocab] top-logprobs ordering
+  // One token to draw this step: a sequence and its logit row (forks share their parent's).
+  struct Draw {
+    Sequence* seq;
+    const float* logits;  // [n_vocab]
+    int32_t token = -1;
+    StreamEvent ev;       // index and logprobs, filled by sample_all
+  };
+  std::vector<Draw> draws_;
+  struct SampleWorkspace {
+    std::vector<float> row;  // [n_vocab] the row the sampler may rewrite
+    SamplerScratch sampler;
+  };
+  std::vector<SampleWorkspace> sample_ws_;  // one per pool thread
+  double sample_seconds_ = 0;               // this step's sampling time, for the step profile
   std::atomic<int32_t> pages_in_use_{0};
   std::atomic<int32_t> pages_cached_{0};
   std::atomic<int32_t> window_pages_cached_{0};

@@ -12,10 +12,26 @@ void Histogram::observe(double v) {
   ++count_;
 }
 
+const char* step_phase_name(StepPhase p) {
+  switch (p) {
+    case StepPhase::kSchedule: return "schedule";
+    case StepPhase::kMatmul: return "forward_matmul";
+    case StepPhase::kAttention: return "forward_attention";
+    case StepPhase::kLogits: return "forward_logits";
+    case StepPhase::kSample: return "sample";
+    case StepPhase::kPostprocess: return "postprocess";
+    case StepPhase::kCount: break;
+  }
+  return "?";
+}
+
 Metrics::Metrics() {
   // Buckets as vLLM uses for the same series (seconds).
   m_.ttft = Histogram({0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0});
   m_.itl = Histogram({0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0});
+  // Step phases span a few microseconds (scheduling one decode) to seconds (a long prefill).
+  for (int i = 0; i < kNumStepPhases; ++i)
+    m_.step_phase.push_back(Histogram({1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5}));
   m_.e2e = Histogram({0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0});
 }
 
@@ -48,6 +64,11 @@ void Metrics::add_rejected() { std::lock_guard<std::mutex> l(mu_); ++m_.request_
 void Metrics::observe_ttft(double s) { std::lock_guard<std::mutex> l(mu_); m_.ttft.observe(s); }
 void Metrics::observe_itl(double s) { std::lock_guard<std::mutex> l(mu_); m_.itl.observe(s); }
 void Metrics::observe_e2e(double s) { std::lock_guard<std::mutex> l(mu_); m_.e2e.observe(s); }
+void Metrics::observe_step(const double* phase_seconds) {
+  std::lock_guard<std::mutex> l(mu_);
+  for (int i = 0; i < kNumStepPhases; ++i) m_.step_phase[i].observe(phase_seconds[i]);
+  ++m_.steps_total;
+}
 MetricsSnapshot Metrics::snapshot() const { std::lock_guard<std::mutex> l(mu_); return m_; }
 
 namespace {
@@ -61,21 +82,28 @@ void counter(std::string& out, const char* name, const char* help, double v) {
   std::snprintf(buf, sizeof buf, "# HELP %s %s\n# TYPE %s counter\n%s %.17g\n", name, help, name, name, v);
   out += buf;
 }
-void histogram(std::string& out, const char* name, const char* help, const Histogram& h) {
-  char buf[256];
-  std::snprintf(buf, sizeof buf, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
-  out += buf;
+// The series of one histogram; label is "" or `key="value",` (placed before le).
+void histogram_series(std::string& out, const char* name, const std::string& label, const Histogram& h) {
+  char buf[320];
   uint64_t cum = 0;
   for (size_t i = 0; i < h.counts().size(); ++i) {
     cum += h.counts()[i];
     if (i < h.bounds().size())
-      std::snprintf(buf, sizeof buf, "%s_bucket{le=\"%g\"} %llu\n", name, h.bounds()[i], static_cast<unsigned long long>(cum));
+      std::snprintf(buf, sizeof buf, "%s_bucket{%sle=\"%g\"} %llu\n", name, label.c_str(), h.bounds()[i], static_cast<unsigned long long>(cum));
     else
-      std::snprintf(buf, sizeof buf, "%s_bucket{le=\"+Inf\"} %llu\n", name, static_cast<unsigned long long>(cum));
+      std::snprintf(buf, sizeof buf, "%s_bucket{%sle=\"+Inf\"} %llu\n", name, label.c_str(), static_cast<unsigned long long>(cum));
     out += buf;
   }
-  std::snprintf(buf, sizeof buf, "%s_sum %.17g\n%s_count %llu\n", name, h.sum(), name, static_cast<unsigned long long>(h.count()));
+  const std::string braces = label.empty() ? "" : "{" + label.substr(0, label.size() - 1) + "}";
+  std::snprintf(buf, sizeof buf, "%s_sum%s %.17g\n%s_count%s %llu\n", name, braces.c_str(), h.sum(), name, braces.c_str(),
+                static_cast<unsigned long long>(h.count()));
   out += buf;
+}
+void histogram(std::string& out, const char* name, const char* help, const Histogram& h) {
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+  out += buf;
+  histogram_series(out, name, "", h);
 }
 }  // namespace
 
@@ -103,6 +131,16 @@ std::string render_prometheus(const MetricsSnapshot& m) {
   histogram(out, "kvserve:time_to_first_token_seconds", "Time to first token.", m.ttft);
   histogram(out, "kvserve:inter_token_latency_seconds", "Time between tokens of a sequence.", m.itl);
   histogram(out, "kvserve:e2e_request_latency_seconds", "Request latency from arrival to finish.", m.e2e);
+  if (!m.step_phase.empty()) {
+    const char* name = "kvserve:step_phase_seconds";
+    out += std::string("# HELP ") + name +
+           " Seconds of each engine step spent per phase: schedule, forward_matmul (matmuls, norms, activations), "
+           "forward_attention (RoPE, KV writes, paged attention), forward_logits (output projection), sample, postprocess "
+           "(detokenize, stop strings, streaming, gauges).\n# TYPE " + name + " histogram\n";
+    for (int i = 0; i < kNumStepPhases; ++i)
+      histogram_series(out, name, std::string("phase=\"") + step_phase_name(static_cast<StepPhase>(i)) + "\",", m.step_phase[i]);
+  }
+  counter(out, "kvserve:engine_steps_total", "Engine steps that ran a forward pass.", double(m.steps_total));
   return out;
 }
 

@@ -25,6 +25,12 @@ class Histogram {
   uint64_t count_ = 0;
 };
 
+// The phases of one engine step, in order. The forward's share is split three ways by the
+// model's own timers (LlamaModel::ForwardTimes).
+enum class StepPhase { kSchedule, kMatmul, kAttention, kLogits, kSample, kPostprocess, kCount };
+const char* step_phase_name(StepPhase p);
+inline constexpr int kNumStepPhases = static_cast<int>(StepPhase::kCount);
+
 struct MetricsSnapshot {
   int64_t num_requests_running = 0;
   int64_t num_requests_waiting = 0;
@@ -46,6 +52,8 @@ struct MetricsSnapshot {
   int64_t prefix_cache_window_pages = 0;
   int64_t prefix_cache_window_evictions_total = 0;
   Histogram ttft{{}}, itl{{}}, e2e{{}};
+  std::vector<Histogram> step_phase;  // [kNumStepPhases] seconds per step and phase
+  uint64_t steps_total = 0;           // steps that ran a forward
 };
 
 std::string render_prometheus(const MetricsSnapshot& m);
@@ -66,6 +74,8 @@ class Metrics {
   void observe_ttft(double s);
   void observe_itl(double s);
   void observe_e2e(double s);
+  // One step's seconds per phase ([kNumStepPhases], indexed by StepPhase).
+  void observe_step(const double* phase_seconds);
   MetricsSnapshot snapshot() const;
 
  private:

@@ -1,9 +1,29 @@
 // Token sampling from logits: greedy, temperature, top-k, top-p, min-p, repetition penalty.
-// Deterministic for a given seed: the same seed, logits and history give the same token on
-// every run and platform (own PRNG and own uniform draw, no std:: distributions).
+//
+// The distribution (what each token's probability is for given parameters):
+//   penalties → [top-k by logit] → softmax at temperature over what is kept → min-p (drop
+//   tokens below min_p × the top probability) → top-p (the smallest highest-first prefix
+//   whose mass, normalised before min-p, reaches top_p) → draw from what is left.
+// Ties in the ordering go to the lower token id.
+//
+// Cost: O(n_vocab) with a small constant; the vocabulary is never sorted.
+//   - temperature only: max, then exp in place with per-block sums (one vectorised pass), then
+//     an inverse-CDF walk over the block sums and inside one block;
+//   - top-k: a size-k min-heap behind a one-compare threshold test, then the k sorted;
+//   - top-p / min-p: a threshold pass collects the few tokens that can be in the kept set
+//     (a threshold low enough that the rest cannot hold 1 - top_p of the mass, lowered only
+//     when the first guess held too little); up to kSortMax of them are sorted, more (a flat
+//     row) go through a radix select on their float bits that sorts only one bucket;
+//   - penalties: counts of the tokens actually seen, kept incrementally per sequence.
+//
+// Determinism: one uniform draw per token from the sampler's own PRNG (splitmix64), so the
+// same seed, logits and history give the same token on every run of the same build and ISA
+// path (the vectorised exp differs from the scalar one in the last bits).
+// A Sampler belongs to one sequence; different Samplers may run on different threads.
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace kv {
@@ -19,22 +39,52 @@ struct SamplingParams {
   uint64_t seed = 0;
 };
 
+// Scratch one thread reuses across calls (sized to the candidates, at most n_vocab).
+struct SamplerScratch {
+  std::vector<std::pair<float, int32_t>> cand;  // [n_cand] (value, token id)
+  std::vector<double> prob;                     // [n_cand]
+  std::vector<int32_t> idx;                     // [n_vocab] candidate ids from the threshold pass
+  std::vector<double> block_sums;               // [ceil(n_vocab / kExpBlock)]
+  std::vector<double> bucket_mass;              // [Sampler::kBuckets] top-p radix select
+};
+
 class Sampler {
  public:
+  static constexpr size_t kSortMax = 2048;   // candidates sorted outright up to this many
+  static constexpr uint32_t kBuckets = 4096;  // top-p radix-select buckets (128 per binade)
   explicit Sampler(const SamplingParams& p);
   // Picks the next token from logits[n_vocab] given the ids seen so far (prompt + output);
   // the presence/frequency penalties count only history[n_prompt:] (generated tokens).
-  // May modify logits in place.
-  int32_t sample(float* logits, int32_t n_vocab, const std::vector<int32_t>& history, size_t n_prompt = 0);
+  // history must only grow between calls (a shorter one resets the penalty counts).
+  // Overwrites logits (penalties, then probabilities). scratch: null uses the Sampler's own.
+  int32_t sample(float* logits, int32_t n_vocab, const std::vector<int32_t>& history, size_t n_prompt = 0,
+                 SamplerScratch* scratch = nullptr);
   const SamplingParams& params() const { return p_; }
 
  private:
   double next_uniform();  // [0, 1)
+  void apply_penalties(float* logits, int32_t n_vocab, const std::vector<int32_t>& history, size_t n_prompt);
+  int32_t sample_top_k(float* logits, int32_t n_vocab, SamplerScratch& ws);
+  int32_t sample_full(float* logits, int32_t n_vocab, SamplerScratch& ws);
+  int32_t draw_sorted(const SamplerScratch& ws, size_t n);  // top-p, then one draw from cand[0, n)
+  int32_t draw(const SamplerScratch& ws, size_t n);         // one draw from cand[0, n) by prob
+  // top-p over many unsorted candidates: moves the kept ones to cand[0, n) and returns n.
+  size_t top_p_select(SamplerScratch& ws, double total);
+
   SamplingParams p_;
   uint64_t state_;
-  std::vector<std::pair<float, int32_t>> cand_;  // scratch, reused across calls
+  // Penalty state: token → occurrences, over history[0, n_seen_) and history[n_prompt, n_seen_).
+  std::vector<std::pair<int32_t, int32_t>> seen_;       // sorted by token: (token, count in all history)
+  std::vector<std::pair<int32_t, int32_t>> generated_;  // sorted by token: (token, count after the prompt)
+  size_t n_seen_ = 0;
+  size_t n_prompt_seen_ = 0;
+  SamplerScratch own_;
 };
 
 int32_t argmax(const float* x, int32_t n);
+
+// The k highest entries of x[n] by (value desc, index asc), written to out sorted that way.
+// O(n + k log k · (number of heap replacements)); k ≤ n.
+void top_k_select(const float* x, int32_t n, int32_t k, std::vector<std::pair<float, int32_t>>* out);
 
 }  // namespace kv

@@ -1,6 +1,7 @@
 // Fast entry points of ops.h: runtime choice between the AVX-512 kernels (ops_avx512.cpp,
 // compiled with AVX-512 flags, only ever called on a CPU that has them) and the portable float
 // versions below, which are also what KV_ISA=scalar selects.
+#include <algorithm>
 #include <atomic>
 #include <cassert>
 #include <cmath>
@@ -18,6 +19,10 @@ void rms_norm(const float* x, const float* w, float* y, int64_t n, float eps);
 void silu_mul(const float* gate, const float* up, float* y, int64_t n);
 void gelu_mul(const float* gate, const float* up, float* y, int64_t n);
 float softmax(float* x, int64_t n);
+float max_value(const float* x, int64_t n);
+double exp_scaled(float* x, int64_t n, float mx, float scale, double* block_sums);
+int64_t collect_ge(const float* x, int64_t n, float t, int32_t* idx, double* mass);
+int64_t first_gt(const float* x, int64_t from, int64_t n, float t);
 }  // namespace avx512_ops
 
 namespace {
@@ -98,6 +103,18 @@ float softmax_scalar(float* x, int64_t n) {
   const float inv = static_cast<float>(1.0 / sum);
   for (int64_t i = 0; i < n; ++i) x[i] *= inv;
   return max + static_cast<float>(std::log(sum));
+}
+
+double exp_scaled_scalar(float* x, int64_t n, float mx, float scale, double* block_sums) {
+  double total = 0;
+  for (int64_t b = 0; b * kExpBlock < n; ++b) {
+    float s = 0;  // ≤ 1024 terms in [0, 1]: float loses < 1e-4 relative, far below sampling noise
+    const int64_t end = std::min(n, (b + 1) * kExpBlock);
+    for (int64_t i = b * kExpBlock; i < end; ++i) s += (x[i] = std::exp((x[i] - mx) * scale));
+    block_sums[b] = s;
+    total += s;
+  }
+  return total;
 }
 
 // cos/sin of every rotation angle for one (n_rot, base, scale, pos). The model ropes Q and then
@@ -190,6 +207,26 @@ void gelu_mul(const float* gate, const float* up, float* y, int64_t n) {
 float softmax(float* x, int64_t n) {
   if (use_avx512()) return avx512_ops::softmax(x, n);
   return softmax_scalar(x, n);
+}
+
+float max_value(const float* x, int64_t n) {
+  if (use_avx512()) return avx512_ops::max_value(x, n);
+  return max_value_ref(x, n);
+}
+
+double exp_scaled(float* x, int64_t n, float mx, float scale, double* block_sums) {
+  if (use_avx512()) return avx512_ops::exp_scaled(x, n, mx, scale, block_sums);
+  return exp_scaled_scalar(x, n, mx, scale, block_sums);
+}
+
+int64_t collect_ge(const float* x, int64_t n, float t, int32_t* idx, double* mass) {
+  if (use_avx512()) return avx512_ops::collect_ge(x, n, t, idx, mass);
+  return collect_ge_ref(x, n, t, idx, mass);
+}
+
+int64_t first_gt(const float* x, int64_t from, int64_t n, float t) {
+  if (use_avx512()) return avx512_ops::first_gt(x, from, n, t);
+  return first_gt_ref(x, from, n, t);
 }
 
 void add_inplace(float* y, const float* x, int64_t n) {

@@ -36,6 +36,25 @@ float softmax_ref(float* x, int64_t n);
 // y[n] += x[n]
 void add_inplace(float* y, const float* x, int64_t n);
 
+// Sampling over a logit row x[n] (engine/sampler.cpp).
+// The largest value of x (-inf when n == 0). NaN entries are ignored.
+float max_value(const float* x, int64_t n);
+float max_value_ref(const float* x, int64_t n);
+// In place x[i] = exp((x[i] - mx) * scale), where mx is the row's max (so the max maps to 1
+// and every entry to [0, 1]; -inf maps to 0). block_sums[b], b < ceil(n / kExpBlock), gets the
+// sum over block b's entries; the return is the sum of the block sums added in block order,
+// which the sampler's inverse-CDF walk retraces block by block.
+inline constexpr int64_t kExpBlock = 1024;
+double exp_scaled(float* x, int64_t n, float mx, float scale, double* block_sums);
+double exp_scaled_ref(float* x, int64_t n, float mx, float scale, double* block_sums);
+// The indices i with x[i] ≥ t, ascending, into idx (room for n + 16: the fast path stores whole
+// vectors past the last index); *mass = their sum. Returns how many.
+int64_t collect_ge(const float* x, int64_t n, float t, int32_t* idx, double* mass);
+int64_t collect_ge_ref(const float* x, int64_t n, float t, int32_t* idx, double* mass);
+// The first i in [from, n) with x[i] > t, or n (the top-k scan's skip over the row).
+int64_t first_gt(const float* x, int64_t from, int64_t n, float t);
+int64_t first_gt_ref(const float* x, int64_t from, int64_t n, float t);
+
 // Which implementation the fast entry points above run. Chosen once, on first use, from the
 // CPU (AVX-512F) and env KV_ISA (scalar|avx2|avx512; avx2 has no ops of its own and means
 // scalar here). Tests override it to exercise every path in one process. Thread-safe.

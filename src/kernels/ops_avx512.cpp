@@ -6,8 +6,11 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+
+#include "kernels/ops.h"
 
 namespace kv::avx512_ops {
 
@@ -123,6 +126,82 @@ float softmax(float* x, int64_t n) {
     _mm512_mask_storeu_ps(x + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), inv));
   }
   return max + static_cast<float>(std::log(sum));
+}
+
+float max_value(const float* x, int64_t n) {
+  // max_ps(a, b) returns b when a is NaN: the running max stays the second operand.
+  const float ninf = -std::numeric_limits<float>::infinity();
+  __m512 m0 = _mm512_set1_ps(ninf), m1 = m0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    m0 = _mm512_max_ps(_mm512_loadu_ps(x + i), m0);
+    m1 = _mm512_max_ps(_mm512_loadu_ps(x + i + 16), m1);
+  }
+  for (; i < n; i += 16) m0 = _mm512_max_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(ninf), tail_mask(n - i), x + i), m0);
+  return _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
+}
+
+double exp_scaled(float* x, int64_t n, float mx, float scale, double* block_sums) {
+  const __m512 vm = _mm512_set1_ps(mx), vs = _mm512_set1_ps(scale);
+  double total = 0;
+  for (int64_t b = 0; b * kExpBlock < n; ++b) {
+    const int64_t end = std::min(n, (b + 1) * kExpBlock);
+    // Float lanes: each sums ≤ 64 terms in [0, 1] per block.
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = b * kExpBlock; i < end; i += 16) {
+      const __mmask16 m = tail_mask(end - i);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), vm), vs)));
+      _mm512_mask_storeu_ps(x + i, m, e);
+      acc = _mm512_add_ps(acc, e);
+    }
+    block_sums[b] = _mm512_reduce_add_ps(acc);
+    total += block_sums[b];
+  }
+  return total;
+}
+
+int64_t collect_ge(const float* x, int64_t n, float t, int32_t* idx, double* mass) {
+  // Compare 16 at a time; the (rare) lanes that pass are compressed into idx.
+  const __m512 vt = _mm512_set1_ps(t);
+  const __m512i step = _mm512_set1_epi32(16);
+  __m512i ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 acc = _mm512_setzero_ps();
+  double m = 0;
+  int64_t k = 0;
+  for (int64_t i = 0; i < n; i += 16, ids = _mm512_add_epi32(ids, step)) {
+    const __mmask16 tm = tail_mask(n - i);
+    const __m512 v = _mm512_maskz_loadu_ps(tm, x + i);
+    const __mmask16 ge = _mm512_mask_cmp_ps_mask(tm, v, vt, _CMP_GE_OQ);
+    if (ge) {
+      // Compress in a register and store all 16 lanes (idx has 16 entries of slack):
+      // vpcompressd straight to memory is microcoded and ~20x slower on Zen 4.
+      _mm512_storeu_si512(idx + k, _mm512_maskz_compress_epi32(ge, ids));
+      k += __builtin_popcount(ge);
+      acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(ge, v));
+    }
+    if ((i & 1023) == 1008) {  // float lanes hold at most 64 terms before going to double
+      m += _mm512_reduce_add_ps(acc);
+      acc = _mm512_setzero_ps();
+    }
+  }
+  *mass = m + _mm512_reduce_add_ps(acc);
+  return k;
+}
+
+int64_t first_gt(const float* x, int64_t from, int64_t n, float t) {
+  const __m512 vt = _mm512_set1_ps(t);
+  int64_t i = from;
+  for (; i + 32 <= n; i += 32) {  // two vectors a turn: the common case is "none of them"
+    const __mmask16 a = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), vt, _CMP_GT_OQ);
+    const __mmask16 b = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i + 16), vt, _CMP_GT_OQ);
+    if (a | b) return a ? i + __builtin_ctz(a) : i + 16 + __builtin_ctz(b);
+  }
+  for (; i < n; i += 16) {
+    const __mmask16 tm = tail_mask(n - i);
+    const __mmask16 a = _mm512_mask_cmp_ps_mask(tm, _mm512_maskz_loadu_ps(tm, x + i), vt, _CMP_GT_OQ);
+    if (a) return i + __builtin_ctz(a);
+  }
+  return n;
 }
 
 }  // namespace kv::avx512_ops

@@ -1,5 +1,6 @@
 // Scalar references for ops.h: plain loops, float64 arithmetic throughout, so that the fast
 // versions' tolerances measure their own error and not the reference's.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -67,6 +68,45 @@ float softmax_ref(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) sum += std::exp(x[i] - max);
   for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(std::exp(x[i] - max) / sum);
   return static_cast<float>(max + std::log(sum));
+}
+
+float max_value_ref(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i)
+    if (x[i] > m) m = x[i];
+  return m;
+}
+
+double exp_scaled_ref(float* x, int64_t n, float mx, float scale, double* block_sums) {
+  double total = 0;
+  for (int64_t b = 0; b * kExpBlock < n; ++b) {
+    double s = 0;
+    for (int64_t i = b * kExpBlock; i < std::min(n, (b + 1) * kExpBlock); ++i) {
+      x[i] = static_cast<float>(std::exp((static_cast<double>(x[i]) - mx) * scale));
+      s += x[i];
+    }
+    block_sums[b] = s;
+    total += s;
+  }
+  return total;
+}
+
+int64_t collect_ge_ref(const float* x, int64_t n, float t, int32_t* idx, double* mass) {
+  int64_t k = 0;
+  double m = 0;
+  for (int64_t i = 0; i < n; ++i)
+    if (x[i] >= t) {
+      idx[k++] = static_cast<int32_t>(i);
+      m += x[i];
+    }
+  *mass = m;
+  return k;
+}
+
+int64_t first_gt_ref(const float* x, int64_t from, int64_t n, float t) {
+  for (int64_t i = from; i < n; ++i)
+    if (x[i] > t) return i;
+  return n;
 }
 
 }  // namespace kv

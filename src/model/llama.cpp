@@ -1,6 +1,7 @@
 #include "model/llama.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 
@@ -339,6 +340,10 @@ Status LlamaModel::forward(const Batch& batch, PagePool& pool, ThreadPool& tp, f
 }
 
 Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPool& tp, float* logits) {
+  using Clock = std::chrono::steady_clock;
+  const auto t_begin = Clock::now();
+  times_ = ForwardTimes{};
+  auto since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
   const ModelConfig& c = cfg_;
   const int n_groups = static_cast<int>(groups_.size());
   for (int g = 0; g < n_groups; ++g) {
@@ -383,8 +388,10 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
     PagePool& pool = *pools[grp];
     if (c.mla) {
       for (int64_t t = 0; t < n_tok; ++t) rms_norm(x_.data() + t * E, L.attn_norm.data(), h_.data() + t * E, E, c.rms_eps);
+      const auto t_attn = Clock::now();
       Status st = mla_attention(batch, il, pool, tp);
       if (!st) return st;
+      times_.attention += since(t_attn);
       add_inplace(x_.data(), tmp_.data(), n_tok * E);
       for (int64_t t = 0; t < n_tok; ++t) rms_norm(x_.data() + t * E, L.ffn_norm.data(), h_.data() + t * E, E, c.rms_eps);
       matmul(L.wgu, h_.data(), n_tok, gu_.data(), tp);
@@ -401,6 +408,7 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
     // h = rmsnorm(x) ; qkv = h · Wqkvᵀ     [n_tok][n_qkv]
     for (int64_t t = 0; t < n_tok; ++t) rms_norm(x_.data() + t * E, L.attn_norm.data(), h_.data() + t * E, E, c.rms_eps);
     matmul(L.wqkv, h_.data(), n_tok, qkv_.data(), tp);
+    const auto t_attn = Clock::now();
     // RoPE on q and k, then write k and v into the pages (staged layers: into the page's f16
     // staging tiles, quantized when the page's last slot is written).
     for (const BatchSeq& s : batch.seqs) {
@@ -457,6 +465,7 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
       }
     });
     pool.release_filled(li);
+    times_.attention += since(t_attn);
     // x += attn · Woᵀ   (Gemma 3: normed first)
     matmul(L.wo, attn_.data(), n_tok, tmp_.data(), tp);
     if (c.gemma3)
@@ -477,6 +486,7 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
   }
 
   // Logits for the last token of each run that asked.
+  const auto t_logits = Clock::now();
   int64_t r = 0;
   for (const BatchSeq& s : batch.seqs) {
     if (!s.want_logits) continue;
@@ -487,6 +497,8 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
   if (r > 0) matmul(output_, last_.data(), r, logits, tp);
   if (c.final_softcap > 0)
     for (int64_t i = 0; i < r * int64_t(c.n_vocab); ++i) logits[i] = c.final_softcap * std::tanh(logits[i] / c.final_softcap);
+  times_.logits = since(t_logits);
+  times_.total = since(t_begin);
   return Status::ok();
 }
 

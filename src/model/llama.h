@@ -59,7 +59,16 @@ class LlamaModel {
   // Models with several KV groups: pools[g] holds group g (BatchSeq::pages / pages_g1).
   Status forward(const Batch& batch, PagePool* const* pools, ThreadPool& tp, float* logits);
 
+  // Where the last forward's time went (wall seconds on the calling thread): attention = RoPE,
+  // the KV page writes and paged attention (MLA: its whole attention block); logits = the
+  // output norm and projection; the rest of the forward is matmuls, norms and activations.
+  struct ForwardTimes {
+    double total = 0, attention = 0, logits = 0;
+  };
+  const ForwardTimes& last_forward_times() const { return times_; }
+
  private:
+  ForwardTimes times_;
   struct Layer {
     std::vector<float> attn_norm, ffn_norm;  // [n_embd]
     std::vector<float> q_norm, k_norm;       // [head_dim] (Gemma 3)

@@ -299,6 +299,35 @@ def test_metrics(server, client):
     assert after["kvserve:e2e_request_latency_seconds_count"] == before["kvserve:e2e_request_latency_seconds_count"] + 1
 
 
+PHASES = ["schedule", "forward_matmul", "forward_attention", "forward_logits", "sample", "postprocess"]
+
+
+def test_step_phase_profile(server, client):
+    """Every step's time per phase is a labelled histogram; a sampled request's steps add to
+    every phase, and the forward phases hold most of the time (sampling is not a sort)."""
+    def phase(m, p, what):
+        return m[f'kvserve:step_phase_seconds_{what}{{phase="{p}"}}']
+
+    before = server.metrics()
+    steps0 = before["kvserve:engine_steps_total"]
+    complete(client, max_tokens=8, temperature=0.7, top_p=0.95, seed=3)
+    deadline = time.time() + 2
+    while (after := server.metrics())["kvserve:engine_steps_total"] < steps0 + 8:
+        assert time.time() < deadline
+        time.sleep(0.01)
+    text = requests.get(server.url + "/metrics").text
+    assert "# TYPE kvserve:step_phase_seconds histogram" in text
+    n_steps = after["kvserve:engine_steps_total"] - steps0
+    for p in PHASES:
+        assert phase(after, p, "count") - phase(before, p, "count") == n_steps, p
+        assert after[f'kvserve:step_phase_seconds_bucket{{phase="{p}",le="+Inf"}}'] == phase(after, p, "count")
+    spent = {p: phase(after, p, "sum") - phase(before, p, "sum") for p in PHASES}
+    assert all(v >= 0 for v in spent.values()), spent
+    assert spent["forward_matmul"] > 0 and spent["forward_logits"] > 0 and spent["sample"] > 0, spent
+    forward = spent["forward_matmul"] + spent["forward_attention"] + spent["forward_logits"]
+    assert forward > 0.5 * sum(spent.values()), spent
+
+
 def test_long_prompt_rejected_with_reason(client):
     import openai
     with pytest.raises(openai.BadRequestError) as e:

@@ -231,6 +231,80 @@ TEST_P(OpsTest, AddInplace) {
   }
 }
 
+TEST_P(OpsTest, MaxValue) {
+  for (int64_t n : sizes()) {
+    auto x = randn(n, static_cast<uint32_t>(n) + 3, 4.0f);
+    ASSERT_EQ(max_value(x.data(), n), max_value_ref(x.data(), n)) << n;
+    x[static_cast<size_t>(n - 1)] = 1e9f;  // the max in the tail lane
+    ASSERT_EQ(max_value(x.data(), n), 1e9f) << n;
+  }
+  EXPECT_EQ(max_value(nullptr, 0), -std::numeric_limits<float>::infinity());
+  std::vector<float> x = {-std::numeric_limits<float>::infinity(), std::nanf(""), -3.f};
+  EXPECT_EQ(max_value(x.data(), 3), -3.f);  // NaN ignored
+}
+
+TEST_P(OpsTest, ExpScaledBlockSums) {
+  // Rows of a vocabulary's size and every tail, at the temperatures sampling uses.
+  std::vector<int64_t> ns = sizes();
+  for (int64_t n : {49152, 262144, 50001}) ns.push_back(n);
+  for (int64_t n : ns)
+    for (float scale : {1.0f, 1.f / 0.7f, 4.0f}) {
+      auto x = randn(n, static_cast<uint32_t>(n) + 11, 3.0f);
+      if (n > 5) x[3] = -std::numeric_limits<float>::infinity();  // a banned token
+      const float mx = max_value_ref(x.data(), n);
+      auto want = x, got = x;
+      const int64_t nb = (n + kExpBlock - 1) / kExpBlock;
+      std::vector<double> bw(nb), bg(nb);
+      const double tw = exp_scaled_ref(want.data(), n, mx, scale, bw.data());
+      const double tg = exp_scaled(got.data(), n, mx, scale, bg.data());
+      // Float evaluation of the argument (x - mx)·scale costs ~|arg| ulps before exp does.
+      for (int64_t i = 0; i < n; ++i) {
+        if (want[i] == 0) {
+          ASSERT_EQ(got[i], 0.f);
+          continue;
+        }
+        const double arg = std::fabs((static_cast<double>(x[i]) - mx) * scale);
+        ASSERT_NEAR(got[i], want[i], 2.5e-7 * (1 + arg) * want[i] + 1e-37) << "n=" << n << " i=" << i;
+      }
+      if (n > 5) ASSERT_EQ(got[3], 0.f);
+      double sum = 0;
+      for (int64_t b = 0; b < nb; ++b) {
+        ASSERT_NEAR(bg[b], bw[b], 1e-5 * bw[b]) << "n=" << n << " block " << b;
+        sum += bg[b];
+      }
+      ASSERT_EQ(tg, sum);  // the total is the block sums added in order
+      ASSERT_NEAR(tg, tw, 1e-5 * tw);
+      ASSERT_GE(tg, 1.0);  // the max maps to exactly 1
+    }
+}
+
+TEST_P(OpsTest, CollectGe) {
+  std::vector<int64_t> ns = sizes();
+  ns.push_back(49152);
+  std::vector<int32_t> got_idx, want_idx;
+  for (int64_t n : ns)
+    for (float t : {-1.f, 0.5f, 2.5f, 100.f}) {
+      const auto x = randn(n, static_cast<uint32_t>(n) + 5, 1.5f);
+      got_idx.assign(static_cast<size_t>(n) + 16, -1);
+      want_idx.assign(static_cast<size_t>(n) + 16, -1);
+      double got_mass = 0, want_mass = 0;
+      const int64_t got = collect_ge(x.data(), n, t, got_idx.data(), &got_mass);
+      const int64_t want = collect_ge_ref(x.data(), n, t, want_idx.data(), &want_mass);
+      ASSERT_EQ(got, want) << "n=" << n << " t=" << t;
+      for (int64_t i = 0; i < want; ++i) ASSERT_EQ(got_idx[i], want_idx[i]) << "n=" << n << " t=" << t;
+      ASSERT_NEAR(got_mass, want_mass, 1e-6 * std::fabs(want_mass) + 1e-6);
+    }
+}
+
+TEST_P(OpsTest, FirstGt) {
+  for (int64_t n : sizes()) {
+    const auto x = randn(n, static_cast<uint32_t>(n) + 9, 1.0f);
+    for (float t : {-10.f, 0.f, 1.5f, 2.5f, 10.f})
+      for (int64_t from : {int64_t(0), int64_t(1), n / 2, n - 1, n})
+        ASSERT_EQ(first_gt(x.data(), from, n, t), first_gt_ref(x.data(), from, n, t)) << n << " " << t << " " << from;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Paths, OpsTest, ::testing::Values(OpsPath::kScalar, OpsPath::kAvx512),
                          path_name);
 
