@@ -136,7 +136,7 @@ void run_bench_batch(const BenchOptions& o) {
   ec.enable_prefix_caching = false;  // distinct random prompts: nothing to share
   const kv::KvLayout layout = make_kv_layout(*lm.model, o.kvo);
   ec.kv_dtype = layout.dtype;
-  ec.kv_layer_dtypes = layout.layer_dtypes;
+  ec.kv_layer_dtypes = model_layer_dtypes(*lm.model, o.kvo);
   kv::Engine engine(*lm.model, *lm.tokenizer, ec);
   if (int64_t(engine.pool().n_pages()) * ec.block_size < int64_t(n_seq) * (ec.max_model_len + ec.block_size))
     fail("--kv-cache-memory " + o.kvo.memory + " does not hold " + std::to_string(n_seq) + " sequences of " +

@@ -85,7 +85,7 @@ void run_serve(const ServeOptions& o) {
 
   kv::KvLayout layout = make_kv_layout(**model, o.kvo);
   ec.kv_dtype = layout.dtype;
-  ec.kv_layer_dtypes = layout.layer_dtypes;
+  ec.kv_layer_dtypes = model_layer_dtypes(**model, o.kvo);
   if (kv::PagePool::pages_for_bytes(layout, ec.kv_cache_bytes, kv::staging_slots(ec)) < 1)
     fail("--kv-cache-memory " + o.kvo.memory + " holds no page (one page is " + kv::format_bytes(layout.page_bytes()) + ")");
 

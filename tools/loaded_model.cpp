@@ -25,15 +25,19 @@ void add_kv_options(CLI::App* cmd, KvOptions* kvo) {
                   "per-layer KV dtypes over --kv-cache-dtype, e.g. \"0-1:f16,28-29:f16\"");
 }
 
+std::vector<kv::KvDtype> model_layer_dtypes(const kv::LlamaModel& model, const KvOptions& kvo) {
+  auto dtype = kv::parse_kv_dtype(kvo.dtype);
+  if (!dtype) fail(dtype.message());
+  if (kvo.layer_dtypes.empty()) return {};
+  auto l = kv::parse_kv_dtype_layers(kvo.layer_dtypes, model.config().n_layer, *dtype);
+  if (!l) fail(l.message());
+  return std::move(*l);
+}
+
 kv::KvLayout make_kv_layout(const kv::LlamaModel& model, const KvOptions& kvo, int group) {
   auto dtype = kv::parse_kv_dtype(kvo.dtype);
   if (!dtype) fail(dtype.message());
-  std::vector<kv::KvDtype> layers;
-  if (!kvo.layer_dtypes.empty()) {
-    auto l = kv::parse_kv_dtype_layers(kvo.layer_dtypes, model.config().n_layer, *dtype);
-    if (!l) fail(l.message());
-    layers = std::move(*l);
-  }
+  std::vector<kv::KvDtype> layers = model_layer_dtypes(model, kvo);
   kv::KvLayout layout = model.kv_layout(kvo.block_size, *dtype, std::move(layers), group);
   if (kv::Status st = layout.validate(); !st) fail(st.message());
   return layout;

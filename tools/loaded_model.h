@@ -21,6 +21,9 @@ struct KvOptions {
 
 // The KV layout the options ask for, validated (exits with a message when it is not valid).
 kv::KvLayout make_kv_layout(const kv::LlamaModel& model, const KvOptions& kvo, int group = 0);
+// --kv-cache-dtype-layers as one dtype per model layer (empty: none given), what
+// EngineConfig::kv_layer_dtypes wants (a group's layout holds only its own layers' entries).
+std::vector<kv::KvDtype> model_layer_dtypes(const kv::LlamaModel& model, const KvOptions& kvo);
 
 struct LoadedModel {
   std::unique_ptr<kv::GgufFile> file;

@@ -1,5 +1,7 @@
 #include "kernels/kv_tile.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -161,6 +163,22 @@ float plain_value(const uint8_t* tile, KvElem e, int64_t i) {
   }
 }
 
+// f16 conversion of a K or V row: F16C's vcvtps2ph where the CPU has it (the same RNE, the
+// same quiet NaNs as fp32_to_fp16), else the portable conversion. Every KV write of every
+// token goes through here.
+constexpr int kMaxF16Row = 1024;
+__attribute__((target("avx,f16c"))) void to_f16_f16c(const float* src, uint16_t* dst, int n) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) dst[i] = fp32_to_fp16(src[i]);
+}
+void to_f16(const float* src, uint16_t* dst, int n) {
+  static const bool f16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+  if (f16c) return to_f16_f16c(src, dst, n);
+  for (int i = 0; i < n; ++i) dst[i] = fp32_to_fp16(src[i]);
+}
+
 void plain_store(uint8_t* tile, KvElem e, int64_t i, float x) {
   switch (e) {
     case KvElem::kF32: std::memcpy(tile + 4 * i, &x, 4); break;
@@ -203,6 +221,12 @@ int64_t kv_v_tile_bytes(KvElem e, int block_size, int head_dim) {
 }
 
 void kv_write_k(uint8_t* tile, KvElem e, int block_size, int head_dim, int slot, const float* src) {
+  if (e == KvElem::kF16 && head_dim <= kMaxF16Row) {
+    uint16_t h[kMaxF16Row];
+    to_f16(src, h, head_dim);
+    for (int d = 0; d < head_dim; ++d) std::memcpy(tile + 2 * (int64_t(d) * block_size + slot), &h[d], 2);
+    return;
+  }
   for (int d = 0; d < head_dim; ++d) plain_store(tile, e, int64_t(d) * block_size + slot, src[d]);
 }
 
@@ -212,6 +236,7 @@ void kv_write_v(uint8_t* tile, KvElem e, int /*block_size*/, int head_dim, int s
     std::memcpy(tile + 4 * off, src, 4 * size_t(head_dim));
     return;
   }
+  if (e == KvElem::kF16) return to_f16(src, reinterpret_cast<uint16_t*>(tile + 2 * off), head_dim);
   for (int d = 0; d < head_dim; ++d) plain_store(tile, e, off + d, src[d]);
 }
 

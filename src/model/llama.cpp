@@ -261,8 +261,9 @@ Result<std::unique_ptr<LlamaModel>> LlamaModel::load(const GgufFile& f, Isa isa,
 KvLayout LlamaModel::kv_layout(int32_t block_size, KvDtype dtype, std::vector<KvDtype> layer_dtypes, int g) const {
   KvLayout l;
   const KvGroup& grp = groups_[g];
+  // layer_dtypes is indexed by model layer; a short list leaves the rest at `dtype`.
   if (!layer_dtypes.empty())
-    for (int32_t il : grp.layers) l.layer_dtypes.push_back(layer_dtypes[il]);
+    for (int32_t il : grp.layers) l.layer_dtypes.push_back(il < static_cast<int32_t>(layer_dtypes.size()) ? layer_dtypes[il] : dtype);
   l.n_layer = static_cast<int32_t>(grp.layers.size());
   l.n_head_kv = cfg_.n_head_kv;
   l.head_dim = cfg_.head_dim;

@@ -81,3 +81,22 @@ def test_bench_json_has_the_fields():
     for k in ("prefill_tok_s", "prefill_tok_s_min", "prefill_tok_s_max", "decode_tok_s", "decode_tok_s_min",
               "decode_tok_s_max", "decode_effective_gb_s"):
         assert j[k] > 0, k
+
+
+def test_bench_batch_runs_the_engine_and_profiles_its_steps():
+    # 4 sequences decode together through the engine with sampling; the JSON reports the
+    # aggregate rate and where each step's time went (shares of the decode steps, summing to 1).
+    r = run("bench", "-m", MODEL, "--batch", "4", "-p", "16", "-n", "12", "--repeat", "1", "--temp", "0.7",
+            "--top-p", "0.95", "--json")
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert j["mode"] == "batch" and j["batch"] == 4 and j["gen_tokens"] == 12
+    assert j["sampling"]["temperature"] > 0.69 and j["sampling"]["top_p"] > 0.94
+    assert j["decode_tok_s"] > 0 and j["decode_tok_s_per_sequence"] * 4 == j["decode_tok_s"]
+    phases = j["step_phase_share"]
+    assert set(phases) == {"schedule", "forward_matmul", "forward_attention", "forward_logits", "sample", "postprocess"}
+    assert abs(sum(phases.values()) - 1) < 1e-6
+    assert phases["forward_matmul"] > 0 and phases["sample"] > 0
+    # A pool too small for the batch is a clear error, not a crash.
+    bad = run("bench", "-m", MODEL, "--batch", "64", "-p", "512", "-n", "512", "--kv-cache-memory", "8MiB", "--json")
+    assert bad.returncode != 0 and "does not hold" in bad.stderr
