@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "common/huge_alloc.h"
 #include "common/status.h"
 #include "common/thread_pool.h"
 #include "kernels/ggml_types.h"
@@ -32,16 +33,16 @@ struct RawMatrix {
   int64_t n_out;
 };
 
-// std::allocator gives only 16-byte alignment; packed weights want whole cache lines.
+// std::allocator gives only 16-byte alignment; packed weights want whole cache lines, and
+// large ones huge pages (common/huge_alloc.h: decode streams every weight once per token).
 template <typename T>
 struct AlignedAllocator {
   using value_type = T;
-  static constexpr std::align_val_t kAlign{64};
   AlignedAllocator() = default;
   template <typename U>
   AlignedAllocator(const AlignedAllocator<U>&) {}  // NOLINT: rebinding
-  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kAlign)); }
-  void deallocate(T* p, size_t) { ::operator delete(p, kAlign); }
+  T* allocate(size_t n) { return static_cast<T*>(huge_alloc(n * sizeof(T))); }
+  void deallocate(T* p, size_t) { huge_free(p); }
   template <typename U>
   bool operator==(const AlignedAllocator<U>&) const { return true; }
 };

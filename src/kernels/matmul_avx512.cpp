@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -26,16 +27,29 @@ inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-#ifndef KV_PREFETCH
-#define KV_PREFETCH 2048
-#endif
-// Bytes ahead in each weight stream. Streaming from RAM, the hardware prefetcher alone gets
-// ~11 GB/s on one core; with this ~25 GB/s.
-constexpr int64_t kPrefetch = KV_PREFETCH;
+// Bytes ahead in each weight stream, and into which cache level. Measured, one core streaming
+// packed weights from RAM (bench_matmul, rows = 1): on an Intel Xeon the hardware prefetcher
+// alone gets ~11 GB/s and prefetcht0 2 KiB ahead ~25 GB/s; on an AMD EPYC (Zen 4, 2026-11-25)
+// prefetcht0 *lowers* it to ~13 GB/s (none: ~17; prefetcht1 2 KiB ahead: ~20-22 of the read
+// loop's 28.8). So the level is chosen per CPU vendor (KV_PREFETCH_HINT=t0|t1|none overrides).
+constexpr int64_t kPrefetch = 2048;
+enum Pf { kPfNone = 0, kPfT0 = 1, kPfT1 = 2 };
+
+int prefetch_hint() {
+  static const int hint = [] {
+    if (const char* e = std::getenv("KV_PREFETCH_HINT")) {
+      if (std::strcmp(e, "t0") == 0) return int(kPfT0);
+      if (std::strcmp(e, "t1") == 0) return int(kPfT1);
+      if (std::strcmp(e, "none") == 0) return int(kPfNone);
+    }
+    return __builtin_cpu_is("amd") ? int(kPfT1) : int(kPfT0);
+  }();
+  return hint;
+}
 
 // Rows [r0, r0 + R) × outputs of groups [g, g + C). T: two-level activations (a second
 // vpdpbusd per loaded weight vector, against q2, into its own accumulator).
-template <QFmt F, int R, int C, bool kPf, bool T>
+template <QFmt F, int R, int C, int kPf, bool T>
 inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float* y) {
   constexpr int64_t kRec = record_bytes(F), kQo = quant_offset(F);
   // Byte-wide quants (8 vectors per block) or nibble pairs (4 vectors, two elements a byte).
@@ -74,8 +88,10 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
     __m512 dw[C], mw[C];  // Q6_K: da, db
     for (int c = 0; c < C; ++c) {
       blk[c] = base + c * gstride + b * kRec;
-      if constexpr (kPf) {
+      if constexpr (kPf == kPfT0) {
         for (int64_t l = 0; l < kRec; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk[c] + kPrefetch + l), _MM_HINT_T0);
+      } else if constexpr (kPf == kPfT1) {
+        for (int64_t l = 0; l < kRec; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk[c] + kPrefetch + l), _MM_HINT_T1);
       }
       if constexpr (kF32) {
         dw[c] = _mm512_load_ps(blk[c]);
@@ -183,7 +199,7 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
 }
 
 // Rows [r, r + n) with 0 < n < RT, as one tile of n rows.
-template <QFmt F, int C, bool T, bool kPf, int RT, int N = 1>
+template <QFmt F, int C, bool T, int kPf, int RT, int N = 1>
 inline void rest_tile(const QWeights& w, const QAct& a, int64_t r, int64_t n, int64_t g, float* y) {
   if constexpr (N < RT) {
     if (n == N) return tile<F, N, C, kPf, T>(w, a, r, g, y);
@@ -191,34 +207,34 @@ inline void rest_tile(const QWeights& w, const QAct& a, int64_t r, int64_t n, in
   }
 }
 
-// The first row tile over a weight strip streams it from RAM and prefetches; the others
+// The first row tile over a weight strip streams it from RAM and prefetches (P); the others
 // find it in L1/L2. RT rows per full tile.
-template <QFmt F, int C, bool T, int RT>
+template <QFmt F, int C, bool T, int RT, int P>
 void row_tiles(const QWeights& w, const QAct& a, int64_t r0, int64_t r1, int64_t g, float* y) {
   int64_t r = r0;
   if (r + RT <= r1) {
-    tile<F, RT, C, true, T>(w, a, r, g, y);
+    tile<F, RT, C, P, T>(w, a, r, g, y);
     r += RT;
   }
-  for (; r + RT <= r1; r += RT) tile<F, RT, C, false, T>(w, a, r, g, y);
+  for (; r + RT <= r1; r += RT) tile<F, RT, C, kPfNone, T>(w, a, r, g, y);
   if (r < r1) {
     if (r == r0)
-      rest_tile<F, C, T, true, RT>(w, a, r, r1 - r, g, y);
+      rest_tile<F, C, T, P, RT>(w, a, r, r1 - r, g, y);
     else
-      rest_tile<F, C, T, false, RT>(w, a, r, r1 - r, g, y);
+      rest_tile<F, C, T, kPfNone, RT>(w, a, r, r1 - r, g, y);
   }
 }
 
-template <QFmt F, bool T>
+template <QFmt F, bool T, int P>
 void run(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1, float* y) {
   if (n_rows == 1) {
     // GEMV: 4 groups at once for independent chains and 4 memory streams.
     int64_t g = g0;
-    for (; g + 4 <= g1; g += 4) tile<F, 1, 4, true, T>(w, a, 0, g, y);
+    for (; g + 4 <= g1; g += 4) tile<F, 1, 4, P, T>(w, a, 0, g, y);
     switch (g1 - g) {
-      case 3: tile<F, 1, 3, true, T>(w, a, 0, g, y); break;
-      case 2: tile<F, 1, 2, true, T>(w, a, 0, g, y); break;
-      case 1: tile<F, 1, 1, true, T>(w, a, 0, g, y); break;
+      case 3: tile<F, 1, 3, P, T>(w, a, 0, g, y); break;
+      case 2: tile<F, 1, 2, P, T>(w, a, 0, g, y); break;
+      case 1: tile<F, 1, 1, P, T>(w, a, 0, g, y); break;
       default: break;
     }
     return;
@@ -230,24 +246,33 @@ void run(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g
   for (int64_t rc = 0; rc < n_rows; rc += kRowChunk) {
     const int64_t re = std::min(n_rows, rc + kRowChunk);
     if constexpr (T) {
-      for (int64_t g = g0; g < g1; ++g) row_tiles<F, 1, T, kRT>(w, a, rc, re, g, y);
+      for (int64_t g = g0; g < g1; ++g) row_tiles<F, 1, T, kRT, P>(w, a, rc, re, g, y);
     } else {
       for (int64_t g = g0; g < g1; g += 2) {
         if (g + 2 <= g1)
-          row_tiles<F, 2, T, kRT>(w, a, rc, re, g, y);
+          row_tiles<F, 2, T, kRT, P>(w, a, rc, re, g, y);
         else
-          row_tiles<F, 1, T, kRT>(w, a, rc, re, g, y);
+          row_tiles<F, 1, T, kRT, P>(w, a, rc, re, g, y);
       }
     }
   }
 }
 
+template <QFmt F, int P>
+void run_pf(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1, float* y) {
+  if (a.two)
+    run<F, true, P>(w, a, n_rows, g0, g1, y);
+  else
+    run<F, false, P>(w, a, n_rows, g0, g1, y);
+}
+
 template <QFmt F>
 void run_any(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1, float* y) {
-  if (a.two)
-    run<F, true>(w, a, n_rows, g0, g1, y);
-  else
-    run<F, false>(w, a, n_rows, g0, g1, y);
+  switch (prefetch_hint()) {
+    case kPfT1: return run_pf<F, kPfT1>(w, a, n_rows, g0, g1, y);
+    case kPfNone: return run_pf<F, kPfNone>(w, a, n_rows, g0, g1, y);
+    default: return run_pf<F, kPfT0>(w, a, n_rows, g0, g1, y);
+  }
 }
 
 }  // namespace

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <new>
 
+#include "common/huge_alloc.h"
+
 #include "kernels/quant.h"
 
 namespace kv {
@@ -122,8 +124,7 @@ namespace {
 uint8_t* alloc_zeroed(size_t bytes) {
   if (bytes == 0) return nullptr;
   bytes = (bytes + 63) / 64 * 64;
-  auto* p = static_cast<uint8_t*>(std::aligned_alloc(64, bytes));
-  if (!p) throw std::bad_alloc();
+  auto* p = static_cast<uint8_t*>(huge_alloc(bytes));  // huge pages: long contexts stream the pool
   // Zero once so an unwritten slot can never hold NaN garbage that a masked lane reads.
   std::memset(p, 0, bytes);
   return p;
@@ -160,8 +161,8 @@ PagePool::PagePool(const KvLayout& layout, int32_t n_pages, int32_t n_staging)
 }
 
 PagePool::~PagePool() {
-  std::free(storage_);
-  std::free(stage_storage_);
+  huge_free(storage_);
+  huge_free(stage_storage_);
 }
 
 int32_t PagePool::n_staging_used() const {
