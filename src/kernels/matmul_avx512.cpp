@@ -11,11 +11,11 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
 #include "kernels/matmul.h"
+#include "kernels/prefetch.h"
 
 namespace kv::matmul_detail {
 
@@ -27,25 +27,9 @@ inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// Bytes ahead in each weight stream, and into which cache level. Measured, one core streaming
-// packed weights from RAM (bench_matmul, rows = 1): on an Intel Xeon the hardware prefetcher
-// alone gets ~11 GB/s and prefetcht0 2 KiB ahead ~25 GB/s; on an AMD EPYC (Zen 4, 2026-11-25)
-// prefetcht0 *lowers* it to ~13 GB/s (none: ~17; prefetcht1 2 KiB ahead: ~20-22 of the read
-// loop's 28.8). So the level is chosen per CPU vendor (KV_PREFETCH_HINT=t0|t1|none overrides).
+// Bytes ahead in each weight stream; the cache level is kernels/prefetch.h's per-vendor choice.
 constexpr int64_t kPrefetch = 2048;
 enum Pf { kPfNone = 0, kPfT0 = 1, kPfT1 = 2 };
-
-int prefetch_hint() {
-  static const int hint = [] {
-    if (const char* e = std::getenv("KV_PREFETCH_HINT")) {
-      if (std::strcmp(e, "t0") == 0) return int(kPfT0);
-      if (std::strcmp(e, "t1") == 0) return int(kPfT1);
-      if (std::strcmp(e, "none") == 0) return int(kPfNone);
-    }
-    return __builtin_cpu_is("amd") ? int(kPfT1) : int(kPfT0);
-  }();
-  return hint;
-}
 
 // Rows [r0, r0 + R) × outputs of groups [g, g + C). T: two-level activations (a second
 // vpdpbusd per loaded weight vector, against q2, into its own accumulator).
@@ -268,7 +252,7 @@ void run_pf(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_
 
 template <QFmt F>
 void run_any(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1, float* y) {
-  switch (prefetch_hint()) {
+  switch (static_cast<int>(prefetch_level())) {
     case kPfT1: return run_pf<F, kPfT1>(w, a, n_rows, g0, g1, y);
     case kPfNone: return run_pf<F, kPfNone>(w, a, n_rows, g0, g1, y);
     default: return run_pf<F, kPfT0>(w, a, n_rows, g0, g1, y);

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/ops.h"
+#include "kernels/prefetch.h"
 
 namespace kv {
 
@@ -154,6 +155,21 @@ const RopeTable& rope_table(int n_rot, int64_t pos, float base, float scale) {
 }
 
 }  // namespace
+
+PrefetchLevel prefetch_level() {
+  static const PrefetchLevel level = [] {
+    if (const char* e = std::getenv("KV_PREFETCH_HINT")) {
+      if (std::strcmp(e, "t0") == 0) return PrefetchLevel::kT0;
+      if (std::strcmp(e, "t1") == 0) return PrefetchLevel::kT1;
+      if (std::strcmp(e, "none") == 0) return PrefetchLevel::kNone;
+    }
+#if defined(__x86_64__) || defined(__i386__)
+    if (__builtin_cpu_is("amd")) return PrefetchLevel::kT1;
+#endif
+    return PrefetchLevel::kT0;
+  }();
+  return level;
+}
 
 OpsPath ops_path() { return use_avx512() ? OpsPath::kAvx512 : OpsPath::kScalar; }
 
