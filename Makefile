@@ -61,6 +61,13 @@ CONTEXT_BENCH_ARGS ?=
 bench-context: deps models build peer
 	$(PYTHON) bench/context_bench.py --kvserve $(BUILD_DIR)/kvserve $(CONTEXT_BENCH_ARGS)
 
+# Serving throughput sweep, 1/4/16/64 users at temperature 0.7 and 0, kvserve vs llama-server in
+# one run: bench/out/sweep_bench.{json,png}. SWEEP_ARGS adds flags (--repeats 3, --kvserve-arg=...).
+SWEEP_ARGS ?=
+.PHONY: bench-sweep
+bench-sweep: deps models build peer
+	$(PYTHON) bench/sweep_bench.py --kvserve $(BUILD_DIR)/kvserve $(SWEEP_ARGS)
+
 clean:
 	rm -rf $(BUILD_DIR)
 

@@ -17,6 +17,7 @@ struct KvOptions {
   int block_size = 16;
   std::string dtype = "auto";
   std::string layer_dtypes;  // --kv-cache-dtype-layers, e.g. "0-1:f16,28-29:f16"
+  std::string act_quant;     // --act-quant q8x2|q8 (empty: KV_ACT_QUANT or q8x2); applied by load_model
 };
 
 // The KV layout the options ask for, validated (exits with a message when it is not valid).
