@@ -6,6 +6,10 @@
 
 #include <httplib.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <chrono>
 #include <cstdio>
 #include <map>
@@ -90,7 +94,32 @@ HttpServer::HttpServer(Engine& engine, ApiContext ctx, ServerOptions opts)
 
 HttpServer::~HttpServer() = default;
 
-bool HttpServer::bind(const std::string& host, int port) { return svr_->bind_to_port(host, port); }
+namespace {
+// Debian's cpp-httplib (0.11, compiled into its .so) listens with a backlog of 5: 64 clients
+// connecting at once overflow it (connection resets, SYN retries adding a second to TTFT).
+// Linux lets listen() be called again on a listening socket to change the backlog, so find
+// the socket bound to `port` among this process's descriptors and raise it.
+void raise_listen_backlog(int port) {
+  for (int fd = 0; fd < 4096; ++fd) {
+    int accepting = 0;
+    socklen_t len = sizeof accepting;
+    if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &accepting, &len) != 0 || !accepting) continue;
+    sockaddr_storage addr{};
+    socklen_t alen = sizeof addr;
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &alen) != 0) continue;
+    int bound = -1;
+    if (addr.ss_family == AF_INET) bound = ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+    if (addr.ss_family == AF_INET6) bound = ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
+    if (bound == port) ::listen(fd, SOMAXCONN);
+  }
+}
+}  // namespace
+
+bool HttpServer::bind(const std::string& host, int port) {
+  if (!svr_->bind_to_port(host, port)) return false;
+  raise_listen_backlog(port);
+  return true;
+}
 
 void HttpServer::run() { svr_->listen_after_bind(); }
 

@@ -114,3 +114,29 @@ def test_sigterm_with_streams_in_flight():
     for t in threads:
         t.join(timeout=10)
     assert len(results) == 3
+
+
+def test_a_burst_of_connections_is_queued_not_reset(keyed):
+    """128 clients connecting at the same instant all get answers. The listen backlog is what
+    holds them until accept(): Debian's cpp-httplib sets 5, the server raises it to SOMAXCONN
+    (`ss` shows a listening socket's backlog as its Send-Q)."""
+    import subprocess
+    out = subprocess.run(["ss", "-ltnH", f"sport = :{keyed.port}"], capture_output=True, text=True).stdout.split()
+    assert out and int(out[2]) >= 128, out
+    start = threading.Barrier(128)
+    codes, errors = [], []
+
+    def hit():
+        start.wait()
+        try:
+            codes.append(requests.get(keyed.url + "/health", timeout=30).status_code)
+        except requests.RequestException as e:  # a reset connection lands here
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=hit) for _ in range(128)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert codes == [200] * 128
