@@ -27,6 +27,9 @@ struct Rows {
   float* acc[kMaxRows];       // Σ p·v, head_dim floats
   float* m;                   // running max
   float* l;                   // running Σ p
+  float* lse = nullptr;       // optional per-page log-sum-exp: row r, page index pg at
+  int64_t lse_stride = 0;     //   lse[r * lse_stride + pg - lse_page0]
+  int64_t lse_page0 = 0;
 };
 
 // Which copy of a page a query reads: a page that has a staging slot is read from staging by
@@ -286,6 +289,14 @@ void group_rows(const PageRef* pg, int n_pg, int bs, int hd, int dv, int32_t win
     }
     rows.l[row] = rows.l[row] * corr[r] + _mm512_reduce_add_ps(sum);
     rows.m[row] = m_new;
+    if (rows.lse) {  // eviction scores: each page's share, as a log-sum-exp at this row's max
+      for (int i = 0; i < n_pg; ++i) {
+        __m512 ps = _mm512_setzero_ps();
+        for (int c = 0; c < cpp; ++c) ps = _mm512_add_ps(ps, _mm512_load_ps(s[r] + (i * cpp + c) * 16));
+        const float t = _mm512_reduce_add_ps(ps);
+        if (t > 0.f) rows.lse[row * rows.lse_stride + pg[i].key0 / bs - rows.lse_page0] = m_new + std::log(t);
+      }
+    }
   }
 
   // 3. value weights. fp8: p·(tile scale). int: v = min + scale·q per (token, channel group),
@@ -480,6 +491,7 @@ void page_dispatch(KvElem e, const PageRef* pg, int n_pg, int bs, int hd, int v_
       }
       rows.l[r] = rows.l[r] * corr + sum;
       rows.m[r] = m_new;
+      if (rows.lse && sum > 0.f) rows.lse[r * rows.lse_stride + pg[ip].key0 / bs - rows.lse_page0] = m_new + std::log(sum);
     }
   }
 }
@@ -500,7 +512,8 @@ inline void prefetch_tile(const uint8_t* p, int64_t bytes) {
 
 // Runs the rows of one query tile over keys [key_begin, key_end), leaving acc/m/l unnormalised.
 void attend(const PagedKvView& kv, int kv_head, int n_group, const float* q, int64_t q_stride, int64_t pos0, int n_q,
-            int64_t key_begin, int64_t key_end, float scale, float* acc, float* m, float* l) {
+            int64_t key_begin, int64_t key_end, float scale, float* acc, float* m, float* l, float* page_lse,
+            int64_t lse_stride) {
   const int hd = kv.head_dim, bs = kv.block_size, dv = kv.value_dim();
   alignas(64) float qs[kMaxRows][kAttnMaxHeadDim];
   Rows rows;
@@ -543,6 +556,13 @@ void attend(const PagedKvView& kv, int kv_head, int n_group, const float* q, int
     if (v_bytes) prefetch_tile(vq(page), v_bytes);
   };
   const int64_t pg0 = std::max<int64_t>(lo, 0) / bs;
+  if (page_lse) {
+    rows.lse = page_lse;
+    rows.lse_stride = lse_stride;
+    rows.lse_page0 = key_begin / bs;
+    for (int r = 0; r < rows.n; ++r)
+      for (int64_t pg = key_begin / bs; pg < (key_end + bs - 1) / bs; ++pg) page_lse[r * lse_stride + pg - key_begin / bs] = kNegInf;
+  }
   for (int64_t a = 0; a < kPrefetchAhead; ++a) prefetch(pg0 + a);
   // Pages go kGroupPages at a time to one softmax update, in groups aligned to absolute page
   // indices: a row's sequence of updates then depends only on its position and the part, never
@@ -555,15 +575,18 @@ void attend(const PagedKvView& kv, int kv_head, int n_group, const float* q, int
     PageRef grp[kGroupPages];
     bool staged[kGroupPages], any_staged = false;
     int n = 0;
-    for (int64_t pg = g0; pg < g1; ++pg, ++n) {
+    for (int64_t pg = g0; pg < g1; ++pg) {
       prefetch(pg + kPrefetchAhead);
       const int64_t key0 = pg * bs;
       const int32_t page = kv.pages[pg];
+      if (page < 0) continue;  // evicted / not selected
       grp[n] = {kq(page), vq(page), key0, static_cast<int>(std::min<int64_t>(bs, hi - key0))};
       staged[n] = has_stage(kv, page);
       any_staged |= staged[n];
+      ++n;
     }
     g0 = g1;
+    if (n == 0) continue;
     if (!any_staged) {
       page_dispatch(kv.elem, grp, n, bs, hd, kv.v_from_k, kv.window, rows, 0, rows.n);
       continue;
@@ -602,8 +625,8 @@ void attend(const PagedKvView& kv, int kv_head, int n_group, const float* q, int
 
 void paged_attention_partial(const PagedKvView& kv, int kv_head, int n_group, const float* q, int64_t q_stride,
                              int64_t pos0, int n_q, int64_t key_begin, int64_t key_end, float scale, float* acc,
-                             float* m, float* l) {
-  attend(kv, kv_head, n_group, q, q_stride, pos0, n_q, key_begin, key_end, scale, acc, m, l);
+                             float* m, float* l, float* page_lse, int64_t lse_stride) {
+  attend(kv, kv_head, n_group, q, q_stride, pos0, n_q, key_begin, key_end, scale, acc, m, l, page_lse, lse_stride);
 }
 
 void attention_merge(int n_parts, int n_group, int n_q, int head_dim, const float* acc, const float* m,
@@ -636,7 +659,7 @@ void paged_attention(const PagedKvView& kv, int kv_head, int n_group, const floa
   for (int t0 = 0; t0 < n_q; t0 += kAttnQTile) {
     const int nt = std::min(kAttnQTile, n_q - t0);
     attend(kv, kv_head, n_group, q + int64_t(t0) * q_stride, q_stride, pos0 + t0, nt, 0, pos0 + t0 + nt, scale, acc, m,
-           l);
+           l, nullptr, 0);
     attention_merge(1, n_group, nt, dv, acc, m, l, kv_head, out + int64_t(t0) * o_stride, o_stride);
   }
 }
@@ -652,10 +675,11 @@ void paged_attention_ref(const PagedKvView& kv, int kv_head, int n_group, const 
     const int64_t first = kv.window > 0 ? std::max<int64_t>(0, qpos - kv.window + 1) : 0;
     for (int g = 0; g < n_group; ++g) {
       const float* qr = q + int64_t(t) * q_stride + int64_t(kv_head * n_group + g) * hd;
-      std::vector<double> sc(qpos + 1, 0.0);
+      std::vector<double> sc(qpos + 1, -std::numeric_limits<double>::infinity());  // -inf: not seen
       std::vector<std::vector<float>> vals(qpos + 1);
       double mx = -1e300;
       for (int64_t pg = first / bs; pg * bs <= qpos; ++pg) {
+        if (kv.pages[pg] < 0) continue;  // evicted: not seen
         const bool staged = has_stage(kv, kv.pages[pg]) && pg == qpos / bs;  // own page: staging
         const uint8_t* kt = k_tile(kv, kv.pages[pg], kv_head, staged);
         const uint8_t* vt = v_tile(kv, kv.pages[pg], kv_head, staged);
@@ -677,7 +701,8 @@ void paged_attention_ref(const PagedKvView& kv, int kv_head, int n_group, const 
       for (int64_t j = first; j <= qpos; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
       std::vector<double> o(dv, 0.0);
       for (int64_t j = first; j <= qpos; ++j)
-        for (int i = 0; i < dv; ++i) o[i] += sc[j] / sum * vals[j][i];
+        if (!vals[j].empty())
+          for (int i = 0; i < dv; ++i) o[i] += sc[j] / sum * vals[j][i];
       float* orow = out + int64_t(t) * o_stride + int64_t(kv_head * n_group + g) * dv;
       for (int i = 0; i < dv; ++i) orow[i] = static_cast<float>(o[i]);
     }

@@ -54,7 +54,8 @@ struct PagedKvView {
 
 // For KV head `kv_head` and its n_group query heads, n_q consecutive query tokens at
 // positions [pos0, pos0 + n_q): each attends causally to key positions [0, pos] (already
-// written into the pages).
+// written into the pages). A block-table entry of -1 is a page that is not there (evicted,
+// slid out of a window, or not selected by a sparse read): its keys are skipped.
 //   q:   [n_q][q_stride] floats; head h of token t at q + t*q_stride + h*head_dim
 //   out: [n_q][o_stride] floats, same head layout; heads kv_head*n_group .. +n_group written
 //        (head h at out + t*o_stride + h*kv.value_dim(): head_dim, or v_from_k for MLA)
@@ -65,9 +66,13 @@ void paged_attention(const PagedKvView& kv, int kv_head, int n_group, const floa
 // in [key_begin, key_end) (key_begin a multiple of block_size) and without normalising. Rows
 // r = t * n_group + g: acc [rows][kv.value_dim()] (Σ p·v), m [rows] (running max, -inf if the row saw
 // no key), l [rows] (Σ p).
+// page_lse (optional): per row r and page i of the range (page index key_begin / block_size + i),
+// page_lse[r * lse_stride + i] = log Σ_{keys j of the page the row sees} exp(q·k_j · scale), or
+// -inf when it sees none. With the row's total log-sum-exp (m + log l, merged over parts) this
+// gives the attention mass each page received: exp(page_lse − row_lse). Eviction scores.
 void paged_attention_partial(const PagedKvView& kv, int kv_head, int n_group, const float* q, int64_t q_stride,
                              int64_t pos0, int n_q, int64_t key_begin, int64_t key_end, float scale, float* acc,
-                             float* m, float* l);
+                             float* m, float* l, float* page_lse = nullptr, int64_t lse_stride = 0);
 
 // Combines n_parts partial results of the same rows (laid out part after part:
 // acc [n_parts][n_rows][head_dim], m and l [n_parts][n_rows]) by log-sum-exp and writes the

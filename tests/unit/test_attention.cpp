@@ -460,3 +460,101 @@ TEST(PagedAttentionMla, SplitPartsMergeToTheFullResult) {
     EXPECT_LT(rel_err(merged, full), 1e-6) << kv_elem_name(elem);
   }
 }
+
+// Eviction leaves holes in a block table (-1): the kernel skips them, as the reference does,
+// for every page type, decode and prefill tiles, with the query's own page staged.
+TEST(PagedAttention, EvictedPagesAreSkipped) {
+  for (KvElem elem : kAll) {
+    const int hkv = 2, grp = 3, hd = 64, bs = 16;
+    for (auto [pos0, nq] : {std::pair<int64_t, int>{700, 1}, {300, 9}}) {
+      Store st(hkv, hd, bs, elem, pos0 + nq, 21, 0.5f, nq);
+      std::vector<int32_t> holes = st.table;
+      for (size_t i = 1; i + 2 < holes.size(); ++i)
+        if (i % 3 != 0 || i == 5 || i == 6) holes[i] = -1;  // runs of holes, whole groups of 4 included
+      st.view.pages = holes.data();
+      std::mt19937 rng(5);
+      std::normal_distribution<float> nd(0.f, 1.f);
+      const int64_t stride = hkv * grp * hd;
+      std::vector<float> q(nq * stride), out(nq * stride), ref(nq * stride), full(nq * stride);
+      for (auto& x : q) x = nd(rng);
+      for (int h = 0; h < hkv; ++h) {
+        paged_attention(st.view, h, grp, q.data(), stride, pos0, nq, 0.125f, out.data(), stride);
+        paged_attention_ref(st.view, h, grp, q.data(), stride, pos0, nq, 0.125f, ref.data(), stride);
+      }
+      EXPECT_LT(rel_err(out, ref), kTol) << kv_elem_name(elem) << " nq=" << nq;
+      // and the holes matter: the full table gives another answer
+      st.view.pages = st.table.data();
+      for (int h = 0; h < hkv; ++h) paged_attention(st.view, h, grp, q.data(), stride, pos0, nq, 0.125f, full.data(), stride);
+      EXPECT_GT(rel_err(full, ref), 1e-3) << kv_elem_name(elem);
+    }
+  }
+}
+
+// The per-page log-sum-exp the kernel emits for eviction scores gives each page's attention
+// mass: exp(page_lse − row_lse) against a double softmax over the keys read back from the
+// pages; masses over pages sum to 1. Split into parts, as flash-decoding runs it.
+TEST(PagedAttention, PageLogSumExpGivesEachPagesAttentionMass) {
+  for (KvElem elem : {KvElem::kF32, KvElem::kF16, KvElem::kInt8, KvElem::kFp8E4M3}) {
+    const int hkv = 1, grp = 3, hd = 64, bs = 16;
+    const int64_t pos0 = 200;
+    const int nq = 3;
+    Store st(hkv, hd, bs, elem, pos0 + nq, 31, 0.5f, 0);
+    std::vector<int32_t> holes = st.table;
+    holes[2] = holes[7] = -1;
+    st.view.pages = holes.data();
+    std::mt19937 rng(6);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    const int64_t stride = hkv * grp * hd, ctx = pos0 + nq;
+    const int rows = nq * grp;
+    std::vector<float> q(nq * stride);
+    for (auto& x : q) x = nd(rng) * 2.f;
+    const int64_t part = 64;
+    const int n_parts = static_cast<int>((ctx + part - 1) / part);
+    const int64_t n_pages = (ctx + bs - 1) / bs;
+    std::vector<float> acc(size_t(n_parts) * rows * hd), m(size_t(n_parts) * rows), l(m.size());
+    std::vector<float> lse(size_t(n_parts) * rows * (part / bs));
+    for (int p = 0; p < n_parts; ++p)
+      paged_attention_partial(st.view, 0, grp, q.data(), stride, pos0, nq, p * part, std::min(ctx, (p + 1) * part), 0.125f,
+                              acc.data() + size_t(p) * rows * hd, m.data() + p * rows, l.data() + p * rows,
+                              lse.data() + size_t(p) * rows * (part / bs), part / bs);
+    std::vector<float> kp(bs * hd);
+    for (int r = 0; r < rows; ++r) {
+      const int t = r / grp, g = r % grp;
+      const int64_t qpos = pos0 + t;
+      // row lse merged over parts
+      double mx = -1e300;
+      for (int p = 0; p < n_parts; ++p) mx = std::max(mx, double(m[p * rows + r]));
+      double lsum = 0;
+      for (int p = 0; p < n_parts; ++p) lsum += std::exp(double(m[p * rows + r]) - mx) * l[p * rows + r];
+      const double row_lse = mx + std::log(lsum);
+      // reference masses
+      std::vector<double> sc(n_pages * bs, -1e300), mass(n_pages, 0.0);
+      double rmx = -1e300;
+      for (int64_t pg = 0; pg < n_pages; ++pg) {
+        if (holes[pg] < 0) continue;
+        const int32_t slot = st.pool->stage_of(0, holes[pg]);  // the filling page: its f16 staging copy
+        if (slot >= 0) kv_read_k(st.pool->stage_k(0, slot), KvElem::kF16, bs, hd, bs, kp.data());
+        else kv_read_k(st.pool->k_data(0, holes[pg]), elem, bs, hd, bs, kp.data());
+        for (int j = 0; j < bs && pg * bs + j <= qpos; ++j) {
+          double d = 0;
+          for (int i = 0; i < hd; ++i) d += double(q[t * stride + g * hd + i]) * kp[j * hd + i];
+          sc[pg * bs + j] = d * 0.125;
+          rmx = std::max(rmx, sc[pg * bs + j]);
+        }
+      }
+      double z = 0;
+      for (double& x : sc) z += (x = x > -1e299 ? std::exp(x - rmx) : 0.0);
+      for (int64_t k = 0; k < n_pages * bs; ++k) mass[k / bs] += sc[k] / z;
+      double total = 0;
+      for (int64_t pg = 0; pg < n_pages; ++pg) {
+        const int p = static_cast<int>(pg * bs / part), i = static_cast<int>(pg - p * part / bs);
+        const float e = lse[size_t(p) * rows * (part / bs) + r * (part / bs) + i];
+        const double got = std::isinf(e) ? 0.0 : std::exp(double(e) - row_lse);
+        total += got;
+        EXPECT_NEAR(got, mass[pg], 1e-5) << kv_elem_name(elem) << " row " << r << " page " << pg;
+        if (holes[pg] < 0) EXPECT_TRUE(std::isinf(e) && e < 0);
+      }
+      EXPECT_NEAR(total, 1.0, 1e-5);
+    }
+  }
+}
