@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# Fetch the perplexity text into data/text/ (git-ignored), checked by SHA-256.
+# Fetch the perplexity texts into data/text/ (git-ignored), each checked by SHA-256.
 #
-#   scripts/fetch_text.sh     # writes data/text/pride_and_prejudice.txt
+#   scripts/fetch_text.sh     # writes data/text/pride_and_prejudice.txt and data/text/emma.txt
 #
-# The text: Jane Austen, "Pride and Prejudice" (1813), public domain (the author died in
-# 1817; the transcription is Project Gutenberg's, with its licence header and footer already
-# stripped). It comes from the Debian package r-cran-janeaustenr 1.0.0-1 (MIT for the R
-# package; the novels themselves are public domain), which stores each novel as an R
-# character vector, one element per line, in a lazy-load database
+# The texts: Jane Austen, "Pride and Prejudice" (1813) and "Emma" (1815), public domain (the
+# author died in 1817; the transcriptions are Project Gutenberg's, with its licence header
+# and footer already stripped). They come from the Debian package r-cran-janeaustenr 1.0.0-1
+# (MIT for the R package; the novels themselves are public domain), which stores each novel
+# as an R character vector, one element per line, in a lazy-load database
 # (usr/lib/R/site-library/janeaustenr/data/Rdata.{rdx,rdb}). A small reader below decodes
-# R's XDR serialization format (no R needed) and writes the lines joined by "\n", UTF-8,
-# ending in one "\n": 13,030 lines, ~700 KB, ~165k SmolLM2 tokens.
+# R's XDR serialization format (no R needed) and writes each novel's lines joined by "\n",
+# UTF-8, ending in one "\n":
+#   pride_and_prejudice.txt  13,030 lines, 684,768 bytes (~700 KB), ~165k SmolLM2 tokens
+#   emma.txt                 16,235 lines, 883,028 bytes (~880 KB)
 #
-# Idempotent: a text whose file exists with the pinned hash is skipped. The .deb is pinned
-# by version and SHA-256 (the hash Debian's Packages index lists), and so is the result.
+# Idempotent: a text whose file exists with the pinned hash is skipped; the .deb is
+# downloaded once, and only if some text is missing or wrong. The .deb is pinned by version
+# and SHA-256 (the hash Debian's Packages index lists), and so is each result.
 # Env: TEXT_DIR (default <repo>/data/text), PYTHON (default python3).
 set -euo pipefail
 
@@ -24,31 +27,40 @@ PY="${PYTHON:-python3}"
 DEB_PKG=r-cran-janeaustenr
 DEB_VER=1.0.0-1
 DEB_SHA=df6bddf211906d1ff404f8ff662c21b34e6660e7f54a311084e749050c019c95
-# name in data/text -> (R object name, sha256 of the written file)
-TEXT_NAME=pride_and_prejudice
-TEXT_OBJ=prideprejudice
-TEXT_SHA=dfc684d4f857fa938268f9ab9c5567b64bd0691251eca959644adeabe6287a4d
+# One entry per text: name in data/text, R object name, sha256 of the written file.
+TEXTS=(
+  "pride_and_prejudice prideprejudice dfc684d4f857fa938268f9ab9c5567b64bd0691251eca959644adeabe6287a4d"
+  "emma                emma           7c67b5985c6d0de1efaeb5d342d52cb82c38083c40e2295129e30e87ee690ebe"
+)
 
 log() { echo "[fetch_text] $*"; }
 die() { echo "[fetch_text] ERROR: $*" >&2; exit 1; }
 
-dest="$TEXT_DIR/$TEXT_NAME.txt"
-if [[ -f "$dest" ]]; then
-  have="$(sha256sum "$dest" | cut -d' ' -f1)"
-  if [[ "$have" == "$TEXT_SHA" ]]; then
-    log "$TEXT_NAME: ok (sha256 matches), skipping"
-    exit 0
+# Which texts are missing or wrong?
+todo=()
+for entry in "${TEXTS[@]}"; do
+  read -r name obj sha <<<"$entry"
+  dest="$TEXT_DIR/$name.txt"
+  if [[ -f "$dest" ]]; then
+    have="$(sha256sum "$dest" | cut -d' ' -f1)"
+    if [[ "$have" == "$sha" ]]; then
+      log "$name: ok (sha256 matches), skipping"
+      continue
+    fi
+    log "$name: sha256 mismatch (have $have, want $sha), re-fetching"
   fi
-  log "$TEXT_NAME: sha256 mismatch (have $have, want $TEXT_SHA), re-fetching"
-fi
+  todo+=("$entry")
+done
+[[ ${#todo[@]} -gt 0 ]] || exit 0
 
 scratch="$(mktemp -d)"
-tmp="$TEXT_DIR/.$TEXT_NAME.txt.tmp.$$"
-trap 'rm -rf "$scratch" "$tmp"' EXIT
+tmps=()
+trap 'rm -rf "$scratch" ${tmps[@]+"${tmps[@]}"}' EXIT
 
 SUDO=()
 [[ "$(id -u)" != 0 ]] && command -v sudo >/dev/null && SUDO=(sudo)
-log "$TEXT_NAME: downloading Debian package $DEB_PKG=$DEB_VER"
+names="$(for entry in "${todo[@]}"; do read -r name _ <<<"$entry"; printf '%s ' "$name"; done)"
+log "${names% }: downloading Debian package $DEB_PKG=$DEB_VER"
 # apt-get download needs the package lists; a fresh machine may not have them yet.
 if ! (cd "$scratch" && apt-get download -q "$DEB_PKG=$DEB_VER" >/dev/null 2>&1); then
   log "apt-get download failed; refreshing the package lists (apt-get update) and retrying"
@@ -62,8 +74,7 @@ have="$(sha256sum "${deb[0]}" | cut -d' ' -f1)"
 dpkg-deb -x "${deb[0]}" "$scratch/root"
 
 mkdir -p "$TEXT_DIR"
-log "$TEXT_NAME: decoding R object '$TEXT_OBJ'"
-"$PY" - "$scratch/root/usr/lib/R/site-library/janeaustenr/data/Rdata" "$TEXT_OBJ" "$tmp" <<'PYEOF'
+cat >"$scratch/read_rdata.py" <<'PYEOF'
 # Reads one object of an R lazy-load database: <base>.rdx is a gzip'd serialized list
 # (variables = name -> [offset, length] into <base>.rdb); each .rdb record is a 4-byte
 # big-endian length and a zlib stream of one serialized object. Only the types these
@@ -146,7 +157,15 @@ with open(out, "w", encoding="utf-8", newline="\n") as f:
     f.write("\n".join(lines) + "\n")
 PYEOF
 
-have="$(sha256sum "$tmp" | cut -d' ' -f1)"
-[[ "$have" == "$TEXT_SHA" ]] || die "$TEXT_NAME: decoded text has sha256 $have, expected $TEXT_SHA"
-mv -f "$tmp" "$dest"
-log "$TEXT_NAME: wrote $dest ($(stat -c %s "$dest") bytes, sha256 ok)"
+for entry in "${todo[@]}"; do
+  read -r name obj sha <<<"$entry"
+  dest="$TEXT_DIR/$name.txt"
+  tmp="$TEXT_DIR/.$name.txt.tmp.$$"
+  tmps+=("$tmp")
+  log "$name: decoding R object '$obj'"
+  "$PY" "$scratch/read_rdata.py" "$scratch/root/usr/lib/R/site-library/janeaustenr/data/Rdata" "$obj" "$tmp"
+  have="$(sha256sum "$tmp" | cut -d' ' -f1)"
+  [[ "$have" == "$sha" ]] || die "$name: decoded text has sha256 $have, expected $sha"
+  mv -f "$tmp" "$dest"
+  log "$name: wrote $dest ($(stat -c %s "$dest") bytes, sha256 ok)"
+done

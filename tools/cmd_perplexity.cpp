@@ -68,6 +68,7 @@ struct PerplexityOptions {
   bool json = false;
   std::string save_logits, kld_base;
   KvOptions kvo;
+  EvictionOptions evo;
 };
 
 // --- statistics
@@ -365,6 +366,10 @@ void run_perplexity(const PerplexityOptions& o) {
 
   const int64_t rows_cap = std::max<int64_t>(1, std::min<int64_t>(o.batch, kLogitBufferBytes / (nv * 4)));
   kv::SequenceRunner seq(*lm.model, *lm.pool, lm.pool_g1.get(), *lm.threads, o.batch);
+  const kv::EvictionConfig evc = make_eviction(o.evo, layout.block_size);
+  if (kv::Status st = seq.set_eviction(evc); !st) fail(st.message());
+  if (evc.active()) std::fprintf(stderr, "perplexity: KV policy %s (the first half of each window is the prompt, the rest decoded)\n", evc.describe(layout.block_size).c_str());
+  int64_t kept_sum = 0, evicted_sum = 0;
   const int nth = lm.threads->size();
   std::vector<float> logits;                                  // [rows][n_vocab]
   std::vector<std::vector<float>> scratch(nth, std::vector<float>(nv));
@@ -419,6 +424,8 @@ void run_perplexity(const PerplexityOptions& o) {
       }
     }
     tot.n += n_scored;
+    kept_sum += seq.kept_tokens();
+    evicted_sum += seq.evicted_tokens();
     if (!o.save_logits.empty() && !save_out.write(reinterpret_cast<const char*>(save_block.data()), static_cast<std::streamsize>(save_block.size())))
       fail("--save-logits: write error on " + save_tmp);
 
@@ -457,6 +464,10 @@ void run_perplexity(const PerplexityOptions& o) {
   j["ppl"] = ppl;
   j["ppl_stderr"] = ppl_err;
   j["kv_cache_dtype"] = kv::kv_dtype_name(layout.dtype);
+  j["kv_eviction"] = {{"policy", kv::eviction_policy_name(evc.policy)}, {"budget", evc.budget}, {"sink_tokens", evc.sinks()},
+                      {"recent_tokens", evc.evicts() ? evc.recent() : 0}, {"obs_window", evc.obs_window},
+                      {"sparse", evc.sparse() ? "quest" : "none"}, {"sparse_pages", evc.sparse_pages},
+                      {"kept_tokens_per_window", double(kept_sum) / n_win}, {"evicted_tokens_per_window", double(evicted_sum) / n_win}};
   if (!o.kvo.layer_dtypes.empty()) j["kv_cache_dtype_layers"] = o.kvo.layer_dtypes;
   j["kv_cache_layout"] = kv_desc;  // the dtype per layer range, as the page pool holds it
   j["kv_bytes_per_token"] = kv_bytes_per_token;
@@ -535,6 +546,7 @@ void add_perplexity_command(CLI::App& app) {
   cmd->add_option("--kld-base", o->kld_base, "compare with a --save-logits file: KL divergence, top-1 agreement, PPL difference");
   cmd->add_flag("--json", o->json, "one JSON object on stdout (progress stays on stderr)");
   add_kv_options(cmd, &o->kvo);  // --kv-cache-memory, --block-size, --kv-cache-dtype, --kv-cache-dtype-layers
+  add_eviction_options(cmd, &o->evo);  // --kv-eviction, --kv-budget, --kv-sparse quest, ...
   cmd->callback([o] { run_perplexity(*o); });
 }
 

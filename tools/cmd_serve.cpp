@@ -37,6 +37,7 @@ struct ServeOptions {
   bool prefix_caching = true;
   std::string policy = "fcfs";
   KvOptions kvo;
+  EvictionOptions evo;
 };
 
 
@@ -83,6 +84,8 @@ void run_serve(const ServeOptions& o) {
   auto max_body = kv::parse_memory_size(o.max_body);
   if (!max_body) fail("--max-body-size: " + max_body.message());
 
+  ec.kv_policy = make_eviction(o.evo, o.kvo.block_size);
+  if (ec.kv_policy.active() && mc.mla) fail("--kv-eviction / --kv-sparse are not supported for MLA models");
   kv::KvLayout layout = make_kv_layout(**model, o.kvo);
   ec.kv_dtype = layout.dtype;
   ec.kv_layer_dtypes = model_layer_dtypes(**model, o.kvo);
@@ -103,8 +106,9 @@ void run_serve(const ServeOptions& o) {
     std::fprintf(stderr, "KV cache, sliding-window layers (window %d): %s, %d pages (the window of %lld sequences); the prefix cache keeps these pages too while they fit\n",
                  (*model)->kv_groups()[1].window, kv::format_bytes(g1->total_bytes()).c_str(), g1->n_pages(),
                  static_cast<long long>(g1->n_pages() / ((*model)->kv_groups()[1].window / ec.block_size + 2)));
-  std::fprintf(stderr, "engine: max_num_seqs %d, max_num_batched_tokens %d, max_queue %d, prefix caching %s, policy %s\n",
-               ec.max_num_seqs, ec.max_num_batched_tokens, ec.max_queue, ec.enable_prefix_caching ? "on" : "off", o.policy.c_str());
+  std::fprintf(stderr, "engine: max_num_seqs %d, max_num_batched_tokens %d, max_queue %d, prefix caching %s, policy %s, KV policy %s\n",
+               ec.max_num_seqs, ec.max_num_batched_tokens, ec.max_queue, ec.enable_prefix_caching ? "on" : "off", o.policy.c_str(),
+               ec.kv_policy.describe(ec.block_size).c_str());
 
   std::string stem = std::filesystem::path(o.model).stem().string();
   kv::ApiContext ctx;
@@ -177,6 +181,7 @@ void add_serve_command(CLI::App& app) {
       ->check(CLI::IsMember({"fcfs", "lpm"}))
       ->capture_default_str();
   add_kv_options(cmd, &o->kvo);
+  add_eviction_options(cmd, &o->evo);
   cmd->callback([o] { run_serve(*o); });
 }
 

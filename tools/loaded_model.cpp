@@ -29,6 +29,47 @@ void add_kv_options(CLI::App* cmd, KvOptions* kvo) {
       ->check(CLI::IsMember({"q8x2", "q8"}));
 }
 
+void add_eviction_options(CLI::App* cmd, EvictionOptions* eo) {
+  cmd->add_option("--kv-eviction", eo->policy,
+                  "long-context KV policy: none, window (recent tokens only), sinks (StreamingLLM: sink + recent tokens), "
+                  "h2o (heavy hitters by accumulated attention), snapkv (the last queries vote)")
+      ->check(CLI::IsMember({"none", "window", "sinks", "h2o", "snapkv"}))
+      ->capture_default_str();
+  cmd->add_option("--kv-budget", eo->budget, "tokens of KV kept per sequence (whole pages; the global layers)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--kv-sink-tokens", eo->sink_tokens, "tokens kept from the start (sinks, h2o, snapkv)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--kv-recent-tokens", eo->recent_tokens,
+                  "tokens kept at the end (default: the budget after sinks for window/sinks, half for h2o, a quarter for snapkv)");
+  cmd->add_option("--kv-obs-window", eo->obs_window, "SnapKV: prompt queries that vote at the end of a prompt")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--kv-sparse", eo->sparse, "sparse reads: none or quest (read the pages whose keys can score high)")
+      ->check(CLI::IsMember({"none", "quest"}))
+      ->capture_default_str();
+  cmd->add_option("--kv-sparse-pages", eo->sparse_pages, "Quest: pages read per decode query beyond sink and recent pages")
+      ->check(CLI::NonNegativeNumber);
+}
+
+kv::EvictionConfig make_eviction(const EvictionOptions& eo, int block_size) {
+  kv::EvictionConfig c;
+  auto p = kv::parse_eviction_policy(eo.policy);
+  if (!p) fail(p.message());
+  c.policy = *p;
+  c.budget = eo.budget;
+  c.sink_tokens = eo.sink_tokens;
+  c.recent_tokens = eo.recent_tokens;
+  c.obs_window = eo.obs_window;
+  if (eo.sparse == "quest") {
+    if (eo.sparse_pages <= 0) fail("--kv-sparse quest needs --kv-sparse-pages N (pages read per query beyond sink and recent pages)");
+    c.sparse_pages = eo.sparse_pages;
+  } else if (eo.sparse_pages > 0) {
+    fail("--kv-sparse-pages needs --kv-sparse quest");
+  }
+  if (kv::Status st = c.validate(block_size); !st) fail(st.message());
+  return c;
+}
+
 std::vector<kv::KvDtype> model_layer_dtypes(const kv::LlamaModel& model, const KvOptions& kvo) {
   auto dtype = kv::parse_kv_dtype(kvo.dtype);
   if (!dtype) fail(dtype.message());

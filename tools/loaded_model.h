@@ -6,6 +6,7 @@
 
 #include "common/thread_pool.h"
 #include "gguf/gguf.h"
+#include "kv/kv_eviction.h"
 #include "kv/page_pool.h"
 #include "model/llama.h"
 #include "tokenizer/tokenizer.h"
@@ -19,6 +20,21 @@ struct KvOptions {
   std::string layer_dtypes;  // --kv-cache-dtype-layers, e.g. "0-1:f16,28-29:f16"
   std::string act_quant;     // --act-quant q8x2|q8 (empty: KV_ACT_QUANT or q8x2); applied by load_model
 };
+
+// Long-context KV policies (kv/kv_eviction.h): --kv-eviction, --kv-budget, --kv-sink-tokens,
+// --kv-recent-tokens, --kv-obs-window, --kv-sparse quest, --kv-sparse-pages.
+struct EvictionOptions {
+  std::string policy = "none";
+  int64_t budget = 0;
+  int sink_tokens = 4;
+  int recent_tokens = -1;
+  int obs_window = 32;
+  std::string sparse = "none";
+  int sparse_pages = 0;
+};
+void add_eviction_options(CLI::App* cmd, EvictionOptions* eo);
+// The config the options ask for, validated at this block size (exits with a message).
+kv::EvictionConfig make_eviction(const EvictionOptions& eo, int block_size);
 
 // The KV layout the options ask for, validated (exits with a message when it is not valid).
 kv::KvLayout make_kv_layout(const kv::LlamaModel& model, const KvOptions& kvo, int group = 0);

@@ -34,6 +34,7 @@ struct RequestState {
   int32_t n_unfinished = 0;
   int32_t completion_tokens = 0;
   int32_t cached_tokens = -1;  // prompt tokens found in the prefix cache at first admission
+  int64_t kv_tokens_kept = 0, kv_tokens_evicted = 0;  // KV policy outcome, summed over finished choices
   bool forked = false;      // n > 1: children created after the prompt's prefill
   bool first_token = false;
 };
@@ -55,6 +56,11 @@ struct Engine::Sequence {
   PrefixHandle pin;                // the cached prefix this sequence reuses (pinned)
   int64_t published = 0;           // tokens of full pages already handed to the prefix cache
   int32_t lpm_skips = 0;           // times passed over by the lpm policy
+  // Long-context KV policy (kv/kv_eviction.h): the request's or the server's default.
+  EvictionConfig evict;
+  std::vector<float> scores;       // h2o / snapkv: attention mass per logical page
+  int64_t evicted_tokens = 0;      // over the sequence's life (preemptions included)
+  int64_t first_evicted_page = -1; // pages from here on are never published as a prefix
 
   Sequence(const Tokenizer& tok, const SamplingParams& sp) : sampler(sp), detok(tok) {}
   int64_t to_compute() const { return static_cast<int64_t>(tokens.size()) - n_computed; }
@@ -89,7 +95,12 @@ Engine::Engine(LlamaModel& model, const Tokenizer& tok, const EngineConfig& cfg)
     n_pages = std::min<int64_t>(PagePool::pages_for_bytes(layout, cfg.kv_cache_bytes - pool_g1_->total_bytes(), n_staging),
                                 int64_t(1) << 30);
   }
+  if (cfg.kv_policy.sparse()) {  // Quest's key bounds come out of the same budget
+    const double bounds = double(layout.n_layer) * layout.n_head_kv * 2 * layout.head_dim * sizeof(float);
+    n_pages = static_cast<int64_t>(double(n_pages) * layout.page_bytes() / (layout.page_bytes() + bounds));
+  }
   pool_ = std::make_unique<PagePool>(layout, static_cast<int32_t>(std::max<int64_t>(n_pages, 0)), n_staging);
+  if (cfg.kv_policy.sparse()) pool_->enable_key_bounds();
   threads_ = std::make_unique<ThreadPool>(cfg.n_threads);
   // Hybrid models: the cache also keeps the sliding-window layers' pages, and a prefix counts
   // only with its last window present (prefix_cache.h).
@@ -123,6 +134,12 @@ Rejection Engine::submit(Request req) {
     if (t < 0 || t >= model_.config().n_vocab) return reject(400, "Token id " + std::to_string(t) + " is out of range.", "prompt");
   if (p.n < 1 || p.n > cfg_.max_n) return reject(400, "n must be between 1 and " + std::to_string(cfg_.max_n) + ".", "n");
   if (p.max_tokens < 1) return reject(400, "max_tokens must be at least 1.", "max_tokens");
+  if (p.kv_policy_set) {
+    if (Status st = p.kv_policy.validate(cfg_.block_size); !st) return reject(400, st.message(), "kv_eviction");
+    if (p.kv_policy.active() && model_.config().mla) return reject(400, "KV eviction and sparse reads are not supported for this model (MLA).", "kv_eviction");
+    if (p.kv_policy.sparse() && !pool_->has_key_bounds())
+      return reject(400, "Quest sparse reads need the server started with --kv-sparse quest (the pages' key bounds are kept only then).", "kv_eviction");
+  }
   if (n_prompt + p.max_tokens > cfg_.max_model_len)
     return reject(400,
                   "This model's maximum context length is " + std::to_string(cfg_.max_model_len) + " tokens. However, you requested " +
@@ -185,6 +202,7 @@ void Engine::drain_incoming() {
     s->rs = rs;
     s->tokens = rs->req.prompt;
     s->n_prompt = static_cast<int32_t>(s->tokens.size());
+    s->evict = rs->req.params.kv_policy_set ? rs->req.params.kv_policy : cfg_.kv_policy;
     waiting_.push_back(std::move(s));
   }
 }
@@ -332,10 +350,56 @@ bool Engine::schedule(Plan* plan) {
     running_.erase(victim);
     return true;  // state changed: ask for another step
   }
-  for (const auto& it : plan->items)
+  for (const auto& it : plan->items) {
     plan->batch.add(it.seq->table.pages.data(), it.seq->n_computed, it.seq->tokens.data() + it.seq->n_computed, it.n, it.logits,
                     pool_g1_ ? it.seq->table_g1.pages.data() : nullptr);
+    annotate(*it.seq, plan->batch.seqs.back());
+  }
   return !plan->items.empty();
+}
+
+void Engine::annotate(Sequence& s, BatchSeq& b) {
+  if (!s.evict.active()) return;
+  if (s.evict.sparse()) b.quest = &s.evict;
+  if (!s.evict.wants_scores()) return;
+  const int64_t n_pages = BlockTable::pages_for(b.pos0 + b.n_tokens, cfg_.block_size);
+  if (static_cast<int64_t>(s.scores.size()) < n_pages) s.scores.resize(n_pages, 0.f);
+  b.page_scores = s.scores.data();
+  // SnapKV: of a prompt, only its last obs_window queries vote; every decode query votes
+  if (s.evict.policy == EvictionPolicy::kSnapKV)
+    b.score_from = static_cast<int32_t>(
+        std::clamp<int64_t>(static_cast<int64_t>(s.tokens.size()) - s.evict.obs_window - b.pos0, 0, b.n_tokens));
+}
+
+// After a run: a sequence whose known tokens are all computed (a prompt just ended, or a
+// decode step) evicts when the policy says so, at a prompt's end or when a page has filled.
+void Engine::maybe_evict(Sequence& s, int32_t n_run) {
+  if (!s.evict.evicts() || s.n_computed != static_cast<int64_t>(s.tokens.size())) return;
+  const int32_t bs = cfg_.block_size;
+  if (n_run <= 1 && s.n_computed % bs != 0) return;
+  const std::vector<int64_t> out = choose_evictions(s.evict, bs, s.table.pages, s.n_computed, s.scores);
+  if (out.empty()) return;
+  for (int64_t i : out) {
+    pool_->release(s.table.pages[i]);
+    s.table.pages[i] = -1;
+  }
+  s.evicted_tokens += int64_t(out.size()) * bs;
+  metrics_.add_evicted_tokens(int64_t(out.size()) * bs);
+  if (s.evict.policy == EvictionPolicy::kSnapKV) std::fill(s.scores.begin(), s.scores.end(), 0.f);
+  if (s.first_evicted_page < 0 || out.front() < s.first_evicted_page) s.first_evicted_page = out.front();
+  // The prefix this sequence still holds ends before its first evicted page: pin only that
+  // (the evicted pages the cache holds become ordinary, evictable cached pages).
+  const int64_t keep = s.first_evicted_page * bs;
+  if (cache_ && s.published > keep) {
+    PrefixHandle h;
+    if (keep > 0)
+      h = cache_->insert(s.rs->req.params.cache_namespace, s.tokens.data(), keep, s.table.pages.data(),
+                         pool_g1_ ? s.table_g1.pages.data() : nullptr).handle;
+    cache_->pin(h);
+    cache_->unpin(s.pin);
+    s.pin = h;
+    s.published = keep;
+  }
 }
 
 std::list<std::unique_ptr<Engine::Sequence>>::iterator Engine::pick_waiting() {
@@ -405,7 +469,12 @@ Engine::Sequence* Engine::fork(Sequence& parent, int32_t index) {
   c->n_computed = parent.n_computed;
   c->table.pages = parent.table.pages;
   c->table.n_tokens = parent.table.n_tokens;
-  for (int32_t p : c->table.pages) pool_->retain(p);  // shared until written (copy-on-write)
+  for (int32_t p : c->table.pages)
+    if (p >= 0) pool_->retain(p);  // shared until written (copy-on-write); -1: evicted
+  c->evict = parent.evict;
+  c->scores = parent.scores;
+  c->evicted_tokens = parent.evicted_tokens;
+  c->first_evicted_page = parent.first_evicted_page;
   if (pool_g1_) {
     c->table_g1 = parent.table_g1;
     for (int32_t p : c->table_g1.pages)
@@ -430,6 +499,7 @@ void Engine::postprocess(Plan& plan, const float* logits) {
     s.n_computed += it.n;
     s.table.n_tokens = s.n_computed;
     publish(s);
+    maybe_evict(s, it.n);
     if (s.n_computed <= s.n_prompt) metrics_.add_prompt_tokens(std::min<int64_t>(it.n, s.n_prompt - (s.n_computed - it.n)));
     if (!it.logits) continue;
     const float* lg = logits + r++ * nv;
@@ -497,6 +567,7 @@ void Engine::postprocess(Plan& plan, const float* logits) {
   for (auto it = running_.begin(); it != running_.end();) {
     Sequence& s = **it;
     if (s.n_prompt == -1) {
+      record_kv_outcome(s);
       release(s);
       maybe_finish_request(s);
       it = running_.erase(it);
@@ -555,7 +626,8 @@ void Engine::publish(Sequence& s) {
   // requests arriving together with the same system prompt share it after its first chunk.
   if (!cache_) return;
   const int32_t bs = cfg_.block_size;
-  const int64_t full = s.n_computed / bs * bs;
+  int64_t full = s.n_computed / bs * bs;
+  if (s.first_evicted_page >= 0) full = std::min(full, s.first_evicted_page * bs);  // computed without the evicted
   if (full <= s.published) return;
   PrefixInsert ins = cache_->insert(s.rs->req.params.cache_namespace, s.tokens.data(), full, s.table.pages.data(),
                                     pool_g1_ ? s.table_g1.pages.data() : nullptr);
@@ -568,12 +640,16 @@ void Engine::publish(Sequence& s) {
 void Engine::release(Sequence& s) {
   if (cache_) {
     // Only positions whose K/V are written (n_computed) and only whole pages are cached.
-    cache_->insert(s.rs->req.params.cache_namespace, s.tokens.data(), s.n_computed, s.table.pages.data(),
+    const int64_t n = s.first_evicted_page >= 0 ? std::min(s.n_computed, s.first_evicted_page * cfg_.block_size) : s.n_computed;
+    cache_->insert(s.rs->req.params.cache_namespace, s.tokens.data(), n, s.table.pages.data(),
                    pool_g1_ ? s.table_g1.pages.data() : nullptr);
     cache_->unpin(s.pin);
     s.pin = PrefixHandle{};
   }
   s.published = 0;
+  // Recomputed after a preemption: the policy starts over on the whole token list.
+  s.scores.clear();
+  s.first_evicted_page = -1;
   s.table.release_all(*pool_);
   if (pool_g1_) s.table_g1.release_all(*pool_g1_);
 }
@@ -586,14 +662,29 @@ void Engine::maybe_finish_request(Sequence& s) {
   u.prompt_tokens = static_cast<int32_t>(rs.req.prompt.size());
   u.completion_tokens = rs.completion_tokens;
   u.cached_tokens = std::max(rs.cached_tokens, 0);
+  const EvictionConfig& ev = rs.req.params.kv_policy_set ? rs.req.params.kv_policy : cfg_.kv_policy;
+  if (ev.active()) {
+    u.kv_policy = ev.describe(cfg_.block_size);
+    u.kv_tokens_kept = rs.kv_tokens_kept;
+    u.kv_tokens_evicted = rs.kv_tokens_evicted;
+  }
   // Metrics first: a client that sees its response must also see it counted.
   metrics_.add_finished(aborted);
   metrics_.observe_e2e(seconds(rs.req.arrival, Clock::now()));
   rs.req.stream->finish_all(u);
 }
 
+void Engine::record_kv_outcome(Sequence& s) {
+  if (!s.evict.active()) return;
+  const int64_t kept = kept_tokens(s.table.pages, s.n_computed, cfg_.block_size);
+  s.rs->kv_tokens_kept += kept;
+  s.rs->kv_tokens_evicted += s.evicted_tokens;
+  if (s.evict.evicts()) metrics_.observe_kv_kept(kept);
+}
+
 void Engine::finish(Sequence& s, const char* reason) {
   s.rs->req.stream->push(StreamEvent{StreamEvent::kFinish, s.index, "", {}, reason, "", 0});
+  record_kv_outcome(s);
   release(s);
   // A request with n > 1 whose children do not exist yet finishes them all at once.
   RequestState& rs = *s.rs;
@@ -651,7 +742,7 @@ void Engine::publish_gauges() {
   for (auto* q : {&running_, &waiting_})
     for (const auto& s : *q)
       for (int32_t p : s->table.pages)
-        if (!held_scratch_[p]++) ++held;
+        if (p >= 0 && !held_scratch_[p]++) ++held;
   const int32_t held_global = held;  // the usage gauge is over the global pool's pages
   if (pool_g1_) {
     held_scratch_.assign(pool_g1_->n_pages(), 0);
@@ -682,7 +773,8 @@ Status Engine::check_integrity() const {
   std::vector<int32_t> held(pool_->n_pages(), 0);
   for (auto* q : {&running_, &waiting_})
     for (const auto& s : *q)
-      for (int32_t p : s->table.pages) ++held[p];
+      for (int32_t p : s->table.pages)
+        if (p >= 0) ++held[p];  // -1: evicted
   std::vector<int32_t> held1;
   if (pool_g1_) {  // sliding-window layers: every reference is a table entry or the cache's
     if (Status st = pool_g1_->check_integrity(); !st) return Status::error("sliding-window pool: " + st.message());

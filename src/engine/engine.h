@@ -48,6 +48,9 @@ struct EngineConfig {
   // fcfs: admit in arrival order. lpm: among the first waiting requests prefer the longest
   // cached prefix (as SGLang does); a request passed over kLpmMaxSkips times goes next.
   enum class Policy { kFcfs, kLpm } policy = Policy::kFcfs;
+  // Long-context KV policy of requests that do not choose one (kv/kv_eviction.h). Quest sparse
+  // reads need the pool's key bounds, kept only when this default enables them.
+  EvictionConfig kv_policy;
 };
 
 // Staging slots per quantized layer the engine's pool needs: one partly filled page per
@@ -109,6 +112,9 @@ class Engine {
   void publish_gauges();
   void maybe_finish_request(Sequence& s);
   Sequence* fork(Sequence& parent, int32_t index);
+  void annotate(Sequence& s, BatchSeq& b);  // eviction scores / sparse reads for s's run
+  void maybe_evict(Sequence& s, int32_t n_run);
+  void record_kv_outcome(Sequence& s);  // a finishing sequence's kept / evicted tokens into usage and metrics
   void loop();
 
   LlamaModel& model_;

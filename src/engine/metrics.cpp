@@ -32,6 +32,7 @@ Metrics::Metrics() {
   // Step phases span a few microseconds (scheduling one decode) to seconds (a long prefill).
   for (int i = 0; i < kNumStepPhases; ++i)
     m_.step_phase.push_back(Histogram({1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5}));
+  m_.kv_kept_tokens = Histogram({64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072});
   m_.e2e = Histogram({0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0});
 }
 
@@ -54,6 +55,8 @@ void Metrics::set_prefix_cache(int64_t queries, int64_t hits, int64_t evictions,
   m_.prefix_cache_window_evictions_total = window_evictions;
 }
 void Metrics::add_preemption() { std::lock_guard<std::mutex> l(mu_); ++m_.num_preemptions_total; }
+void Metrics::add_evicted_tokens(int64_t n) { std::lock_guard<std::mutex> l(mu_); m_.kv_evicted_tokens_total += n; }
+void Metrics::observe_kv_kept(int64_t tokens) { std::lock_guard<std::mutex> l(mu_); m_.kv_kept_tokens.observe(double(tokens)); }
 void Metrics::add_prompt_tokens(int64_t n) { std::lock_guard<std::mutex> l(mu_); m_.prompt_tokens_total += n; }
 void Metrics::add_generation_tokens(int64_t n) { std::lock_guard<std::mutex> l(mu_); m_.generation_tokens_total += n; }
 void Metrics::add_finished(bool aborted) {
@@ -115,6 +118,8 @@ std::string render_prometheus(const MetricsSnapshot& m) {
   gauge(out, "kvserve:kv_cache_pages_total", "KV pages in the pool (hybrid models: the global layers' pool).", double(m.kv_pages_total));
   gauge(out, "kvserve:kv_cache_pages_used", "KV pages held by sequences (hybrid models: in the global layers' pool).", double(m.kv_pages_used));
   counter(out, "kvserve:num_preemptions_total", "Sequences preempted for lack of KV pages.", double(m.num_preemptions_total));
+  counter(out, "kvserve:kv_evicted_tokens_total", "Tokens whose KV a long-context policy (--kv-eviction) evicted.",
+          double(m.kv_evicted_tokens_total));
   counter(out, "kvserve:prompt_tokens_total", "Prompt tokens processed.", double(m.prompt_tokens_total));
   counter(out, "kvserve:generation_tokens_total", "Tokens generated.", double(m.generation_tokens_total));
   counter(out, "kvserve:request_success_total", "Requests finished normally.", double(m.request_success_total));
@@ -131,6 +136,7 @@ std::string render_prometheus(const MetricsSnapshot& m) {
   histogram(out, "kvserve:time_to_first_token_seconds", "Time to first token.", m.ttft);
   histogram(out, "kvserve:inter_token_latency_seconds", "Time between tokens of a sequence.", m.itl);
   histogram(out, "kvserve:e2e_request_latency_seconds", "Request latency from arrival to finish.", m.e2e);
+  histogram(out, "kvserve:kv_kept_tokens", "Tokens of KV kept per finished sequence under an eviction policy.", m.kv_kept_tokens);
   if (!m.step_phase.empty()) {
     const char* name = "kvserve:step_phase_seconds";
     out += std::string("# HELP ") + name +

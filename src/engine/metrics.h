@@ -51,7 +51,9 @@ struct MetricsSnapshot {
   // Hybrid models: the sliding-window layers' pages the cache holds, and those dropped alone.
   int64_t prefix_cache_window_pages = 0;
   int64_t prefix_cache_window_evictions_total = 0;
+  int64_t kv_evicted_tokens_total = 0;  // tokens whose KV a long-context policy evicted
   Histogram ttft{{}}, itl{{}}, e2e{{}};
+  Histogram kv_kept_tokens{{}};       // per finished sequence under an eviction policy
   std::vector<Histogram> step_phase;  // [kNumStepPhases] seconds per step and phase
   uint64_t steps_total = 0;           // steps that ran a forward
 };
@@ -67,6 +69,8 @@ class Metrics {
   void set_prefix_cache(int64_t queries, int64_t hits, int64_t evictions, int64_t cached_pages, int64_t window_pages = 0,
                         int64_t window_evictions = 0);
   void add_preemption();
+  void add_evicted_tokens(int64_t n);
+  void observe_kv_kept(int64_t tokens);
   void add_prompt_tokens(int64_t n);
   void add_generation_tokens(int64_t n);
   void add_finished(bool aborted);

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "engine/sampler.h"
+#include "kv/kv_eviction.h"
 
 namespace kv {
 
@@ -26,6 +27,9 @@ struct RequestParams {
   int32_t n = 1;                     // choices; they share the prompt's pages
   int32_t logprobs = -1;             // -1: none; k ≥ 0: chosen token's logprob + top k alternatives
   std::string cache_namespace;       // tenant / cache_salt (prefix cache isolation)
+  // Long-context KV policy for this request (kv/kv_eviction.h); unset: the server's default.
+  bool kv_policy_set = false;
+  EvictionConfig kv_policy;
 };
 
 struct TokenLogprob {
@@ -49,6 +53,10 @@ struct Usage {
   int32_t prompt_tokens = 0;
   int32_t completion_tokens = 0;
   int32_t cached_tokens = 0;
+  // KV policy (kv/kv_eviction.h) outcome, summed over the choices; policy "none": both 0.
+  std::string kv_policy = "none";
+  int64_t kv_tokens_kept = 0;     // at the end, in kept pages
+  int64_t kv_tokens_evicted = 0;  // evicted over the request's life
 };
 
 class RequestStream {

@@ -56,7 +56,8 @@ bool SequenceRunner::truncate(int64_t n) {
       }
   }
   const size_t keep = static_cast<size_t>(BlockTable::pages_for(n, pool_.layout().block_size));
-  for (size_t i = keep; i < table_.pages.size(); ++i) pool_.release(table_.pages[i]);
+  for (size_t i = keep; i < table_.pages.size(); ++i)
+    if (table_.pages[i] >= 0) pool_.release(table_.pages[i]);
   table_.pages.resize(std::min(keep, table_.pages.size()));
   table_.n_tokens = n;
   if (pool_g1_) {  // sliding-window group: pages freed by the window cannot be brought back
@@ -66,6 +67,47 @@ bool SequenceRunner::truncate(int64_t n) {
     table_g1_.n_tokens = n;
   }
   return true;
+}
+
+Status SequenceRunner::set_eviction(const EvictionConfig& cfg) {
+  if (Status st = cfg.validate(pool_.layout().block_size); !st) return st;
+  if (cfg.active() && model_.config().mla) return Status::error("KV eviction and sparse reads are not supported for MLA models");
+  evict_ = cfg;
+  if (cfg.sparse()) pool_.enable_key_bounds();
+  return Status::ok();
+}
+
+// feed_end: the sequence length when the current feed() completes (SnapKV's observation
+// window is its last obs_window queries).
+void SequenceRunner::annotate_batch(int64_t feed_end) {
+  if (!evict_.active()) return;
+  const int32_t bs = pool_.layout().block_size;
+  for (BatchSeq& s : batch_.seqs) {
+    if (evict_.sparse()) s.quest = &evict_;
+    if (!evict_.wants_scores()) continue;
+    const int64_t n_pages = (s.pos0 + s.n_tokens + bs - 1) / bs;
+    if (static_cast<int64_t>(scores_.size()) < n_pages) scores_.resize(n_pages, 0.f);
+  }
+  if (!evict_.wants_scores()) return;
+  for (BatchSeq& s : batch_.seqs) {
+    s.page_scores = scores_.data();
+    s.score_from = 0;
+    if (evict_.policy == EvictionPolicy::kSnapKV)  // only the observation window votes
+      s.score_from = static_cast<int32_t>(std::clamp<int64_t>(feed_end - evict_.obs_window - s.pos0, 0, s.n_tokens));
+  }
+}
+
+void SequenceRunner::maybe_evict(bool prompt_end) {
+  if (!evict_.evicts()) return;
+  const int32_t bs = pool_.layout().block_size;
+  if (!prompt_end && table_.n_tokens % bs != 0) return;
+  const std::vector<int64_t> out = choose_evictions(evict_, bs, table_.pages, table_.n_tokens, scores_);
+  for (int64_t i : out) {
+    pool_.release(table_.pages[i]);
+    table_.pages[i] = -1;
+    evicted_tokens_ += bs;
+  }
+  if (!out.empty() && evict_.policy == EvictionPolicy::kSnapKV) std::fill(scores_.begin(), scores_.end(), 0.f);
 }
 
 int32_t SequenceRunner::chunk() const {
@@ -92,9 +134,11 @@ Status SequenceRunner::feed(const int32_t* tokens, int64_t n, bool want_logits) 
     const bool last = i + len == n;
     batch_.clear();
     batch_.add(table_.pages.data(), table_.n_tokens, tokens + i, len, last && want_logits);
+    annotate_batch(table_.n_tokens - i + n);
     if (Status st = forward(logits_.data()); !st) return st;
     table_.n_tokens += len;
   }
+  maybe_evict(/*prompt_end=*/n > 1);
   return Status::ok();
 }
 
@@ -104,12 +148,19 @@ Status SequenceRunner::feed_all_logits(const int32_t* tokens, int64_t n, std::ve
   if (Status st = reserve(n); !st) return st;
   const int32_t chunk_ = chunk();
   // One run per token so every position gets logits; runs of the same chunk share a forward.
-  for (int64_t i = 0; i < n; i += chunk_) {
-    const int32_t len = static_cast<int32_t>(std::min<int64_t>(chunk_, n - i));
+  const int32_t bs = pool_.layout().block_size;
+  for (int64_t i = 0, len; i < n; i += len) {
+    len = std::min<int64_t>(chunk_, n - i);
+    // with eviction, chunks end at page boundaries: what decoding a token at a time evicts
+    if (evict_.evicts()) len = std::min<int64_t>(len, bs - table_.n_tokens % bs);
     batch_.clear();
     for (int32_t k = 0; k < len; ++k) batch_.add(table_.pages.data(), table_.n_tokens + k, tokens + i + k, 1, true);
+    annotate_batch(table_.n_tokens + len);
+    if (evict_.policy == EvictionPolicy::kSnapKV)  // decoding: every query since the last eviction votes
+      for (BatchSeq& s : batch_.seqs) s.score_from = 0;
     if (Status st = forward(out->data() + i * nv); !st) return st;
     table_.n_tokens += len;
+    maybe_evict(false);
   }
   return Status::ok();
 }

@@ -8,6 +8,7 @@
 
 #include "common/status.h"
 #include "common/thread_pool.h"
+#include "kv/kv_eviction.h"
 #include "kv/page_pool.h"
 #include "model/llama.h"
 
@@ -34,6 +35,8 @@ class SequenceRunner {
   int64_t n_tokens() const { return table_.n_tokens; }
   const BlockTable& table() const { return table_; }
   void reset() {
+    scores_.clear();
+    evicted_tokens_ = 0;
     table_.release_all(pool_);
     if (pool_g1_) table_g1_.release_all(*pool_g1_);
   }
@@ -47,11 +50,25 @@ class SequenceRunner {
   // position n needs were already freed; the caller must feed the tokens again.
   bool truncate(int64_t n);
 
+  // Long-context policy (kv/kv_eviction.h) for this sequence, set before the first feed. The
+  // runner scores pages as the policy asks and evicts when a page has just filled or a feed of
+  // several tokens (a prompt) ends. Quest sparse reads enable the pool's key bounds.
+  Status set_eviction(const EvictionConfig& cfg);
+  const EvictionConfig& eviction() const { return evict_; }
+  int64_t evicted_tokens() const { return evicted_tokens_; }
+  int64_t kept_tokens() const { return kv::kept_tokens(table_.pages, table_.n_tokens, pool_.layout().block_size); }
+
  private:
   Status reserve(int64_t n_new);
   // Frees group 1's pages that no query from position pos0 on can see.
   void slide(int64_t pos0);
   Status forward(float* logits);
+  // Sets the batch's score / sparse fields for runs of this sequence; then evicts if due.
+  void annotate_batch(int64_t feed_end);
+  void maybe_evict(bool prompt_end);
+  EvictionConfig evict_;
+  std::vector<float> scores_;  // per logical page (group 0)
+  int64_t evicted_tokens_ = 0;
   LlamaModel& model_;
   PagePool& pool_;
   PagePool* pool_g1_ = nullptr;

@@ -2,6 +2,7 @@
 
 #include <cassert>
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 #include <new>
 
@@ -256,9 +257,31 @@ void PagePool::release_filled(int32_t layer) {
   filled_[layer].clear();
 }
 
+void PagePool::enable_key_bounds() {
+  if (key_bounds_.empty()) key_bounds_.assign(int64_t(layout_.n_layer) * n_pages_ * layout_.n_head_kv * 2 * layout_.head_dim, 0.f);
+}
+
+void PagePool::update_key_bounds(int32_t layer, int32_t page, int32_t slot, const float* k) {
+  const int hd = layout_.head_dim;
+  float* b = key_bounds_.data() + (int64_t(layer) * n_pages_ + page) * layout_.n_head_kv * 2 * hd;
+  for (int32_t h = 0; h < layout_.n_head_kv; ++h, b += 2 * hd) {
+    const float* kh = k + int64_t(h) * hd;
+    if (slot == 0) {
+      std::memcpy(b, kh, hd * sizeof(float));
+      std::memcpy(b + hd, kh, hd * sizeof(float));
+      continue;
+    }
+    for (int d = 0; d < hd; ++d) {
+      b[d] = std::min(b[d], kh[d]);
+      b[hd + d] = std::max(b[hd + d], kh[d]);
+    }
+  }
+}
+
 bool PagePool::write_token(int32_t layer, int32_t page, int32_t slot, const float* k, const float* v) {
   const int bs = layout_.block_size, hd = layout_.head_dim;
   const KvElem e = layout_.dtype_of(layer);
+  if (!key_bounds_.empty()) update_key_bounds(layer, page, slot, k);
   if (layout_.staged(layer)) {
     if (!ensure_stage(layer, page, slot)) return false;
     const int32_t s = stage_of(layer, page);
@@ -311,6 +334,9 @@ bool PagePool::copy_page(int32_t src, int32_t dst) {
     for (int32_t l = 0; l < layout_.n_layer; ++l)
       if (stage_of(l, src) >= 0 && stage_of(l, dst) < 0 && stage_free_[l].empty()) return false;
   }
+  if (!key_bounds_.empty())
+    for (int32_t l = 0; l < layout_.n_layer; ++l)
+      std::memcpy(const_cast<float*>(key_bounds(l, dst)), key_bounds(l, src), size_t(layout_.n_head_kv) * 2 * layout_.head_dim * sizeof(float));
   for (int32_t l = 0; l < layout_.n_layer; ++l) {
     std::memcpy(k_data(l, dst), k_data(l, src), layout_.k_layer_page_bytes(l));
     std::memcpy(v_data(l, dst), v_data(l, src), layout_.v_layer_page_bytes(l));

@@ -46,7 +46,7 @@ class PagePool {
   int32_t n_used() const { return n_pages_ - n_free(); }
   int64_t page_store_bytes() const { return int64_t(n_pages_) * layout_.page_bytes(); }
   int64_t stage_store_bytes() const { return int64_t(n_staging_) * layout_.stage_layer_bytes() * layout_.n_staged_layers(); }
-  int64_t total_bytes() const { return page_store_bytes() + stage_store_bytes(); }
+  int64_t total_bytes() const { return page_store_bytes() + stage_store_bytes() + key_bounds_bytes(); }
   int32_t n_staging() const { return n_staging_; }
   // Staging slots in use over all layers.
   int32_t n_staging_used() const;
@@ -94,6 +94,16 @@ class PagePool {
   // Frees the staging of the layer's pages that write_token filled (call after the layer's
   // attention has read them).
   void release_filled(int32_t layer);
+  // Quest key summaries: per (layer, page, KV head) the channel-wise min then max of the keys
+  // written into the page ([2][head_dim] floats, as written, before any quantization), kept
+  // by write_token (slot 0 starts a page afresh) and copy_page. Off until enabled; enabling
+  // allocates n_layer × n_pages × n_head_kv × 2 × head_dim floats (counted in total_bytes).
+  void enable_key_bounds();
+  bool has_key_bounds() const { return !key_bounds_.empty(); }
+  const float* key_bounds(int32_t layer, int32_t page) const {
+    return key_bounds_.data() + (int64_t(layer) * n_pages_ + page) * layout_.n_head_kv * 2 * layout_.head_dim;
+  }
+  int64_t key_bounds_bytes() const { return int64_t(key_bounds_.size()) * 4; }
   // The attention kernels' view of one layer (pages, staging); the caller sets .pages.
   PagedKvView view(int32_t layer) const;
 
@@ -119,6 +129,8 @@ class PagePool {
   std::vector<int32_t> stage_page_;            // [n_layer][n_staging]: page holding the slot or -1
   std::vector<std::vector<int32_t>> stage_free_;  // [n_layer]: free slots
   std::vector<std::vector<int32_t>> filled_;      // [n_layer]: quantized pages still holding staging
+  std::vector<float> key_bounds_;                 // [n_layer][n_pages][n_head_kv][2][head_dim] or empty
+  void update_key_bounds(int32_t layer, int32_t page, int32_t slot, const float* k);
 };
 
 // The pages of one sequence in one layer group. Position p lives in page pages[p / block_size],

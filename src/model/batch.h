@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "kv/kv_eviction.h"
+
 namespace kv {
 
 // KV layer groups a model may have (global full-attention layers; sliding-window layers).
@@ -17,6 +19,14 @@ struct BatchSeq {
   int32_t n_tokens = 0;            // run length; the run's tokens are tokens[offset, offset+n)
   int32_t offset = 0;
   bool want_logits = false;        // logits for the run's last token
+  // Eviction scores (kv/kv_eviction.h): when set, the attention mass each page of group 0
+  // receives from the run's tokens at index ≥ score_from is added to page_scores[logical
+  // page] (summed over group-0 layers, KV heads and query heads). Runs may share one array.
+  float* page_scores = nullptr;
+  int32_t score_from = 0;
+  // Quest sparse reads (kv/kv_eviction.h, sparse_pages > 0): a run of ≤ kAttnQTile tokens reads
+  // only the pages quest_select picks, per group-0 layer and KV head. Needs the pool's key bounds.
+  const EvictionConfig* quest = nullptr;
 };
 
 struct Batch {

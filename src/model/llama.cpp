@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <cstring>
 
 #include "gguf/gguf.h"
@@ -334,6 +335,99 @@ void LlamaModel::plan_attention(const Batch& batch, int32_t block_size) {
   }
 }
 
+bool LlamaModel::prepare_scores(const Batch& batch, int n_threads, int32_t block_size) {
+  score_slots_.clear();
+  seq_score_off_.assign(batch.seqs.size(), -1);
+  int64_t width = 0;
+  for (size_t i = 0; i < batch.seqs.size(); ++i) {
+    const BatchSeq& s = batch.seqs[i];
+    if (!s.page_scores || s.score_from >= s.n_tokens) continue;
+    const int64_t n_pages = (s.pos0 + s.n_tokens + block_size - 1) / block_size;
+    auto it = std::find_if(score_slots_.begin(), score_slots_.end(), [&](const ScoreSlot& x) { return x.dst == s.page_scores; });
+    if (it == score_slots_.end()) {
+      score_slots_.push_back({s.page_scores, n_pages, 0});
+    } else {
+      it->n_pages = std::max(it->n_pages, n_pages);
+    }
+  }
+  if (score_slots_.empty()) return false;
+  for (ScoreSlot& x : score_slots_) {
+    x.off = width;
+    width += x.n_pages;
+  }
+  for (size_t i = 0; i < batch.seqs.size(); ++i) {
+    const BatchSeq& s = batch.seqs[i];
+    if (!s.page_scores || s.score_from >= s.n_tokens) continue;
+    for (const ScoreSlot& x : score_slots_)
+      if (x.dst == s.page_scores) seq_score_off_[i] = x.off;
+  }
+  score_acc_.resize(n_threads);
+  for (auto& a : score_acc_) a.assign(width, 0.f);
+  // split parts keep their page log-sum-exps until the merge
+  const int64_t ppp = kSplitKeys / block_size;
+  int64_t ml = 0;
+  for (const AttnSplit& sp : splits_) ml = std::max<int64_t>(ml, sp.ml_off + int64_t(sp.n_parts) * sp.n * cfg_.n_group());
+  if (static_cast<int64_t>(part_lse_.size()) < ml * ppp) part_lse_.resize(ml * ppp);
+  return true;
+}
+
+void LlamaModel::finish_scores() {
+  for (const ScoreSlot& x : score_slots_)
+    for (const auto& a : score_acc_)
+      for (int64_t i = 0; i < x.n_pages; ++i) x.dst[i] += a[x.off + i];
+}
+
+bool LlamaModel::prepare_quest(const Batch& batch) {
+  quest_on_.assign(batch.seqs.size(), 0);
+  bool any = false;
+  for (size_t i = 0; i < batch.seqs.size(); ++i) {
+    const BatchSeq& s = batch.seqs[i];
+    if (s.quest && s.quest->sparse() && s.n_tokens <= kAttnQTile) quest_on_[i] = any = true;
+  }
+  if (any && quest_tables_.size() < batch.seqs.size() * cfg_.n_head_kv) quest_tables_.resize(batch.seqs.size() * cfg_.n_head_kv);
+  return any;
+}
+
+// Quest: for each (sequence, KV head) that reads sparsely, the upper bound of q·k over each
+// page's keys from the page's channel min/max, maxed over the group's query heads and the
+// run's tokens, then quest_select; units read the resulting table.
+void LlamaModel::quest_select_layer(const Batch& batch, const PagePool& pool, int li, ThreadPool& tp) {
+  const ModelConfig& c = cfg_;
+  const int64_t HD = c.head_dim, n_qkv = int64_t(c.n_head + 2 * c.n_head_kv) * HD;
+  const int32_t bs = pool.layout().block_size;
+  const int n_group = c.n_group(), hkv = c.n_head_kv;
+  const int64_t n_work = int64_t(batch.seqs.size()) * hkv;
+  tp.run([&](int ith, int nth) {
+    int64_t b, e;
+    ThreadPool::split(n_work, ith, nth, 1, &b, &e);
+    thread_local std::vector<float> bound;
+    thread_local std::vector<int32_t> scratch;
+    for (int64_t wi = b; wi < e; ++wi) {
+      const int32_t si = static_cast<int32_t>(wi / hkv), h = static_cast<int32_t>(wi % hkv);
+      if (!quest_on_[si]) continue;
+      const BatchSeq& s = batch.seqs[si];
+      const int64_t last = s.pos0 + s.n_tokens - 1, n_pg = last / bs + 1;
+      const int32_t* pages = s.pages;
+      bound.assign(n_pg, 0.f);
+      for (int64_t i = 0; i < n_pg; ++i) {
+        if (pages[i] < 0) continue;
+        const float* mn = pool.key_bounds(li, pages[i]) + int64_t(h) * 2 * HD;
+        const float* mx = mn + HD;
+        float best = -std::numeric_limits<float>::infinity();
+        for (int32_t t = 0; t < s.n_tokens; ++t)
+          for (int g = 0; g < n_group; ++g) {
+            const float* q = qkv_.data() + (s.offset + t) * n_qkv + int64_t(h * n_group + g) * HD;
+            float sum = 0.f;
+            for (int64_t d = 0; d < HD; ++d) sum += std::max(q[d] * mn[d], q[d] * mx[d]);
+            best = std::max(best, sum);
+          }
+        bound[i] = best;
+      }
+      quest_select(*s.quest, bs, pages, last, bound.data(), &quest_tables_[size_t(si) * hkv + h], &scratch);
+    }
+  });
+}
+
 Status LlamaModel::forward(const Batch& batch, PagePool& pool, ThreadPool& tp, float* logits) {
   if (groups_.size() != 1) return Status::error("this model has " + std::to_string(groups_.size()) + " KV layer groups: pass one pool per group");
   PagePool* pools[1] = {&pool};
@@ -375,6 +469,9 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
     for (int64_t i = 0; i < n_tok * E; ++i) x_[i] *= emb_scale;
 
   plan_attention(batch, kl.block_size);
+  const bool scoring = !c.mla && prepare_scores(batch, tp.size(), kl.block_size);
+  const bool questing = !c.mla && prepare_quest(batch);
+  if (questing && !pools[0]->has_key_bounds()) return Status::error("Quest sparse reads need the pool's key bounds (PagePool::enable_key_bounds)");
   const std::vector<AttnUnit>& units = units_;
   const int64_t bs = kl.block_size;
   if (c.mla) {
@@ -434,6 +531,22 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
     PagedKvView view = pool.view(li);
     view.window = window;
     const int n_group = c.n_group();
+    const bool score_layer = scoring && grp == 0, quest_layer = questing && grp == 0;
+    if (quest_layer) quest_select_layer(batch, pool, li, tp);
+    const int64_t ppp = kSplitKeys / bs;  // pages per split part
+    // Adds the attention mass of row r's pages (their log-sum-exp, lse[r·stride + i] for page
+    // page0 + i) at the row's total log-sum-exp to this thread's accumulator of the sequence.
+    auto add_mass = [&](int ith, int32_t seq, const float* lse, int64_t stride, int64_t page0, int64_t n_pg, int r,
+                        float row_lse) {
+      float* acc = score_acc_[ith].data() + seq_score_off_[seq] + page0;
+      for (int64_t i = 0; i < n_pg; ++i) {
+        const float e = lse[r * stride + i];
+        if (e != -std::numeric_limits<float>::infinity()) acc[i] += std::exp(e - row_lse);
+      }
+    };
+    auto scored = [&](const BatchSeq& s, const AttnUnit& w) {
+      return score_layer && seq_score_off_[w.seq] >= 0 && w.t0 + w.n > s.score_from;
+    };
     tp.run([&](int ith, int nth) {
       int64_t b, e;
       ThreadPool::split(static_cast<int64_t>(units.size()), ith, nth, 1, &b, &e);
@@ -442,16 +555,35 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
         const BatchSeq& s = batch.seqs[w.seq];
         PagedKvView v = view;
         v.pages = Batch::group_pages(s, grp);
+        if (quest_layer && quest_on_[w.seq]) v.pages = quest_tables_[size_t(w.seq) * c.n_head_kv + w.head].data();
         const int64_t t = s.offset + w.t0;
-        if (w.split < 0) {
+        if (w.split < 0 && !scored(s, w)) {
           paged_attention(v, w.head, n_group, qkv_.data() + t * n_qkv, n_qkv, s.pos0 + w.t0, w.n, scale,
                           attn_.data() + t * n_q, n_q);
+        } else if (w.split < 0) {  // as paged_attention, tile by tile, keeping each page's share
+          thread_local std::vector<float> acc, m, l, lse;
+          const int64_t rows_max = int64_t(kAttnQTile) * n_group, n_pg = (s.pos0 + w.t0 + w.n + bs - 1) / bs;
+          acc.resize(rows_max * HD);
+          m.resize(rows_max);
+          l.resize(rows_max);
+          lse.resize(rows_max * n_pg);
+          for (int32_t t0 = 0; t0 < w.n; t0 += kAttnQTile) {
+            const int nt = std::min<int>(kAttnQTile, w.n - t0);
+            const int64_t pos = s.pos0 + w.t0 + t0, tt = t + t0;
+            paged_attention_partial(v, w.head, n_group, qkv_.data() + tt * n_qkv, n_qkv, pos, nt, 0, pos + nt, scale,
+                                    acc.data(), m.data(), l.data(), lse.data(), n_pg);
+            attention_merge(1, n_group, nt, HD, acc.data(), m.data(), l.data(), w.head, attn_.data() + tt * n_q, n_q);
+            for (int r = 0; r < nt * n_group; ++r)
+              if (w.t0 + t0 + r / n_group >= s.score_from && l[r] > 0)
+                add_mass(ith, w.seq, lse.data(), n_pg, 0, (pos + nt + bs - 1) / bs, r, m[r] + std::log(l[r]));
+          }
         } else {
           const AttnSplit& sp = splits_[w.split];
           const int64_t rows = int64_t(w.n) * n_group;
           paged_attention_partial(v, w.head, n_group, qkv_.data() + t * n_qkv, n_qkv, s.pos0 + w.t0, w.n, w.key_begin,
                                   w.key_end, scale, part_acc_.data() + sp.acc_off + w.part * rows * HD,
-                                  part_m_.data() + sp.ml_off + w.part * rows, part_l_.data() + sp.ml_off + w.part * rows);
+                                  part_m_.data() + sp.ml_off + w.part * rows, part_l_.data() + sp.ml_off + w.part * rows,
+                                  scored(s, w) ? part_lse_.data() + (sp.ml_off + w.part * rows) * ppp : nullptr, ppp);
         }
       }
       if (splits_.empty()) return;
@@ -463,6 +595,25 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
         const int64_t t = s.offset + sp.t0;
         attention_merge(sp.n_parts, n_group, sp.n, c.head_dim, part_acc_.data() + sp.acc_off, part_m_.data() + sp.ml_off,
                         part_l_.data() + sp.ml_off, sp.head, attn_.data() + t * n_q, n_q);
+        if (!scored(s, AttnUnit{sp.seq, sp.head, sp.t0, sp.n, 0, 0, 0, 0})) continue;
+        const int rows = sp.n * n_group;
+        const float* pm = part_m_.data() + sp.ml_off;
+        const float* pl = part_l_.data() + sp.ml_off;
+        const int64_t ctx = s.pos0 + sp.t0 + sp.n;
+        for (int r = 0; r < rows; ++r) {
+          if (sp.t0 + r / n_group < s.score_from) continue;
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int p = 0; p < sp.n_parts; ++p) mx = std::max(mx, pm[p * rows + r]);
+          double lsum = 0;
+          for (int p = 0; p < sp.n_parts; ++p)
+            if (pm[p * rows + r] != -std::numeric_limits<float>::infinity()) lsum += std::exp(double(pm[p * rows + r] - mx)) * pl[p * rows + r];
+          if (lsum <= 0) continue;
+          const float row_lse = mx + static_cast<float>(std::log(lsum));
+          for (int p = 0; p < sp.n_parts; ++p) {
+            const int64_t page0 = p * ppp, n_pg = std::min<int64_t>(ppp, (ctx + bs - 1) / bs - page0);
+            add_mass(ith, sp.seq, part_lse_.data() + (sp.ml_off + int64_t(p) * rows) * ppp, ppp, page0, n_pg, r, row_lse);
+          }
+        }
       }
     });
     pool.release_filled(li);
@@ -486,6 +637,7 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
     add_inplace(x_.data(), tmp_.data(), n_tok * E);
   }
 
+  if (scoring) finish_scores();
   // Logits for the last token of each run that asked.
   const auto t_logits = Clock::now();
   int64_t r = 0;

@@ -126,6 +126,20 @@ class LlamaModel {
   std::vector<AttnUnit> units_;
   std::vector<AttnSplit> splits_;
   std::vector<float> part_acc_, part_m_, part_l_;
+  // Eviction scores and Quest selections of the current forward (kv/kv_eviction.h, BatchSeq).
+  // Each thread adds page masses into its own row of score_acc_ (one stretch per distinct
+  // page_scores array); the rows are summed into the arrays when the forward ends.
+  struct ScoreSlot { float* dst; int64_t n_pages; int64_t off; };
+  std::vector<ScoreSlot> score_slots_;
+  std::vector<int64_t> seq_score_off_;              // per batch seq: offset of its stretch, or -1
+  std::vector<std::vector<float>> score_acc_;       // [thread][Σ n_pages]
+  std::vector<float> part_lse_;                     // split parts: [ml_off + row][pages per part]
+  std::vector<std::vector<int32_t>> quest_tables_;  // [seq × n_head_kv + head]: pages to read
+  std::vector<uint8_t> quest_on_;                   // per batch seq
+  bool prepare_scores(const Batch& batch, int n_threads, int32_t block_size);
+  void finish_scores();
+  bool prepare_quest(const Batch& batch);
+  void quest_select_layer(const Batch& batch, const PagePool& pool, int li, ThreadPool& tp);
 };
 
 }  // namespace kv

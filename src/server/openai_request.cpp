@@ -177,6 +177,35 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
     if (!lb->is_object()) type_error("logit_bias", "an object", *lb);
     if (!lb->empty()) unsupported("logit_bias", "");
   }
+
+  // {"policy": "snapkv", "budget": 2048, "sink_tokens": 4, "recent_tokens": 512, "obs_window": 32,
+  //  "sparse": "quest", "sparse_pages": 64}: this request's long-context KV policy (kv/kv_eviction.h);
+  // fields not given take their defaults, not the server's. Checked against the pool by submit().
+  if (const json* ke = f.get("kv_eviction")) {
+    if (!ke->is_object()) type_error("kv_eviction", "an object", *ke);
+    static const char* kKnown[] = {"policy", "budget", "sink_tokens", "recent_tokens", "obs_window", "sparse", "sparse_pages"};
+    for (auto it = ke->begin(); it != ke->end(); ++it)
+      if (std::find(std::begin(kKnown), std::end(kKnown), it.key()) == std::end(kKnown))
+        value_error("kv_eviction", "unknown field '" + it.key() + "' (expected policy, budget, sink_tokens, recent_tokens, obs_window, sparse, sparse_pages).");
+    Fields kf(*ke);
+    EvictionConfig& c = r->params.kv_policy;
+    if (auto pol = kf.string("policy")) {
+      auto p = parse_eviction_policy(*pol);
+      if (!p) value_error("kv_eviction", p.message() + ".");
+      c.policy = *p;
+    }
+    const int64_t kMax = std::numeric_limits<int32_t>::max();
+    c.budget = kf.integer("budget", 0, kMax).value_or(0);
+    c.sink_tokens = static_cast<int32_t>(kf.integer("sink_tokens", 0, kMax).value_or(c.sink_tokens));
+    c.recent_tokens = static_cast<int32_t>(kf.integer("recent_tokens", 0, kMax).value_or(-1));
+    c.obs_window = static_cast<int32_t>(kf.integer("obs_window", 1, kMax).value_or(c.obs_window));
+    const std::string sparse = kf.string("sparse").value_or("none");
+    if (sparse != "none" && sparse != "quest") value_error("kv_eviction", "sparse must be \"none\" or \"quest\", got \"" + sparse + "\".");
+    c.sparse_pages = static_cast<int32_t>(kf.integer("sparse_pages", 0, kMax).value_or(0));
+    if (sparse == "quest" && c.sparse_pages <= 0) value_error("kv_eviction", "sparse \"quest\" needs sparse_pages > 0.");
+    if (sparse == "none") c.sparse_pages = 0;
+    r->params.kv_policy_set = true;
+  }
 }
 
 // max_tokens: given, or `dflt` when absent. Over max_model_len is refused here with the reason;

@@ -65,10 +65,13 @@ json with_choice(const ResponseMeta& m, json choice) {
 }  // namespace
 
 json usage_json(const Usage& u) {
-  return {{"prompt_tokens", u.prompt_tokens},
-          {"completion_tokens", u.completion_tokens},
-          {"total_tokens", u.prompt_tokens + u.completion_tokens},
-          {"prompt_tokens_details", {{"cached_tokens", u.cached_tokens}}}};
+  json j = {{"prompt_tokens", u.prompt_tokens},
+            {"completion_tokens", u.completion_tokens},
+            {"total_tokens", u.prompt_tokens + u.completion_tokens},
+            {"prompt_tokens_details", {{"cached_tokens", u.cached_tokens}}}};
+  if (u.kv_policy != "none")  // a long-context KV policy ran: what it kept and evicted
+    j["kv_eviction"] = {{"policy", u.kv_policy}, {"tokens_kept", u.kv_tokens_kept}, {"tokens_evicted", u.kv_tokens_evicted}};
+  return j;
 }
 
 json full_response(const ResponseMeta& meta, const std::vector<ChoiceResult>& choices, const Usage& usage, bool with_logprobs,

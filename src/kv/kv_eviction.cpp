@@ -1,0 +1,115 @@
+#include "kv/kv_eviction.h"
+
+#include <algorithm>
+#include <numeric>
+
+namespace kv {
+
+const char* eviction_policy_name(EvictionPolicy p) {
+  switch (p) {
+    case EvictionPolicy::kNone: return "none";
+    case EvictionPolicy::kWindow: return "window";
+    case EvictionPolicy::kSinks: return "sinks";
+    case EvictionPolicy::kH2O: return "h2o";
+    case EvictionPolicy::kSnapKV: return "snapkv";
+  }
+  return "?";
+}
+
+Result<EvictionPolicy> parse_eviction_policy(const std::string& s) {
+  for (EvictionPolicy p : {EvictionPolicy::kNone, EvictionPolicy::kWindow, EvictionPolicy::kSinks, EvictionPolicy::kH2O,
+                           EvictionPolicy::kSnapKV})
+    if (s == eviction_policy_name(p)) return p;
+  return Status::error("unknown KV eviction policy '" + s + "' (expected none, window, sinks, h2o or snapkv)");
+}
+
+int64_t EvictionConfig::recent() const {
+  if (recent_tokens >= 0) return recent_tokens;
+  switch (policy) {
+    case EvictionPolicy::kWindow:
+    case EvictionPolicy::kSinks: return std::max<int64_t>(0, budget - sinks());  // trimmed to pages by recent_pages
+    case EvictionPolicy::kH2O: return budget / 2;
+    case EvictionPolicy::kSnapKV: return budget / 4;
+    case EvictionPolicy::kNone: return 0;
+  }
+  return 0;
+}
+
+Status EvictionConfig::validate(int32_t block_size) const {
+  if (sink_tokens < 0 || recent_tokens < -1 || obs_window < 1 || sparse_pages < 0 || budget < 0)
+    return Status::error("KV eviction: sink tokens, recent tokens, budget and sparse pages must be >= 0, the observation window >= 1");
+  if (!evicts()) return Status::ok();
+  if (budget <= 0) return Status::error(std::string("KV eviction policy ") + eviction_policy_name(policy) + " needs a budget (--kv-budget, tokens kept per sequence)");
+  const int64_t fixed = (sink_pages(block_size) + recent_pages(block_size) + 1) * block_size;
+  if (budget < fixed)
+    return Status::error("KV budget " + std::to_string(budget) + " leaves no room to evict: sink pages, recent pages and the filling page take " +
+                         std::to_string(fixed) + " tokens at block size " + std::to_string(block_size) + " (raise the budget or lower sink/recent tokens)");
+  return Status::ok();
+}
+
+std::string EvictionConfig::describe(int32_t block_size) const {
+  std::string s = eviction_policy_name(policy);
+  if (evicts()) s += " budget " + std::to_string(budget) + " sinks " + std::to_string(sinks()) + " recent " + std::to_string(std::min<int64_t>(recent(), recent_pages(block_size) * block_size));
+  if (sparse()) s += std::string(evicts() ? ", " : "") + "quest " + std::to_string(sparse_pages) + " pages";
+  return s;
+}
+
+int64_t kept_tokens(const std::vector<int32_t>& pages, int64_t n_tokens, int32_t block_size) {
+  int64_t kept = 0;
+  for (size_t i = 0; i < pages.size(); ++i)
+    if (pages[i] >= 0) kept += std::clamp<int64_t>(n_tokens - int64_t(i) * block_size, 0, block_size);
+  return kept;
+}
+
+std::vector<int64_t> choose_evictions(const EvictionConfig& cfg, int32_t block_size, const std::vector<int32_t>& pages,
+                                      int64_t n_tokens, const std::vector<float>& scores) {
+  std::vector<int64_t> out;
+  if (!cfg.evicts()) return out;
+  // The filling page counts as full (it will be), so the kept tokens never exceed the budget
+  // between evictions; when the tail page is full the next page counts already.
+  const int64_t n_full = n_tokens / block_size;
+  int64_t kept = block_size;
+  for (int64_t i = 0; i < n_full && i < int64_t(pages.size()); ++i) kept += pages[i] >= 0 ? block_size : 0;
+  if (kept <= cfg.budget) return out;
+  const int64_t n_pages = std::min<int64_t>(pages.size(), (n_tokens + block_size - 1) / block_size);
+  // Evictable: full pages after the sink pages and before the recent area (which ends at the
+  // tail; the tail page is always recent).
+  const int64_t first = cfg.sink_pages(block_size);
+  // recent: the recent_pages full pages before the filling one (index n_full)
+  const int64_t last = std::min<int64_t>(n_full - cfg.recent_pages(block_size), n_pages);  // exclusive
+  std::vector<int64_t> cand;
+  for (int64_t i = first; i < last; ++i)
+    if (pages[i] >= 0) cand.push_back(i);
+  if (cfg.wants_scores()) {
+    auto score = [&](int64_t i) { return i < int64_t(scores.size()) ? scores[i] : 0.f; };
+    std::stable_sort(cand.begin(), cand.end(), [&](int64_t a, int64_t b) { return score(a) < score(b); });
+  }
+  for (int64_t i : cand) {
+    if (kept <= cfg.budget) break;
+    out.push_back(i);
+    kept -= block_size;
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void quest_select(const EvictionConfig& cfg, int32_t block_size, const int32_t* pages, int64_t pos, const float* bound,
+                  std::vector<int32_t>* out, std::vector<int32_t>* scratch) {
+  const int64_t n = pos / block_size + 1;
+  out->assign(pages, pages + n);
+  const int64_t first = cfg.sink_pages(block_size);
+  const int64_t recent = std::max<int64_t>(cfg.recent_tokens >= 0 ? cfg.recent_tokens : 0, block_size);
+  const int64_t recent_from = std::max<int64_t>(0, pos + 1 - recent) / block_size;
+  scratch->clear();
+  for (int64_t i = first; i < recent_from && i < n; ++i)
+    if (pages[i] >= 0) scratch->push_back(static_cast<int32_t>(i));
+  const int64_t k = cfg.sparse_pages;
+  if (int64_t(scratch->size()) <= k) return;
+  // the k highest bounds stay (ties: the later page), the rest are not read
+  std::nth_element(scratch->begin(), scratch->begin() + k, scratch->end(), [&](int32_t a, int32_t b) {
+    return bound[a] > bound[b] || (bound[a] == bound[b] && a > b);
+  });
+  for (size_t j = k; j < scratch->size(); ++j) (*out)[(*scratch)[j]] = -1;
+}
+
+}  // namespace kv

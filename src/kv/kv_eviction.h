@@ -1,0 +1,91 @@
+// KV eviction and sparse reads for long contexts: which pages of a sequence stay.
+//
+// Unit: the page. A sequence's cache (its global layer group; sliding-window groups are
+// bounded already) splits into a start area of sink pages, an evictable middle and a recent
+// area; only whole pages of the middle go, every layer and KV head at once, so what is evicted
+// is memory given back to the pool (DESIGN.md: per-token or per-head holes free nothing unless
+// compacted). An evicted page leaves -1 in the block table; the attention kernels skip it.
+// Kept keys keep their original positions (keys are cached after RoPE; nothing is re-rotated).
+//
+// Policies (each ranks the evictable pages; the lowest go first):
+//   window  recent tokens only (no sinks): oldest first
+//   sinks   StreamingLLM: sink tokens + recent: oldest first
+//   h2o     heavy hitters: attention mass each page has received, summed over every query
+//           since the sequence began, over layers, KV heads and the query heads of each group
+//   snapkv  the mass from the queries since the previous eviction (at the end of a prompt:
+//           the last obs_window prompt queries: SnapKV's observation window), reset after
+//           each eviction
+// Budgets count tokens in kept pages (the filling tail page counts its written slots).
+// Evictions happen only when a page has just filled or a prompt has ended, so decoding a
+// token at a time and teacher-forcing page-aligned chunks evict the same pages.
+//
+// Quest (sparse reads, no eviction): per (layer, page, KV head) the channel-wise min and max
+// of the page's keys (kept by PagePool); a decode query reads its sink and recent pages plus
+// the sparse_pages pages with the highest upper bound Σ_d max(q_d·min_d, q_d·max_d).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace kv {
+
+enum class EvictionPolicy : uint8_t { kNone, kWindow, kSinks, kH2O, kSnapKV };
+
+const char* eviction_policy_name(EvictionPolicy p);
+Result<EvictionPolicy> parse_eviction_policy(const std::string& s);
+
+struct EvictionConfig {
+  EvictionPolicy policy = EvictionPolicy::kNone;
+  int64_t budget = 0;         // tokens kept per sequence (global layer group)
+  int32_t sink_tokens = 4;    // kept from the start (window: none)
+  int32_t recent_tokens = -1; // kept at the end; -1: the policy's default (recent_default)
+  int32_t obs_window = 32;    // SnapKV: prompt queries that vote at the end of a prompt
+  // Quest sparse reads (independent of eviction): 0 = off, else pages read per decode query
+  // beyond the sink and recent pages.
+  int32_t sparse_pages = 0;
+
+  bool evicts() const { return policy != EvictionPolicy::kNone; }
+  bool wants_scores() const { return policy == EvictionPolicy::kH2O || policy == EvictionPolicy::kSnapKV; }
+  bool sparse() const { return sparse_pages > 0; }
+  bool active() const { return evicts() || sparse(); }
+  // Tokens of the start area: sink_tokens (window: 0).
+  int32_t sinks() const { return policy == EvictionPolicy::kWindow ? 0 : sink_tokens; }
+  // Tokens of the recent area: recent_tokens, or by default the whole budget after the sinks
+  // (window, sinks), half of it (h2o, as the H2O paper splits), a quarter (snapkv).
+  int64_t recent() const;
+  // Whole pages of the start area / recent area at this block size.
+  int64_t sink_pages(int32_t block_size) const { return (sinks() + block_size - 1) / block_size; }
+  // The default for window / sinks leaves exactly the budget: sink pages + recent pages + the
+  // filling page.
+  int64_t recent_pages(int32_t block_size) const {
+    const int64_t p = (recent() + block_size - 1) / block_size;
+    if (recent_tokens < 0 && (policy == EvictionPolicy::kWindow || policy == EvictionPolicy::kSinks))
+      return std::max<int64_t>(0, std::min(p, budget / block_size - sink_pages(block_size) - 1));
+    return p;
+  }
+  // The budget must leave room for one evictable page beyond sinks and recent, and everything
+  // must be non-negative.
+  Status validate(int32_t block_size) const;
+  // e.g. "h2o budget 2048 sinks 4 recent 1024" (recent as whole pages of block_size)
+  std::string describe(int32_t block_size = 16) const;
+};
+
+// Tokens held by the live pages of a block table of n_tokens positions (-1 entries: gone).
+int64_t kept_tokens(const std::vector<int32_t>& pages, int64_t n_tokens, int32_t block_size);
+
+// The pure policy: logical page indices to evict (ascending) so that the kept tokens of the
+// table fall to the budget or below, taking only evictable pages (not sink, not recent, not
+// the tail). scores: per logical page (h2o, snapkv), else ignored; ties go to the older page.
+std::vector<int64_t> choose_evictions(const EvictionConfig& cfg, int32_t block_size, const std::vector<int32_t>& pages,
+                                      int64_t n_tokens, const std::vector<float>& scores);
+
+// Quest: logical pages a decode query at position pos reads when the sparse config is on:
+// sink pages, recent pages (the page of pos included) and the k evictable pages with the
+// highest bound; bound[i] per logical page (ignored for -1 pages). Writes the mask as a copy
+// of pages with unselected entries set to -1 into out (resized to pos / block_size + 1).
+void quest_select(const EvictionConfig& cfg, int32_t block_size, const int32_t* pages, int64_t pos, const float* bound,
+                  std::vector<int32_t>* out, std::vector<int32_t>* scratch);
+
+}  // namespace kv
