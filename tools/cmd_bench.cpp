@@ -38,6 +38,7 @@ struct BenchOptions {
   int batch = 0;  // > 0: that many sequences decode together through the engine
   kv::SamplingParams sp;
   KvOptions kvo;
+  EvictionOptions evo;
 };
 
 struct Stats {
@@ -228,6 +229,9 @@ void run_bench(const BenchOptions& o) {
   using clock = std::chrono::steady_clock;
   std::vector<double> pp, tg;
   kv::SequenceRunner seq(*lm.model, *lm.pool, lm.pool_g1.get(), *lm.threads, o.chunk);
+  const kv::EvictionConfig evc = make_eviction(o.evo, lm.pool->layout().block_size);
+  if (kv::Status st = seq.set_eviction(evc); !st) fail(st.message());
+  double kv_tokens_read = -1;  // per decode token under a policy (kept tokens, or Quest's pages)
   // Warm-up: touches every weight page and sizes the scratch buffers.
   if (kv::Status st = seq.feed(prompt.data(), std::min<int64_t>(o.chunk, static_cast<int64_t>(prompt.size()))); !st) fail(st.message());
   seq.reset();
@@ -246,6 +250,13 @@ void run_bench(const BenchOptions& o) {
       if (kv::Status st = seq.feed(prompt.data(), o.context, false); !st) fail(st.message());
       context_prefill_s = std::chrono::duration<double>(clock::now() - t0).count();
       if (!o.json) std::fprintf(stderr, "context: %d tokens prefilled in %.2f s\n", o.context, context_prefill_s);
+      if (evc.evicts()) kv_tokens_read = static_cast<double>(seq.kept_tokens());
+      if (evc.sparse())
+        kv_tokens_read = std::min<double>(o.context, double(evc.sparse_pages + evc.sink_pages(lm.pool->layout().block_size) + 1) *
+                                                         lm.pool->layout().block_size);
+      if (!o.json && evc.active())
+        std::fprintf(stderr, "KV policy %s: decode reads ~%.0f of %d context tokens\n", evc.describe(lm.pool->layout().block_size).c_str(),
+                     kv_tokens_read, o.context);
     }
     for (int r = 0; r < o.repeat; ++r) {
       int32_t tok = prompt[0];
@@ -265,7 +276,7 @@ void run_bench(const BenchOptions& o) {
   }
   // Bytes one decode token reads: all weights once + the KV of the average context position.
   const double kv_tok = static_cast<double>(lm.pool->layout().bytes_per_token());
-  const double avg_ctx = o.context + (o.gen_tokens - 1) / 2.0;
+  const double avg_ctx = kv_tokens_read >= 0 ? kv_tokens_read : o.context + (o.gen_tokens - 1) / 2.0;
   const double bytes_per_tok = static_cast<double>(lm.model->weight_bytes_per_token()) + kv_tok * avg_ctx;
   nlohmann::json j;
   j["model"] = o.model;
@@ -277,6 +288,9 @@ void run_bench(const BenchOptions& o) {
   j["gen_tokens"] = o.gen_tokens;
   j["context"] = o.context;
   j["repeat"] = o.repeat;
+  if (evc.active())
+    j["kv_eviction"] = {{"policy", kv::eviction_policy_name(evc.policy)}, {"budget", evc.budget}, {"sparse_pages", evc.sparse_pages},
+                        {"kv_tokens_read_per_token", kv_tokens_read}};
   if (!pp.empty()) {
     Stats p = stats(pp);
     j["prefill_tok_s"] = p.median;
@@ -333,6 +347,7 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--min-p", o->sp.min_p, "--batch: min-p (0 = off)")->check(CLI::Range(0.0, 1.0))->capture_default_str();
   cmd->add_option("--seed", o->sp.seed, "--batch: base seed (sequence i of repeat r uses seed + 1000 r + i)")->capture_default_str();
   add_kv_options(cmd, &o->kvo);
+  add_eviction_options(cmd, &o->evo);  // single-sequence decode from a context under a KV policy
   cmd->callback([o] { run_bench(*o); });
 }
 

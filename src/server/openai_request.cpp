@@ -189,6 +189,7 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
         value_error("kv_eviction", "unknown field '" + it.key() + "' (expected policy, budget, sink_tokens, recent_tokens, obs_window, sparse, sparse_pages).");
     Fields kf(*ke);
     EvictionConfig& c = r->params.kv_policy;
+    try {
     if (auto pol = kf.string("policy")) {
       auto p = parse_eviction_policy(*pol);
       if (!p) value_error("kv_eviction", p.message() + ".");
@@ -204,6 +205,14 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
     c.sparse_pages = static_cast<int32_t>(kf.integer("sparse_pages", 0, kMax).value_or(0));
     if (sparse == "quest" && c.sparse_pages <= 0) value_error("kv_eviction", "sparse \"quest\" needs sparse_pages > 0.");
     if (sparse == "none") c.sparse_pages = 0;
+    } catch (ApiError& e) {  // a nested field: name it as kv_eviction.<field>
+      if (!e.param.empty() && e.param != "kv_eviction") {
+        const std::string q = "'" + e.param + "'";
+        if (size_t at = e.message.find(q); at != std::string::npos) e.message.replace(at, q.size(), "'kv_eviction." + e.param + "'");
+        e.param = "kv_eviction." + e.param;
+      }
+      throw;
+    }
     r->params.kv_policy_set = true;
   }
 }

@@ -1,0 +1,95 @@
+"""Long-context KV policies through the real server and the official `openai` client: the
+per-request `kv_eviction` field, usage.kv_eviction, the server default (--kv-eviction), the
+metrics, bad input as OpenAI-style 400s, and every page back after each test."""
+from __future__ import annotations
+
+import openai
+import pytest
+import requests
+
+from kvserve_server import MODEL_NAME, Server
+
+# ~300 tokens: several pages beyond a 96-token budget
+LONG = " ".join(f"Item {i} of the list is the word {w}." for i, w in enumerate(["apple", "river", "stone", "cloud", "maple"] * 8))
+
+
+def complete(client, **kw):
+    return client.completions.create(model=MODEL_NAME, prompt=LONG, max_tokens=40, temperature=0, **kw)
+
+
+def test_request_field_evicts_and_reports_usage(server, client):
+    before = server.metrics()
+    r = complete(client, extra_body={"kv_eviction": {"policy": "h2o", "budget": 96}})
+    ev = r.usage.model_extra["kv_eviction"]
+    assert ev["policy"].startswith("h2o budget 96")
+    assert ev["tokens_evicted"] >= r.usage.prompt_tokens - 96
+    assert 0 < ev["tokens_kept"] <= 96
+    after = server.metrics()
+    assert after["kvserve:kv_evicted_tokens_total"] - before.get("kvserve:kv_evicted_tokens_total", 0) == ev["tokens_evicted"]
+    assert after["kvserve:kv_kept_tokens_count"] == before.get("kvserve:kv_kept_tokens_count", 0) + 1
+    # without the field: no policy, nothing reported, the full text
+    full = complete(client)
+    assert "kv_eviction" not in (full.usage.model_extra or {})
+
+
+@pytest.mark.parametrize("policy", ["window", "sinks", "snapkv"])
+def test_each_policy_streams_and_choices_share_the_evicted_prompt(server, client, policy):
+    chunks = list(complete(client, n=2, stream=True, stream_options={"include_usage": True},
+                           extra_body={"kv_eviction": {"policy": policy, "budget": 128}}))
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 80
+    ev = usage.model_extra["kv_eviction"]
+    assert ev["tokens_evicted"] > 0 and ev["tokens_kept"] <= 2 * 128
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+
+
+@pytest.mark.parametrize("field, message", [
+    ({"policy": "lru", "budget": 64}, "unknown KV eviction policy"),
+    ({"policy": "sinks"}, "needs a budget"),
+    ({"policy": "sinks", "budget": 16}, "leaves no room to evict"),
+    ({"policy": "h2o", "budget": 64, "colour": 1}, "unknown field 'colour'"),
+    ({"policy": "h2o", "budget": -5}, "'kv_eviction.budget': -5 is below the minimum"),
+    ({"sparse": "quest"}, "needs sparse_pages"),
+    ({"sparse": "quest", "sparse_pages": 4}, "--kv-sparse quest"),  # this server keeps no key bounds
+    ("snapkv", "expected an object"),
+])
+def test_bad_kv_eviction_is_a_400(server, client, field, message):
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(client, extra_body={"kv_eviction": field})
+    err = e.value.body
+    assert err["param"].startswith("kv_eviction"), err
+    assert message in err["message"], err
+
+
+def test_server_default_and_quest():
+    """--kv-eviction sinks is every request's default; a request may opt out; Quest requests
+    work on a server started with --kv-sparse quest."""
+    s = Server("--debug", "--kv-eviction", "sinks", "--kv-budget", "64", "--kv-sparse", "quest", "--kv-sparse-pages", "2")
+    try:
+        url = s.url + "/v1/completions"
+        body = {"model": MODEL_NAME, "prompt": LONG, "max_tokens": 24, "temperature": 0}
+        r = requests.post(url, json=body, timeout=60).json()
+        ev = r["usage"]["kv_eviction"]
+        assert ev["policy"].startswith("sinks budget 64") and "quest 2 pages" in ev["policy"]
+        assert ev["tokens_evicted"] > 0 and ev["tokens_kept"] <= 64
+        r = requests.post(url, json={**body, "kv_eviction": {"policy": "none"}}, timeout=60).json()
+        assert "kv_eviction" not in r["usage"]
+        r = requests.post(url, json={**body, "kv_eviction": {"sparse": "quest", "sparse_pages": 3}}, timeout=60).json()
+        assert r["usage"]["kv_eviction"]["tokens_evicted"] == 0
+        assert r["usage"]["kv_eviction"]["tokens_kept"] == r["usage"]["total_tokens"] - 1
+        kv = s.debug_kv()
+        assert kv["pages_in_use"] == 0 and kv["integrity"]["ok"], kv
+    finally:
+        s.stop()
+    assert s.proc.returncode == 0
+
+
+def test_bad_server_flags_fail_fast():
+    import subprocess
+    from kvserve_server import KVSERVE, MODEL
+    for flags, msg in [(["--kv-eviction", "h2o"], "needs a budget"),
+                       (["--kv-sparse", "quest"], "--kv-sparse-pages"),
+                       (["--kv-eviction", "sinks", "--kv-budget", "8"], "leaves no room")]:
+        p = subprocess.run([KVSERVE, "serve", "-m", MODEL, *flags], capture_output=True, text=True, timeout=60)
+        assert p.returncode != 0
+        assert msg in p.stderr, p.stderr
