@@ -68,6 +68,15 @@ SWEEP_ARGS ?=
 bench-sweep: deps models build peer
 	$(PYTHON) bench/sweep_bench.py --kvserve $(BUILD_DIR)/kvserve $(SWEEP_ARGS)
 
+# Long-context KV policies (docs/eviction.md): perplexity per policy and budget (both texts, 4k
+# and 8k), decode speed per policy and context, passkey retrieval through the server. ~1.5 h
+# on 2 cores; outputs in bench/out/ and docs/*.png.
+.PHONY: bench-eviction
+bench-eviction: deps models text build
+	$(PYTHON) bench/eviction_quality.py --kvserve $(BUILD_DIR)/kvserve
+	$(PYTHON) bench/eviction_speed.py --kvserve $(BUILD_DIR)/kvserve
+	$(PYTHON) bench/passkey_bench.py --kvserve $(BUILD_DIR)/kvserve
+
 clean:
 	rm -rf $(BUILD_DIR)
 
