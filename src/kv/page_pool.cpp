@@ -3,6 +3,7 @@
 #include <cassert>
 #include <cstdlib>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <new>
 
@@ -258,22 +259,31 @@ void PagePool::release_filled(int32_t layer) {
 }
 
 void PagePool::enable_key_bounds() {
-  if (key_bounds_.empty()) key_bounds_.assign(int64_t(layout_.n_layer) * n_pages_ * layout_.n_head_kv * 2 * layout_.head_dim, 0.f);
+  if (key_bounds_.empty()) key_bounds_.assign(int64_t(layout_.n_layer) * n_pages_ * layout_.n_head_kv * 2 * layout_.head_dim, 0);
 }
+
+namespace {
+// f16 of x rounded toward -inf (down) or +inf (up): a bound stays a bound after rounding.
+uint16_t fp16_directed(float x, bool up) {
+  uint16_t h = fp32_to_fp16(x);
+  const float back = fp16_to_fp32(h);
+  if (std::isfinite(back) && (up ? back < x : back > x)) {  // one step outward
+    const bool neg = h & 0x8000;
+    if ((h & 0x7FFF) == 0) h = up ? 0x0001 : 0x8001;                     // ±0 → smallest subnormal
+    else h = static_cast<uint16_t>(up != neg ? h + 1 : h - 1);          // away from / toward zero
+  }
+  return h;
+}
+}  // namespace
 
 void PagePool::update_key_bounds(int32_t layer, int32_t page, int32_t slot, const float* k) {
   const int hd = layout_.head_dim;
-  float* b = key_bounds_.data() + (int64_t(layer) * n_pages_ + page) * layout_.n_head_kv * 2 * hd;
+  uint16_t* b = key_bounds_.data() + (int64_t(layer) * n_pages_ + page) * layout_.n_head_kv * 2 * hd;
   for (int32_t h = 0; h < layout_.n_head_kv; ++h, b += 2 * hd) {
     const float* kh = k + int64_t(h) * hd;
-    if (slot == 0) {
-      std::memcpy(b, kh, hd * sizeof(float));
-      std::memcpy(b + hd, kh, hd * sizeof(float));
-      continue;
-    }
     for (int d = 0; d < hd; ++d) {
-      b[d] = std::min(b[d], kh[d]);
-      b[hd + d] = std::max(b[hd + d], kh[d]);
+      if (slot == 0 || kh[d] < fp16_to_fp32(b[d])) b[d] = fp16_directed(kh[d], false);
+      if (slot == 0 || kh[d] > fp16_to_fp32(b[hd + d])) b[hd + d] = fp16_directed(kh[d], true);
     }
   }
 }
@@ -336,7 +346,7 @@ bool PagePool::copy_page(int32_t src, int32_t dst) {
   }
   if (!key_bounds_.empty())
     for (int32_t l = 0; l < layout_.n_layer; ++l)
-      std::memcpy(const_cast<float*>(key_bounds(l, dst)), key_bounds(l, src), size_t(layout_.n_head_kv) * 2 * layout_.head_dim * sizeof(float));
+      std::memcpy(const_cast<uint16_t*>(key_bounds(l, dst)), key_bounds(l, src), size_t(layout_.n_head_kv) * 2 * layout_.head_dim * sizeof(uint16_t));
   for (int32_t l = 0; l < layout_.n_layer; ++l) {
     std::memcpy(k_data(l, dst), k_data(l, src), layout_.k_layer_page_bytes(l));
     std::memcpy(v_data(l, dst), v_data(l, src), layout_.v_layer_page_bytes(l));

@@ -95,15 +95,16 @@ class PagePool {
   // attention has read them).
   void release_filled(int32_t layer);
   // Quest key summaries: per (layer, page, KV head) the channel-wise min then max of the keys
-  // written into the page ([2][head_dim] floats, as written, before any quantization), kept
-  // by write_token (slot 0 starts a page afresh) and copy_page. Off until enabled; enabling
-  // allocates n_layer × n_pages × n_head_kv × 2 × head_dim floats (counted in total_bytes).
+  // written into the page ([2][head_dim] f16, from the keys as written, before any
+  // quantization; min rounded down and max up, so the bounds stay bounds), kept by write_token
+  // (slot 0 starts a page afresh) and copy_page. Off until enabled; enabling allocates
+  // n_layer × n_pages × n_head_kv × 2 × head_dim halves (counted in total_bytes).
   void enable_key_bounds();
   bool has_key_bounds() const { return !key_bounds_.empty(); }
-  const float* key_bounds(int32_t layer, int32_t page) const {
+  const uint16_t* key_bounds(int32_t layer, int32_t page) const {
     return key_bounds_.data() + (int64_t(layer) * n_pages_ + page) * layout_.n_head_kv * 2 * layout_.head_dim;
   }
-  int64_t key_bounds_bytes() const { return int64_t(key_bounds_.size()) * 4; }
+  int64_t key_bounds_bytes() const { return int64_t(key_bounds_.size()) * 2; }
   // The attention kernels' view of one layer (pages, staging); the caller sets .pages.
   PagedKvView view(int32_t layer) const;
 
@@ -129,7 +130,7 @@ class PagePool {
   std::vector<int32_t> stage_page_;            // [n_layer][n_staging]: page holding the slot or -1
   std::vector<std::vector<int32_t>> stage_free_;  // [n_layer]: free slots
   std::vector<std::vector<int32_t>> filled_;      // [n_layer]: quantized pages still holding staging
-  std::vector<float> key_bounds_;                 // [n_layer][n_pages][n_head_kv][2][head_dim] or empty
+  std::vector<uint16_t> key_bounds_;              // [n_layer][n_pages][n_head_kv][2][head_dim] f16, or empty
   void update_key_bounds(int32_t layer, int32_t page, int32_t slot, const float* k);
 };
 

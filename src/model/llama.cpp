@@ -1,5 +1,7 @@
 #include "model/llama.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -409,18 +411,39 @@ void LlamaModel::quest_select_layer(const Batch& batch, const PagePool& pool, in
       const int64_t last = s.pos0 + s.n_tokens - 1, n_pg = last / bs + 1;
       const int32_t* pages = s.pages;
       bound.assign(n_pg, 0.f);
+      const int n_rows = s.n_tokens * n_group;
+      auto q_row = [&](int r) { return qkv_.data() + (s.offset + r / n_group) * n_qkv + int64_t(h * n_group + r % n_group) * HD; };
       for (int64_t i = 0; i < n_pg; ++i) {
         if (pages[i] < 0) continue;
-        const float* mn = pool.key_bounds(li, pages[i]) + int64_t(h) * 2 * HD;
-        const float* mx = mn + HD;
+        const uint16_t* mn = pool.key_bounds(li, pages[i]) + int64_t(h) * 2 * HD;
+        const uint16_t* mx = mn + HD;
         float best = -std::numeric_limits<float>::infinity();
-        for (int32_t t = 0; t < s.n_tokens; ++t)
-          for (int g = 0; g < n_group; ++g) {
-            const float* q = qkv_.data() + (s.offset + t) * n_qkv + int64_t(h * n_group + g) * HD;
-            float sum = 0.f;
-            for (int64_t d = 0; d < HD; ++d) sum += std::max(q[d] * mn[d], q[d] * mx[d]);
-            best = std::max(best, sum);
+#if defined(__AVX512F__)
+        if (HD % 16 == 0 && HD <= kAttnMaxHeadDim) {
+          __m512 lo[kAttnMaxHeadDim / 16], hi[kAttnMaxHeadDim / 16];
+          for (int64_t c = 0; c < HD / 16; ++c) {
+            lo[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + 16 * c)));
+            hi[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mx + 16 * c)));
           }
+          for (int r = 0; r < n_rows; ++r) {
+            const float* q = q_row(r);
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t c = 0; c < HD / 16; ++c) {
+              const __m512 qv = _mm512_loadu_ps(q + 16 * c);
+              acc = _mm512_add_ps(acc, _mm512_max_ps(_mm512_mul_ps(qv, lo[c]), _mm512_mul_ps(qv, hi[c])));
+            }
+            best = std::max(best, _mm512_reduce_add_ps(acc));
+          }
+          bound[i] = best;
+          continue;
+        }
+#endif
+        for (int r = 0; r < n_rows; ++r) {
+          const float* q = q_row(r);
+          float sum = 0.f;
+          for (int64_t d = 0; d < HD; ++d) sum += std::max(q[d] * fp16_to_fp32(mn[d]), q[d] * fp16_to_fp32(mx[d]));
+          best = std::max(best, sum);
+        }
         bound[i] = best;
       }
       quest_select(*s.quest, bs, pages, last, bound.data(), &quest_tables_[size_t(si) * hkv + h], &scratch);

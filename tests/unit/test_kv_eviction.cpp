@@ -4,9 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <numeric>
+#include <random>
 
 #include "engine/engine.h"
 #include "engine/sequence_runner.h"
+#include "kernels/quant.h"
 #include "kv/kv_eviction.h"
 #include "model_fixture.h"
 #include "tokenizer/tokenizer.h"
@@ -216,4 +218,51 @@ TEST(KvEviction, EngineEvictsAndAccountsForEveryPage) {
   for (int i = 0; i < 100000 && e.step(); ++i) ASSERT_TRUE(e.check_integrity().is_ok());
   EXPECT_EQ(again->usage().cached_tokens, 144);
   EXPECT_EQ(e.pages_in_use(), 0);
+}
+
+// Quest's key bounds: after any writes, every key of the page lies inside [min, max] of its
+// (layer, page, head) per channel, rounding to f16 included; a new page starts afresh;
+// copy-on-write copies them.
+TEST(KvEviction, KeyBoundsContainEveryKeyWritten) {
+  KvLayout l;
+  l.n_layer = 2;
+  l.n_head_kv = 2;
+  l.head_dim = 32;
+  l.block_size = 16;
+  l.dtype = KvElem::kInt8;
+  ASSERT_TRUE(l.validate().is_ok());
+  PagePool pool(l, 4);
+  pool.enable_key_bounds();
+  EXPECT_EQ(pool.key_bounds_bytes(), int64_t(2) * 4 * 2 * 2 * 32 * 2);
+  std::vector<int32_t> pages;
+  ASSERT_TRUE(pool.allocate(2, &pages));
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd(0.f, 3.f);
+  std::vector<std::vector<float>> keys;
+  for (int slot = 0; slot < 16; ++slot) {
+    std::vector<float> k(64), v(64, 0.f);
+    for (auto& x : k) x = nd(rng) * (slot == 7 ? 1000.f : 1.f) + 0.1234567f;  // not f16-exact
+    keys.push_back(k);
+    for (int layer = 0; layer < 2; ++layer) ASSERT_TRUE(pool.write_token(layer, pages[0], slot, k.data(), v.data()));
+  }
+  for (int layer = 0; layer < 2; ++layer) pool.release_filled(layer);
+  ASSERT_TRUE(pool.copy_page(pages[0], pages[1]));
+  for (int32_t page : pages)
+    for (int layer = 0; layer < 2; ++layer)
+      for (int h = 0; h < 2; ++h) {
+        const uint16_t* b = pool.key_bounds(layer, page) + h * 64;
+        for (int d = 0; d < 32; ++d) {
+          float lo = 1e30f, hi = -1e30f;
+          for (const auto& k : keys) {
+            lo = std::min(lo, k[h * 32 + d]);
+            hi = std::max(hi, k[h * 32 + d]);
+          }
+          EXPECT_LE(fp16_to_fp32(b[d]), lo);
+          EXPECT_GE(fp16_to_fp32(b[32 + d]), hi);
+          EXPECT_NEAR(fp16_to_fp32(b[d]), lo, std::abs(lo) * 1e-3 + 1e-4);  // tight: one f16 step
+          EXPECT_NEAR(fp16_to_fp32(b[32 + d]), hi, std::abs(hi) * 1e-3 + 1e-4);
+        }
+      }
+  pool.release(pages[0]);
+  pool.release(pages[1]);
 }
