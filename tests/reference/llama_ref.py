@@ -209,9 +209,13 @@ class KVCache:
         return self.k[il][:n1], self.v[il][:n1]
 
 
-def attention(q, k, v, q_pos0):
+def attention(q, k, v, q_pos0, key_mask=None, return_probs=False):
     """q: [T, H, D]; k, v: [S, Hkv, D] where keys are positions 0..S-1 and query t is at
-    position q_pos0 + t. Causal softmax attention with GQA. Returns [T, H, D]."""
+    position q_pos0 + t. Causal softmax attention with GQA. Returns [T, H, D].
+
+    key_mask (optional): bool [S] or [T, S], True = the key is visible (on top of the causal
+    mask); e.g. the keys of evicted KV pages are False. Every query must see at least one key.
+    return_probs: also return the softmax probabilities [H, T, S] (head h = kv*G + g)."""
     T, H, D = q.shape
     S, Hkv, _ = k.shape
     G = H // Hkv
@@ -221,18 +225,29 @@ def attention(q, k, v, q_pos0):
     scores = np.matmul(qg, kt).reshape(Hkv, G, T, S) / np.sqrt(D)
     qpos = q_pos0 + np.arange(T)
     mask = np.arange(S)[None, :] > qpos[:, None]                  # [T, S] future keys
+    if key_mask is not None:
+        mask = mask | ~np.broadcast_to(np.asarray(key_mask, dtype=bool), (T, S))
     if mask.any():
         scores += np.where(mask, -np.inf, 0.0)                    # broadcast over heads
     scores -= scores.max(axis=-1, keepdims=True)
     p = np.exp(scores)
     p /= p.sum(axis=-1, keepdims=True)
     out = np.matmul(p.reshape(Hkv, G * T, S), v.transpose(1, 0, 2))  # [Hkv, G*T, D]
-    return out.reshape(Hkv, G, T, D).transpose(2, 0, 1, 3).reshape(T, H, D)
+    out = out.reshape(Hkv, G, T, D).transpose(2, 0, 1, 3).reshape(T, H, D)
+    if return_probs:
+        return out, p.reshape(H, T, S)
+    return out
 
 
-def forward_hidden(model: Model, tokens, cache: KVCache | None = None, rope_style=None):
+def forward_hidden(model: Model, tokens, cache: KVCache | None = None, rope_style=None,
+                   key_mask=None, attn_hook=None):
     """Run tokens (at positions cache.n_past ...) through all layers. Returns the final-normed
-    hidden states [T, n_embd]. Appends to `cache` if given."""
+    hidden states [T, n_embd]. Appends to `cache` if given.
+
+    key_mask (optional): bool [S] or [T, S] over all keys the queries can reach (the cache
+    after appending these tokens), True = visible; the same mask in every layer (see attention).
+    attn_hook (optional): called as attn_hook(il, probs) per layer with the attention
+    probabilities [H, T, S]."""
     cfg = model.cfg
     style = rope_style or cfg.rope_style
     tokens = np.asarray(tokens, dtype=np.int64)
@@ -250,7 +265,12 @@ def forward_hidden(model: Model, tokens, cache: KVCache | None = None, rope_styl
         k = rope(k, positions, cfg.n_rot, cfg.rope_base, style)
         if cache is not None:
             k, v = cache.append(il, k, v)
-        a = attention(q, k, v, pos0).reshape(T, H * D)
+        if attn_hook is None:
+            a = attention(q, k, v, pos0, key_mask)
+        else:
+            a, probs = attention(q, k, v, pos0, key_mask, return_probs=True)
+            attn_hook(il, probs)
+        a = a.reshape(T, H * D)
         x = x + a @ L.wo.T
         h = rms_norm(x, L.ffn_norm, cfg.rms_eps)
         x = x + (silu(h @ L.w_gate.T) * (h @ L.w_up.T)) @ L.w_down.T
