@@ -98,7 +98,10 @@ void quest_select(const EvictionConfig& cfg, int32_t block_size, const int32_t* 
   const int64_t n = pos / block_size + 1;
   out->assign(pages, pages + n);
   const int64_t first = cfg.sink_pages(block_size);
-  const int64_t recent = std::max<int64_t>(cfg.recent_tokens >= 0 ? cfg.recent_tokens : 0, block_size);
+  // recent: --kv-recent-tokens, by default the query's own page and the 3 before it (64 tokens
+  // at block size 16): what a token attends to most is the text just before it, and a query
+  // early in its page would otherwise see almost none of it unless its bound picked it.
+  const int64_t recent = std::max<int64_t>(cfg.recent_tokens >= 0 ? cfg.recent_tokens : 4 * block_size, block_size);
   const int64_t recent_from = std::max<int64_t>(0, pos + 1 - recent) / block_size;
   scratch->clear();
   for (int64_t i = first; i < recent_from && i < n; ++i)

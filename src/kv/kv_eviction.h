@@ -20,8 +20,9 @@
 // token at a time and teacher-forcing page-aligned chunks evict the same pages.
 //
 // Quest (sparse reads, no eviction): per (layer, page, KV head) the channel-wise min and max
-// of the page's keys (kept by PagePool); a decode query reads its sink and recent pages plus
-// the sparse_pages pages with the highest upper bound Σ_d max(q_d·min_d, q_d·max_d).
+// of the page's keys (kept by PagePool); a decode query reads its sink and recent pages (by
+// default its own page and the 3 before it) plus the sparse_pages pages with the highest
+// upper bound Σ_d max(q_d·min_d, q_d·max_d).
 #pragma once
 #include <cstdint>
 #include <string>
