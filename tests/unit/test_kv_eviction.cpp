@@ -10,6 +10,7 @@
 #include "engine/sequence_runner.h"
 #include "kernels/quant.h"
 #include "kv/kv_eviction.h"
+#include "gguf/gguf.h"
 #include "model_fixture.h"
 #include "tokenizer/tokenizer.h"
 
@@ -265,4 +266,43 @@ TEST(KvEviction, KeyBoundsContainEveryKeyWritten) {
       }
   pool.release(pages[0]);
   pool.release(pages[1]);
+}
+
+// Gemma 3 (two KV groups): the policy bounds the global layers' pages; the sliding-window
+// layers keep their own window; forks, Quest and integrity as for SmolLM2.
+TEST(KvEviction, Gemma3GlobalLayersEvictSlidingWindowLayersKeepWorking) {
+  LlamaModel* m = kvtest::gemma3_model();
+  ASSERT_TRUE(m);
+  auto f = GgufFile::open(kvtest::gemma3_path());
+  ASSERT_TRUE(f);
+  auto tok = Tokenizer::from_gguf(**f);
+  ASSERT_TRUE(tok);
+  EngineConfig c;
+  c.max_num_batched_tokens = 128;
+  c.max_num_seqs = 8;
+  c.max_model_len = 1024;
+  c.block_size = 16;
+  c.kv_cache_bytes = 96ll << 20;
+  c.n_threads = 2;
+  c.kv_policy = cfg_of(EvictionPolicy::kSnapKV, 256);
+  c.kv_policy.sparse_pages = 4;
+  Engine e(*m, **tok, c);
+  ASSERT_NE(e.pool_g1(), nullptr);
+  std::vector<int32_t> prompt(700);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(1000 + (i * 7919) % 200000);
+  Request r;
+  r.id = e.next_request_id();
+  r.prompt = prompt;
+  r.params.max_tokens = 40;
+  r.params.n = 2;
+  r.params.ignore_eos = true;
+  r.stream = std::make_shared<RequestStream>();
+  ASSERT_EQ(e.submit(r).http_status, 0);
+  for (int i = 0; i < 100000 && e.step(); ++i) ASSERT_TRUE(e.check_integrity().is_ok()) << e.check_integrity().message();
+  const Usage u = r.stream->usage();
+  EXPECT_EQ(u.completion_tokens, 80);
+  EXPECT_GT(u.kv_tokens_evicted, 2 * (700 - 256));
+  EXPECT_LE(u.kv_tokens_kept, 2 * 256);
+  EXPECT_EQ(e.pages_in_use(), 0);
+  EXPECT_EQ(e.pool_g1()->n_used(), e.window_pages_cached());
 }
