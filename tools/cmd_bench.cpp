@@ -135,6 +135,7 @@ void run_bench_batch(const BenchOptions& o) {
   ec.kv_cache_bytes = *bytes;
   ec.n_threads = o.threads > 0 ? o.threads : kv::default_thread_count();
   ec.enable_prefix_caching = false;  // distinct random prompts: nothing to share
+  ec.kv_policy = make_eviction(o.evo, o.kvo.block_size);  // --kv-eviction / --kv-sparse for every sequence
   const kv::KvLayout layout = make_kv_layout(*lm.model, o.kvo);
   ec.kv_dtype = layout.dtype;
   ec.kv_layer_dtypes = model_layer_dtypes(*lm.model, o.kvo);
