@@ -64,11 +64,16 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "eviction_quality.png")
+    ap.add_argument("--replot", action="store_true", help="no runs: the table and plot from --out's records")
     args = ap.parse_args()
     chunks = dict(zip(args.ctx, args.chunks + [args.chunks[-1]] * len(args.ctx)))
     out = args.out or ROOT / "bench" / "out" / f"eviction_quality_{args.model.stem}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
 
+    if args.replot:  # table and plot from an earlier run's records
+        records = json.loads(out.read_text())
+        report(args, records)
+        return
     records = []
     n_runs = len(args.texts) * len(args.ctx) * (1 + len(args.policies) * len(args.fractions))
     done = 0
@@ -92,7 +97,11 @@ def main() -> None:
                     records.append({"text": text.stem, "ctx": ctx, "policy": policy, "fraction": frac, "budget": budget,
                                     "ppl": r["ppl"], "ppl_stderr": r["ppl_stderr"], "delta_pct": d, "run": r})
                     out.write_text(json.dumps(records, indent=1))
+    report(args, records)
 
+
+def report(args, records: list[dict]) -> None:
+    out = args.out or ROOT / "bench" / "out" / f"eviction_quality_{args.model.stem}.json"
     # markdown: one row per (text, ctx, policy), columns per budget fraction
     print(f"| text | ctx | full PPL | policy | " + " | ".join(f"{f:.1%} budget" for f in args.fractions) + " |")
     print("|---|---|---|---|" + "---|" * len(args.fractions))

@@ -563,30 +563,45 @@ void attend(const PagedKvView& kv, int kv_head, int n_group, const float* q, int
     for (int r = 0; r < rows.n; ++r)
       for (int64_t pg = key_begin / bs; pg < (key_end + bs - 1) / bs; ++pg) page_lse[r * lse_stride + pg - key_begin / bs] = kNegInf;
   }
-  for (int64_t a = 0; a < kPrefetchAhead; ++a) prefetch(pg0 + a);
+  // Sparse tables (evicted pages, Quest's selection): the live pages go kGroupPages at a time
+  // and the live pages ahead are prefetched; dense tables keep groups aligned to absolute page
+  // indices (see below).
+  thread_local std::vector<int64_t> live;
+  bool sparse = false;
+  for (int64_t pg = pg0; pg < pg_end && !sparse; ++pg) sparse = kv.pages[pg] < 0;
+  if (sparse) {
+    live.clear();
+    for (int64_t pg = pg0; pg < pg_end; ++pg)
+      if (kv.pages[pg] >= 0) live.push_back(pg);
+  }
+  const int64_t n_iter = sparse ? static_cast<int64_t>(live.size()) : pg_end - pg0;
+  auto page_at = [&](int64_t j) { return sparse ? live[j] : pg0 + j; };
+  auto prefetch_ahead = [&](int64_t j) {
+    if (j < n_iter) prefetch(page_at(j));
+  };
+  for (int64_t a = 0; a < kPrefetchAhead; ++a) prefetch_ahead(a);
   // Pages go kGroupPages at a time to one softmax update, in groups aligned to absolute page
   // indices: a row's sequence of updates then depends only on its position and the part, never
   // on how the prompt was chunked or which pages still have staging (chunked prefill stays
   // bit-identical to one pass). Within a group, rows are cut where their view of a staged page
   // changes: rows before it leave it out, rows on it read its staging copy at f16, rows past
   // it read its quantized tiles.
-  for (int64_t g0 = pg0; g0 < pg_end;) {
-    const int64_t g1 = std::min((g0 / kGroupPages + 1) * kGroupPages, pg_end);
+  for (int64_t j0 = 0; j0 < n_iter;) {
+    const int64_t j1 = sparse ? std::min<int64_t>(j0 + kGroupPages, n_iter)
+                              : std::min((page_at(j0) / kGroupPages + 1) * kGroupPages, pg_end) - pg0;
     PageRef grp[kGroupPages];
     bool staged[kGroupPages], any_staged = false;
     int n = 0;
-    for (int64_t pg = g0; pg < g1; ++pg) {
-      prefetch(pg + kPrefetchAhead);
-      const int64_t key0 = pg * bs;
+    for (int64_t j = j0; j < j1; ++j) {
+      prefetch_ahead(j + kPrefetchAhead);
+      const int64_t pg = page_at(j), key0 = pg * bs;
       const int32_t page = kv.pages[pg];
-      if (page < 0) continue;  // evicted / not selected
       grp[n] = {kq(page), vq(page), key0, static_cast<int>(std::min<int64_t>(bs, hi - key0))};
       staged[n] = has_stage(kv, page);
       any_staged |= staged[n];
       ++n;
     }
-    g0 = g1;
-    if (n == 0) continue;
+    j0 = j1;
     if (!any_staged) {
       page_dispatch(kv.elem, grp, n, bs, hd, kv.v_from_k, kv.window, rows, 0, rows.n);
       continue;

@@ -425,12 +425,13 @@ void LlamaModel::quest_select_layer(const Batch& batch, const PagePool& pool, in
             lo[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + 16 * c)));
             hi[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mx + 16 * c)));
           }
-          for (int r = 0; r < n_rows; ++r) {
+          for (int r = 0; r < n_rows; ++r) {  // max(q·lo, q·hi) = q · (q > 0 ? hi : lo)
             const float* q = q_row(r);
             __m512 acc = _mm512_setzero_ps();
             for (int64_t c = 0; c < HD / 16; ++c) {
               const __m512 qv = _mm512_loadu_ps(q + 16 * c);
-              acc = _mm512_add_ps(acc, _mm512_max_ps(_mm512_mul_ps(qv, lo[c]), _mm512_mul_ps(qv, hi[c])));
+              const __mmask16 pos = _mm512_cmp_ps_mask(qv, _mm512_setzero_ps(), _CMP_GT_OQ);
+              acc = _mm512_fmadd_ps(qv, _mm512_mask_blend_ps(pos, lo[c], hi[c]), acc);
             }
             best = std::max(best, _mm512_reduce_add_ps(acc));
           }
