@@ -11,7 +11,8 @@ with the question both inside and after the compressed context):
           SnapKV's observation window)
   before  "There is a pass key in the text below. Remember it." + document + "The pass key is"
 
-Every policy gets its budget (a fraction of each prompt's length, per request through the
+Prompts stay in the prefix cache (8 GiB of KV) between policies, so only the first pass
+prefills them all. Every policy gets its budget (a fraction of each prompt's length, per request through the
 `kv_eviction` request field) on one server; Quest reads that fraction of pages (needs a
 server started with --kv-sparse quest, which this script does). The full cache is the
 baseline on the same server.
@@ -70,7 +71,7 @@ def main() -> None:
 
     port = free_port()
     srv = Server("kvserve", [str(args.kvserve), "serve", "-m", str(args.model), "--port", str(port),
-                             "--kv-sparse", "quest", "--kv-sparse-pages", "1", "--kv-cache-memory", "2GiB",
+                             "--kv-sparse", "quest", "--kv-sparse-pages", "1", "--kv-cache-memory", "8GiB",
                              "--max-model-len", str(max(args.lengths) + 256)],
                  port, ROOT / "bench" / "out" / "passkey_server.log")
     srv.start(120)

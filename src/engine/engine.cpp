@@ -424,7 +424,11 @@ std::list<std::unique_ptr<Engine::Sequence>>::iterator Engine::pick_waiting() {
 bool Engine::admit(Sequence& s, int64_t budget, int32_t* n_out) {
   PrefixMatch m;
   if (cache_ && s.n_computed == 0 && s.table.pages.empty()) {
-    m = cache_->match(s.rs->req.params.cache_namespace, s.tokens.data(), static_cast<int64_t>(s.tokens.size()));
+    // A scored policy (h2o, snapkv) computes at least the prompt's last obs_window tokens
+    // itself: their queries are what votes at the prompt's end, and a cached page has none.
+    int64_t n_match = static_cast<int64_t>(s.tokens.size());
+    if (s.evict.wants_scores()) n_match = std::max<int64_t>(0, n_match - s.evict.obs_window);
+    m = cache_->match(s.rs->req.params.cache_namespace, s.tokens.data(), n_match);
     cache_->pin(m.handle);  // protects the matched pages from the eviction ensure_pages may do
     for (int32_t p : m.pages) pool_->retain(p);
     s.table.pages = m.pages;

@@ -62,6 +62,10 @@ MEM = ["--kv-cache-memory", "64MiB"]
 PPL_REL_TOL = 5e-4
 NLL_ABS_TOL = 0.03
 NLL_ABS_TOL_WINDOW = 0.15  # no attention sink: the logits are far more sensitive to rounding
+# window without sinks (PPL ~160) moves by 7e-4 with nothing but the kernel's summation order
+# (grouping the live pages of a table with holes four at a time instead of aligned groups took it
+# from -1.9e-4 to +7.2e-4); its effect is +1100%, so 2e-3 still fails on any real difference.
+PPL_REL_TOL_WINDOW = 2e-3
 # Evicting 9-11 of the 15 full pages of a window moves PPL by 10-40% (630-1100% for window):
 # demand 20x the tolerance, so that the comparison with the simulation can fail.
 MIN_EFFECT = 20 * PPL_REL_TOL
@@ -354,7 +358,8 @@ def test_eviction_matches_the_simulation(small_text, sim, none_run, name, tmp_pa
     for ppl, base in ((s["ppl"], sim["none"]["ppl"]), (j["ppl"], none_run["ppl"])):
         assert abs(ppl / base - 1) > MIN_EFFECT, (name, ppl, base)
     # ... and kvserve's PPL is the simulation's.
-    assert abs(j["ppl"] / s["ppl"] - 1) < PPL_REL_TOL, (name, j["ppl"], s["ppl"], s["evicted"])
+    tol = PPL_REL_TOL_WINDOW if policy == "window" else PPL_REL_TOL
+    assert abs(j["ppl"] / s["ppl"] - 1) < tol, (name, j["ppl"], s["ppl"], s["evicted"])
     # Token by token (a page chosen differently shows up right after the check that chose it).
     _, recs = read_logits_file(tmp_path / "l.bin")
     d = np.abs(recs["nll"] - s["nll"])

@@ -218,6 +218,11 @@ TEST(KvEviction, EngineEvictsAndAccountsForEveryPage) {
   auto again = submit(1, true, EvictionPolicy::kNone);
   for (int i = 0; i < 100000 && e.step(); ++i) ASSERT_TRUE(e.check_integrity().is_ok());
   EXPECT_EQ(again->usage().cached_tokens, 144);
+  // A scored policy computes its observation window itself: at most 150 − 32 tokens cached
+  auto snap = submit(1, true, EvictionPolicy::kSnapKV);
+  for (int i = 0; i < 100000 && e.step(); ++i) ASSERT_TRUE(e.check_integrity().is_ok());
+  EXPECT_EQ(snap->usage().cached_tokens, 112);
+  EXPECT_GT(snap->usage().kv_tokens_evicted, 0);
   EXPECT_EQ(e.pages_in_use(), 0);
 }
 
