@@ -311,3 +311,35 @@ TEST(KvEviction, Gemma3GlobalLayersEvictSlidingWindowLayersKeepWorking) {
   EXPECT_EQ(e.pages_in_use(), 0);
   EXPECT_EQ(e.pool_g1()->n_used(), e.window_pages_cached());
 }
+
+// Pages computed after a sequence's first eviction never reach the prefix cache: the prompt's
+// full pages (computed before the eviction at the prompt's end) are cached, the decode pages
+// are not; without a policy the decode pages are cached too.
+TEST(KvEviction, PagesComputedAfterAnEvictionAreNeverCached) {
+  LlamaModel* m = kvtest::smollm2_model();
+  ASSERT_TRUE(m);
+  auto tok = Tokenizer::from_gguf(*kvtest::smollm2_file());
+  ASSERT_TRUE(tok);
+  std::vector<int32_t> prompt(150);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(2000 + (i * 104729) % 20000);
+  for (bool evict : {false, true}) {
+    EngineConfig c;
+    c.max_num_batched_tokens = 64;
+    c.max_model_len = 512;
+    c.kv_cache_bytes = int64_t(96) * 16 * 23040;
+    if (evict) c.kv_policy = cfg_of(EvictionPolicy::kSinks, 64);
+    Engine e(*m, **tok, c);
+    Request r;
+    r.id = e.next_request_id();
+    r.prompt = prompt;
+    r.params.max_tokens = 60;
+    r.params.ignore_eos = true;
+    r.stream = std::make_shared<RequestStream>();
+    ASSERT_EQ(e.submit(r).http_status, 0);
+    for (int i = 0; i < 100000 && e.step(); ++i) ASSERT_TRUE(e.check_integrity().is_ok());
+    EXPECT_EQ(e.pages_in_use(), 0);
+    // 150 prompt + 59 computed decode positions = 209: 13 full pages, 9 of them the prompt's
+    EXPECT_EQ(e.pages_cached(), evict ? 9 : 13) << (evict ? "sinks" : "none");
+    EXPECT_EQ(e.pool().n_used(), e.pages_cached());
+  }
+}
