@@ -398,24 +398,38 @@ void LlamaModel::quest_select_layer(const Batch& batch, const PagePool& pool, in
   const int64_t HD = c.head_dim, n_qkv = int64_t(c.n_head + 2 * c.n_head_kv) * HD;
   const int32_t bs = pool.layout().block_size;
   const int n_group = c.n_group(), hkv = c.n_head_kv;
-  const int64_t n_work = int64_t(batch.seqs.size()) * hkv;
+  // Work: bounds in chunks of kChunk pages per (sequence, KV head), spread over the threads
+  // (a decode batch has few (sequence, head) pairs, often fewer than threads ×2), then one
+  // selection per pair.
+  constexpr int64_t kChunk = 64;
+  struct Chunk { int32_t si, h; int64_t i0, i1; };
+  thread_local std::vector<Chunk> chunks;  // the engine thread's
+  chunks.clear();
+  if (quest_bounds_.size() < quest_tables_.size()) quest_bounds_.resize(quest_tables_.size());
+  for (int32_t si = 0; si < static_cast<int32_t>(batch.seqs.size()); ++si) {
+    if (!quest_on_[si]) continue;
+    const BatchSeq& s = batch.seqs[si];
+    const int64_t n_pg = (s.pos0 + s.n_tokens - 1) / bs + 1;
+    for (int32_t h = 0; h < hkv; ++h) {
+      quest_bounds_[size_t(si) * hkv + h].assign(n_pg, 0.f);
+      for (int64_t i0 = 0; i0 < n_pg; i0 += kChunk) chunks.push_back({si, h, i0, std::min(n_pg, i0 + kChunk)});
+    }
+  }
+  const std::vector<Chunk>& work = chunks;
+  const int64_t n_pairs = int64_t(batch.seqs.size()) * hkv;
   tp.run([&](int ith, int nth) {
     int64_t b, e;
-    ThreadPool::split(n_work, ith, nth, 1, &b, &e);
-    thread_local std::vector<float> bound;
-    thread_local std::vector<int32_t> scratch;
+    ThreadPool::split(static_cast<int64_t>(work.size()), ith, nth, 1, &b, &e);
     for (int64_t wi = b; wi < e; ++wi) {
-      const int32_t si = static_cast<int32_t>(wi / hkv), h = static_cast<int32_t>(wi % hkv);
-      if (!quest_on_[si]) continue;
-      const BatchSeq& s = batch.seqs[si];
-      const int64_t last = s.pos0 + s.n_tokens - 1, n_pg = last / bs + 1;
+      const Chunk& ck = work[wi];
+      const BatchSeq& s = batch.seqs[ck.si];
       const int32_t* pages = s.pages;
-      bound.assign(n_pg, 0.f);
+      float* bound = quest_bounds_[size_t(ck.si) * hkv + ck.h].data();
       const int n_rows = s.n_tokens * n_group;
-      auto q_row = [&](int r) { return qkv_.data() + (s.offset + r / n_group) * n_qkv + int64_t(h * n_group + r % n_group) * HD; };
-      for (int64_t i = 0; i < n_pg; ++i) {
+      auto q_row = [&](int r) { return qkv_.data() + (s.offset + r / n_group) * n_qkv + int64_t(ck.h * n_group + r % n_group) * HD; };
+      for (int64_t i = ck.i0; i < ck.i1; ++i) {
         if (pages[i] < 0) continue;
-        const uint16_t* mn = pool.key_bounds(li, pages[i]) + int64_t(h) * 2 * HD;
+        const uint16_t* mn = pool.key_bounds(li, pages[i]) + int64_t(ck.h) * 2 * HD;
         const uint16_t* mx = mn + HD;
         float best = -std::numeric_limits<float>::infinity();
 #if defined(__AVX512F__)
@@ -447,7 +461,15 @@ void LlamaModel::quest_select_layer(const Batch& batch, const PagePool& pool, in
         }
         bound[i] = best;
       }
-      quest_select(*s.quest, bs, pages, last, bound.data(), &quest_tables_[size_t(si) * hkv + h], &scratch);
+    }
+    tp.barrier();
+    thread_local std::vector<int32_t> scratch;
+    ThreadPool::split(n_pairs, ith, nth, 1, &b, &e);
+    for (int64_t wi = b; wi < e; ++wi) {
+      const int32_t si = static_cast<int32_t>(wi / hkv), h = static_cast<int32_t>(wi % hkv);
+      if (!quest_on_[si]) continue;
+      const BatchSeq& s = batch.seqs[si];
+      quest_select(*s.quest, bs, s.pages, s.pos0 + s.n_tokens - 1, quest_bounds_[wi].data(), &quest_tables_[wi], &scratch);
     }
   });
 }
