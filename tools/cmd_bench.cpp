@@ -253,10 +253,8 @@ void run_bench(const BenchOptions& o) {
       if (!o.json) std::fprintf(stderr, "context: %d tokens prefilled in %.2f s\n", o.context, context_prefill_s);
       if (evc.evicts()) kv_tokens_read = static_cast<double>(seq.kept_tokens());
       if (evc.sparse())
-        kv_tokens_read = std::min<double>(  // K pages + sink pages + recent pages (quest_select's default: 4)
-            o.context, double(evc.sparse_pages + evc.sink_pages(lm.pool->layout().block_size) +
-                              std::max<int64_t>(1, evc.recent_tokens >= 0 ? evc.recent_tokens / lm.pool->layout().block_size : 4)) *
-                           lm.pool->layout().block_size);
+        kv_tokens_read = std::min<double>(o.context, double(evc.quest_pages_read(lm.pool->layout().block_size)) *
+                                                         lm.pool->layout().block_size);
       if (!o.json && evc.active())
         std::fprintf(stderr, "KV policy %s: decode reads ~%.0f of %d context tokens\n", evc.describe(lm.pool->layout().block_size).c_str(),
                      kv_tokens_read, o.context);

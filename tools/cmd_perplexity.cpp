@@ -465,7 +465,7 @@ void run_perplexity(const PerplexityOptions& o) {
   j["ppl_stderr"] = ppl_err;
   j["kv_cache_dtype"] = kv::kv_dtype_name(layout.dtype);
   j["kv_eviction"] = {{"policy", kv::eviction_policy_name(evc.policy)}, {"budget", evc.budget}, {"sink_tokens", evc.sinks()},
-                      {"recent_tokens", evc.evicts() ? evc.recent() : 0}, {"obs_window", evc.obs_window},
+                      {"recent_tokens", evc.evicts() ? evc.recent(layout.block_size) : 0}, {"obs_window", evc.obs_window},
                       {"sparse", evc.sparse() ? "quest" : "none"}, {"sparse_pages", evc.sparse_pages},
                       {"kept_tokens_per_window", double(kept_sum) / n_win}, {"evicted_tokens_per_window", double(evicted_sum) / n_win}};
   if (!o.kvo.layer_dtypes.empty()) j["kv_cache_dtype_layers"] = o.kvo.layer_dtypes;

@@ -365,27 +365,18 @@ void Engine::annotate(Sequence& s, BatchSeq& b) {
   const int64_t n_pages = BlockTable::pages_for(b.pos0 + b.n_tokens, cfg_.block_size);
   if (static_cast<int64_t>(s.scores.size()) < n_pages) s.scores.resize(n_pages, 0.f);
   b.page_scores = s.scores.data();
-  // SnapKV: of a prompt, only its last obs_window queries vote; every decode query votes
-  if (s.evict.policy == EvictionPolicy::kSnapKV)
-    b.score_from = static_cast<int32_t>(
-        std::clamp<int64_t>(static_cast<int64_t>(s.tokens.size()) - s.evict.obs_window - b.pos0, 0, b.n_tokens));
+  b.score_from = score_from(s.evict, static_cast<int64_t>(s.tokens.size()), b.pos0, b.n_tokens);
 }
 
 // After a run: a sequence whose known tokens are all computed (a prompt just ended, or a
 // decode step) evicts when the policy says so, at a prompt's end or when a page has filled.
 void Engine::maybe_evict(Sequence& s, int32_t n_run) {
-  if (!s.evict.evicts() || s.n_computed != static_cast<int64_t>(s.tokens.size())) return;
+  if (s.n_computed != static_cast<int64_t>(s.tokens.size())) return;  // mid-prompt
   const int32_t bs = cfg_.block_size;
-  if (n_run <= 1 && s.n_computed % bs != 0) return;
-  const std::vector<int64_t> out = choose_evictions(s.evict, bs, s.table.pages, s.n_computed, s.scores);
+  const std::vector<int64_t> out = evict_if_due(s.evict, *pool_, s.table.pages, s.n_computed, n_run > 1, s.scores);
   if (out.empty()) return;
-  for (int64_t i : out) {
-    pool_->release(s.table.pages[i]);
-    s.table.pages[i] = -1;
-  }
   s.evicted_tokens += int64_t(out.size()) * bs;
   metrics_.add_evicted_tokens(int64_t(out.size()) * bs);
-  if (s.evict.policy == EvictionPolicy::kSnapKV) std::fill(s.scores.begin(), s.scores.end(), 0.f);
   if (s.first_evicted_page < 0 || out.front() < s.first_evicted_page) s.first_evicted_page = out.front();
   // The prefix this sequence still holds ends before its first evicted page: pin only that
   // (the evicted pages the cache holds become ordinary, evictable cached pages).

@@ -91,23 +91,13 @@ void SequenceRunner::annotate_batch(int64_t feed_end) {
   if (!evict_.wants_scores()) return;
   for (BatchSeq& s : batch_.seqs) {
     s.page_scores = scores_.data();
-    s.score_from = 0;
-    if (evict_.policy == EvictionPolicy::kSnapKV)  // only the observation window votes
-      s.score_from = static_cast<int32_t>(std::clamp<int64_t>(feed_end - evict_.obs_window - s.pos0, 0, s.n_tokens));
+    s.score_from = score_from(evict_, feed_end, s.pos0, s.n_tokens);
   }
 }
 
 void SequenceRunner::maybe_evict(bool prompt_end) {
-  if (!evict_.evicts()) return;
-  const int32_t bs = pool_.layout().block_size;
-  if (!prompt_end && table_.n_tokens % bs != 0) return;
-  const std::vector<int64_t> out = choose_evictions(evict_, bs, table_.pages, table_.n_tokens, scores_);
-  for (int64_t i : out) {
-    pool_.release(table_.pages[i]);
-    table_.pages[i] = -1;
-    evicted_tokens_ += bs;
-  }
-  if (!out.empty() && evict_.policy == EvictionPolicy::kSnapKV) std::fill(scores_.begin(), scores_.end(), 0.f);
+  const std::vector<int64_t> out = evict_if_due(evict_, pool_, table_.pages, table_.n_tokens, prompt_end, scores_);
+  evicted_tokens_ += int64_t(out.size()) * pool_.layout().block_size;
 }
 
 int32_t SequenceRunner::chunk() const {
@@ -155,9 +145,7 @@ Status SequenceRunner::feed_all_logits(const int32_t* tokens, int64_t n, std::ve
     if (evict_.evicts()) len = std::min<int64_t>(len, bs - table_.n_tokens % bs);
     batch_.clear();
     for (int32_t k = 0; k < len; ++k) batch_.add(table_.pages.data(), table_.n_tokens + k, tokens + i + k, 1, true);
-    annotate_batch(table_.n_tokens + len);
-    if (evict_.policy == EvictionPolicy::kSnapKV)  // decoding: every query since the last eviction votes
-      for (BatchSeq& s : batch_.seqs) s.score_from = 0;
+    annotate_batch(table_.n_tokens + 1);  // decoding: every query since the last eviction votes
     if (Status st = forward(out->data() + i * nv); !st) return st;
     table_.n_tokens += len;
     maybe_evict(false);

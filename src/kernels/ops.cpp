@@ -24,6 +24,7 @@ float max_value(const float* x, int64_t n);
 double exp_scaled(float* x, int64_t n, float mx, float scale, double* block_sums);
 int64_t collect_ge(const float* x, int64_t n, float t, int32_t* idx, double* mass);
 int64_t first_gt(const float* x, int64_t from, int64_t n, float t);
+float key_bound(const float* const* q, int n_rows, const uint16_t* mn, const uint16_t* mx, int hd);
 }  // namespace avx512_ops
 
 namespace {
@@ -243,6 +244,11 @@ int64_t collect_ge(const float* x, int64_t n, float t, int32_t* idx, double* mas
 int64_t first_gt(const float* x, int64_t from, int64_t n, float t) {
   if (use_avx512()) return avx512_ops::first_gt(x, from, n, t);
   return first_gt_ref(x, from, n, t);
+}
+
+float key_bound(const float* const* q, int n_rows, const uint16_t* mn, const uint16_t* mx, int hd) {
+  if (use_avx512() && hd % 16 == 0) return avx512_ops::key_bound(q, n_rows, mn, mx, hd);
+  return key_bound_ref(q, n_rows, mn, mx, hd);
 }
 
 void add_inplace(float* y, const float* x, int64_t n) {

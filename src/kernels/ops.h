@@ -55,6 +55,12 @@ int64_t collect_ge_ref(const float* x, int64_t n, float t, int32_t* idx, double*
 int64_t first_gt(const float* x, int64_t from, int64_t n, float t);
 int64_t first_gt_ref(const float* x, int64_t from, int64_t n, float t);
 
+// Quest's page bound (kv/kv_eviction.h): for n_rows query rows q[r] of hd floats and a page's
+// channel-wise key bounds mn, mx (f16, hd each), max over r of Σ_d max(q_d·mn_d, q_d·mx_d): no
+// key k with mn ≤ k ≤ mx scores higher against any of the rows.
+float key_bound(const float* const* q, int n_rows, const uint16_t* mn, const uint16_t* mx, int hd);
+float key_bound_ref(const float* const* q, int n_rows, const uint16_t* mn, const uint16_t* mx, int hd);
+
 // Which implementation the fast entry points above run. Chosen once, on first use, from the
 // CPU (AVX-512F) and env KV_ISA (scalar|avx2|avx512; avx2 has no ops of its own and means
 // scalar here). Tests override it to exercise every path in one process. Thread-safe.

@@ -204,4 +204,25 @@ int64_t first_gt(const float* x, int64_t from, int64_t n, float t) {
   return n;
 }
 
+float key_bound(const float* const* q, int n_rows, const uint16_t* mn, const uint16_t* mx, int hd) {
+  constexpr int kMaxChunks = 16;  // head_dim ≤ 256
+  __m512 lo[kMaxChunks], hi[kMaxChunks];
+  const int nc = std::min(hd / 16, kMaxChunks);
+  for (int c = 0; c < nc; ++c) {
+    lo[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + 16 * c)));
+    hi[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mx + 16 * c)));
+  }
+  float best = -std::numeric_limits<float>::infinity();
+  for (int r = 0; r < n_rows; ++r) {  // max(q·lo, q·hi) = q · (q > 0 ? hi : lo)
+    __m512 acc = _mm512_setzero_ps();
+    for (int c = 0; c < nc; ++c) {
+      const __m512 qv = _mm512_loadu_ps(q[r] + 16 * c);
+      const __mmask16 pos = _mm512_cmp_ps_mask(qv, _mm512_setzero_ps(), _CMP_GT_OQ);
+      acc = _mm512_fmadd_ps(qv, _mm512_mask_blend_ps(pos, lo[c], hi[c]), acc);
+    }
+    best = std::max(best, _mm512_reduce_add_ps(acc));
+  }
+  return best;
+}
+
 }  // namespace kv::avx512_ops

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "kernels/ops.h"
+#include "kernels/quant.h"
 
 namespace kv {
 
@@ -107,6 +108,16 @@ int64_t first_gt_ref(const float* x, int64_t from, int64_t n, float t) {
   for (int64_t i = from; i < n; ++i)
     if (x[i] > t) return i;
   return n;
+}
+
+float key_bound_ref(const float* const* q, int n_rows, const uint16_t* mn, const uint16_t* mx, int hd) {
+  double best = -std::numeric_limits<double>::infinity();
+  for (int r = 0; r < n_rows; ++r) {
+    double sum = 0;
+    for (int d = 0; d < hd; ++d) sum += std::max(double(q[r][d]) * fp16_to_fp32(mn[d]), double(q[r][d]) * fp16_to_fp32(mx[d]));
+    best = std::max(best, sum);
+  }
+  return static_cast<float>(best);
 }
 
 }  // namespace kv

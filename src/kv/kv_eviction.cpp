@@ -23,11 +23,11 @@ Result<EvictionPolicy> parse_eviction_policy(const std::string& s) {
   return Status::error("unknown KV eviction policy '" + s + "' (expected none, window, sinks, h2o or snapkv)");
 }
 
-int64_t EvictionConfig::recent() const {
+int64_t EvictionConfig::recent(int32_t block_size) const {
   if (recent_tokens >= 0) return recent_tokens;
   switch (policy) {
     case EvictionPolicy::kWindow:
-    case EvictionPolicy::kSinks: return std::max<int64_t>(0, budget - sinks());  // trimmed to pages by recent_pages
+    case EvictionPolicy::kSinks: return std::max<int64_t>(0, (budget / block_size - sink_pages(block_size) - 1) * block_size);
     case EvictionPolicy::kH2O: return budget / 2;
     case EvictionPolicy::kSnapKV: return budget / 4;
     case EvictionPolicy::kNone: return 0;
@@ -49,7 +49,7 @@ Status EvictionConfig::validate(int32_t block_size) const {
 
 std::string EvictionConfig::describe(int32_t block_size) const {
   std::string s = eviction_policy_name(policy);
-  if (evicts()) s += " budget " + std::to_string(budget) + " sinks " + std::to_string(sinks()) + " recent " + std::to_string(std::min<int64_t>(recent(), recent_pages(block_size) * block_size));
+  if (evicts()) s += " budget " + std::to_string(budget) + " sinks " + std::to_string(sinks()) + " recent " + std::to_string(recent(block_size));
   if (sparse()) s += std::string(evicts() ? ", " : "") + "quest " + std::to_string(sparse_pages) + " pages";
   return s;
 }
@@ -98,11 +98,9 @@ void quest_select(const EvictionConfig& cfg, int32_t block_size, const int32_t* 
   const int64_t n = pos / block_size + 1;
   out->assign(pages, pages + n);
   const int64_t first = cfg.sink_pages(block_size);
-  // recent: --kv-recent-tokens, by default the query's own page and the 3 before it (64 tokens
-  // at block size 16): what a token attends to most is the text just before it, and a query
-  // early in its page would otherwise see almost none of it unless its bound picked it.
-  const int64_t recent = std::max<int64_t>(cfg.recent_tokens >= 0 ? cfg.recent_tokens : 4 * block_size, block_size);
-  const int64_t recent_from = std::max<int64_t>(0, pos + 1 - recent) / block_size;
+  // recent (quest_recent): what a token attends to most is the text just before it, and a
+  // query early in its page would otherwise see almost none of it unless its bound picked it.
+  const int64_t recent_from = std::max<int64_t>(0, pos + 1 - cfg.quest_recent(block_size)) / block_size;
   scratch->clear();
   for (int64_t i = first; i < recent_from && i < n; ++i)
     if (pages[i] >= 0) scratch->push_back(static_cast<int32_t>(i));
@@ -115,4 +113,23 @@ void quest_select(const EvictionConfig& cfg, int32_t block_size, const int32_t* 
   for (size_t j = k; j < scratch->size(); ++j) (*out)[(*scratch)[j]] = -1;
 }
 
+int32_t score_from(const EvictionConfig& cfg, int64_t n_known, int64_t pos0, int32_t n) {
+  if (cfg.policy != EvictionPolicy::kSnapKV) return 0;
+  return static_cast<int32_t>(std::clamp<int64_t>(n_known - cfg.obs_window - pos0, 0, n));
+}
+
+std::vector<int64_t> evict_if_due(const EvictionConfig& cfg, PagePool& pool, std::vector<int32_t>& pages, int64_t n_tokens,
+                                  bool prompt_end, std::vector<float>& scores) {
+  const int32_t bs = pool.layout().block_size;
+  if (!cfg.evicts() || (!prompt_end && n_tokens % bs != 0)) return {};
+  std::vector<int64_t> out = choose_evictions(cfg, bs, pages, n_tokens, scores);
+  for (int64_t i : out) {
+    pool.release(pages[i]);
+    pages[i] = -1;
+  }
+  if (!out.empty() && cfg.policy == EvictionPolicy::kSnapKV) std::fill(scores.begin(), scores.end(), 0.f);
+  return out;
+}
+
 }  // namespace kv
+

@@ -24,11 +24,13 @@
 // default its own page and the 3 before it) plus the sparse_pages pages with the highest
 // upper bound Σ_d max(q_d·min_d, q_d·max_d).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "common/status.h"
+#include "kv/page_pool.h"
 
 namespace kv {
 
@@ -41,7 +43,7 @@ struct EvictionConfig {
   EvictionPolicy policy = EvictionPolicy::kNone;
   int64_t budget = 0;         // tokens kept per sequence (global layer group)
   int32_t sink_tokens = 4;    // kept from the start (window: none)
-  int32_t recent_tokens = -1; // kept at the end; -1: the policy's default (recent_default)
+  int32_t recent_tokens = -1; // kept at the end; -1: the policy's default (recent())
   int32_t obs_window = 32;    // SnapKV: prompt queries that vote at the end of a prompt
   // Quest sparse reads (independent of eviction): 0 = off, else pages read per decode query
   // beyond the sink and recent pages.
@@ -53,18 +55,21 @@ struct EvictionConfig {
   bool active() const { return evicts() || sparse(); }
   // Tokens of the start area: sink_tokens (window: 0).
   int32_t sinks() const { return policy == EvictionPolicy::kWindow ? 0 : sink_tokens; }
-  // Tokens of the recent area: recent_tokens, or by default the whole budget after the sinks
-  // (window, sinks), half of it (h2o, as the H2O paper splits), a quarter (snapkv).
-  int64_t recent() const;
+  // Tokens of the recent area (whole pages before the filling one): recent_tokens, or by
+  // default what the budget leaves after the sink pages and the filling page (window, sinks),
+  // half of the budget (h2o, as the H2O paper splits it), a quarter (snapkv).
+  int64_t recent(int32_t block_size) const;
   // Whole pages of the start area / recent area at this block size.
   int64_t sink_pages(int32_t block_size) const { return (sinks() + block_size - 1) / block_size; }
-  // The default for window / sinks leaves exactly the budget: sink pages + recent pages + the
-  // filling page.
-  int64_t recent_pages(int32_t block_size) const {
-    const int64_t p = (recent() + block_size - 1) / block_size;
-    if (recent_tokens < 0 && (policy == EvictionPolicy::kWindow || policy == EvictionPolicy::kSinks))
-      return std::max<int64_t>(0, std::min(p, budget / block_size - sink_pages(block_size) - 1));
-    return p;
+  int64_t recent_pages(int32_t block_size) const { return (recent(block_size) + block_size - 1) / block_size; }
+  // Quest: tokens always read at the end: recent_tokens, by default the query's own page and
+  // the 3 before it.
+  int64_t quest_recent(int32_t block_size) const {
+    return std::max<int64_t>(recent_tokens >= 0 ? recent_tokens : 4 * block_size, block_size);
+  }
+  // Quest: pages a decode query reads at most (sink, recent, sparse_pages).
+  int64_t quest_pages_read(int32_t block_size) const {
+    return sink_pages(block_size) + (quest_recent(block_size) + block_size - 1) / block_size + sparse_pages;
   }
   // The budget must leave room for one evictable page beyond sinks and recent, and everything
   // must be non-negative.
@@ -88,5 +93,16 @@ std::vector<int64_t> choose_evictions(const EvictionConfig& cfg, int32_t block_s
 // of pages with unselected entries set to -1 into out (resized to pos / block_size + 1).
 void quest_select(const EvictionConfig& cfg, int32_t block_size, const int32_t* pages, int64_t pos, const float* bound,
                   std::vector<int32_t>* out, std::vector<int32_t>* scratch);
+
+// What the owner of a sequence (Engine, SequenceRunner) calls around a forward.
+// The first token of a run [pos0, pos0 + n) whose queries add to the page scores: SnapKV's
+// observation window is the last obs_window of the n_known tokens (a prompt's end; in decode,
+// every query), the other scored policies take every token.
+int32_t score_from(const EvictionConfig& cfg, int64_t n_known, int64_t pos0, int32_t n);
+// After a run, with n_tokens positions written: evicts what the policy says when due (a page
+// has just filled, or a run of several tokens, a prompt, has ended): releases the pages,
+// writes -1 into the table, resets SnapKV's scores. Returns the logical pages evicted.
+std::vector<int64_t> evict_if_due(const EvictionConfig& cfg, PagePool& pool, std::vector<int32_t>& pages, int64_t n_tokens,
+                                  bool prompt_end, std::vector<float>& scores);
 
 }  // namespace kv

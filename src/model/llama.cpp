@@ -1,7 +1,5 @@
 #include "model/llama.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -338,31 +336,26 @@ void LlamaModel::plan_attention(const Batch& batch, int32_t block_size) {
 }
 
 bool LlamaModel::prepare_scores(const Batch& batch, int n_threads, int32_t block_size) {
+  // One stretch of the accumulators per distinct page_scores array (runs may share one).
   score_slots_.clear();
   seq_score_off_.assign(batch.seqs.size(), -1);
-  int64_t width = 0;
   for (size_t i = 0; i < batch.seqs.size(); ++i) {
     const BatchSeq& s = batch.seqs[i];
     if (!s.page_scores || s.score_from >= s.n_tokens) continue;
     const int64_t n_pages = (s.pos0 + s.n_tokens + block_size - 1) / block_size;
     auto it = std::find_if(score_slots_.begin(), score_slots_.end(), [&](const ScoreSlot& x) { return x.dst == s.page_scores; });
-    if (it == score_slots_.end()) {
-      score_slots_.push_back({s.page_scores, n_pages, 0});
-    } else {
-      it->n_pages = std::max(it->n_pages, n_pages);
-    }
+    if (it == score_slots_.end()) it = score_slots_.insert(it, {s.page_scores, 0, 0});
+    it->n_pages = std::max(it->n_pages, n_pages);
+    seq_score_off_[i] = it - score_slots_.begin();  // slot index for now, offset below
   }
   if (score_slots_.empty()) return false;
+  int64_t width = 0;
   for (ScoreSlot& x : score_slots_) {
     x.off = width;
     width += x.n_pages;
   }
-  for (size_t i = 0; i < batch.seqs.size(); ++i) {
-    const BatchSeq& s = batch.seqs[i];
-    if (!s.page_scores || s.score_from >= s.n_tokens) continue;
-    for (const ScoreSlot& x : score_slots_)
-      if (x.dst == s.page_scores) seq_score_off_[i] = x.off;
-  }
+  for (int64_t& off : seq_score_off_)
+    if (off >= 0) off = score_slots_[off].off;
   score_acc_.resize(n_threads);
   for (auto& a : score_acc_) a.assign(width, 0.f);
   // split parts keep their page log-sum-exps until the merge
@@ -426,40 +419,12 @@ void LlamaModel::quest_select_layer(const Batch& batch, const PagePool& pool, in
       const int32_t* pages = s.pages;
       float* bound = quest_bounds_[size_t(ck.si) * hkv + ck.h].data();
       const int n_rows = s.n_tokens * n_group;
-      auto q_row = [&](int r) { return qkv_.data() + (s.offset + r / n_group) * n_qkv + int64_t(ck.h * n_group + r % n_group) * HD; };
+      const float* q[kAttnQTile * kAttnMaxGroup];  // the run's query rows of this KV head's group
+      for (int r = 0; r < n_rows; ++r) q[r] = qkv_.data() + (s.offset + r / n_group) * n_qkv + int64_t(ck.h * n_group + r % n_group) * HD;
       for (int64_t i = ck.i0; i < ck.i1; ++i) {
         if (pages[i] < 0) continue;
         const uint16_t* mn = pool.key_bounds(li, pages[i]) + int64_t(ck.h) * 2 * HD;
-        const uint16_t* mx = mn + HD;
-        float best = -std::numeric_limits<float>::infinity();
-#if defined(__AVX512F__)
-        if (HD % 16 == 0 && HD <= kAttnMaxHeadDim) {
-          __m512 lo[kAttnMaxHeadDim / 16], hi[kAttnMaxHeadDim / 16];
-          for (int64_t c = 0; c < HD / 16; ++c) {
-            lo[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + 16 * c)));
-            hi[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mx + 16 * c)));
-          }
-          for (int r = 0; r < n_rows; ++r) {  // max(q·lo, q·hi) = q · (q > 0 ? hi : lo)
-            const float* q = q_row(r);
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t c = 0; c < HD / 16; ++c) {
-              const __m512 qv = _mm512_loadu_ps(q + 16 * c);
-              const __mmask16 pos = _mm512_cmp_ps_mask(qv, _mm512_setzero_ps(), _CMP_GT_OQ);
-              acc = _mm512_fmadd_ps(qv, _mm512_mask_blend_ps(pos, lo[c], hi[c]), acc);
-            }
-            best = std::max(best, _mm512_reduce_add_ps(acc));
-          }
-          bound[i] = best;
-          continue;
-        }
-#endif
-        for (int r = 0; r < n_rows; ++r) {
-          const float* q = q_row(r);
-          float sum = 0.f;
-          for (int64_t d = 0; d < HD; ++d) sum += std::max(q[d] * fp16_to_fp32(mn[d]), q[d] * fp16_to_fp32(mx[d]));
-          best = std::max(best, sum);
-        }
-        bound[i] = best;
+        bound[i] = key_bound(q, n_rows, mn, mn + HD, static_cast<int>(HD));
       }
     }
     tp.barrier();

@@ -2,6 +2,7 @@
 // (scalar always; AVX-512 when present), over sizes that hit every tail case.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "kernels/ops.h"
+#include "kernels/quant.h"
 
 namespace kv {
 namespace {
@@ -302,6 +304,44 @@ TEST_P(OpsTest, FirstGt) {
     for (float t : {-10.f, 0.f, 1.5f, 2.5f, 10.f})
       for (int64_t from : {int64_t(0), int64_t(1), n / 2, n - 1, n})
         ASSERT_EQ(first_gt(x.data(), from, n, t), first_gt_ref(x.data(), from, n, t)) << n << " " << t << " " << from;
+  }
+}
+
+// Quest's page bound: the fast path equals the double reference to float rounding, and it is
+// a bound: no key inside [mn, mx] scores higher, and the best corner reaches it.
+TEST_P(OpsTest, KeyBound) {
+  for (int hd : {16, 48, 64, 256}) {
+    for (int n_rows : {1, 3, 16}) {
+      const auto qs = randn(int64_t(n_rows) * hd, hd + n_rows, 1.0f);
+      const auto a = randn(hd, hd * 7 + n_rows, 2.0f), b = randn(hd, hd * 11 + n_rows, 2.0f);
+      std::vector<uint16_t> mn(hd), mx(hd);
+      for (int d = 0; d < hd; ++d) {
+        mn[d] = fp32_to_fp16(std::min(a[d], b[d]));
+        mx[d] = fp32_to_fp16(std::max(a[d], b[d]));
+      }
+      std::vector<const float*> q(n_rows);
+      for (int r = 0; r < n_rows; ++r) q[r] = qs.data() + int64_t(r) * hd;
+      const float got = key_bound(q.data(), n_rows, mn.data(), mx.data(), hd);
+      const float want = key_bound_ref(q.data(), n_rows, mn.data(), mx.data(), hd);
+      ASSERT_NEAR(got, want, 1e-5f * (1.f + std::fabs(want))) << hd << " " << n_rows;
+      std::mt19937 rng(hd);
+      std::uniform_real_distribution<float> u(0.f, 1.f);
+      double corner_best = -1e30;
+      for (int r = 0; r < n_rows; ++r) {
+        double corner = 0;  // the key that reaches the bound for row r
+        for (int d = 0; d < hd; ++d) corner += q[r][d] * double(q[r][d] > 0 ? fp16_to_fp32(mx[d]) : fp16_to_fp32(mn[d]));
+        corner_best = std::max(corner_best, corner);
+        for (int t = 0; t < 50; ++t) {  // random keys inside the box
+          double dot = 0;
+          for (int d = 0; d < hd; ++d) {
+            const float lo = fp16_to_fp32(mn[d]), hi = fp16_to_fp32(mx[d]);
+            dot += q[r][d] * double(lo + (hi - lo) * u(rng));
+          }
+          ASSERT_LE(dot, want + 1e-4);
+        }
+      }
+      ASSERT_NEAR(want, corner_best, 1e-6 * (1 + std::fabs(corner_best)));
+    }
   }
 }
 
