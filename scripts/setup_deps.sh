@@ -20,6 +20,7 @@ APT_PACKAGES=(
   libcli11-dev libcpp-httplib-dev nlohmann-json3-dev libxxhash-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libfmt-dev libspdlog-dev libpcre2-dev
+  libhiredis-dev redis-server
   iproute2
 )
 

@@ -38,6 +38,15 @@ struct ServeOptions {
   std::string policy = "fcfs";
   KvOptions kvo;
   EvictionOptions evo;
+  // KV tiers below RAM
+  std::string kv_disk_dir;
+  std::string kv_disk_bytes = "8GiB";
+  std::vector<std::string> kv_redis;
+  int kv_redis_ttl = 0;
+  int kv_redis_timeout_ms = 100;
+  std::string kv_tier_write = "back";
+  int kv_tier_min_tokens = 32;
+  std::string preemption_mode = "recompute";
 };
 
 
@@ -92,7 +101,28 @@ void run_serve(const ServeOptions& o) {
   if (kv::PagePool::pages_for_bytes(layout, ec.kv_cache_bytes, kv::staging_slots(ec)) < 1)
     fail("--kv-cache-memory " + o.kvo.memory + " holds no page (one page is " + kv::format_bytes(layout.page_bytes()) + ")");
 
+  ec.tiers.disk_dir = o.kv_disk_dir;
+  auto disk_bytes = kv::parse_memory_size(o.kv_disk_bytes);
+  if (!disk_bytes) fail("--kv-disk-bytes: " + disk_bytes.message());
+  ec.tiers.disk_bytes = *disk_bytes;
+  for (const auto& r : o.kv_redis) {  // several addresses: repeat the flag or separate by commas
+    size_t a = 0;
+    while (a <= r.size()) {
+      const size_t b = std::min(r.find(',', a), r.size());
+      if (b > a) ec.tiers.redis.push_back(r.substr(a, b - a));
+      a = b + 1;
+    }
+  }
+  ec.tiers.redis_ttl_s = o.kv_redis_ttl;
+  ec.tiers.redis_timeout_ms = o.kv_redis_timeout_ms;
+  ec.tiers.write_through = o.kv_tier_write == "through";
+  ec.tiers.min_pages = std::max(1, (o.kv_tier_min_tokens + o.kvo.block_size - 1) / o.kvo.block_size);
+  ec.preemption = o.preemption_mode == "swap" ? kv::EngineConfig::Preemption::kSwap : kv::EngineConfig::Preemption::kRecompute;
+  if (ec.preemption == kv::EngineConfig::Preemption::kSwap && !ec.tiers.enabled())
+    fail("--preemption-mode swap writes pages to a KV tier: give --kv-disk-dir or --kv-redis");
+
   kv::Engine engine(**model, **tok, ec);
+  if (!engine.init_status()) fail(engine.init_status().message());
   const int64_t n_pages = engine.pool().n_pages();
   const int64_t n_tokens = n_pages * ec.block_size;
   const int64_t pages_per_seq = (ec.max_model_len + ec.block_size - 1) / ec.block_size;
@@ -109,6 +139,19 @@ void run_serve(const ServeOptions& o) {
   std::fprintf(stderr, "engine: max_num_seqs %d, max_num_batched_tokens %d, max_queue %d, prefix caching %s, policy %s, KV policy %s\n",
                ec.max_num_seqs, ec.max_num_batched_tokens, ec.max_queue, ec.enable_prefix_caching ? "on" : "off", o.policy.c_str(),
                ec.kv_policy.describe(ec.block_size).c_str());
+
+  if (ec.tiers.enabled()) {
+    std::string redis;
+    for (const auto& r : ec.tiers.redis) redis += (redis.empty() ? "" : ",") + r;
+    const kv::MetricsSnapshot ms = engine.metrics();
+    std::fprintf(stderr, "KV tiers: disk %s%s, redis %s%s; write-%s, preemption %s\n",
+                 ec.tiers.disk_dir.empty() ? "off" : ec.tiers.disk_dir.c_str(),
+                 ec.tiers.disk_dir.empty() ? "" : (" (" + kv::format_bytes(ec.tiers.disk_bytes) + ", " +
+                                                   std::to_string(ms.tiers.empty() ? 0 : ms.tiers[0].s.pages_stored) + " pages found)").c_str(),
+                 redis.empty() ? "off" : redis.c_str(),
+                 ec.tiers.redis_ttl_s > 0 ? (" (ttl " + std::to_string(ec.tiers.redis_ttl_s) + " s)").c_str() : "",
+                 ec.tiers.write_through ? "through" : "back", o.preemption_mode.c_str());
+  }
 
   std::string stem = std::filesystem::path(o.model).stem().string();
   kv::ApiContext ctx;
@@ -182,6 +225,23 @@ void add_serve_command(CLI::App& app) {
       ->capture_default_str();
   add_kv_options(cmd, &o->kvo);
   add_eviction_options(cmd, &o->evo);
+  cmd->add_option("--kv-disk-dir", o->kv_disk_dir, "L2 KV tier: keep prefix pages in this directory (survives restarts)");
+  cmd->add_option("--kv-disk-bytes", o->kv_disk_bytes, "L2 size; least recently used pages go first")->capture_default_str();
+  cmd->add_option("--kv-redis", o->kv_redis,
+                  "L3 KV tier shared by instances: redis://HOST:PORT (repeat or comma-separate; a Redis Cluster is followed)");
+  cmd->add_option("--kv-redis-ttl", o->kv_redis_ttl, "seconds a page stays in Redis (0: no expiry)")->check(CLI::Range(0, 1 << 30))->capture_default_str();
+  cmd->add_option("--kv-redis-timeout-ms", o->kv_redis_timeout_ms, "Redis connect / command timeout")
+      ->check(CLI::Range(1, 60000))
+      ->capture_default_str();
+  cmd->add_option("--kv-tier-write", o->kv_tier_write, "back: write a page down when RAM evicts it; through: as soon as it is full")
+      ->check(CLI::IsMember({"back", "through"}))
+      ->capture_default_str();
+  cmd->add_option("--kv-tier-min-tokens", o->kv_tier_min_tokens, "look below RAM only when at least this many prompt tokens could come from there")
+      ->check(CLI::Range(1, 1 << 24))
+      ->capture_default_str();
+  cmd->add_option("--preemption-mode", o->preemption_mode, "recompute, or swap: a preempted sequence's pages go to the KV tiers and come back")
+      ->check(CLI::IsMember({"recompute", "swap"}))
+      ->capture_default_str();
   cmd->callback([o] { run_serve(*o); });
 }
 

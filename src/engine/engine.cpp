@@ -61,6 +61,10 @@ struct Engine::Sequence {
   std::vector<float> scores;       // h2o / snapkv: attention mass per logical page
   int64_t evicted_tokens = 0;      // over the sequence's life (preemptions included)
   int64_t first_evicted_page = -1; // pages from here on are never published as a prefix
+  // Lower tiers: a lookup in flight (the sequence is loading and is not admitted meanwhile).
+  uint64_t tier_ticket = 0;
+  bool tier_checked = false;       // looked (or decided not to look) below RAM
+  Clock::time_point tier_deadline;
 
   Sequence(const Tokenizer& tok, const SamplingParams& sp) : sampler(sp), detok(tok) {}
   int64_t to_compute() const { return static_cast<int64_t>(tokens.size()) - n_computed; }
@@ -105,14 +109,43 @@ Engine::Engine(LlamaModel& model, const Tokenizer& tok, const EngineConfig& cfg)
   // Hybrid models: the cache also keeps the sliding-window layers' pages, and a prefix counts
   // only with its last window present (prefix_cache.h).
   if (cfg.enable_prefix_caching)
-    cache_ = std::make_unique<PrefixCache>(*pool_, model.fingerprint(), static_cast<int32_t>(cfg.kv_dtype), nullptr,
+    cache_ = std::make_unique<PrefixCache>(*pool_, model.fingerprint(), static_cast<int32_t>(layout.format_tag()), nullptr,
                                            WindowGroup{pool_g1_.get(), window_g1_});
+  if (cfg.tiers.enabled()) {
+    if (!cache_) {
+      init_status_ = Status::error("the KV tiers (--kv-disk-dir, --kv-redis) keep prefix-cache pages: enable prefix caching");
+    } else if (pool_g1_) {
+      init_status_ = Status::error("the KV tiers do not handle sliding-window hybrid models (e.g. Gemma 3) yet");
+    } else {
+      auto t = TierManager::create(cfg.tiers, layout, pool_->has_key_bounds(), model.fingerprint());
+      if (!t) {
+        init_status_ = t.status();
+      } else {
+        tiers_ = std::move(*t);
+        tiers_->set_pool(pool_.get());
+        tiers_->set_notify([this] {
+          tier_ready_.store(true);
+          in_cv_.notify_all();
+        });
+        cache_->set_listener(tiers_.get());
+      }
+    }
+  }
   metrics_.set_gauges(0, 0, pool_->n_pages(), 0);
 }
 
 Engine::~Engine() {
   stop();
   std::lock_guard<std::mutex> l(state_mu_);
+  if (tiers_) {
+    // Write-back keeps pages in RAM until evicted: on the way out every cached page goes down,
+    // so the next start finds them (the tier manager finishes its queue when destroyed).
+    if (!tiers_->config().write_through) cache_->for_each_page([&](const PageHash& h, const std::string& ns, const int32_t* t, int32_t p) {
+      tiers_->store(h, ns, t, p);
+    });
+    cache_->set_listener(nullptr);
+    tiers_.reset();
+  }
   for (auto* q : {&running_, &waiting_})
     for (auto& s : *q) {
       if (cache_) cache_->unpin(s->pin);
@@ -182,7 +215,7 @@ void Engine::loop() {
     while (inspectors_.load() > 0 && !stop_.load()) std::this_thread::sleep_for(std::chrono::microseconds(200));
     if (!step()) {
       std::unique_lock<std::mutex> l(in_mu_);
-      in_cv_.wait_for(l, std::chrono::milliseconds(20), [&] { return !incoming_.empty() || stop_.load(); });
+      in_cv_.wait_for(l, std::chrono::milliseconds(20), [&] { return !incoming_.empty() || stop_.load() || tier_ready_.load(); });
     }
   }
 }
@@ -260,6 +293,7 @@ void Engine::slide(Sequence& s) {
 void Engine::preempt(Sequence& s) {
   // Recompute later: the full pages go to the prefix cache (so resuming is mostly a hit),
   // the rest is freed; the tokens (prompt + generated) stay.
+  if (tiers_ && cfg_.preemption == EngineConfig::Preemption::kSwap) swap_out(s);
   release(s);
   s.n_computed = 0;
   metrics_.add_preemption();
@@ -285,6 +319,11 @@ bool Engine::schedule(Plan* plan) {
     } else {
       ++it;
     }
+  }
+
+  if (tiers_) {
+    install_tier_pages();
+    lookup_tiers();
   }
 
   int64_t budget = cfg_.max_num_batched_tokens;
@@ -331,6 +370,7 @@ bool Engine::schedule(Plan* plan) {
   }
   while (budget > 0 && !waiting_.empty() && static_cast<int32_t>(running_.size()) < cfg_.max_num_seqs) {
     auto pick = pick_waiting();
+    if (pick == waiting_.end()) break;  // every candidate is loading pages from a lower tier
     Sequence& s = **pick;
     int32_t n = 0;
     if (!admit(s, budget, &n)) break;  // no overtaking: the chosen request waits for room
@@ -394,21 +434,25 @@ void Engine::maybe_evict(Sequence& s, int32_t n_run) {
 }
 
 std::list<std::unique_ptr<Engine::Sequence>>::iterator Engine::pick_waiting() {
+  // A request loading pages from a lower tier is passed over; nobody waits for it.
   auto head = waiting_.begin();
+  while (head != waiting_.end() && (*head)->tier_ticket != 0) ++head;
+  if (head == waiting_.end()) return head;
   if (cfg_.policy != EngineConfig::Policy::kLpm || !cache_ || (*head)->lpm_skips >= kLpmMaxSkips) return head;
   // Longest cached prefix among the first few waiting requests; ties keep arrival order.
   auto best = head;
   int64_t best_len = -1;
   int k = 0;
-  for (auto it = waiting_.begin(); it != waiting_.end() && k < kLpmWindow; ++it, ++k) {
+  for (auto it = head; it != waiting_.end() && k < kLpmWindow; ++it, ++k) {
     const Sequence& s = **it;
+    if (s.tier_ticket != 0) continue;
     const int64_t len = cache_->match_length(s.rs->req.params.cache_namespace, s.tokens.data(), static_cast<int64_t>(s.tokens.size()));
     if (len > best_len) {
       best = it;
       best_len = len;
     }
   }
-  for (auto it = waiting_.begin(); it != best; ++it) ++(*it)->lpm_skips;
+  for (auto it = head; it != best; ++it) ++(*it)->lpm_skips;
   return best;
 }
 
@@ -432,6 +476,7 @@ bool Engine::admit(Sequence& s, int64_t budget, int32_t* n_out) {
     }
     s.pin = m.handle;
     s.published = m.n_tokens;
+    s.tier_checked = true;  // a resumed sequence looks below RAM again only in swap mode
   }
   const int32_t n = static_cast<int32_t>(std::min<int64_t>(budget, s.to_compute()));
   if (!ensure_pages(s, n)) {
@@ -649,6 +694,87 @@ void Engine::release(Sequence& s) {
   if (pool_g1_) s.table_g1.release_all(*pool_g1_);
 }
 
+// ---- KV tiers ---------------------------------------------------------------------------
+
+void Engine::lookup_tiers() {
+  const int32_t bs = cfg_.block_size;
+  const auto now = Clock::now();
+  int k = 0;
+  for (auto& sp : waiting_) {
+    if (++k > kLpmWindow) break;
+    Sequence& s = *sp;
+    if (s.tier_ticket != 0) {
+      if (now > s.tier_deadline) {  // too slow: compute instead (the pages still land when they come)
+        s.tier_ticket = 0;
+        s.tier_checked = true;
+        metrics_.add_tier_load_timeout();
+      }
+      continue;
+    }
+    if (s.tier_checked || s.n_computed != 0 || !s.table.pages.empty()) continue;
+    s.tier_checked = true;
+    const std::string& ns = s.rs->req.params.cache_namespace;
+    // As admit() matches: the last token is always computed, and a scored policy computes its
+    // observation window itself.
+    int64_t n_match = static_cast<int64_t>(s.tokens.size());
+    if (s.evict.wants_scores()) n_match = std::max<int64_t>(0, n_match - s.evict.obs_window);
+    const int64_t max_pages = n_match > 0 ? (n_match - 1) / bs : 0;
+    const int64_t ram = cache_->match_length(ns, s.tokens.data(), n_match) / bs;
+    if (max_pages - ram < cfg_.tiers.min_pages) continue;
+    std::vector<PageHash> hashes = cache_->hash_pages(ns, s.tokens.data(), max_pages * bs);
+    if (!tiers_->may_contain(hashes[ram])) continue;
+    hashes.erase(hashes.begin(), hashes.begin() + ram);
+    const double timeout = cfg_.tier_timeout_s + cfg_.tier_timeout_per_page_s * double(hashes.size());
+    s.tier_deadline = now + std::chrono::microseconds(static_cast<int64_t>(timeout * 1e6));
+    s.tier_ticket = tiers_->fetch(ns, std::move(hashes), std::vector<int32_t>(s.tokens.begin(), s.tokens.begin() + max_pages * bs), ram);
+  }
+}
+
+void Engine::install_tier_pages() {
+  tier_ready_.store(false);
+  const int32_t bs = cfg_.block_size;
+  for (TierManager::Loaded& L : tiers_->poll()) {
+    for (auto& s : waiting_)
+      if (s->tier_ticket == L.ticket) s->tier_ticket = 0;  // admissible again (tier_checked is set)
+    const int64_t n_found = static_cast<int64_t>(L.blobs.size());
+    if (n_found == 0) continue;
+    const int64_t end_pages = L.first_page + n_found;
+    // The RAM part of the prefix must still be there (it may have been evicted meanwhile, or
+    // grown: someone computed some of these pages); pinned while room is made.
+    PrefixMatch m = cache_->match(L.ns, L.tokens.data(), end_pages * bs + 1);
+    const int64_t ram = static_cast<int64_t>(m.pages.size());
+    if (ram < L.first_page || ram >= end_pages) continue;
+    cache_->pin(m.handle);
+    int32_t need = static_cast<int32_t>(end_pages - ram);
+    if (!pool_->can_allocate(need)) cache_->ensure_free(need);
+    need = std::min(need, pool_->n_free());
+    std::vector<int32_t> fresh;
+    pool_->allocate(need, &fresh);
+    int32_t n_ok = 0;
+    while (n_ok < need && tiers_->install(L.blobs[ram - L.first_page + n_ok], *pool_, fresh[n_ok])) ++n_ok;
+    std::vector<int32_t> pages = m.pages;
+    pages.insert(pages.end(), fresh.begin(), fresh.begin() + n_ok);
+    if (n_ok > 0) cache_->insert(L.ns, L.tokens.data(), (ram + n_ok) * bs, pages.data());
+    for (int32_t p : fresh) pool_->release(p);  // the cache holds the installed ones
+    cache_->unpin(m.handle);
+    metrics_.add_tier_loaded_pages(n_ok);
+  }
+}
+
+void Engine::swap_out(Sequence& s) {
+  const int32_t bs = cfg_.block_size;
+  int64_t n = s.n_computed;
+  if (s.first_evicted_page >= 0) n = std::min(n, s.first_evicted_page * bs);
+  const std::string& ns = s.rs->req.params.cache_namespace;
+  const std::vector<PageHash> hashes = cache_->hash_pages(ns, s.tokens.data(), n / bs * bs);
+  for (size_t k = 0; k < hashes.size(); ++k) tiers_->store(hashes[k], ns, s.tokens.data() + k * bs, s.table.pages[k]);
+  s.tier_checked = false;  // resuming looks for them below RAM
+}
+
+void Engine::flush_tiers() {
+  if (tiers_) tiers_->flush();
+}
+
 void Engine::maybe_finish_request(Sequence& s) {
   RequestState& rs = *s.rs;
   if (--rs.n_unfinished > 0) return;
@@ -757,7 +883,13 @@ void Engine::publish_gauges() {
   }
 }
 
-MetricsSnapshot Engine::metrics() const { return metrics_.snapshot(); }
+MetricsSnapshot Engine::metrics() const {
+  MetricsSnapshot m = metrics_.snapshot();
+  if (tiers_)
+    for (TierSnapshot& t : tiers_->stats())
+      m.tiers.push_back({t.s, Histogram(tier_load_buckets(), std::move(t.load_counts), t.load_sum, t.load_count)});
+  return m;
+}
 
 Status Engine::check_integrity() const {
   inspectors_.fetch_add(1);

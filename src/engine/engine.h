@@ -28,6 +28,7 @@
 #include "engine/sampler.h"
 #include "kv/page_pool.h"
 #include "kv/prefix_cache.h"
+#include "kv/tier_manager.h"
 #include "model/llama.h"
 #include "tokenizer/tokenizer.h"
 
@@ -51,6 +52,16 @@ struct EngineConfig {
   // Long-context KV policy of requests that do not choose one (kv/kv_eviction.h). Quest sparse
   // reads need the pool's key bounds, kept only when this default enables them.
   EvictionConfig kv_policy;
+  // KV tiers below RAM (kv/tier_manager.h): disk (L2) and Redis (L3). Need prefix caching.
+  TierConfig tiers;
+  // What a preempted sequence's pages become. recompute: they stay in the RAM prefix cache
+  // only, and what was evicted from it is recomputed. swap: they are also written to the tiers
+  // at once, and resuming looks for them there.
+  enum class Preemption { kRecompute, kSwap } preemption = Preemption::kRecompute;
+  // A request waits for a lower-tier lookup at most this long plus tier_timeout_per_page_s a
+  // page, then computes instead (the lookup's pages still land in the cache when they come).
+  double tier_timeout_s = 1.0;
+  double tier_timeout_per_page_s = 0.002;
 };
 
 // Staging slots per quantized layer the engine's pool needs: one partly filled page per
@@ -82,6 +93,10 @@ class Engine {
   bool step();
 
   MetricsSnapshot metrics() const;           // thread-safe
+  // Why the engine cannot serve as configured (e.g. --kv-disk-dir not writable), or ok.
+  const Status& init_status() const { return init_status_; }
+  // Waits until the tiers' queued writes are done (tests, shutdown). Thread-safe.
+  void flush_tiers();
   // Pool integrity, and every page's refcount equals the number of block-table entries
   // holding it. Thread-safe: waits for the current step to end.
   Status check_integrity() const;
@@ -114,7 +129,10 @@ class Engine {
   Sequence* fork(Sequence& parent, int32_t index);
   void annotate(Sequence& s, BatchSeq& b);  // eviction scores / sparse reads for s's run
   void maybe_evict(Sequence& s, int32_t n_run);
-  void record_kv_outcome(Sequence& s);  // a finishing sequence's kept / evicted tokens into usage and metrics
+  void record_kv_outcome(Sequence& s);
+  void lookup_tiers();        // starts lower-tier lookups for waiting requests (RAM misses)
+  void install_tier_pages();  // pages the lookups found: into the pool and the prefix cache
+  void swap_out(Sequence& s); // preemption in swap mode: the full pages go to the tiers  // a finishing sequence's kept / evicted tokens into usage and metrics
   void loop();
 
   LlamaModel& model_;
@@ -125,6 +143,9 @@ class Engine {
   int32_t window_g1_ = 0;
   void slide(Sequence& s);
   std::unique_ptr<PrefixCache> cache_;  // after pool_: destroyed first, releasing into the pool
+  std::unique_ptr<TierManager> tiers_;  // after cache_: destroyed before it
+  Status init_status_;
+  std::atomic<bool> tier_ready_{false};  // a lookup finished: step again
   std::unique_ptr<ThreadPool> threads_;
   Metrics metrics_;
 

@@ -55,6 +55,14 @@ void Metrics::set_prefix_cache(int64_t queries, int64_t hits, int64_t evictions,
   m_.prefix_cache_window_evictions_total = window_evictions;
 }
 void Metrics::add_preemption() { std::lock_guard<std::mutex> l(mu_); ++m_.num_preemptions_total; }
+void Metrics::add_tier_loaded_pages(int64_t n) {
+  std::lock_guard<std::mutex> l(mu_);
+  m_.tier_loaded_pages_total += n;
+}
+void Metrics::add_tier_load_timeout() {
+  std::lock_guard<std::mutex> l(mu_);
+  ++m_.tier_load_timeouts_total;
+}
 void Metrics::add_evicted_tokens(int64_t n) { std::lock_guard<std::mutex> l(mu_); m_.kv_evicted_tokens_total += n; }
 void Metrics::observe_kv_kept(int64_t tokens) { std::lock_guard<std::mutex> l(mu_); m_.kv_kept_tokens.observe(double(tokens)); }
 void Metrics::add_prompt_tokens(int64_t n) { std::lock_guard<std::mutex> l(mu_); m_.prompt_tokens_total += n; }
@@ -147,6 +155,43 @@ std::string render_prometheus(const MetricsSnapshot& m) {
       histogram_series(out, name, std::string("phase=\"") + step_phase_name(static_cast<StepPhase>(i)) + "\",", m.step_phase[i]);
   }
   counter(out, "kvserve:engine_steps_total", "Engine steps that ran a forward pass.", double(m.steps_total));
+  if (!m.tiers.empty()) {
+    counter(out, "kvserve:kv_tier_loaded_pages_total", "KV pages copied from a lower tier (disk, Redis) into RAM.",
+            double(m.tier_loaded_pages_total));
+    counter(out, "kvserve:kv_tier_load_timeouts_total", "Lower-tier lookups a request stopped waiting for (it computed instead).",
+            double(m.tier_load_timeouts_total));
+    struct Series {
+      const char* name;
+      const char* type;
+      const char* help;
+      int64_t TierStats::*field;
+    };
+    const Series series[] = {
+        {"kvserve:kv_tier_hits_total", "counter", "KV pages found (and valid) in the tier.", &TierStats::hits},
+        {"kvserve:kv_tier_misses_total", "counter", "Lookups that ended in the tier (a page absent or invalid).", &TierStats::misses},
+        {"kvserve:kv_tier_bytes_in_total", "counter", "Bytes loaded from the tier.", &TierStats::bytes_in},
+        {"kvserve:kv_tier_bytes_out_total", "counter", "Bytes written to the tier.", &TierStats::bytes_out},
+        {"kvserve:kv_tier_pages_written_total", "counter", "KV pages written to the tier.", &TierStats::pages_written},
+        {"kvserve:kv_tier_write_drops_total", "counter", "KV page writes given up (queue full, store down).", &TierStats::write_drops},
+        {"kvserve:kv_tier_errors_total", "counter", "I/O and connection failures of the tier.", &TierStats::errors},
+        {"kvserve:kv_tier_corrupt_total", "counter", "Stored pages that failed their checks (dropped and recomputed).",
+         &TierStats::corrupt},
+        {"kvserve:kv_tier_pages_stored", "gauge", "KV pages the tier holds (-1: unknown, a shared store).", &TierStats::pages_stored},
+        {"kvserve:kv_tier_bytes_stored", "gauge", "Bytes the tier holds (-1: unknown, a shared store).", &TierStats::bytes_stored},
+    };
+    char buf[320];
+    for (const Series& s : series) {
+      std::snprintf(buf, sizeof buf, "# HELP %s %s\n# TYPE %s %s\n", s.name, s.help, s.name, s.type);
+      out += buf;
+      for (const auto& t : m.tiers) {
+        std::snprintf(buf, sizeof buf, "%s{tier=\"%s\"} %lld\n", s.name, t.s.tier.c_str(), static_cast<long long>(t.s.*s.field));
+        out += buf;
+      }
+    }
+    const char* name = "kvserve:kv_tier_load_seconds";
+    out += std::string("# HELP ") + name + " Seconds per lookup that found KV pages in the tier.\n# TYPE " + name + " histogram\n";
+    for (const auto& t : m.tiers) histogram_series(out, name, "tier=\"" + t.s.tier + "\",", t.load);
+  }
   return out;
 }
 

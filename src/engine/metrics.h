@@ -7,11 +7,16 @@
 #include <string>
 #include <vector>
 
+#include "kv/page_store.h"
+
 namespace kv {
 
 class Histogram {
  public:
   explicit Histogram(std::vector<double> bounds) : bounds_(std::move(bounds)), counts_(bounds_.size() + 1, 0) {}
+  // A histogram kept elsewhere (counts per bucket, last = +Inf).
+  Histogram(std::vector<double> bounds, std::vector<uint64_t> counts, double sum, uint64_t count)
+      : bounds_(std::move(bounds)), counts_(std::move(counts)), sum_(sum), count_(count) {}
   void observe(double v);
   const std::vector<double>& bounds() const { return bounds_; }
   const std::vector<uint64_t>& counts() const { return counts_; }  // per bucket, last = +Inf
@@ -55,6 +60,14 @@ struct MetricsSnapshot {
   Histogram ttft{{}}, itl{{}}, e2e{{}};
   Histogram kv_kept_tokens{{}};       // per finished sequence under an eviction policy
   std::vector<Histogram> step_phase;  // [kNumStepPhases] seconds per step and phase
+  // KV tiers below RAM (kv/tier_manager.h), one entry per store; empty without tiers.
+  struct Tier {
+    TierStats s;
+    Histogram load{{}};  // seconds per lookup that found pages in this tier
+  };
+  std::vector<Tier> tiers;
+  int64_t tier_loaded_pages_total = 0;   // pages copied from a lower tier into the pool
+  int64_t tier_load_timeouts_total = 0;  // lookups a request stopped waiting for
   uint64_t steps_total = 0;           // steps that ran a forward
 };
 
@@ -70,6 +83,8 @@ class Metrics {
                         int64_t window_evictions = 0);
   void add_preemption();
   void add_evicted_tokens(int64_t n);
+  void add_tier_loaded_pages(int64_t n);
+  void add_tier_load_timeout();
   void observe_kv_kept(int64_t tokens);
   void add_prompt_tokens(int64_t n);
   void add_generation_tokens(int64_t n);

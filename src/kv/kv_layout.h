@@ -53,6 +53,13 @@ struct KvLayout {
   int32_t n_staged_layers() const;
   // "f16", or "int4 (f16: 0-1,28-29)" when layers differ.
   std::string describe() const;
+  // 32 bits naming the byte format of a page: XXH3-64 (low half) of kKvPageFormatVersion, the
+  // shape (n_layer, n_head_kv, head_dim, block_size, v_from_k) and every layer's dtype. Two
+  // layouts with equal tags store a page identically; it feeds the prefix cache's chain hash,
+  // so pages of one layout are never read as another's (per-layer overrides included).
+  uint32_t format_tag() const;
+  // Bump when a tile format's bytes change (e.g. fp8 keys gained zero points: 2).
+  static constexpr uint32_t kKvPageFormatVersion = 2;
 };
 
 }  // namespace kv

@@ -7,6 +7,8 @@
 #include <cstring>
 #include <new>
 
+#include <xxhash.h>
+
 #include "common/huge_alloc.h"
 
 #include "kernels/quant.h"
@@ -85,6 +87,22 @@ int64_t KvLayout::page_bytes() const {
   int64_t b = 0;
   for (int32_t l = 0; l < n_layer; ++l) b += k_layer_page_bytes(l) + v_layer_page_bytes(l);
   return b;
+}
+
+uint32_t KvLayout::format_tag() const {
+  std::vector<uint32_t> w = {kKvPageFormatVersion, static_cast<uint32_t>(n_layer), static_cast<uint32_t>(n_head_kv),
+                             static_cast<uint32_t>(head_dim), static_cast<uint32_t>(block_size), static_cast<uint32_t>(v_from_k)};
+  for (int32_t l = 0; l < n_layer; ++l) w.push_back(static_cast<uint32_t>(dtype_of(l)));
+  uint8_t buf[4];
+  XXH3_state_t* st = XXH3_createState();
+  XXH3_64bits_reset(st);
+  for (uint32_t x : w) {  // little-endian words, the same on every host
+    for (int b = 0; b < 4; ++b) buf[b] = static_cast<uint8_t>(x >> (8 * b));
+    XXH3_64bits_update(st, buf, 4);
+  }
+  const uint64_t h = XXH3_64bits_digest(st);
+  XXH3_freeState(st);
+  return static_cast<uint32_t>(h);
 }
 
 int32_t KvLayout::n_staged_layers() const {

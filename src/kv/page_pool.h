@@ -101,6 +101,9 @@ class PagePool {
   // n_layer × n_pages × n_head_kv × 2 × head_dim halves (counted in total_bytes).
   void enable_key_bounds();
   bool has_key_bounds() const { return !key_bounds_.empty(); }
+  uint16_t* key_bounds(int32_t layer, int32_t page) {  // (a page loaded from a lower tier)
+    return key_bounds_.data() + (int64_t(layer) * n_pages_ + page) * layout_.n_head_kv * 2 * layout_.head_dim;
+  }
   const uint16_t* key_bounds(int32_t layer, int32_t page) const {
     return key_bounds_.data() + (int64_t(layer) * n_pages_ + page) * layout_.n_head_kv * 2 * layout_.head_dim;
   }

@@ -92,6 +92,19 @@ std::vector<PageHash> PrefixCache::hash_pages(std::string_view ns, const int32_t
   return out;
 }
 
+void PrefixCache::for_each_page(const std::function<void(const PageHash&, const std::string&, const int32_t*, int32_t)>& f) const {
+  for (int32_t x = 0; x < static_cast<int32_t>(nodes_.size()); ++x) {
+    const Node& n = nodes_[x];
+    if (!n.live || n.parent < 0) continue;
+    for (size_t k = 0; k < n.pages.size(); ++k) f(n.hashes[k], ns_of(x), n.tokens.data() + k * block_size_, n.pages[k]);
+  }
+}
+
+const std::string& PrefixCache::ns_of(int32_t x) const {
+  while (nodes_[x].parent >= 0) x = nodes_[x].parent;
+  return nodes_[x].ns;
+}
+
 PageHash PrefixCache::parent_hash(int32_t x) const { return node(x).parent < 0 ? PageHash{} : node(x).hashes.back(); }
 
 PageHash PrefixCache::page_hash(const PrefixHandle& h) const {
@@ -423,6 +436,7 @@ PrefixInsert PrefixCache::insert(const std::string& ns, const int32_t* tokens, i
       pool_.retain(p);
       page_node_[p] = y;
       h = chain_hash(h, t, block_size_, model_fingerprint_, kv_dtype_tag_, ns);
+      if (listener_) listener_->page_cached(h, ns, t, p);
       Y.tokens.insert(Y.tokens.end(), t, t + block_size_);
       Y.pages.push_back(p);
       Y.hashes.push_back(h);
@@ -467,6 +481,9 @@ int32_t PrefixCache::evict(int32_t n_pages) {
           p.children.erase(it);
           break;
         }
+      if (listener_)
+        for (size_t k = 0; k < n.pages.size(); ++k)
+          listener_->page_evicted(n.hashes[k], ns_of(x), n.tokens.data() + k * block_size_, n.pages[k]);
       for (int32_t page : n.pages) {
         page_node_[page] = -1;
         pool_.release(page);
@@ -484,6 +501,7 @@ int32_t PrefixCache::evict(int32_t n_pages) {
       // Shorten the leaf from its deepest page; its first page (and so its key) stays.
       for (int32_t k = 0; k < take; ++k) {
         const int32_t page = n.pages.back();
+        if (listener_) listener_->page_evicted(n.hashes.back(), ns_of(x), n.tokens.data() + n.tokens.size() - block_size_, page);
         if (wpool_) {
           if (n.wpages.back() >= 0) drop_wpage(n, static_cast<int32_t>(n.wpages.size()) - 1);
           n.wpages.pop_back();

@@ -125,15 +125,25 @@ struct WindowGroup {
   int32_t window = 0;  // a query at position p sees keys in (p - window, p]
 };
 
+// Told about pages entering and leaving the cache (the tier manager writes them below RAM).
+// Both calls come before the pool reference changes, so the page's contents are readable.
+struct PageListener {
+  virtual ~PageListener() = default;
+  // insert() adopted `page` as the page with chain hash h (its tokens: block_size of them).
+  virtual void page_cached(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page) = 0;
+  // evict() is dropping the cache's reference on `page`.
+  virtual void page_evicted(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page) = 0;
+};
+
 class PrefixCache {
  public:
   // Monotonic time, any unit; only the order matters. Tests inject a counter.
   using Clock = std::function<uint64_t()>;
-  static constexpr uint32_t kChainHashVersion = 1;
+  static constexpr uint32_t kChainHashVersion = 2;  // 2: the dtype tag is KvLayout::format_tag()
 
   // block_size is the pool's. model_fingerprint identifies the weights (and anything else
   // that changes K/V: architecture, rope scaling); kv_dtype_tag identifies the page format
-  // (e.g. static_cast<int32_t>(KvDtype)). Both only feed the chain hash. A null clock means
+  // (KvLayout::format_tag(): every layer's dtype and the tile format version). Both only feed the chain hash. A null clock means
   // std::chrono::steady_clock in nanoseconds. window: the sliding-window group of a hybrid
   // model (its pool must have pool's block size), else empty.
   PrefixCache(PagePool& pool, uint64_t model_fingerprint, int32_t kv_dtype_tag, Clock clock = nullptr, WindowGroup window = {});
@@ -148,6 +158,9 @@ class PrefixCache {
   int64_t window_first_page(int64_t n_pages) const {
     return std::max<int64_t>(0, n_pages * block_size_ - window_ + 1) / block_size_;
   }
+
+  // Pages adopted and evicted are reported to l (null: nobody). Not owned.
+  void set_listener(PageListener* l) { listener_ = l; }
 
   // --- lookup -----------------------------------------------------------------------------
   // The longest cached prefix of tokens[0, n_tokens) in namespace ns, in whole pages, and at
@@ -214,6 +227,8 @@ class PrefixCache {
   std::vector<PageHash> hash_pages(std::string_view ns, const int32_t* tokens, int64_t n_tokens) const;
   // Hash of the last page on the handle's path (zero for an empty handle).
   PageHash page_hash(const PrefixHandle& h) const;
+  // Calls f(hash, namespace, tokens, page) for every cached page (a shutdown writing them down).
+  void for_each_page(const std::function<void(const PageHash&, const std::string&, const int32_t*, int32_t)>& f) const;
   // Pages on the handle's path, root first.
   std::vector<int32_t> path_pages(const PrefixHandle& h) const;
 
@@ -306,6 +321,8 @@ class PrefixCache {
   std::vector<int32_t> wpage_node_;                 // [wpool.n_pages()] node caching the page, or -1
   std::set<LruKey> wlru_;                           // nodes holding window pages, oldest first
   PrefixCacheStats stats_;
+  PageListener* listener_ = nullptr;
+  const std::string& ns_of(int32_t x) const;  // the namespace of node x's tree
 };
 
 }  // namespace kv

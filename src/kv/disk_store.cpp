@@ -1,0 +1,231 @@
+#include "kv/disk_store.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <thread>
+
+namespace kv {
+
+namespace fs = std::filesystem;
+
+namespace {
+bool write_all(int fd, const char* p, size_t n) {
+  while (n > 0) {
+    const ssize_t w = ::write(fd, p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return false;
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return true;
+}
+
+// Up to max_bytes of the file (all of it when max_bytes < 0); nullopt when it cannot be read.
+std::optional<std::string> read_file(const std::string& path, int64_t max_bytes = -1) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    ::close(fd);
+    return std::nullopt;
+  }
+  size_t n = static_cast<size_t>(st.st_size);
+  if (max_bytes >= 0) n = std::min<size_t>(n, static_cast<size_t>(max_bytes));
+  std::string s(n, '\0');
+  size_t off = 0;
+  while (off < n) {
+    const ssize_t r = ::read(fd, s.data() + off, n - off);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) break;
+    off += static_cast<size_t>(r);
+  }
+  ::close(fd);
+  s.resize(off);
+  return s;
+}
+
+bool parse_hex_hash(const std::string& stem, PageHash* h) {
+  if (stem.size() != 32) return false;
+  for (char c : stem)
+    if (!std::isxdigit(static_cast<unsigned char>(c))) return false;
+  h->hi = std::stoull(stem.substr(0, 16), nullptr, 16);
+  h->lo = std::stoull(stem.substr(16), nullptr, 16);
+  return true;
+}
+}  // namespace
+
+Result<std::unique_ptr<DiskStore>> DiskStore::open(const std::string& dir, int64_t max_bytes, const PageIdentity& id) {
+  char sub[40];
+  std::snprintf(sub, sizeof sub, "%016llx-%08x", static_cast<unsigned long long>(id.fingerprint), id.format_tag);
+  const std::string root = (fs::path(dir) / sub).string();
+  std::error_code ec;
+  fs::create_directories(fs::path(root) / "tmp", ec);
+  if (ec) return Result<std::unique_ptr<DiskStore>>::error("--kv-disk-dir " + dir + ": cannot create " + root + ": " + ec.message());
+  if (::access(root.c_str(), W_OK) != 0)
+    return Result<std::unique_ptr<DiskStore>>::error("--kv-disk-dir " + dir + ": " + root + " is not writable");
+  std::unique_ptr<DiskStore> s(new DiskStore(root, max_bytes));
+  s->scan(id);
+  return s;
+}
+
+std::string DiskStore::path_of(const PageHash& h) const {
+  const std::string hex = h.hex();
+  return root_ + "/" + hex.substr(0, 2) + "/" + hex + ".kvp";
+}
+
+void DiskStore::scan(const PageIdentity& id) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(fs::path(root_) / "tmp", ec)) {  // interrupted writes
+    fs::remove(e.path(), ec);
+    ++dropped_at_open_;
+  }
+  struct Found {
+    PageHash h;
+    int64_t bytes;
+    fs::file_time_type mtime;
+  };
+  std::vector<Found> found;
+  // A header is at most this long (96 bytes of fields + 4 per token).
+  const int64_t header_max = 128 + 4 * int64_t(id.block_size);
+  for (const auto& d : fs::directory_iterator(root_, ec)) {
+    if (!d.is_directory() || d.path().filename() == "tmp") continue;
+    for (const auto& f : fs::directory_iterator(d.path(), ec)) {
+      PageHash h;
+      const std::string path = f.path().string();
+      bool keep = f.is_regular_file() && f.path().extension() == ".kvp" && parse_hex_hash(f.path().stem().string(), &h);
+      BlobHeader hdr;
+      if (keep) {
+        auto head = read_file(path, header_max);
+        keep = head && decode_header(*head, &hdr) == BlobCheck::kOk && hdr.hash == h && hdr.id.fingerprint == id.fingerprint &&
+               hdr.id.format_tag == id.format_tag && hdr.id.block_size == id.block_size &&
+               int64_t(hdr.header_bytes + hdr.payload_bytes) == int64_t(f.file_size(ec));
+      }
+      if (!keep) {  // corrupt, truncated, foreign or not ours: its page is recomputed when needed
+        fs::remove(f.path(), ec);
+        ++dropped_at_open_;
+        continue;
+      }
+      found.push_back({h, static_cast<int64_t>(f.file_size(ec)), f.last_write_time(ec)});
+    }
+  }
+  std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.mtime < b.mtime; });
+  std::lock_guard<std::mutex> l(mu_);
+  for (const Found& f : found) {
+    lru_.push_back(f.h);
+    index_[f.h] = Entry{f.bytes, std::prev(lru_.end())};
+    bytes_ += f.bytes;
+  }
+  while (bytes_ > max_bytes_ && !lru_.empty()) erase_locked(lru_.front());
+}
+
+void DiskStore::erase_locked(const PageHash& h) {
+  auto it = index_.find(h);
+  if (it == index_.end()) return;
+  bytes_ -= it->second.bytes;
+  lru_.erase(it->second.lru);
+  index_.erase(it);
+  ::unlink(path_of(h).c_str());
+}
+
+bool DiskStore::put(std::span<const PageHash> hashes, std::span<const uint64_t>, std::span<const std::string> blobs) {
+  bool any = false;
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    const PageHash& h = hashes[i];
+    const std::string& b = blobs[i];
+    uint64_t n;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = index_.find(h);
+      if (it != index_.end()) {  // same hash, same contents: refresh its recency only
+        lru_.splice(lru_.end(), lru_, it->second.lru);
+        any = true;
+        continue;
+      }
+      if (int64_t(b.size()) > max_bytes_) continue;
+      n = tmp_counter_++;
+    }
+    // Write outside the lock: temp file, then rename into place (atomic on one filesystem).
+    const std::string final_path = path_of(h);
+    const std::string tmp = root_ + "/tmp/" + h.hex() + "." + std::to_string(n) + ".tmp";
+    std::error_code ec;
+    fs::create_directories(fs::path(final_path).parent_path(), ec);
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    bool ok = fd >= 0 && write_all(fd, b.data(), b.size());
+    if (fd >= 0) ok = (::close(fd) == 0) && ok;
+    ok = ok && ::rename(tmp.c_str(), final_path.c_str()) == 0;
+    std::lock_guard<std::mutex> l(mu_);
+    if (!ok) {
+      ::unlink(tmp.c_str());
+      ++errors_;
+      continue;
+    }
+    auto it = index_.find(h);
+    if (it == index_.end()) {
+      lru_.push_back(h);
+      index_[h] = Entry{static_cast<int64_t>(b.size()), std::prev(lru_.end())};
+      bytes_ += static_cast<int64_t>(b.size());
+    }
+    while (bytes_ > max_bytes_ && lru_.size() > 1) erase_locked(lru_.front());
+    any = true;
+  }
+  return any;
+}
+
+std::vector<std::optional<std::string>> DiskStore::get(uint64_t, std::span<const PageHash> hashes) {
+  std::vector<std::optional<std::string>> out(hashes.size());
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = index_.find(hashes[i]);
+      if (it == index_.end()) break;  // a prefix ends at its first gap
+      lru_.splice(lru_.end(), lru_, it->second.lru);
+    }
+    out[i] = read_file(path_of(hashes[i]));
+    if (!out[i]) {  // deleted behind our back, or unreadable
+      std::lock_guard<std::mutex> l(mu_);
+      ++errors_;
+      erase_locked(hashes[i]);
+      break;
+    }
+  }
+  return out;
+}
+
+bool DiskStore::may_contain(const PageHash& h) const {
+  std::lock_guard<std::mutex> l(mu_);
+  return index_.count(h) > 0;
+}
+
+void DiskStore::remove(uint64_t, const PageHash& h) {
+  std::lock_guard<std::mutex> l(mu_);
+  erase_locked(h);
+}
+
+int64_t DiskStore::n_pages() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return static_cast<int64_t>(index_.size());
+}
+
+int64_t DiskStore::bytes() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return bytes_;
+}
+
+void DiskStore::fill_stats(TierStats* s) const {
+  std::lock_guard<std::mutex> l(mu_);
+  s->pages_stored = static_cast<int64_t>(index_.size());
+  s->bytes_stored = bytes_;
+  s->errors += errors_;
+}
+
+}  // namespace kv

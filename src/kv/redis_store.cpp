@@ -1,0 +1,288 @@
+#include "kv/redis_store.h"
+
+#include <hiredis/hiredis.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+
+namespace kv {
+
+namespace {
+using SteadyClock = std::chrono::steady_clock;
+constexpr int kBackoffMinMs = 500;
+constexpr int kBackoffMaxMs = 8000;
+
+struct ReplyDeleter {
+  void operator()(redisReply* r) const {
+    if (r) freeReplyObject(r);
+  }
+};
+using Reply = std::unique_ptr<redisReply, ReplyDeleter>;
+
+Result<RedisStore::Endpoint> parse_addr(const std::string& a) {
+  std::string s = a;
+  if (s.rfind("redis://", 0) == 0) s = s.substr(8);
+  while (!s.empty() && s.back() == '/') s.pop_back();
+  const size_t colon = s.rfind(':');
+  RedisStore::Endpoint e;
+  e.host = colon == std::string::npos ? s : s.substr(0, colon);
+  e.port = 6379;
+  if (colon != std::string::npos) {
+    try {
+      size_t used = 0;
+      e.port = std::stoi(s.substr(colon + 1), &used);
+      if (used != s.size() - colon - 1) throw std::invalid_argument("port");
+    } catch (...) {
+      return Result<RedisStore::Endpoint>::error("--kv-redis " + a + ": bad port");
+    }
+  }
+  if (e.host.empty() || e.port <= 0 || e.port > 65535) return Result<RedisStore::Endpoint>::error("--kv-redis " + a + ": want redis://HOST:PORT");
+  return e;
+}
+
+timeval to_tv(int ms) { return timeval{ms / 1000, (ms % 1000) * 1000}; }
+}  // namespace
+
+uint16_t redis_key_slot(std::string_view key) {
+  // Redis Cluster: only the part inside the first {...} is hashed, when non-empty.
+  const size_t open = key.find('{');
+  if (open != std::string_view::npos) {
+    const size_t close = key.find('}', open + 1);
+    if (close != std::string_view::npos && close > open + 1) key = key.substr(open + 1, close - open - 1);
+  }
+  uint16_t crc = 0;  // CRC16-XMODEM (poly 0x1021, init 0), as the cluster spec defines it
+  for (unsigned char c : key) {
+    crc ^= static_cast<uint16_t>(c) << 8;
+    for (int b = 0; b < 8; ++b) crc = (crc & 0x8000) ? static_cast<uint16_t>((crc << 1) ^ 0x1021) : static_cast<uint16_t>(crc << 1);
+  }
+  return crc & 16383;
+}
+
+struct RedisStore::Conn {
+  redisContext* ctx = nullptr;
+  SteadyClock::time_point retry_at{};
+  int backoff_ms = 0;
+  ~Conn() {
+    if (ctx) redisFree(ctx);
+  }
+};
+
+struct RedisStore::ThreadConns {
+  std::map<Endpoint, Conn> by_node;
+};
+
+Result<std::unique_ptr<RedisStore>> RedisStore::create(const std::vector<std::string>& addrs, const PageIdentity& id, int32_t ttl_s,
+                                                       int32_t timeout_ms) {
+  std::vector<Endpoint> seeds;
+  for (const auto& a : addrs) {
+    auto e = parse_addr(a);
+    if (!e) return Result<std::unique_ptr<RedisStore>>::error(e.message());
+    seeds.push_back(*e);
+  }
+  if (seeds.empty()) return Result<std::unique_ptr<RedisStore>>::error("--kv-redis: no address");
+  return std::unique_ptr<RedisStore>(new RedisStore(std::move(seeds), id, ttl_s, timeout_ms));
+}
+
+RedisStore::RedisStore(std::vector<Endpoint> seeds, const PageIdentity& id, int32_t ttl_s, int32_t timeout_ms)
+    : seeds_(std::move(seeds)), id_(id), ttl_s_(ttl_s), timeout_ms_(timeout_ms) {}
+
+RedisStore::~RedisStore() = default;
+
+std::string RedisStore::key(uint64_t ns_tag, const PageHash& h) const {
+  char buf[128];
+  std::snprintf(buf, sizeof buf, "kvs:%016llx:%08x:%016llx:", static_cast<unsigned long long>(id_.fingerprint), id_.format_tag,
+                static_cast<unsigned long long>(ns_tag));
+  return buf + h.hex();
+}
+
+RedisStore::ThreadConns& RedisStore::conns() {
+  std::lock_guard<std::mutex> l(mu_);
+  auto& p = threads_[std::this_thread::get_id()];
+  if (!p) p = std::make_unique<ThreadConns>();
+  return *p;
+}
+
+RedisStore::Conn* RedisStore::conn(ThreadConns& tc, const Endpoint& e) {
+  Conn& c = tc.by_node[e];
+  if (c.ctx) return &c;
+  if (SteadyClock::now() < c.retry_at) return nullptr;  // backing off
+  c.ctx = redisConnectWithTimeout(e.host.c_str(), e.port, to_tv(timeout_ms_));
+  if (!c.ctx || c.ctx->err) {
+    fail(tc, e);
+    return nullptr;
+  }
+  redisSetTimeout(c.ctx, to_tv(timeout_ms_));
+  return &c;
+}
+
+void RedisStore::fail(ThreadConns& tc, const Endpoint& e) {
+  Conn& c = tc.by_node[e];
+  if (c.ctx) redisFree(c.ctx);
+  c.ctx = nullptr;
+  c.backoff_ms = c.backoff_ms == 0 ? kBackoffMinMs : std::min(kBackoffMaxMs, c.backoff_ms * 2);
+  c.retry_at = SteadyClock::now() + std::chrono::milliseconds(c.backoff_ms);
+  std::lock_guard<std::mutex> l(mu_);
+  ++errors_;
+}
+
+void RedisStore::discover(ThreadConns& tc) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (discovered_) return;
+  }
+  for (const Endpoint& e : seeds_) {
+    Conn* c = conn(tc, e);
+    if (!c) continue;
+    Reply r(static_cast<redisReply*>(redisCommand(c->ctx, "CLUSTER SLOTS")));
+    if (!r) {
+      fail(tc, e);
+      continue;
+    }
+    std::vector<std::pair<std::pair<int, int>, Endpoint>> slots;
+    const bool cluster = r->type == REDIS_REPLY_ARRAY && r->elements > 0;
+    if (cluster)
+      for (size_t i = 0; i < r->elements; ++i) {
+        const redisReply* s = r->element[i];
+        if (s->type != REDIS_REPLY_ARRAY || s->elements < 3 || s->element[2]->type != REDIS_REPLY_ARRAY ||
+            s->element[2]->elements < 2)
+          continue;
+        Endpoint m;
+        m.host = s->element[2]->element[0]->str ? s->element[2]->element[0]->str : "";
+        if (m.host.empty()) m.host = e.host;  // a node may report an empty IP: the one we reached
+        m.port = static_cast<int>(s->element[2]->element[1]->integer);
+        slots.push_back({{static_cast<int>(s->element[0]->integer), static_cast<int>(s->element[1]->integer)}, m});
+      }
+    std::lock_guard<std::mutex> l(mu_);
+    discovered_ = true;
+    cluster_ = cluster && !slots.empty();
+    slots_ = std::move(slots);
+    return;
+  }
+}
+
+RedisStore::Endpoint RedisStore::node_for(const std::string& key) const {
+  std::lock_guard<std::mutex> l(mu_);
+  if (cluster_) {
+    const int slot = redis_key_slot(key);
+    for (const auto& [range, ep] : slots_)
+      if (slot >= range.first && slot <= range.second) return ep;
+    return seeds_[0];
+  }
+  // Standalone servers: spread keys by their chain hash (the key's last 32 hex digits).
+  const uint64_t h = std::stoull(key.substr(key.size() - 16), nullptr, 16);
+  return seeds_[h % seeds_.size()];
+}
+
+std::vector<std::optional<std::string>> RedisStore::run(const std::vector<std::string>& keys,
+                                                        const std::vector<std::vector<std::string>>& argvs, bool want_value) {
+  ThreadConns& tc = conns();
+  discover(tc);
+  std::vector<std::optional<std::string>> out(keys.size());
+  std::map<Endpoint, std::vector<size_t>> by_node;
+  for (size_t i = 0; i < keys.size(); ++i) by_node[node_for(keys[i])].push_back(i);
+  struct Redirect {
+    size_t i;
+    Endpoint to;
+    bool ask;
+  };
+  std::vector<Redirect> redirects;
+  auto send = [&](Conn* c, const std::vector<std::string>& argv, bool asking) {
+    if (asking) redisAppendCommand(c->ctx, "ASKING");
+    std::vector<const char*> p;
+    std::vector<size_t> n;
+    for (const auto& a : argv) {
+      p.push_back(a.data());
+      n.push_back(a.size());
+    }
+    redisAppendCommandArgv(c->ctx, static_cast<int>(argv.size()), p.data(), n.data());
+  };
+  // Reads one reply; false on a connection failure.
+  auto read = [&](Conn* c, size_t i, bool collect_redirect) -> bool {
+    void* raw = nullptr;
+    if (redisGetReply(c->ctx, &raw) != REDIS_OK) return false;
+    Reply r(static_cast<redisReply*>(raw));
+    if (r->type == REDIS_REPLY_STRING && want_value) {
+      out[i] = std::string(r->str, r->len);
+    } else if (r->type == REDIS_REPLY_STATUS || r->type == REDIS_REPLY_INTEGER) {
+      if (!want_value) out[i] = std::string();
+    } else if (r->type == REDIS_REPLY_ERROR && collect_redirect) {
+      const std::string err(r->str, r->len);  // "MOVED 3999 127.0.0.1:6381" / "ASK ..."
+      const bool moved = err.rfind("MOVED ", 0) == 0, ask = err.rfind("ASK ", 0) == 0;
+      const size_t sp = err.rfind(' ');
+      if ((moved || ask) && sp != std::string::npos) {
+        auto ep = parse_addr(err.substr(sp + 1));
+        if (ep) redirects.push_back({i, *ep, ask});
+        if (moved) {
+          std::lock_guard<std::mutex> l(mu_);
+          discovered_ = false;  // the slot map changed: ask again next time
+          ++redirects_;
+        }
+      }
+    }
+    return true;
+  };
+  for (auto& [ep, idx] : by_node) {
+    Conn* c = conn(tc, ep);
+    if (!c) continue;  // down: misses / dropped writes
+    for (size_t i : idx) send(c, argvs[i], false);
+    for (size_t i : idx)
+      if (!read(c, i, true)) {
+        fail(tc, ep);
+        break;
+      }
+  }
+  for (const Redirect& r : redirects) {  // one hop, as the cluster spec asks
+    Conn* c = conn(tc, r.to);
+    if (!c) continue;
+    send(c, argvs[r.i], r.ask);
+    if (r.ask) {
+      void* raw = nullptr;
+      if (redisGetReply(c->ctx, &raw) != REDIS_OK) {
+        fail(tc, r.to);
+        continue;
+      }
+      freeReplyObject(raw);
+    }
+    if (!read(c, r.i, false)) fail(tc, r.to);
+  }
+  return out;
+}
+
+bool RedisStore::put(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags, std::span<const std::string> blobs) {
+  std::vector<std::string> keys;
+  std::vector<std::vector<std::string>> argvs;
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    keys.push_back(key(ns_tags[i], hashes[i]));
+    std::vector<std::string> a = {"SET", keys.back(), blobs[i]};
+    if (ttl_s_ > 0) {
+      a.push_back("EX");
+      a.push_back(std::to_string(ttl_s_));
+    }
+    argvs.push_back(std::move(a));
+  }
+  const auto res = run(keys, argvs, false);
+  return std::any_of(res.begin(), res.end(), [](const auto& r) { return r.has_value(); });
+}
+
+std::vector<std::optional<std::string>> RedisStore::get(uint64_t ns_tag, std::span<const PageHash> hashes) {
+  std::vector<std::string> keys;
+  std::vector<std::vector<std::string>> argvs;
+  for (const PageHash& h : hashes) {
+    keys.push_back(key(ns_tag, h));
+    argvs.push_back({"GET", keys.back()});
+  }
+  return run(keys, argvs, true);
+}
+
+void RedisStore::remove(uint64_t ns_tag, const PageHash& h) {
+  const std::string k = key(ns_tag, h);
+  run({k}, {{"DEL", k}}, false);
+}
+
+void RedisStore::fill_stats(TierStats* s) const {
+  std::lock_guard<std::mutex> l(mu_);
+  s->errors += errors_;
+}
+
+}  // namespace kv

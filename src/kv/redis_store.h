@@ -1,0 +1,87 @@
+// RedisStore: L3, pages in Redis (one or more standalone servers, or a Redis Cluster), shared
+// by every kvserve instance that points at it. hiredis (Debian) speaks the protocol; Debian has
+// no cluster client for C, so the slot routing (CRC16 key slots, CLUSTER SLOTS, MOVED / ASK
+// redirections) is here.
+//
+// Keys: "kvs:<fingerprint:016x>:<format tag:08x>:<namespace tag:016x>:<chain hash hex>", so
+// pages of another model, KV format or tenant never share a key (the namespace tag is an XXH3
+// of the namespace: an API key never reaches Redis in clear). Values: blobs (page_store.h),
+// checked on every load. SET ... EX ttl when a TTL is set. Batches are pipelined per node.
+//
+// Addresses: redis://HOST:PORT (or HOST:PORT). At first use the store asks the first reachable
+// address for CLUSTER SLOTS; if it is a cluster, keys go to their slot's master and MOVED/ASK
+// are followed; otherwise keys are spread over the addresses by their hash.
+//
+// Failure: connect and command timeouts (timeout_ms). A node that fails is skipped (a miss, a
+// dropped write, an error counted) until its backoff ends (0.5 s doubling to 8 s), then
+// reconnected: Redis slow or down never fails a request, it only loses hits.
+//
+// Threading: every method is thread-safe; each calling thread has its own connections.
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/status.h"
+#include "kv/page_store.h"
+
+namespace kv {
+
+uint16_t redis_key_slot(std::string_view key);  // CRC16-XMODEM mod 16384, {hash tags} honoured
+
+class RedisStore : public PageStore {
+ public:
+  // Parses the addresses; connects lazily. id.ns_tag is unused (each key carries its own).
+  static Result<std::unique_ptr<RedisStore>> create(const std::vector<std::string>& addrs, const PageIdentity& id, int32_t ttl_s,
+                                                    int32_t timeout_ms);
+  ~RedisStore() override;
+
+  const char* name() const override { return "redis"; }
+  bool put(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags, std::span<const std::string> blobs) override;
+  std::vector<std::optional<std::string>> get(uint64_t ns_tag, std::span<const PageHash> hashes) override;
+  bool may_contain(const PageHash&) const override { return true; }
+  void remove(uint64_t ns_tag, const PageHash& h) override;
+  void fill_stats(TierStats* s) const override;
+
+  // The key a page of namespace tag ns_tag is stored under.
+  std::string key(uint64_t ns_tag, const PageHash& h) const;
+  struct Endpoint {
+    std::string host;
+    int port = 0;
+    bool operator<(const Endpoint& o) const { return host != o.host ? host < o.host : port < o.port; }
+  };
+
+ private:
+  RedisStore(std::vector<Endpoint> seeds, const PageIdentity& id, int32_t ttl_s, int32_t timeout_ms);
+  struct Conn;
+  struct ThreadConns;
+  ThreadConns& conns();
+  Conn* conn(ThreadConns& tc, const Endpoint& e);  // connected, or null (down / backing off)
+  void fail(ThreadConns& tc, const Endpoint& e);   // drop the connection, start a backoff
+  void discover(ThreadConns& tc);                  // cluster or not; slot map
+  Endpoint node_for(const std::string& key) const;
+  // Runs one command per key (argv built by make), pipelined per node, following MOVED/ASK
+  // once. replies[i]: the i-th reply's string (GET), "" for OK, nullopt for nil or failure.
+  std::vector<std::optional<std::string>> run(const std::vector<std::string>& keys,
+                                              const std::vector<std::vector<std::string>>& argvs, bool want_value);
+
+  std::vector<Endpoint> seeds_;
+  PageIdentity id_;
+  int32_t ttl_s_;
+  int32_t timeout_ms_;
+
+  mutable std::mutex mu_;
+  bool discovered_ = false;
+  bool cluster_ = false;
+  std::vector<std::pair<std::pair<int, int>, Endpoint>> slots_;  // [first, last] slot -> master
+  std::map<std::thread::id, std::unique_ptr<ThreadConns>> threads_;
+  int64_t errors_ = 0;
+  int64_t redirects_ = 0;
+};
+
+}  // namespace kv

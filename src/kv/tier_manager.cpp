@@ -1,0 +1,309 @@
+#include "kv/tier_manager.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "kv/redis_store.h"
+
+namespace kv {
+
+namespace {
+using SteadyClock = std::chrono::steady_clock;
+constexpr size_t kWrittenCap = size_t(1) << 20;  // hashes remembered as written everywhere
+constexpr size_t kWriteBatch = 16;               // pages per store put (Redis pipelines them)
+}  // namespace
+
+Result<std::unique_ptr<TierManager>> TierManager::create(const TierConfig& cfg, const KvLayout& layout, bool key_bounds,
+                                                         uint64_t fingerprint) {
+  std::unique_ptr<TierManager> t(new TierManager(cfg, layout, key_bounds, fingerprint));
+  const PageIdentity id = t->identity(0);
+  if (!cfg.disk_dir.empty()) {
+    auto d = DiskStore::open(cfg.disk_dir, cfg.disk_bytes, id);
+    if (!d) return Result<std::unique_ptr<TierManager>>::error(d.message());
+    t->disk_ = d->get();
+    t->stores_.push_back(std::move(*d));
+  }
+  if (!cfg.redis.empty()) {
+    auto r = RedisStore::create(cfg.redis, id, cfg.redis_ttl_s, cfg.redis_timeout_ms);
+    if (!r) return Result<std::unique_ptr<TierManager>>::error(r.message());
+    t->stores_.push_back(std::move(*r));
+  }
+  t->stats_.resize(t->stores_.size());
+  for (size_t i = 0; i < t->stores_.size(); ++i) {
+    t->stats_[i].s.tier = t->stores_[i]->name();
+    t->stats_[i].load_counts.assign(tier_load_buckets().size() + 1, 0);
+  }
+  t->writer_ = std::thread([p = t.get()] { p->writer_loop(); });
+  t->loader_ = std::thread([p = t.get()] { p->loader_loop(); });
+  return t;
+}
+
+TierManager::TierManager(const TierConfig& cfg, const KvLayout& layout, bool key_bounds, uint64_t fingerprint)
+    : cfg_(cfg), layout_(layout), key_bounds_(key_bounds), fingerprint_(fingerprint), format_tag_(layout.format_tag()) {}
+
+TierManager::~TierManager() {
+  flush();
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (writer_.joinable()) writer_.join();
+  if (loader_.joinable()) loader_.join();
+}
+
+PageIdentity TierManager::identity(uint64_t ns_tag) const { return PageIdentity{fingerprint_, format_tag_, layout_.block_size, ns_tag}; }
+
+int64_t TierManager::payload_bytes() const {
+  int64_t b = layout_.page_bytes();
+  if (key_bounds_) b += int64_t(layout_.n_layer) * layout_.n_head_kv * 2 * layout_.head_dim * 2;
+  return b;
+}
+
+// ---- down ---------------------------------------------------------------------------------
+
+void TierManager::page_cached(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page) {
+  if (cfg_.write_through) store(h, ns, tokens, page);
+}
+
+void TierManager::page_evicted(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page) {
+  if (!cfg_.write_through) store(h, ns, tokens, page);
+}
+
+bool TierManager::may_contain(const PageHash& h) const {
+  for (const auto& s : stores_)
+    if (s->may_contain(h)) return true;
+  return false;
+}
+
+void TierManager::store(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page) {
+  if (!pool_ || stores_.empty()) return;
+  if (written_.count(h)) return;  // this process already wrote it everywhere
+  if (disk_ && stores_.size() == 1 && disk_->may_contain(h)) return;
+  Write w;
+  w.hash = h;
+  w.ns_tag = namespace_tag(ns);
+  w.tokens.assign(tokens, tokens + layout_.block_size);
+  w.payload.resize(static_cast<size_t>(payload_bytes()));
+  char* dst = w.payload.data();
+  for (int32_t l = 0; l < layout_.n_layer; ++l) {
+    const int64_t kb = layout_.k_layer_page_bytes(l), vb = layout_.v_layer_page_bytes(l);
+    std::memcpy(dst, pool_->k_data(l, page), kb);
+    dst += kb;
+    if (vb > 0) std::memcpy(dst, pool_->v_data(l, page), vb);
+    dst += vb;
+  }
+  if (key_bounds_) {
+    const size_t bb = size_t(layout_.n_head_kv) * 2 * layout_.head_dim * 2;
+    for (int32_t l = 0; l < layout_.n_layer; ++l, dst += bb) std::memcpy(dst, pool_->key_bounds(l, page), bb);
+  }
+  if (written_.size() >= kWrittenCap) written_.clear();
+  written_.insert(h);
+  queue_write(std::move(w));
+}
+
+void TierManager::queue_write(Write w) {
+  const int64_t bytes = static_cast<int64_t>(w.payload.size() + w.blob.size());
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (pending_bytes_ + bytes > cfg_.max_pending_bytes) {
+      for (size_t i = 0; i < stores_.size(); ++i)
+        if (w.only_store < 0 || w.only_store == static_cast<int32_t>(i)) ++stats_[i].s.write_drops;
+      written_.erase(w.hash);
+      return;
+    }
+    pending_bytes_ += bytes;
+    writes_.push_back(std::move(w));
+  }
+  cv_.notify_all();
+}
+
+void TierManager::writer_loop() {
+  for (;;) {
+    std::vector<Write> batch;
+    {
+      std::unique_lock<std::mutex> l(mu_);
+      cv_.wait(l, [&] { return stop_ || !writes_.empty(); });
+      if (writes_.empty()) return;  // stop_ and nothing left
+      while (!writes_.empty() && batch.size() < kWriteBatch) {
+        batch.push_back(std::move(writes_.front()));
+        writes_.pop_front();
+      }
+      writes_in_flight_ += static_cast<int64_t>(batch.size());
+    }
+    int64_t batch_bytes = 0;
+    std::vector<PageHash> hashes;
+    std::vector<std::string> blobs;
+    std::vector<uint64_t> tags;
+    std::vector<int32_t> only;
+    for (Write& w : batch) {
+      batch_bytes += static_cast<int64_t>(w.payload.size() + w.blob.size());
+      if (w.blob.empty())
+        w.blob = encode_blob(identity(w.ns_tag), w.hash, w.tokens.data(), key_bounds_ ? kBlobFlagKeyBounds : 0,
+                             std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(w.payload.data()), w.payload.size()));
+      hashes.push_back(w.hash);
+      tags.push_back(w.ns_tag);
+      blobs.push_back(std::move(w.blob));
+      only.push_back(w.only_store);
+    }
+    for (size_t i = 0; i < stores_.size(); ++i) {
+      std::vector<PageHash> hs;
+      std::vector<uint64_t> ts;
+      std::vector<std::string> bs;
+      for (size_t k = 0; k < hashes.size(); ++k)
+        if (only[k] < 0 || only[k] == static_cast<int32_t>(i)) {
+          hs.push_back(hashes[k]);
+          ts.push_back(tags[k]);
+          bs.push_back(blobs[k]);
+        }
+      if (hs.empty()) continue;
+      const bool ok = stores_[i]->put(hs, ts, bs);
+      std::lock_guard<std::mutex> l(mu_);
+      TierStats& st = stats_[i].s;
+      if (ok) {
+        st.pages_written += static_cast<int64_t>(hs.size());
+        for (const auto& b : bs) st.bytes_out += static_cast<int64_t>(b.size());
+      } else {
+        st.write_drops += static_cast<int64_t>(hs.size());
+      }
+    }
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      pending_bytes_ -= batch_bytes;
+      writes_in_flight_ -= static_cast<int64_t>(batch.size());
+    }
+    done_cv_.notify_all();
+  }
+}
+
+void TierManager::flush() {
+  std::unique_lock<std::mutex> l(mu_);
+  done_cv_.wait(l, [&] { return writes_.empty() && writes_in_flight_ == 0; });
+}
+
+// ---- up -----------------------------------------------------------------------------------
+
+uint64_t TierManager::fetch(const std::string& ns, std::vector<PageHash> hashes, std::vector<int32_t> tokens, int64_t first_page) {
+  uint64_t t;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    t = next_ticket_++;
+    fetches_.push_back(Fetch{t, ns, std::move(hashes), std::move(tokens), first_page});
+  }
+  cv_.notify_all();
+  return t;
+}
+
+std::vector<TierManager::Loaded> TierManager::poll() {
+  std::lock_guard<std::mutex> l(mu_);
+  std::vector<Loaded> out;
+  out.swap(loaded_);
+  return out;
+}
+
+void TierManager::loader_loop() {
+  for (;;) {
+    Fetch f;
+    {
+      std::unique_lock<std::mutex> l(mu_);
+      cv_.wait(l, [&] { return stop_ || !fetches_.empty(); });
+      if (stop_) return;
+      f = std::move(fetches_.front());
+      fetches_.pop_front();
+    }
+    const auto t0 = SteadyClock::now();
+    const PageIdentity id = identity(namespace_tag(f.ns));
+    const int32_t bs = layout_.block_size;
+    Loaded out;
+    out.ticket = f.ticket;
+    out.ns = f.ns;
+    out.first_page = f.first_page;
+    size_t have = 0;  // pages found so far, in order
+    for (size_t i = 0; i < stores_.size() && have < f.hashes.size(); ++i) {
+      const auto ts = SteadyClock::now();
+      std::span<const PageHash> want(f.hashes.data() + have, f.hashes.size() - have);
+      std::vector<std::optional<std::string>> got = stores_[i]->get(id.ns_tag, want);
+      int64_t hits = 0, bytes = 0, corrupt = 0;
+      const size_t before = have;
+      for (size_t k = 0; k < got.size() && got[k]; ++k) {
+        const size_t pos = have;
+        const BlobCheck c = check_blob(*got[k], id, f.hashes[pos], f.tokens.data() + (f.first_page + int64_t(pos)) * bs);
+        if (c != BlobCheck::kOk) {
+          stores_[i]->remove(id.ns_tag, f.hashes[pos]);
+          ++corrupt;
+          break;
+        }
+        // A page found below L2 is written to L2 as well (promotion).
+        if (i > 0 && disk_) {
+          Write w;
+          w.hash = f.hashes[pos];
+          w.ns_tag = id.ns_tag;
+          w.blob = *got[k];
+          w.only_store = 0;
+          queue_write(std::move(w));
+        }
+        bytes += static_cast<int64_t>(got[k]->size());
+        out.blobs.push_back(std::move(*got[k]));
+        ++hits;
+        ++have;
+      }
+      const double sec = std::chrono::duration<double>(SteadyClock::now() - ts).count();
+      std::lock_guard<std::mutex> l(mu_);
+      TierSnapshot& st = stats_[i];
+      st.s.hits += hits;
+      st.s.bytes_in += bytes;
+      st.s.corrupt += corrupt;
+      if (have < f.hashes.size()) ++st.s.misses;  // the lookup ended (or moved on) here
+      if (have > before) {
+        const auto& b = tier_load_buckets();
+        const size_t k = std::lower_bound(b.begin(), b.end(), sec) - b.begin();
+        ++st.load_counts[k];
+        st.load_sum += sec;
+        ++st.load_count;
+      }
+    }
+    out.seconds = std::chrono::duration<double>(SteadyClock::now() - t0).count();
+    out.tokens = std::move(f.tokens);
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      loaded_.push_back(std::move(out));
+    }
+    if (notify_) notify_();
+  }
+}
+
+bool TierManager::install(const std::string& blob, PagePool& pool, int32_t page) {
+  BlobHeader h;
+  if (decode_header(blob, &h) != BlobCheck::kOk) return false;
+  const bool has_bounds = (h.flags & kBlobFlagKeyBounds) != 0;
+  if (pool.has_key_bounds() && !has_bounds) return false;
+  const KvLayout& L = pool.layout();
+  const char* src = blob.data() + h.header_bytes;
+  const int64_t kv_bytes = L.page_bytes();
+  const int64_t bb = int64_t(L.n_head_kv) * 2 * L.head_dim * 2;
+  if (int64_t(h.payload_bytes) != kv_bytes + (has_bounds ? int64_t(L.n_layer) * bb : 0)) return false;
+  written_.insert(h.hash);  // it came from below: no need to write it back
+  for (int32_t l = 0; l < L.n_layer; ++l) {
+    const int64_t kb = L.k_layer_page_bytes(l), vb = L.v_layer_page_bytes(l);
+    std::memcpy(pool.k_data(l, page), src, kb);
+    src += kb;
+    if (vb > 0) std::memcpy(pool.v_data(l, page), src, vb);
+    src += vb;
+  }
+  if (pool.has_key_bounds())
+    for (int32_t l = 0; l < L.n_layer; ++l, src += bb) std::memcpy(pool.key_bounds(l, page), src, bb);
+  return true;
+}
+
+std::vector<TierSnapshot> TierManager::stats() const {
+  std::vector<TierSnapshot> out;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    out = stats_;
+  }
+  for (size_t i = 0; i < stores_.size(); ++i) stores_[i]->fill_stats(&out[i].s);
+  return out;
+}
+
+}  // namespace kv

@@ -1,0 +1,155 @@
+// TierManager: moves full KV pages between the RAM pool (L1) and the stores below it (L2 disk,
+// L3 Redis; page_store.h), on its own threads, so an engine step never waits for I/O.
+//
+// Down (writes). The prefix cache tells the manager about pages it adopts and drops
+// (PageListener). Write-back (the default) writes a page when the cache evicts it; write-through
+// as soon as the cache adopts it. Either way the engine thread only copies the page's bytes out
+// of the pool (a memcpy) and queues them; a writer thread encodes the blob (header, checksums)
+// and puts it in every store. A page the disk already holds is not written again. When the
+// queue holds more than max_pending_bytes, new writes are dropped (counted), never waited for.
+//
+// Up (loads). fetch() queues a lookup of consecutive pages by chain hash (the part of a prompt
+// the RAM cache lacks); a loader thread asks L2, then L3 for what L2 lacks, checks every blob
+// (page_store.h: identity, tokens, checksums; a bad one is dropped from its store, counted as
+// corrupt, and ends the hit) and hands back the longest valid prefix. Pages found in L3 are
+// written to L2 too. poll() returns finished lookups; install() copies a blob into a pool page.
+//
+// Threading: store()/fetch()/poll()/install() and the listener calls are engine-thread only;
+// stats() from any thread.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#include "common/status.h"
+#include "kv/disk_store.h"
+#include "kv/page_pool.h"
+#include "kv/page_store.h"
+#include "kv/prefix_cache.h"
+
+namespace kv {
+
+struct TierConfig {
+  std::string disk_dir;                       // L2; empty: none
+  int64_t disk_bytes = int64_t(8) << 30;
+  std::vector<std::string> redis;             // L3: redis://host:port addresses; empty: none
+  int32_t redis_ttl_s = 0;                    // 0: keys never expire
+  int32_t redis_timeout_ms = 100;             // connect and per-command
+  bool write_through = false;                 // false: write-back (on eviction from RAM)
+  int32_t min_pages = 2;                      // look below RAM only for at least this many pages
+  int64_t max_pending_bytes = int64_t(256) << 20;
+  bool enabled() const { return !disk_dir.empty() || !redis.empty(); }
+};
+
+// Load latency buckets (seconds) for kvserve:kv_tier_load_seconds.
+inline const std::vector<double>& tier_load_buckets() {
+  static const std::vector<double> b = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5};
+  return b;
+}
+
+struct TierSnapshot {
+  TierStats s;
+  std::vector<uint64_t> load_counts;  // per tier_load_buckets() bucket, last = +Inf
+  double load_sum = 0;
+  uint64_t load_count = 0;
+};
+
+class TierManager : public PageListener {
+ public:
+  // Opens the stores (the disk directory is scanned; Redis is connected lazily, so a Redis that
+  // is down at start is an error count, not a failure). key_bounds: the pool keeps Quest key
+  // bounds, so pages carry them.
+  static Result<std::unique_ptr<TierManager>> create(const TierConfig& cfg, const KvLayout& layout, bool key_bounds,
+                                                     uint64_t fingerprint);
+  ~TierManager() override;  // finishes the queued writes (so a clean stop persists them)
+
+  const TierConfig& config() const { return cfg_; }
+  // The pool pages are copied from and into (the engine's global pool).
+  void set_pool(const PagePool* pool) { pool_ = pool; }
+  // Called (from the loader thread) when a lookup finishes: the engine wakes up.
+  void set_notify(std::function<void()> f) { notify_ = std::move(f); }
+
+  // PageListener (engine thread): write-through / write-back.
+  void page_cached(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page) override;
+  void page_evicted(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page) override;
+  // Queues a write of one pool page (e.g. a preempted sequence's pages, swap mode).
+  void store(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page);
+  // Whether some store may hold h (disk: its index; Redis: always).
+  bool may_contain(const PageHash& h) const;
+
+  // A lookup of pages [first_page, first_page + hashes.size()) of a prompt: their hashes, and
+  // the prompt's tokens from position 0 through the last of those pages. Returns a ticket (> 0).
+  uint64_t fetch(const std::string& ns, std::vector<PageHash> hashes, std::vector<int32_t> tokens, int64_t first_page);
+  struct Loaded {
+    uint64_t ticket = 0;
+    std::string ns;
+    std::vector<int32_t> tokens;     // as given to fetch()
+    int64_t first_page = 0;
+    std::vector<std::string> blobs;  // checked blobs of pages first_page, first_page + 1, ... (the longest found run)
+    double seconds = 0;
+  };
+  std::vector<Loaded> poll();
+  // Copies a checked blob into `page` of pool (K/V of every layer, key bounds). False when the
+  // pool keeps key bounds and the blob has none.
+  bool install(const std::string& blob, PagePool& pool, int32_t page);
+  // Waits until every write queued so far is done (tests, shutdown).
+  void flush();
+
+  std::vector<TierSnapshot> stats() const;
+  const DiskStore* disk() const { return disk_; }
+
+ private:
+  TierManager(const TierConfig& cfg, const KvLayout& layout, bool key_bounds, uint64_t fingerprint);
+  struct Write {
+    PageHash hash;
+    uint64_t ns_tag;
+    std::vector<int32_t> tokens;
+    std::string payload;     // page bytes (encoded into a blob by the writer)
+    std::string blob;        // or a ready blob (promotion of an L3 hit into L2)
+    int32_t only_store = -1; // >= 0: write to that store alone
+  };
+  struct Fetch {
+    uint64_t ticket;
+    std::string ns;
+    std::vector<PageHash> hashes;
+    std::vector<int32_t> tokens;
+    int64_t first_page;
+  };
+  void writer_loop();
+  void loader_loop();
+  void queue_write(Write w);
+  PageIdentity identity(uint64_t ns_tag) const;
+  int64_t payload_bytes() const;
+
+  TierConfig cfg_;
+  KvLayout layout_;
+  bool key_bounds_;
+  uint64_t fingerprint_;
+  uint32_t format_tag_;
+  const PagePool* pool_ = nullptr;
+  std::function<void()> notify_;
+  std::vector<std::unique_ptr<PageStore>> stores_;  // L2 first, then L3
+  DiskStore* disk_ = nullptr;                       // stores_[0] when there is a disk tier
+  std::unordered_set<PageHash, PageHashKey> written_;  // written to every store by this process (bounded)
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  std::deque<Write> writes_;
+  int64_t pending_bytes_ = 0;
+  int64_t writes_in_flight_ = 0;
+  std::deque<Fetch> fetches_;
+  std::vector<Loaded> loaded_;
+  uint64_t next_ticket_ = 1;
+  bool stop_ = false;
+  std::vector<TierSnapshot> stats_;  // [stores_.size()], under mu_
+  std::thread writer_, loader_;
+};
+
+}  // namespace kv
