@@ -226,6 +226,7 @@ void DiskStore::fill_stats(TierStats* s) const {
   s->pages_stored = static_cast<int64_t>(index_.size());
   s->bytes_stored = bytes_;
   s->errors += errors_;
+  s->corrupt += dropped_at_open_;  // found corrupt, truncated or foreign by the start-up scan
 }
 
 }  // namespace kv

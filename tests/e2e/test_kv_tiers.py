@@ -1,0 +1,350 @@
+"""KV tiers below RAM through real processes: `kvserve serve` on the real model, a real
+`redis-server` (Debian) on loopback, the official `openai` client.
+
+- L2 (--kv-disk-dir): a restart finds yesterday's prefixes; corrupt or truncated page files are
+  detected, dropped and recomputed, with the same answer as a miss.
+- L3 (--kv-redis): a prefix computed on instance A is a hit on instance B; Redis stopped or
+  frozen fails no request, and hits resume when it is back.
+- Namespaces (cache_salt, API key) hold in every tier: checked through the API and by reading
+  the stored keys.
+- --preemption-mode swap: preempted sequences resume from the tier with the same output.
+Greedy decoding everywhere: a hit must give exactly the text a miss gives.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+import pytest
+import requests
+import xxhash
+from openai import OpenAI
+
+from kvserve_server import MODEL_NAME, Server, free_port
+
+MAX_LEN = 2048
+# ~1100 tokens of distinct text per salt / seed, so nothing is shared by accident.
+BASE = open(os.path.join(os.path.dirname(__file__), "..", "..", "data", "text", "emma.txt"), encoding="utf-8").read()
+
+
+def doc(offset: int, chars: int = 4400) -> str:
+    return BASE[20000 + offset: 20000 + offset + chars]
+
+
+def tier_server(*extra: str, kv_memory: str = "48MiB") -> Server:
+    return Server("--debug", *extra, max_model_len=MAX_LEN, kv_memory=kv_memory)
+
+
+def ask(server: Server, prompt: str, max_tokens: int = 12, api_key: str = "unused", **extra):
+    c = OpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+    try:
+        r = c.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                 extra_body=extra or None)
+    finally:
+        c.close()
+    return r.choices[0].text, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens
+
+
+def tier(server: Server, name: str, tier_name: str) -> float:
+    return server.metrics().get(f'kvserve:{name}{{tier="{tier_name}"}}', 0.0)
+
+
+def assert_clean(server: Server):
+    deadline = time.time() + 5
+    while True:
+        kv = server.debug_kv()
+        if kv["pages_in_use"] == 0 and kv["integrity"]["ok"]:
+            return
+        if time.time() > deadline:
+            pytest.fail(f"pages still held or integrity failed: {kv}")
+        time.sleep(0.05)
+
+
+def stop(server: Server):
+    server.stop()
+    assert server.proc.returncode == 0, server.output()
+
+
+class Redis:
+    """A real redis-server on a free loopback port, nothing persisted."""
+
+    def __init__(self):
+        if not shutil.which("redis-server"):
+            pytest.fail("redis-server is missing: run `make deps`")
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="kvserve-redis-")
+        self.proc = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self):
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", self.dir], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        deadline = time.time() + 10
+        while self.cli("PING") != "PONG":
+            if time.time() > deadline:
+                pytest.fail("redis-server did not start")
+            time.sleep(0.05)
+
+    def cli(self, *args: str) -> str:
+        r = subprocess.run(["redis-cli", "-p", str(self.port), *args], capture_output=True, text=True, timeout=10)
+        return r.stdout.strip()
+
+    def keys(self) -> list[str]:
+        return [k for k in self.cli("--scan").splitlines() if k]
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def close(self):
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def redis():
+    r = Redis()
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def disk_dir():
+    d = tempfile.mkdtemp(prefix="kvserve-l2-")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def wait_written(server: Server, tier_name: str, at_least: int, timeout: float = 20):
+    deadline = time.time() + timeout
+    while tier(server, "kv_tier_pages_written_total", tier_name) < at_least:
+        if time.time() > deadline:
+            pytest.fail(f"{tier_name}: fewer than {at_least} pages written: {server.metrics()}")
+        time.sleep(0.05)
+
+
+# ---- L2: disk ---------------------------------------------------------------------------------
+
+def test_restart_with_the_same_disk_dir_hits(disk_dir):
+    p = doc(0)
+    a = tier_server("--kv-disk-dir", disk_dir)
+    try:
+        cold, n_prompt, cached = ask(a, p)
+        assert cached == 0 and n_prompt > 900
+        assert_clean(a)
+    finally:
+        stop(a)  # write-back: a clean stop writes every cached page down
+    files = glob.glob(os.path.join(disk_dir, "*", "*", "*.kvp"))
+    assert len(files) >= n_prompt // 16
+    b = tier_server("--kv-disk-dir", disk_dir)
+    try:
+        assert b.metrics()['kvserve:kv_tier_pages_stored{tier="disk"}'] == len(files)
+        warm, _, cached = ask(b, p)
+        assert warm == cold
+        assert cached >= n_prompt - 16 - 1, cached
+        assert tier(b, "kv_tier_hits_total", "disk") >= n_prompt // 16 - 1
+        assert b.metrics()["kvserve:kv_tier_loaded_pages_total"] >= n_prompt // 16 - 1
+        assert_clean(b)
+    finally:
+        stop(b)
+
+
+def test_corrupt_and_truncated_page_files_are_recomputed(disk_dir):
+    p = doc(5000)
+    a = tier_server("--kv-disk-dir", disk_dir)
+    try:
+        cold, n_prompt, _ = ask(a, p)
+    finally:
+        stop(a)
+    files = sorted(glob.glob(os.path.join(disk_dir, "*", "*", "*.kvp")))
+    assert files
+    # Flip one payload byte in every file: headers stay valid, so the start-up scan keeps them and
+    # the load-time checksum must catch them.
+    for f in files:
+        with open(f, "r+b") as fh:
+            fh.seek(-100, os.SEEK_END)
+            b = fh.read(1)
+            fh.seek(-100, os.SEEK_END)
+            fh.write(bytes([b[0] ^ 0x40]))
+    b = tier_server("--kv-disk-dir", disk_dir)
+    try:
+        text, _, cached = ask(b, p)
+        assert text == cold and cached == 0
+        m = b.metrics()
+        assert m['kvserve:kv_tier_corrupt_total{tier="disk"}'] >= 1
+        assert m['kvserve:kv_tier_hits_total{tier="disk"}'] == 0
+        assert_clean(b)
+    finally:
+        stop(b)
+    # The corrupt first page was deleted and rewritten by the recompute; now truncate every file:
+    # the start-up scan drops them all.
+    files = sorted(glob.glob(os.path.join(disk_dir, "*", "*", "*.kvp")))
+    for f in files:
+        os.truncate(f, os.path.getsize(f) - 1)
+    c = tier_server("--kv-disk-dir", disk_dir)
+    try:
+        m = c.metrics()
+        assert m['kvserve:kv_tier_pages_stored{tier="disk"}'] == 0
+        assert m['kvserve:kv_tier_corrupt_total{tier="disk"}'] >= len(files)
+        text, _, cached = ask(c, p)
+        assert text == cold and cached == 0
+    finally:
+        stop(c)
+    assert not glob.glob(os.path.join(disk_dir, "*", "tmp", "*"))
+
+
+def test_bad_disk_dir_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    from kvserve_server import KVSERVE, MODEL
+    r = subprocess.run([KVSERVE, "serve", "-m", MODEL, "--port", str(free_port()), "--kv-disk-dir", str(blocker / "x")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "--kv-disk-dir" in r.stderr and "cannot create" in r.stderr, r.stderr[-2000:]
+
+
+# ---- L3: Redis ---------------------------------------------------------------------------------
+
+def test_a_prefix_computed_on_one_instance_is_a_hit_on_another(redis):
+    p = doc(10000)
+    a = tier_server("--kv-redis", redis.url, "--kv-tier-write", "through")
+    b = tier_server("--kv-redis", redis.url)
+    try:
+        cold, n_prompt, _ = ask(a, p)
+        wait_written(a, "redis", n_prompt // 16)
+        warm, _, cached = ask(b, p)
+        assert warm == cold
+        assert cached >= n_prompt - 16 - 1
+        assert tier(b, "kv_tier_hits_total", "redis") >= n_prompt // 16 - 1
+        assert_clean(a)
+        assert_clean(b)
+    finally:
+        stop(a)
+        stop(b)
+
+
+def test_redis_down_or_frozen_fails_no_request_and_hits_resume(redis):
+    a = tier_server("--kv-redis", redis.url, "--kv-tier-write", "through", "--kv-redis-timeout-ms", "100")
+    b = tier_server("--kv-redis", redis.url, "--kv-redis-timeout-ms", "100")
+    try:
+        p = doc(15000)
+        cold, n_prompt, _ = ask(a, p)
+        wait_written(a, "redis", n_prompt // 16)
+        # Frozen (SIGSTOP): every command times out; B computes instead, same answer.
+        redis.proc.send_signal(signal.SIGSTOP)
+        t0 = time.time()
+        text, _, cached = ask(b, p)
+        assert text == cold and cached == 0
+        assert time.time() - t0 < 30
+        redis.proc.send_signal(signal.SIGCONT)
+        # Dead: killed and restarted empty on the same port.
+        redis.stop()
+        q = doc(20000)
+        cold_q, n_q, _ = ask(a, q)
+        assert tier(b, "kv_tier_errors_total", "redis") + tier(a, "kv_tier_errors_total", "redis") >= 1
+        redis.start()
+        # Hits resume once the backoff ends: A writes a new prompt through, B finds it.
+        r = doc(25000)
+        deadline = time.time() + 30
+        while True:
+            cold_r, n_r, _ = ask(a, r, max_tokens=2)
+            time.sleep(0.5)
+            if tier(a, "kv_tier_pages_written_total", "redis") > 0 and len(redis.keys()) >= n_r // 16:
+                break
+            if time.time() > deadline:
+                pytest.fail(f"A never wrote to the restarted Redis: {a.metrics()}")
+            r = doc(25000 + int(time.time() * 1000) % 5000)  # a fresh prompt: A's RAM already holds the last
+        warm_r, _, cached = ask(b, r, max_tokens=2)
+        assert warm_r == cold_r and cached >= n_r - 16 - 1
+        assert_clean(a)
+        assert_clean(b)
+    finally:
+        if redis.proc.poll() is None:
+            redis.proc.send_signal(signal.SIGCONT)
+        stop(a)
+        stop(b)
+
+
+def test_namespaces_hold_in_every_tier(redis, disk_dir):
+    p = doc(30000)
+    a = tier_server("--kv-redis", redis.url, "--kv-disk-dir", disk_dir, "--kv-tier-write", "through")
+    b = tier_server("--kv-redis", redis.url)
+    try:
+        cold, n_prompt, _ = ask(a, p, cache_salt="alice")
+        wait_written(a, "redis", n_prompt // 16)
+        # Through the API: another salt, or none, never hits alice's pages, on either instance.
+        for s in (b, a):
+            text, _, cached = ask(s, p, cache_salt="bob")
+            assert text == cold and cached == 0
+        text, _, cached = ask(b, p)
+        assert text == cold and cached == 0
+        text, _, cached = ask(b, p, cache_salt="alice")
+        assert text == cold and cached >= n_prompt - 17
+        # In the store: every key names its namespace by a hash, never the salt itself.
+        keys = redis.keys()
+        tags = {k.split(":")[3] for k in keys}
+        alice = f"{xxhash.xxh3_64_intdigest(b'alice'):016x}"
+        bob = f"{xxhash.xxh3_64_intdigest(b'bob'):016x}"
+        assert alice in tags and bob in tags
+        assert not any("alice" in k or "bob" in k for k in keys)
+        assert all(k.startswith("kvs:") and len(k.split(":")) == 5 for k in keys)
+        assert sum(k.split(":")[3] == alice for k in keys) >= n_prompt // 16
+    finally:
+        stop(a)
+        stop(b)
+
+
+def test_api_keys_are_namespaces_in_the_shared_tier(redis):
+    p = doc(35000)
+    a = Server("--debug", "--api-key", "key-of-tenant-a", "--kv-redis", redis.url, "--kv-tier-write", "through",
+               max_model_len=MAX_LEN)
+    b = Server("--debug", "--api-key", "key-of-tenant-b", "--kv-redis", redis.url, max_model_len=MAX_LEN)
+    a2 = Server("--debug", "--api-key", "key-of-tenant-a", "--kv-redis", redis.url, max_model_len=MAX_LEN)
+    try:
+        cold, n_prompt, _ = ask(a, p, api_key="key-of-tenant-a")
+        wait_written(a, "redis", n_prompt // 16)
+        text, _, cached = ask(b, p, api_key="key-of-tenant-b")
+        assert text == cold and cached == 0  # same prompt, same salt (none), another tenant
+        text, _, cached = ask(a2, p, api_key="key-of-tenant-a")
+        assert text == cold and cached >= n_prompt - 17  # the same tenant on another instance
+        assert not any("key-of-tenant" in k for k in redis.keys())
+    finally:
+        for s in (a, b, a2):
+            stop(s)
+
+
+# ---- swap preemption -----------------------------------------------------------------------------
+
+def test_swap_preemption_resumes_with_the_same_output(disk_dir):
+    import concurrent.futures as cf
+    prompts = [doc(40000 + 5000 * i, 3000) for i in range(3)]
+    # Alone: the reference outputs.
+    ref = tier_server(kv_memory="64MiB")
+    try:
+        want = [ask(ref, p, max_tokens=64)[0] for p in prompts]
+    finally:
+        stop(ref)
+    # Together in a pool too small for all three: some get preempted and swap out to disk.
+    s = tier_server("--kv-disk-dir", disk_dir, "--preemption-mode", "swap", "--max-num-batched-tokens", "512",
+                    kv_memory="40MiB")
+    try:
+        with cf.ThreadPoolExecutor(3) as ex:
+            got = list(ex.map(lambda p: ask(s, p, max_tokens=64)[0], prompts))
+        assert got == want
+        m = s.metrics()
+        assert m["kvserve:num_preemptions_total"] >= 1, m
+        assert m['kvserve:kv_tier_pages_written_total{tier="disk"}'] >= 1
+        assert_clean(s)
+    finally:
+        stop(s)
