@@ -77,6 +77,15 @@ bench-eviction: deps models text build
 	$(PYTHON) bench/eviction_speed.py --kvserve $(BUILD_DIR)/kvserve
 	$(PYTHON) bench/passkey_bench.py --kvserve $(BUILD_DIR)/kvserve
 
+# KV tiers: TTFT of 2k/4k/8k-token documents recomputed vs loaded from the L2 disk tier (after a
+# restart) vs the L3 Redis tier (another instance; needs /usr/bin/redis-server), and swap vs
+# recompute preemption at 4k context: bench/out/tier_bench.{json,png}, about 5-8 min on 2 cores (estimate).
+# TIER_BENCH_ARGS adds flags (--repeats 5, --phases disk swap, --replot).
+TIER_BENCH_ARGS ?=
+.PHONY: bench-tiers
+bench-tiers: deps models text build
+	$(PYTHON) bench/tier_bench.py --kvserve $(BUILD_DIR)/kvserve $(TIER_BENCH_ARGS)
+
 clean:
 	rm -rf $(BUILD_DIR)
 

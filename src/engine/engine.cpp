@@ -65,6 +65,11 @@ struct Engine::Sequence {
   uint64_t tier_ticket = 0;
   bool tier_checked = false;       // looked (or decided not to look) below RAM
   Clock::time_point tier_deadline;
+  // Swap mode: preempted with its pages written down. Until it is admitted again it looks below
+  // RAM whenever the RAM cache holds less of it than at its last fruitless lookup.
+  bool swapped = false;
+  int64_t tier_fetch_ram = 0;      // RAM pages when the last lookup started
+  int64_t tier_miss_at = -1;       // RAM pages when a lookup last came back short (-1: none)
 
   Sequence(const Tokenizer& tok, const SamplingParams& sp) : sampler(sp), detok(tok) {}
   int64_t to_compute() const { return static_cast<int64_t>(tokens.size()) - n_computed; }
@@ -476,7 +481,6 @@ bool Engine::admit(Sequence& s, int64_t budget, int32_t* n_out) {
     }
     s.pin = m.handle;
     s.published = m.n_tokens;
-    s.tier_checked = true;  // a resumed sequence looks below RAM again only in swap mode
   }
   const int32_t n = static_cast<int32_t>(std::min<int64_t>(budget, s.to_compute()));
   if (!ensure_pages(s, n)) {
@@ -489,6 +493,10 @@ bool Engine::admit(Sequence& s, int64_t budget, int32_t* n_out) {
     s.n_computed = 0;
     return false;
   }
+  // Admitted: a resumed sequence looks below RAM again only after a swap-mode preemption.
+  s.tier_checked = true;
+  s.swapped = false;
+  s.tier_miss_at = -1;
   if (cache_ && s.rs->cached_tokens < 0) {
     cache_->count_query(static_cast<int64_t>(s.tokens.size()), m.n_tokens);
     s.rs->cached_tokens = static_cast<int32_t>(std::min<int64_t>(m.n_tokens, s.n_prompt));
@@ -706,13 +714,13 @@ void Engine::lookup_tiers() {
     if (s.tier_ticket != 0) {
       if (now > s.tier_deadline) {  // too slow: compute instead (the pages still land when they come)
         s.tier_ticket = 0;
-        s.tier_checked = true;
+        s.tier_miss_at = s.tier_fetch_ram;
         metrics_.add_tier_load_timeout();
       }
       continue;
     }
     if (s.tier_checked || s.n_computed != 0 || !s.table.pages.empty()) continue;
-    s.tier_checked = true;
+    if (!s.swapped) s.tier_checked = true;  // a new request looks once
     const std::string& ns = s.rs->req.params.cache_namespace;
     // As admit() matches: the last token is always computed, and a scored policy computes its
     // observation window itself.
@@ -721,8 +729,20 @@ void Engine::lookup_tiers() {
     const int64_t max_pages = n_match > 0 ? (n_match - 1) / bs : 0;
     const int64_t ram = cache_->match_length(ns, s.tokens.data(), n_match) / bs;
     if (max_pages - ram < cfg_.tiers.min_pages) continue;
+    if (s.tier_miss_at >= 0 && ram >= s.tier_miss_at) continue;  // swapped: nothing new to find
+    // Swapped: load only when the pool could take the whole sequence back; loading earlier would
+    // evict pages the running sequences need, and they would evict these again (thrashing).
+    // (Its own RAM pages are evictable but needed: they count on neither side.)
+    if (s.swapped) {
+      const int64_t avail = int64_t(pool_->n_free()) + cache_->n_evictable_pages() - ram;
+      if (avail < BlockTable::pages_for(static_cast<int64_t>(s.tokens.size()) + 1, bs) - ram) continue;
+    }
     std::vector<PageHash> hashes = cache_->hash_pages(ns, s.tokens.data(), max_pages * bs);
-    if (!tiers_->may_contain(hashes[ram])) continue;
+    if (!tiers_->may_contain(hashes[ram])) {
+      s.tier_miss_at = ram;
+      continue;
+    }
+    s.tier_fetch_ram = ram;
     hashes.erase(hashes.begin(), hashes.begin() + ram);
     const double timeout = cfg_.tier_timeout_s + cfg_.tier_timeout_per_page_s * double(hashes.size());
     s.tier_deadline = now + std::chrono::microseconds(static_cast<int64_t>(timeout * 1e6));
@@ -734,9 +754,12 @@ void Engine::install_tier_pages() {
   tier_ready_.store(false);
   const int32_t bs = cfg_.block_size;
   for (TierManager::Loaded& L : tiers_->poll()) {
-    for (auto& s : waiting_)
-      if (s->tier_ticket == L.ticket) s->tier_ticket = 0;  // admissible again (tier_checked is set)
     const int64_t n_found = static_cast<int64_t>(L.blobs.size());
+    for (auto& s : waiting_)
+      if (s->tier_ticket == L.ticket) {
+        s->tier_ticket = 0;  // admissible again
+        if (n_found < L.n_asked) s->tier_miss_at = L.first_page;  // (swapped) look again only if RAM loses more
+      }
     if (n_found == 0) continue;
     const int64_t end_pages = L.first_page + n_found;
     // The RAM part of the prefix must still be there (it may have been evicted meanwhile, or
@@ -768,7 +791,9 @@ void Engine::swap_out(Sequence& s) {
   const std::string& ns = s.rs->req.params.cache_namespace;
   const std::vector<PageHash> hashes = cache_->hash_pages(ns, s.tokens.data(), n / bs * bs);
   for (size_t k = 0; k < hashes.size(); ++k) tiers_->store(hashes[k], ns, s.tokens.data() + k * bs, s.table.pages[k]);
-  s.tier_checked = false;  // resuming looks for them below RAM
+  s.tier_checked = false;  // until resumed, it looks for them below RAM when RAM lets them go
+  s.swapped = true;
+  s.tier_miss_at = -1;
 }
 
 void Engine::flush_tiers() {

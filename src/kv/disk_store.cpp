@@ -95,7 +95,7 @@ void DiskStore::scan(const PageIdentity& id) {
     fs::file_time_type mtime;
   };
   std::vector<Found> found;
-  // A header is at most this long (96 bytes of fields + 4 per token).
+  // A header is at most this long (84 bytes of fields + 4 per token).
   const int64_t header_max = 128 + 4 * int64_t(id.block_size);
   for (const auto& d : fs::directory_iterator(root_, ec)) {
     if (!d.is_directory() || d.path().filename() == "tmp") continue;
@@ -128,7 +128,8 @@ void DiskStore::scan(const PageIdentity& id) {
   while (bytes_ > max_bytes_ && !lru_.empty()) erase_locked(lru_.front());
 }
 
-void DiskStore::erase_locked(const PageHash& h) {
+void DiskStore::erase_locked(const PageHash& hash) {
+  const PageHash h = hash;  // a copy: callers pass lru_.front(), which the erase below frees
   auto it = index_.find(h);
   if (it == index_.end()) return;
   bytes_ -= it->second.bytes;

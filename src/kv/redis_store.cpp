@@ -3,6 +3,7 @@
 #include <hiredis/hiredis.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 
@@ -81,6 +82,9 @@ Result<std::unique_ptr<RedisStore>> RedisStore::create(const std::vector<std::st
     seeds.push_back(*e);
   }
   if (seeds.empty()) return Result<std::unique_ptr<RedisStore>>::error("--kv-redis: no address");
+  // hiredis 0.14 writes with write(): a connection Redis closed would raise SIGPIPE and kill the
+  // process. Ignored process-wide (the server does so anyway); failures come back as EPIPE.
+  std::signal(SIGPIPE, SIG_IGN);
   return std::unique_ptr<RedisStore>(new RedisStore(std::move(seeds), id, ttl_s, timeout_ms));
 }
 
@@ -139,6 +143,7 @@ void RedisStore::discover(ThreadConns& tc) {
       fail(tc, e);
       continue;
     }
+    c->backoff_ms = 0;
     std::vector<std::pair<std::pair<int, int>, Endpoint>> slots;
     const bool cluster = r->type == REDIS_REPLY_ARRAY && r->elements > 0;
     if (cluster)
@@ -201,6 +206,7 @@ std::vector<std::optional<std::string>> RedisStore::run(const std::vector<std::s
   auto read = [&](Conn* c, size_t i, bool collect_redirect) -> bool {
     void* raw = nullptr;
     if (redisGetReply(c->ctx, &raw) != REDIS_OK) return false;
+    c->backoff_ms = 0;  // the node answers: its next failure starts the backoff afresh
     Reply r(static_cast<redisReply*>(raw));
     if (r->type == REDIS_REPLY_STRING && want_value) {
       out[i] = std::string(r->str, r->len);

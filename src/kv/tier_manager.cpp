@@ -79,8 +79,9 @@ bool TierManager::may_contain(const PageHash& h) const {
 
 void TierManager::store(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page) {
   if (!pool_ || stores_.empty()) return;
-  if (written_.count(h)) return;  // this process already wrote it everywhere
-  if (disk_ && stores_.size() == 1 && disk_->may_contain(h)) return;
+  // Already below: the disk's index says so exactly; with Redis, remember what this process wrote.
+  const bool disk_only = disk_ && stores_.size() == 1;
+  if (disk_only ? disk_->may_contain(h) : written_.count(h) > 0) return;
   Write w;
   w.hash = h;
   w.ns_tag = namespace_tag(ns);
@@ -98,8 +99,10 @@ void TierManager::store(const PageHash& h, const std::string& ns, const int32_t*
     const size_t bb = size_t(layout_.n_head_kv) * 2 * layout_.head_dim * 2;
     for (int32_t l = 0; l < layout_.n_layer; ++l, dst += bb) std::memcpy(dst, pool_->key_bounds(l, page), bb);
   }
-  if (written_.size() >= kWrittenCap) written_.clear();
-  written_.insert(h);
+  if (!disk_only) {
+    if (written_.size() >= kWrittenCap) written_.clear();
+    written_.insert(h);
+  }
   queue_write(std::move(w));
 }
 
@@ -110,7 +113,9 @@ void TierManager::queue_write(Write w) {
     if (pending_bytes_ + bytes > cfg_.max_pending_bytes) {
       for (size_t i = 0; i < stores_.size(); ++i)
         if (w.only_store < 0 || w.only_store == static_cast<int32_t>(i)) ++stats_[i].s.write_drops;
-      written_.erase(w.hash);
+      // written_ is the engine thread's: only its own writes (store()) were added there; a
+      // promotion (only_store >= 0) is queued by the loader thread, which must not touch it.
+      if (w.only_store < 0) written_.erase(w.hash);
       return;
     }
     pending_bytes_ += bytes;
@@ -219,6 +224,7 @@ void TierManager::loader_loop() {
     out.ticket = f.ticket;
     out.ns = f.ns;
     out.first_page = f.first_page;
+    out.n_asked = static_cast<int64_t>(f.hashes.size());
     size_t have = 0;  // pages found so far, in order
     for (size_t i = 0; i < stores_.size() && have < f.hashes.size(); ++i) {
       const auto ts = SteadyClock::now();

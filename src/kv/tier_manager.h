@@ -92,6 +92,7 @@ class TierManager : public PageListener {
     std::string ns;
     std::vector<int32_t> tokens;     // as given to fetch()
     int64_t first_page = 0;
+    int64_t n_asked = 0;             // pages looked up
     std::vector<std::string> blobs;  // checked blobs of pages first_page, first_page + 1, ... (the longest found run)
     double seconds = 0;
   };
