@@ -6,8 +6,6 @@ integrity check passes.
 """
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from kvserve_server import Server
@@ -27,15 +25,7 @@ def pages_freed(request):
     yield
     if "server" not in request.fixturenames:
         return
-    s: Server = request.getfixturevalue("server")
-    deadline = time.time() + 5
-    while True:
-        kv = s.debug_kv()
-        if kv["pages_in_use"] == 0 and kv["integrity"]["ok"]:
-            return
-        if time.time() > deadline:
-            pytest.fail(f"after the test: {kv}")
-        time.sleep(0.05)
+    request.getfixturevalue("server").wait_clean()
 
 
 @pytest.fixture(scope="session")

@@ -70,6 +70,19 @@ class Server:
     def debug_kv(self) -> dict:
         return requests.get(self.url + "/debug/kv", timeout=5).json()
 
+    def wait_clean(self, timeout: float = 5) -> dict:
+        """Every KV page back and the pool's integrity check passing; returns /debug/kv. Polls:
+        the page count is published at the end of the engine step that answered, which a fast
+        client can overtake."""
+        deadline = time.time() + timeout
+        while True:
+            kv = self.debug_kv()
+            if kv["pages_in_use"] == 0 and kv["integrity"]["ok"]:
+                return kv
+            if time.time() > deadline:
+                pytest.fail(f"pages still held or integrity failed after {timeout} s: {kv}")
+            time.sleep(0.05)
+
     def metrics(self) -> dict[str, float]:
         out = {}
         for line in requests.get(self.url + "/metrics", timeout=5).text.splitlines():

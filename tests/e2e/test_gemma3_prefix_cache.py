@@ -73,11 +73,5 @@ def test_hybrid_prefix_hits_past_the_window_and_never_change_output(gemma, gclie
     m = gemma.metrics()
     assert m["kvserve:prefix_cache_window_pages"] > 0
     assert m["kvserve:prefix_cache_hits_total"] >= cached
-    deadline = time.time() + 5
-    while True:
-        kv = gemma.debug_kv()
-        if kv["pages_in_use"] == 0 and kv["integrity"]["ok"]:
-            break
-        assert time.time() < deadline, kv
-        time.sleep(0.05)
+    kv = gemma.wait_clean()
     assert kv["window_pages_cached"] > 0

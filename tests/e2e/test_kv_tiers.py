@@ -55,14 +55,7 @@ def tier(server: Server, name: str, tier_name: str) -> float:
 
 
 def assert_clean(server: Server):
-    deadline = time.time() + 5
-    while True:
-        kv = server.debug_kv()
-        if kv["pages_in_use"] == 0 and kv["integrity"]["ok"]:
-            return
-        if time.time() > deadline:
-            pytest.fail(f"pages still held or integrity failed: {kv}")
-        time.sleep(0.05)
+    server.wait_clean()
 
 
 def stop(server: Server):
