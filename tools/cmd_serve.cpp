@@ -47,6 +47,7 @@ struct ServeOptions {
   std::string kv_tier_write = "back";
   int kv_tier_min_tokens = 32;
   std::string preemption_mode = "recompute";
+  std::string role = "both";
 };
 
 
@@ -116,6 +117,14 @@ void run_serve(const ServeOptions& o) {
   ec.tiers.redis_ttl_s = o.kv_redis_ttl;
   ec.tiers.redis_timeout_ms = o.kv_redis_timeout_ms;
   ec.tiers.write_through = o.kv_tier_write == "through";
+  // Disaggregation (docs/disaggregation.md): prompt pages travel through the shared tier.
+  const kv::ServerRole role = o.role == "prefill" ? kv::ServerRole::kPrefill : o.role == "decode" ? kv::ServerRole::kDecode : kv::ServerRole::kBoth;
+  if (role != kv::ServerRole::kBoth && ec.tiers.redis.empty())
+    fail(std::string("--role ") + o.role + " hands prompt pages over through a shared KV tier: give --kv-redis redis://HOST:PORT");
+  if (role == kv::ServerRole::kPrefill) {
+    ec.tiers.write_through = true;  // a page goes down as soon as it is full, before the answer
+    ec.tiers.max_pending_bytes = std::max<int64_t>(ec.tiers.max_pending_bytes, int64_t(1) << 30);
+  }
   ec.tiers.min_pages = std::max(1, (o.kv_tier_min_tokens + o.kvo.block_size - 1) / o.kvo.block_size);
   ec.preemption = o.preemption_mode == "swap" ? kv::EngineConfig::Preemption::kSwap : kv::EngineConfig::Preemption::kRecompute;
   if (ec.preemption == kv::EngineConfig::Preemption::kSwap && !ec.tiers.enabled())
@@ -168,6 +177,7 @@ void run_serve(const ServeOptions& o) {
   so.max_body_bytes = static_cast<size_t>(*max_body);
   so.debug = o.debug;
   so.http_threads = o.http_threads;
+  so.role = role;
   kv::HttpServer server(engine, ctx, so);
   if (!server.bind(o.host, o.port)) fail("cannot listen on " + o.host + ":" + std::to_string(o.port) + " (address in use or invalid)");
 
@@ -182,7 +192,8 @@ void run_serve(const ServeOptions& o) {
   });
 
   const std::string url = "http://" + (o.host.find(':') != std::string::npos ? "[" + o.host + "]" : o.host) + ":" + std::to_string(o.port);
-  std::fprintf(stderr, "serving %s at %s%s\n", ctx.model_names[0].c_str(), url.c_str(), o.debug ? " (debug: /debug/kv)" : "");
+  std::fprintf(stderr, "serving %s at %s%s%s\n", ctx.model_names[0].c_str(), url.c_str(), o.debug ? " (debug: /debug/kv)" : "",
+               role == kv::ServerRole::kBoth ? "" : (std::string(", role ") + o.role).c_str());
   std::fprintf(stderr,
                "try:\n  curl %s/v1/chat/completions -H 'Content-Type: application/json'%s \\\n"
                "    -d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 64}'\n",
@@ -241,6 +252,11 @@ void add_serve_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--preemption-mode", o->preemption_mode, "recompute, or swap: a preempted sequence's pages go to the KV tiers and come back")
       ->check(CLI::IsMember({"recompute", "swap"}))
+      ->capture_default_str();
+  cmd->add_option("--role", o->role,
+                  "both; prefill: compute prompts, store their pages in the shared tier, answer one token; decode: take "
+                  "prefilled requests from `kvserve router` (both need --kv-redis)")
+      ->check(CLI::IsMember({"both", "prefill", "decode"}))
       ->capture_default_str();
   cmd->callback([o] { run_serve(*o); });
 }

@@ -12,6 +12,7 @@ void add_bench_command(CLI::App& app);
 void add_serve_command(CLI::App& app);
 void add_kv_size_command(CLI::App& app);
 void add_perplexity_command(CLI::App& app);
+void add_router_command(CLI::App& app);
 
 // Default model path (the one `make models` fetches) and the hint printed when it is missing.
 inline constexpr const char* kDefaultModel = "models/SmolLM2-135M-Instruct.Q4_1.gguf";

@@ -24,6 +24,7 @@ int main(int argc, char** argv) {
   kvtools::add_serve_command(app);
   kvtools::add_kv_size_command(app);
   kvtools::add_perplexity_command(app);
+  kvtools::add_router_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

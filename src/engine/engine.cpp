@@ -800,6 +800,10 @@ void Engine::flush_tiers() {
   if (tiers_) tiers_->flush();
 }
 
+uint64_t Engine::tier_write_mark() const { return tiers_ ? tiers_->write_mark() : 0; }
+
+bool Engine::wait_tier_writes(uint64_t mark, double timeout_s) { return !tiers_ || tiers_->wait_written(mark, timeout_s); }
+
 void Engine::maybe_finish_request(Sequence& s) {
   RequestState& rs = *s.rs;
   if (--rs.n_unfinished > 0) return;

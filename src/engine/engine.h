@@ -97,6 +97,9 @@ class Engine {
   const Status& init_status() const { return init_status_; }
   // Waits until the tiers' queued writes are done (tests, shutdown). Thread-safe.
   void flush_tiers();
+  // TierManager::write_mark / wait_written (true at once without tiers). Thread-safe.
+  uint64_t tier_write_mark() const;
+  bool wait_tier_writes(uint64_t mark, double timeout_s);
   // Pool integrity, and every page's refcount equals the number of block-table entries
   // holding it. Thread-safe: waits for the current step to end.
   Status check_integrity() const;

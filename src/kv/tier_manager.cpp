@@ -119,6 +119,7 @@ void TierManager::queue_write(Write w) {
       return;
     }
     pending_bytes_ += bytes;
+    w.seq = ++queued_seq_;
     writes_.push_back(std::move(w));
   }
   cv_.notify_all();
@@ -177,6 +178,7 @@ void TierManager::writer_loop() {
       std::lock_guard<std::mutex> l(mu_);
       pending_bytes_ -= batch_bytes;
       writes_in_flight_ -= static_cast<int64_t>(batch.size());
+      done_seq_ = batch.back().seq;  // FIFO: everything queued up to it is done
     }
     done_cv_.notify_all();
   }
@@ -185,6 +187,16 @@ void TierManager::writer_loop() {
 void TierManager::flush() {
   std::unique_lock<std::mutex> l(mu_);
   done_cv_.wait(l, [&] { return writes_.empty() && writes_in_flight_ == 0; });
+}
+
+uint64_t TierManager::write_mark() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return queued_seq_;
+}
+
+bool TierManager::wait_written(uint64_t mark, double timeout_s) {
+  std::unique_lock<std::mutex> l(mu_);
+  return done_cv_.wait_for(l, std::chrono::microseconds(static_cast<int64_t>(timeout_s * 1e6)), [&] { return done_seq_ >= mark; });
 }
 
 // ---- up -----------------------------------------------------------------------------------

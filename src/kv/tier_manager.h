@@ -102,6 +102,12 @@ class TierManager : public PageListener {
   bool install(const std::string& blob, PagePool& pool, int32_t page);
   // Waits until every write queued so far is done (tests, shutdown).
   void flush();
+  // Ordered writes: write_mark() names every write queued so far (dropped ones excepted);
+  // wait_written(mark) returns once all of them are done (put in every store, or failed there),
+  // true, or false after timeout_s. Unlike flush(), later writes do not hold it up: a prefill
+  // instance answers once its own pages are down. Any thread.
+  uint64_t write_mark() const;
+  bool wait_written(uint64_t mark, double timeout_s);
 
   std::vector<TierSnapshot> stats() const;
   const DiskStore* disk() const { return disk_; }
@@ -115,6 +121,7 @@ class TierManager : public PageListener {
     std::string payload;     // page bytes (encoded into a blob by the writer)
     std::string blob;        // or a ready blob (promotion of an L3 hit into L2)
     int32_t only_store = -1; // >= 0: write to that store alone
+    uint64_t seq = 0;        // queue order (write_mark)
   };
   struct Fetch {
     uint64_t ticket;
@@ -145,6 +152,8 @@ class TierManager : public PageListener {
   std::deque<Write> writes_;
   int64_t pending_bytes_ = 0;
   int64_t writes_in_flight_ = 0;
+  uint64_t queued_seq_ = 0;  // writes accepted into writes_ so far
+  uint64_t done_seq_ = 0;    // writes finished so far (in queue order)
   std::deque<Fetch> fetches_;
   std::vector<Loaded> loaded_;
   uint64_t next_ticket_ = 1;

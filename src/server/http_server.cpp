@@ -6,10 +6,6 @@
 
 #include <httplib.h>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-
 #include <chrono>
 #include <cstdio>
 #include <map>
@@ -17,6 +13,7 @@
 #include "engine/engine.h"
 #include "engine/metrics.h"
 #include "server/api_error.h"
+#include "server/http_util.h"
 #include "server/openai_response.h"
 
 namespace kv {
@@ -26,20 +23,6 @@ using json = nlohmann::ordered_json;
 namespace {
 
 constexpr auto kPollInterval = std::chrono::milliseconds(50);
-
-int64_t unix_now() {
-  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
-void write_error(httplib::Response& res, const ApiError& e) {
-  res.status = e.status;
-  res.set_content(dump_json(e.to_json()), "application/json");
-}
-
-void write_json(httplib::Response& res, const json& j) {
-  res.status = 200;
-  res.set_content(dump_json(j), "application/json");
-}
 
 ApiError from_rejection(const Rejection& r) {
   ApiError e{r.http_status, r.message, error_type_for_status(r.http_status), r.param, ""};
@@ -83,6 +66,14 @@ struct SseState {
 
 }  // namespace
 
+const char* role_name(ServerRole r) {
+  switch (r) {
+    case ServerRole::kPrefill: return "prefill";
+    case ServerRole::kDecode: return "decode";
+    default: return "both";
+  }
+}
+
 HttpServer::HttpServer(Engine& engine, ApiContext ctx, ServerOptions opts)
     : engine_(engine), ctx_(std::move(ctx)), opts_(std::move(opts)), svr_(std::make_unique<httplib::Server>()) {
   const int32_t n_threads = opts_.http_threads > 0 ? opts_.http_threads : engine_.config().max_num_seqs + 16;
@@ -94,26 +85,6 @@ HttpServer::HttpServer(Engine& engine, ApiContext ctx, ServerOptions opts)
 
 HttpServer::~HttpServer() = default;
 
-namespace {
-// Debian's cpp-httplib (0.11, compiled into its .so) listens with a backlog of 5: 64 clients
-// connecting at once overflow it (connection resets, SYN retries adding a second to TTFT).
-// Linux lets listen() be called again on a listening socket to change the backlog, so find
-// the socket bound to `port` among this process's descriptors and raise it.
-void raise_listen_backlog(int port) {
-  for (int fd = 0; fd < 4096; ++fd) {
-    int accepting = 0;
-    socklen_t len = sizeof accepting;
-    if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &accepting, &len) != 0 || !accepting) continue;
-    sockaddr_storage addr{};
-    socklen_t alen = sizeof addr;
-    if (getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &alen) != 0) continue;
-    int bound = -1;
-    if (addr.ss_family == AF_INET) bound = ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
-    if (addr.ss_family == AF_INET6) bound = ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
-    if (bound == port) ::listen(fd, SOMAXCONN);
-  }
-}
-}  // namespace
 
 bool HttpServer::bind(const std::string& host, int port) {
   if (!svr_->bind_to_port(host, port)) return false;
@@ -168,33 +139,7 @@ void HttpServer::routes() {
     return httplib::Server::HandlerResponse::Unhandled;
   });
 
-  // Statuses httplib produces itself (no route, body too large, unparsable HTTP) get a JSON body.
-  svr_->set_error_handler(httplib::Server::HandlerWithResponse([this](const httplib::Request& req, httplib::Response& res) {
-    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-    ApiError e{res.status, "", error_type_for_status(res.status), "", ""};
-    switch (res.status) {
-      case 404: e.message = "Not found: " + req.method + " " + req.path; e.code = "not_found"; break;
-      case 413:
-        e.message = "The request body is too large: the limit is " + std::to_string(opts_.max_body_bytes) + " bytes.";
-        e.code = "payload_too_large";
-        break;
-      case 414: e.message = "The request URI is too long."; break;
-      default: e.message = "The HTTP request could not be handled (status " + std::to_string(res.status) + ")."; break;
-    }
-    write_error(res, e);
-    return httplib::Server::HandlerResponse::Handled;
-  }));
-
-  svr_->set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
-    std::string what = "internal error";
-    try {
-      if (ep) std::rethrow_exception(ep);
-    } catch (const std::exception& e) {
-      what = e.what();
-    } catch (...) {
-    }
-    write_error(res, ApiError{500, "Internal server error: " + what, "server_error", "", ""});
-  });
+  install_json_errors(*svr_, opts_.max_body_bytes);
 
   if (opts_.debug) {
     svr_->set_logger([](const httplib::Request& req, const httplib::Response& res) {
@@ -202,20 +147,7 @@ void HttpServer::routes() {
     });
   }
 
-  // Every route runs inside this: ApiError → its status; anything else → 500. Nothing escapes.
-  auto safe = [](auto fn) {
-    return [fn](const httplib::Request& req, httplib::Response& res) {
-      try {
-        fn(req, res);
-      } catch (const ApiError& e) {
-        write_error(res, e);
-      } catch (const std::exception& e) {
-        write_error(res, ApiError{500, std::string("Internal server error: ") + e.what(), "server_error", "", ""});
-      } catch (...) {
-        write_error(res, ApiError{500, "Internal server error.", "server_error", "", ""});
-      }
-    };
-  };
+  auto safe = [](auto fn) { return safe_handler(fn); };
 
   svr_->Post("/v1/completions", safe([this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); }));
   svr_->Post("/v1/chat/completions", safe([this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); }));
@@ -233,7 +165,9 @@ void HttpServer::routes() {
                 throw ApiError{404, "The model `" + id + "` does not exist.", "invalid_request_error", "model", "model_not_found"};
               write_json(res, model_object());
             }));
-  svr_->Get("/health", safe([](const httplib::Request&, httplib::Response& res) { write_json(res, json{{"status", "ok"}}); }));
+  svr_->Get("/health", safe([this](const httplib::Request&, httplib::Response& res) {
+              write_json(res, json{{"status", "ok"}, {"role", role_name(opts_.role)}});
+            }));
   svr_->Get("/metrics", safe([this](const httplib::Request&, httplib::Response& res) {
               res.set_content(render_prometheus(engine_.metrics()), "text/plain; version=0.0.4; charset=utf-8");
             }));
@@ -260,6 +194,12 @@ void HttpServer::handle_debug_kv(httplib::Response& res) {
 void HttpServer::handle_generate(const httplib::Request& req, httplib::Response& res, bool chat) {
   nlohmann::json body = parse_json_body(req.body, ctx_);
   ApiRequest ar = chat ? parse_chat_request(body, ctx_) : parse_completion_request(body, ctx_);
+  const bool prefill = opts_.role == ServerRole::kPrefill;
+  if (prefill) {  // the prompt's KV is the product; one token proves the prompt ran
+    ar.params.max_tokens = 1;
+    ar.params.n = 1;
+    ar.stream = false;
+  }
   ResponseMeta meta{make_response_id(chat), unix_now(), ctx_.model_names.at(0), chat, ar.include_usage};
 
   Request r;
@@ -306,6 +246,12 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
     }
     guard.armed = false;
     if (error) throw *error;
+    if (prefill) {
+      // The prompt's full pages were queued for the tier as they filled (write-through), before
+      // the token was sampled: once the writes queued so far are done, a decode instance finds them.
+      const bool stored = engine_.wait_tier_writes(engine_.tier_write_mark(), opts_.prefill_write_timeout_s);
+      res.set_header("X-KVServe-Prefill-Stored", stored ? "1" : "0");
+    }
     write_json(res, full_response(meta, choices, stream->usage(), ar.logprobs, *ctx_.tok));
     return;
   }

@@ -31,8 +31,20 @@ namespace kv {
 
 class Engine;
 
+// What an instance does in prefill/decode disaggregation (docs/disaggregation.md).
+//   both:    everything (one instance, or a replica behind the router)
+//   prefill: computes prompts and answers with one token, after the prompt's full pages are in
+//            the shared KV tier (write-through); the router then sends the request to a decode
+//            instance, which finds those pages as a prefix hit
+//   decode:  serves everything as `both` does; the role says the router sends it prefilled
+//            requests (and it loads their pages from the shared tier)
+enum class ServerRole { kBoth, kPrefill, kDecode };
+const char* role_name(ServerRole r);
+
 struct ServerOptions {
   std::string api_key;                    // empty: no auth
+  ServerRole role = ServerRole::kBoth;
+  double prefill_write_timeout_s = 10;    // prefill role: longest wait for the pages to be stored
   size_t max_body_bytes = size_t(8) << 20;
   bool debug = false;                     // /debug/kv and one log line per request
   int32_t http_threads = 0;               // 0: max_num_seqs + 16

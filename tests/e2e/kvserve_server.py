@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -90,3 +91,75 @@ class Server:
                 name, _, value = line.rpartition(" ")
                 out[name] = float(value)
         return out
+
+
+class Redis:
+    """A real redis-server on a free loopback port, nothing persisted."""
+
+    def __init__(self):
+        if not shutil.which("redis-server"):
+            pytest.fail("redis-server is missing: run `make deps`")
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="kvserve-redis-")
+        self.proc = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self):
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", self.dir], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        deadline = time.time() + 10
+        while self.cli("PING") != "PONG":
+            if time.time() > deadline:
+                pytest.fail("redis-server did not start")
+            time.sleep(0.05)
+
+    def cli(self, *args: str) -> str:
+        r = subprocess.run(["redis-cli", "-p", str(self.port), *args], capture_output=True, text=True, timeout=10)
+        return r.stdout.strip()
+
+    def keys(self) -> list[str]:
+        return [k for k in self.cli("--scan").splitlines() if k]
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def close(self):
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Router:
+    """A real `build/kvserve router` in front of kvserve instances."""
+
+    def __init__(self, *backend_flags: str, model: str = MODEL, max_model_len: int = MAX_MODEL_LEN, wait_up: bool = True):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-router-", suffix=".log", delete=False)
+        cmd = [KVSERVE, "router", "-m", model, "--listen", f"127.0.0.1:{self.port}", "--health-interval", "0.2",
+               "--max-model-len", str(max_model_len), "--max-n", str(MAX_N), *backend_flags]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 30
+        while True:
+            if self.proc.poll() is not None:
+                pytest.fail(f"kvserve router exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                r = requests.get(self.url + "/health", timeout=1)
+                if r.status_code == 200 or (not wait_up and r.status_code == 503):
+                    break
+            except requests.RequestException:
+                pass
+            if time.time() > deadline:
+                self.stop()
+                pytest.fail(f"kvserve router did not become healthy:\n{self.output()}")
+            time.sleep(0.05)
+
+    output = Server.output
+    stop = Server.stop
+    metrics = Server.metrics

@@ -25,7 +25,7 @@ import requests
 import xxhash
 from openai import OpenAI
 
-from kvserve_server import MODEL_NAME, Server, free_port
+from kvserve_server import MODEL_NAME, Redis, Server, free_port
 
 MAX_LEN = 2048
 # ~1100 tokens of distinct text per salt / seed, so nothing is shared by accident.
@@ -61,48 +61,6 @@ def assert_clean(server: Server):
 def stop(server: Server):
     server.stop()
     assert server.proc.returncode == 0, server.output()
-
-
-class Redis:
-    """A real redis-server on a free loopback port, nothing persisted."""
-
-    def __init__(self):
-        if not shutil.which("redis-server"):
-            pytest.fail("redis-server is missing: run `make deps`")
-        self.port = free_port()
-        self.dir = tempfile.mkdtemp(prefix="kvserve-redis-")
-        self.proc = None
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
-
-    def start(self):
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", self.dir], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
-        deadline = time.time() + 10
-        while self.cli("PING") != "PONG":
-            if time.time() > deadline:
-                pytest.fail("redis-server did not start")
-            time.sleep(0.05)
-
-    def cli(self, *args: str) -> str:
-        r = subprocess.run(["redis-cli", "-p", str(self.port), *args], capture_output=True, text=True, timeout=10)
-        return r.stdout.strip()
-
-    def keys(self) -> list[str]:
-        return [k for k in self.cli("--scan").splitlines() if k]
-
-    def stop(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def close(self):
-        self.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @pytest.fixture

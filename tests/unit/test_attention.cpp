@@ -11,8 +11,9 @@
 
 // Tolerance: float accumulation with an online softmax against a double reference over the
 // same stored K/V (whatever the page type, both read the same bytes); a few float ulps of the
-// output scale.
-constexpr double kTol = 2e-6;
+// output scale. Built for AVX-512 (16 lanes) the worst case measured 1.6e-6; an AVX2-only host
+// (-march=native there: 8 lanes, another summation order) measured 2.7e-6.
+constexpr double kTol = 4e-6;
 
 using namespace kv;
 
@@ -457,7 +458,8 @@ TEST(PagedAttentionMla, SplitPartsMergeToTheFullResult) {
       paged_attention_partial(st.view, 0, H, q.data(), qs, pos0, nq, p * part, std::min(ctx, (p + 1) * part), 0.144f,
                               acc.data() + size_t(p) * rows * C, m.data() + p * rows, l.data() + p * rows);
     attention_merge(n_parts, H, nq, C, acc.data(), m.data(), l.data(), 0, merged.data(), os);
-    EXPECT_LT(rel_err(merged, full), 1e-6) << kv_elem_name(elem);
+    // Float merge of float parts: 1.01e-6 measured on an AVX2-only build, below 1e-6 with AVX-512.
+    EXPECT_LT(rel_err(merged, full), 2e-6) << kv_elem_name(elem);
   }
 }
 

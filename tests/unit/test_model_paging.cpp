@@ -62,8 +62,9 @@ TEST(ModelPaging, BlockSizesAndChunksAgree) {
   for (int bs : {1, 16, 32})
     for (int chunk : {1, 7, 64, 512}) {
       if (bs == 16 && chunk == 512) continue;
-      // Logits are O(10); chunking changes only float summation order inside attention.
-      EXPECT_LT(max_abs_diff(run(*m, tp, bs, chunk, KvDtype::kF32, toks), base), 2e-3) << "bs=" << bs << " chunk=" << chunk;
+      // Logits are O(10); chunking changes only float summation order inside attention (an
+      // AVX2-only build measured 2.3e-3 at bs=32, AVX-512 builds stayed below 2e-3).
+      EXPECT_LT(max_abs_diff(run(*m, tp, bs, chunk, KvDtype::kF32, toks), base), 3e-3) << "bs=" << bs << " chunk=" << chunk;
     }
 }
 

@@ -1,0 +1,46 @@
+// Where the router sends a request: pure functions over the router's view of its backends, so
+// tests drive them without a network (router.h does the HTTP).
+//
+// Prefix affinity: a request's key hashes its namespace and the tokens of its first full KV
+// pages (at most max_pages of them), so every request that starts with the same system prompt
+// or chat history has the same key. Keys sit on a consistent-hash ring (virtual nodes per
+// backend): a backend that goes down hands only its own share to the next backends on the
+// ring, and gets the same share back when it returns.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace kv {
+
+// XXH3-64 over the namespace and tokens [0, min(n_full_pages, max_pages) * block_size); a
+// prompt with no full page keys on all its tokens (nothing to share, but stable for retries).
+uint64_t affinity_key(const std::string& ns, const int32_t* tokens, int64_t n_tokens, int32_t block_size, int32_t max_pages);
+
+class HashRing {
+ public:
+  HashRing() = default;
+  HashRing(int32_t n_backends, int32_t vnodes_per_backend = 160);
+  int32_t n_backends() const { return n_backends_; }
+  // Backends in the order the ring meets them from key, each once: [0] owns the key.
+  std::vector<int32_t> order(uint64_t key) const;
+
+ private:
+  int32_t n_backends_ = 0;
+  std::vector<std::pair<uint64_t, int32_t>> points_;  // sorted (hash, backend)
+};
+
+struct RouteChoice {
+  int32_t backend = -1;  // -1: no backend is up
+  bool owner = false;    // the ring's first choice for the key (an affinity hit)
+  enum class Why { kOwner, kOwnerDown, kOwnerBusy, kNone } why = Why::kNone;
+};
+
+// The key's first live backend on the ring, unless its load (requests in flight) exceeds the
+// least loaded live backend's by more than max_imbalance: then the least loaded (ties: ring
+// order). Backends listed in `exclude` (tried already) count as down.
+RouteChoice choose_backend(const HashRing& ring, uint64_t key, const std::vector<bool>& up, const std::vector<int32_t>& load,
+                           int32_t max_imbalance, const std::vector<int32_t>& exclude = {});
+
+}  // namespace kv

@@ -1,0 +1,431 @@
+#include "router/router.h"
+
+#include <xxhash.h>
+
+#include <chrono>
+#include <cstdio>
+#include <deque>
+
+#include <httplib.h>
+
+#include "server/http_util.h"
+#include "server/openai_response.h"
+
+namespace kv {
+
+using json = nlohmann::ordered_json;
+
+struct Router::Backend {
+  std::string url, host;
+  int port = 0;
+  std::atomic<bool> up{true};
+  std::atomic<int32_t> in_flight{0};
+  std::atomic<uint64_t> requests{0}, failures{0};
+};
+
+struct Router::Pool {
+  const char* role = "replica";
+  std::vector<std::unique_ptr<Backend>> backends;
+  HashRing ring;
+  bool empty() const { return backends.empty(); }
+  std::vector<bool> up() const {
+    std::vector<bool> v;
+    for (const auto& b : backends) v.push_back(b->up.load());
+    return v;
+  }
+  std::vector<int32_t> load() const {
+    std::vector<int32_t> v;
+    for (const auto& b : backends) v.push_back(b->in_flight.load());
+    return v;
+  }
+};
+
+namespace {
+
+// Counts a request in flight on a backend for as long as it lives.
+struct InFlight {
+  Router::Backend* b;
+  explicit InFlight(Router::Backend* b) : b(b) { b->in_flight.fetch_add(1); }
+  ~InFlight() { b->in_flight.fetch_sub(1); }
+};
+
+httplib::Headers upstream_headers(const std::string& auth) {
+  httplib::Headers h;
+  if (!auth.empty()) h.emplace("Authorization", auth);
+  return h;
+}
+
+void set_timeouts(httplib::Client& c, const RouterOptions& o) {
+  const auto secs = [](double s) { return std::chrono::microseconds(static_cast<int64_t>(s * 1e6)); };
+  c.set_connection_timeout(secs(o.connect_timeout_s));
+  c.set_read_timeout(secs(o.read_timeout_s));
+  c.set_write_timeout(secs(o.read_timeout_s));
+  c.set_keep_alive(false);
+}
+
+// One streamed upstream response, handed from its own thread to the client's connection thread.
+struct Pipe {
+  std::mutex mu;
+  std::condition_variable cv;
+  int status = -1;  // -1: no answer yet; 0: no answer at all (connection failed)
+  std::string content_type;
+  std::deque<std::string> chunks;
+  bool done = false;
+  bool failed_midway = false;     // the backend went away after answering
+  std::atomic<bool> cancel{false};  // the client went away, or the router stops
+};
+
+ApiError unavailable(const char* what) {
+  return ApiError{503, std::string("No ") + what + " instance is available; retry later.", "server_error", "", "service_unavailable"};
+}
+
+}  // namespace
+
+// A key the ring gives to backend turn % n (round-robin routing reuses the ring and its
+// failover): found once per backend by probing keys.
+uint64_t Router::round_robin_key(const Pool& pool, uint64_t turn) {
+  const int32_t n = static_cast<int32_t>(pool.backends.size());
+  const int32_t want = static_cast<int32_t>(turn % static_cast<uint64_t>(n));
+  for (uint64_t k = want;; k += 0x9E3779B97F4A7C15ull)
+    if (pool.ring.order(k)[0] == want) return k;
+}
+
+Result<std::pair<std::string, int>> parse_backend_url(const std::string& url) {
+  std::string s = url;
+  if (s.rfind("http://", 0) == 0) s = s.substr(7);
+  else if (s.find("://") != std::string::npos) return Status::error("backend " + url + ": only http:// is supported");
+  while (!s.empty() && s.back() == '/') s.pop_back();
+  const size_t colon = s.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == s.size())
+    return Status::error("backend " + url + ": expected http://HOST:PORT");
+  std::string host = s.substr(0, colon);
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  int port = 0;
+  for (char c : s.substr(colon + 1)) {
+    if (c < '0' || c > '9' || port > 65535) return Status::error("backend " + url + ": bad port");
+    port = port * 10 + (c - '0');
+  }
+  if (port < 1 || port > 65535) return Status::error("backend " + url + ": bad port");
+  return std::make_pair(host, port);
+}
+
+Result<std::unique_ptr<Router>> Router::create(RouterOptions opts, ApiContext ctx) {
+  const bool pd = !opts.prefill.empty() || !opts.decode.empty();
+  if (pd && !opts.replicas.empty()) return Status::error("give either --replica, or --prefill and --decode, not both");
+  if (pd && (opts.prefill.empty() || opts.decode.empty())) return Status::error("prefill/decode needs at least one --prefill and one --decode");
+  if (!pd && opts.replicas.empty()) return Status::error("no backend: give --replica URL (repeat), or --prefill URL and --decode URL");
+  for (const auto* list : {&opts.replicas, &opts.prefill, &opts.decode})
+    for (const auto& u : *list)
+      if (auto p = parse_backend_url(u); !p) return p.status();
+  return std::unique_ptr<Router>(new Router(std::move(opts), std::move(ctx)));
+}
+
+Router::Router(RouterOptions opts, ApiContext ctx)
+    : opts_(std::move(opts)), ctx_(std::move(ctx)), serve_(std::make_unique<Pool>()), prefill_(std::make_unique<Pool>()),
+      svr_(std::make_unique<httplib::Server>()) {
+  auto fill = [](Pool& p, const std::vector<std::string>& urls, const char* role) {
+    p.role = role;
+    for (const auto& u : urls) {
+      auto b = std::make_unique<Backend>();
+      auto hp = parse_backend_url(u);
+      b->url = "http://" + (hp->first.find(':') != std::string::npos ? "[" + hp->first + "]" : hp->first) + ":" + std::to_string(hp->second);
+      b->host = hp->first;
+      b->port = hp->second;
+      p.backends.push_back(std::move(b));
+    }
+    p.ring = HashRing(static_cast<int32_t>(p.backends.size()));
+  };
+  if (opts_.replicas.empty()) {
+    fill(*serve_, opts_.decode, "decode");
+    fill(*prefill_, opts_.prefill, "prefill");
+  } else {
+    fill(*serve_, opts_.replicas, "replica");
+  }
+  svr_->new_task_queue = [n = opts_.http_threads] { return new httplib::ThreadPool(static_cast<size_t>(n)); };
+  svr_->set_payload_max_length(opts_.max_body_bytes);
+  svr_->set_keep_alive_max_count(1000);
+  routes();
+  health_ = std::thread([this] { health_loop(); });
+}
+
+Router::~Router() {
+  stop();
+  health_cv_.notify_all();
+  if (health_.joinable()) health_.join();
+  // Streamed requests' upstream threads see stopping_ at their next chunk; wait for them.
+  for (int i = 0; i < 2000 && upstreams_.load() > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+}
+
+bool Router::bind(const std::string& host, int port) {
+  if (!svr_->bind_to_port(host, port)) return false;
+  raise_listen_backlog(port);
+  return true;
+}
+
+void Router::run() { svr_->listen_after_bind(); }
+
+void Router::stop() {
+  stopping_.store(true);
+  svr_->stop();
+  health_cv_.notify_all();
+}
+
+void Router::health_loop() {
+  while (!stopping_.load()) {
+    for (Pool* p : {serve_.get(), prefill_.get()})
+      for (auto& b : p->backends) {
+        httplib::Client c(b->host, b->port);
+        c.set_connection_timeout(std::chrono::milliseconds(500));
+        c.set_read_timeout(std::chrono::seconds(2));
+        auto r = c.Get("/health");
+        const bool ok = r && r->status == 200;
+        if (b->up.exchange(ok) != ok)
+          std::fprintf(stderr, "router: %s %s is %s\n", p->role, b->url.c_str(), ok ? "up" : "down");
+      }
+    std::unique_lock<std::mutex> l(health_mu_);
+    health_cv_.wait_for(l, std::chrono::microseconds(static_cast<int64_t>(opts_.health_interval_s * 1e6)),
+                        [&] { return stopping_.load(); });
+  }
+}
+
+void Router::routes() {
+  install_json_errors(*svr_, opts_.max_body_bytes);
+  svr_->Post("/v1/completions", safe_handler([this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); }));
+  svr_->Post("/v1/chat/completions", safe_handler([this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); }));
+  svr_->Get("/v1/models", safe_handler([this](const httplib::Request&, httplib::Response& res) {
+              write_json(res, json{{"object", "list"},
+                                   {"data", json::array({json{{"id", ctx_.model_names.at(0)}, {"object", "model"}, {"created", unix_now()},
+                                                              {"owned_by", "kvserve"}, {"max_model_len", ctx_.max_model_len}}})}});
+            }));
+  svr_->Get("/health", safe_handler([this](const httplib::Request&, httplib::Response& res) {
+              json backends = json::array();
+              bool any = false;
+              for (Pool* p : {serve_.get(), prefill_.get()})
+                for (auto& b : p->backends) {
+                  backends.push_back(json{{"url", b->url}, {"role", p->role}, {"up", b->up.load()}, {"in_flight", b->in_flight.load()}});
+                  if (p == serve_.get()) any = any || b->up.load();
+                }
+              write_json(res, json{{"status", any ? "ok" : "unavailable"}, {"backends", backends}});
+              if (!any) res.status = 503;
+            }));
+  svr_->Get("/metrics", safe_handler([this](const httplib::Request&, httplib::Response& res) {
+              res.set_content(render_metrics(), "text/plain; version=0.0.4; charset=utf-8");
+            }));
+}
+
+void Router::handle_generate(const httplib::Request& req, httplib::Response& res, bool chat) {
+  // Validate and tokenize exactly as the backends will: a bad request is answered here, and a
+  // good one gets its prompt tokens for the affinity key.
+  nlohmann::json body = parse_json_body(req.body, ctx_);
+  const ApiRequest ar = chat ? parse_chat_request(body, ctx_) : parse_completion_request(body, ctx_);
+  const std::string auth = req.get_header_value("Authorization");
+  // The backends' namespace is the salt, under the API key when they check one: the key (hashed)
+  // keys affinity too, so tenants spread as their caches do.
+  std::string ns = ar.params.cache_namespace;
+  if (!auth.empty()) ns = std::to_string(XXH3_64bits(auth.data(), auth.size())) + "/" + ns;
+  uint64_t key = affinity_key(ns, ar.prompt.data(), static_cast<int64_t>(ar.prompt.size()), opts_.block_size,
+                              std::max(1, opts_.affinity_tokens / opts_.block_size));
+  if (opts_.round_robin) key = round_robin_key(*serve_, rr_.fetch_add(1));
+  const std::string path = chat ? "/v1/chat/completions" : "/v1/completions";
+  if (!prefill_->empty()) {
+    if (static_cast<int64_t>(ar.prompt.size()) >= opts_.prefill_min_tokens) prefill(key, path, req.body, auth);
+    else n_prefill_skipped_.fetch_add(1);
+  }
+  forward(*serve_, key, path, req.body, auth, ar.stream, res);
+}
+
+void Router::prefill(uint64_t key, const std::string& path, const std::string& body, const std::string& auth) {
+  // The prefill instance forces one token, one choice, no stream: the body goes as it is.
+  std::vector<int32_t> tried;
+  for (size_t attempt = 0; attempt < prefill_->backends.size(); ++attempt) {
+    const RouteChoice c = choose_backend(prefill_->ring, key, prefill_->up(), prefill_->load(), opts_.max_imbalance, tried);
+    if (c.backend < 0) break;
+    Backend& b = *prefill_->backends[c.backend];
+    InFlight f(&b);
+    b.requests.fetch_add(1);
+    httplib::Client cli(b.host, b.port);
+    set_timeouts(cli, opts_);
+    auto r = cli.Post(path, upstream_headers(auth), body, "application/json");
+    if (r && r->status == 200) {
+      n_prefill_ok_.fetch_add(1);
+      return;
+    }
+    b.failures.fetch_add(1);
+    if (!r) {  // no answer: the instance is gone; try another
+      b.up.store(false);
+      tried.push_back(c.backend);
+      n_retries_.fetch_add(1);
+      continue;
+    }
+    break;  // it answered with an error: the decode side will give the client its own answer
+  }
+  n_prefill_failed_.fetch_add(1);  // the decode instance computes the prompt itself
+}
+
+void Router::forward(Pool& pool, uint64_t key, const std::string& path, const std::string& body, const std::string& auth, bool stream,
+                     httplib::Response& res) {
+  std::vector<int32_t> tried;
+  for (size_t attempt = 0; attempt < pool.backends.size(); ++attempt) {
+    const RouteChoice c = choose_backend(pool.ring, key, pool.up(), pool.load(), opts_.max_imbalance, tried);
+    if (c.backend < 0) break;
+    if (attempt == 0) {
+      if (c.why == RouteChoice::Why::kOwner) n_owner_.fetch_add(1);
+      else if (c.why == RouteChoice::Why::kOwnerBusy) n_owner_busy_.fetch_add(1);
+      else n_owner_down_.fetch_add(1);
+    }
+    Backend* b = pool.backends[c.backend].get();
+    b->requests.fetch_add(1);
+
+    if (!stream) {
+      InFlight f(b);
+      httplib::Client cli(b->host, b->port);
+      set_timeouts(cli, opts_);
+      auto r = cli.Post(path, upstream_headers(auth), body, "application/json");
+      if (!r) {
+        b->failures.fetch_add(1);
+        b->up.store(false);
+        tried.push_back(c.backend);
+        n_retries_.fetch_add(1);
+        continue;
+      }
+      res.status = r->status;
+      if (r->has_header("Retry-After")) res.set_header("Retry-After", r->get_header_value("Retry-After"));
+      const std::string ct = r->get_header_value("Content-Type", 0);
+      res.set_content(r->body, ct.empty() ? std::string("application/json") : ct);
+      return;
+    }
+
+    // Streamed: the upstream request runs on its own thread and hands chunks over; the client's
+    // status is the backend's, known before the first byte goes out.
+    auto pipe = std::make_shared<Pipe>();
+    upstreams_.fetch_add(1);
+    std::thread([this, pipe, b, path, body, auth] {
+      InFlight f(b);
+      httplib::Client cli(b->host, b->port);
+      set_timeouts(cli, opts_);
+      httplib::Request ureq;
+      ureq.method = "POST";
+      ureq.path = path;
+      ureq.headers = upstream_headers(auth);
+      ureq.body = body;
+      ureq.set_header("Content-Type", "application/json");
+      ureq.response_handler = [&](const httplib::Response& r) {
+        std::lock_guard<std::mutex> l(pipe->mu);
+        pipe->status = r.status;
+        pipe->content_type = r.get_header_value("Content-Type", 0);
+        pipe->cv.notify_all();
+        return !pipe->cancel.load() && !stopping_.load();
+      };
+      ureq.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+        std::lock_guard<std::mutex> l(pipe->mu);
+        pipe->chunks.emplace_back(data, n);
+        pipe->cv.notify_all();
+        return !pipe->cancel.load() && !stopping_.load();
+      };
+      httplib::Response ures;
+      httplib::Error err = httplib::Error::Success;
+      const bool ok = cli.send(ureq, ures, err);
+      {
+        std::lock_guard<std::mutex> l(pipe->mu);
+        if (pipe->status < 0) pipe->status = 0;
+        if (!ok && !pipe->cancel.load()) pipe->failed_midway = true;
+        pipe->done = true;
+        pipe->cv.notify_all();
+      }
+      upstreams_.fetch_sub(1);
+    }).detach();
+
+    std::unique_lock<std::mutex> l(pipe->mu);
+    pipe->cv.wait(l, [&] { return pipe->status >= 0; });
+    if (pipe->status == 0) {  // nothing came back: the backend is gone; nothing was sent yet
+      l.unlock();
+      b->failures.fetch_add(1);
+      b->up.store(false);
+      tried.push_back(c.backend);
+      n_retries_.fetch_add(1);
+      continue;
+    }
+    if (pipe->status != 200) {  // an error answer: whole, with its status
+      pipe->cv.wait(l, [&] { return pipe->done; });
+      std::string out;
+      for (auto& ch : pipe->chunks) out += ch;
+      res.status = pipe->status;
+      res.set_content(out, pipe->content_type.empty() ? std::string("application/json") : pipe->content_type);
+      return;
+    }
+    const std::string ctype = pipe->content_type.empty() ? "text/event-stream" : pipe->content_type;
+    l.unlock();
+    res.set_header("Cache-Control", "no-cache");
+    res.set_header("X-Accel-Buffering", "no");
+    res.set_chunked_content_provider(
+        ctype,
+        [this, pipe, b](size_t, httplib::DataSink& sink) -> bool {
+          std::unique_lock<std::mutex> l(pipe->mu);
+          pipe->cv.wait_for(l, std::chrono::milliseconds(50), [&] { return pipe->done || !pipe->chunks.empty(); });
+          while (!pipe->chunks.empty()) {
+            std::string ch = std::move(pipe->chunks.front());
+            pipe->chunks.pop_front();
+            if (stopping_.load() || !sink.write(ch.data(), ch.size())) {
+              pipe->cancel.store(true);
+              return false;
+            }
+          }
+          if (pipe->done) {
+            if (pipe->failed_midway) {  // the backend died mid-answer: say so, the client cannot tell otherwise
+              b->failures.fetch_add(1);
+              const std::string e = sse_event(ApiError{502, "The backend " + b->url + " failed during the response.", "server_error", "", "bad_gateway"}.to_json());
+              sink.write(e.data(), e.size());
+            }
+            sink.done();
+          }
+          return true;
+        },
+        [pipe](bool) { pipe->cancel.store(true); });
+    return;
+  }
+  n_unavailable_.fetch_add(1);
+  res.set_header("Retry-After", "1");
+  throw unavailable(pool.role);
+}
+
+std::string Router::render_metrics() const {
+  std::string out;
+  auto line = [&](const std::string& name, const std::string& labels, double v) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.17g", v);
+    out += "kvserve:" + name + (labels.empty() ? "" : "{" + labels + "}") + " " + buf + "\n";
+  };
+  auto help = [&](const char* name, const char* type, const char* text) {
+    out += std::string("# HELP kvserve:") + name + " " + text + "\n# TYPE kvserve:" + name + " " + type + "\n";
+  };
+  help("router_requests_total", "counter", "Requests sent to each backend (retries and prefills included).");
+  for (const Pool* p : {serve_.get(), prefill_.get()})
+    for (const auto& b : p->backends) line("router_requests_total", "backend=\"" + b->url + "\",role=\"" + p->role + "\"", double(b->requests.load()));
+  help("router_backend_failures_total", "counter", "Requests a backend did not answer, or answered with an error (prefill).");
+  for (const Pool* p : {serve_.get(), prefill_.get()})
+    for (const auto& b : p->backends)
+      line("router_backend_failures_total", "backend=\"" + b->url + "\",role=\"" + p->role + "\"", double(b->failures.load()));
+  help("router_backend_up", "gauge", "1 while the backend answers its health check.");
+  for (const Pool* p : {serve_.get(), prefill_.get()})
+    for (const auto& b : p->backends) line("router_backend_up", "backend=\"" + b->url + "\",role=\"" + p->role + "\"", b->up.load() ? 1 : 0);
+  help("router_in_flight", "gauge", "Requests in flight per backend.");
+  for (const Pool* p : {serve_.get(), prefill_.get()})
+    for (const auto& b : p->backends) line("router_in_flight", "backend=\"" + b->url + "\",role=\"" + p->role + "\"", b->in_flight.load());
+  help("router_affinity_total", "counter",
+       "Where requests went: owner = the backend its prefix hashes to (an affinity hit), owner_down / owner_busy = elsewhere.");
+  line("router_affinity_total", "result=\"owner\"", double(n_owner_.load()));
+  line("router_affinity_total", "result=\"owner_down\"", double(n_owner_down_.load()));
+  line("router_affinity_total", "result=\"owner_busy\"", double(n_owner_busy_.load()));
+  help("router_retries_total", "counter", "Requests sent again to another backend after one did not answer.");
+  line("router_retries_total", "", double(n_retries_.load()));
+  help("router_unavailable_total", "counter", "Requests answered 503: no backend up.");
+  line("router_unavailable_total", "", double(n_unavailable_.load()));
+  help("router_prefills_total", "counter",
+       "Prefill/decode: ok = prefilled remotely; failed = the decode instance computed the prompt itself; skipped = prompt too short.");
+  line("router_prefills_total", "result=\"ok\"", double(n_prefill_ok_.load()));
+  line("router_prefills_total", "result=\"failed\"", double(n_prefill_failed_.load()));
+  line("router_prefills_total", "result=\"skipped\"", double(n_prefill_skipped_.load()));
+  return out;
+}
+
+}  // namespace kv

@@ -1,0 +1,105 @@
+// kvserve router: one OpenAI-compatible front over several kvserve instances
+// (docs/disaggregation.md).
+//
+//   replicas:  each request goes to the replica that holds its prefix: the router tokenizes the
+//              prompt (the model's own tokenizer and chat template, the same parser as the
+//              server) and puts its first full KV pages on a consistent-hash ring
+//              (affinity.h); a replica that is down or far busier than the others loses the
+//              request to the next one.
+//   prefill + decode: a prompt of at least prefill_min_tokens goes first to a prefill instance
+//              (`serve --role prefill`), which stores its pages in the shared KV tier and
+//              answers one token; then the unchanged request goes to a decode instance, which
+//              finds those pages as a prefix hit and streams the answer. A prefill that fails
+//              costs nothing but time: the decode instance computes the prompt itself.
+//
+// Requests are validated here first (400s come from the router, in the server's words);
+// everything else, streaming included, passes through. Backends are health-checked
+// (GET /health) every health_interval_s; a connection that fails marks its backend down at
+// once, and the request is retried on another backend while nothing has been sent to the
+// client. With no backend up the router answers 503 with Retry-After.
+//
+// Threading: construct, bind(), run() on one thread; stop() from any thread. Each streamed
+// request has one upstream thread; the destructor waits for them.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/status.h"
+#include "router/affinity.h"
+#include "server/openai_request.h"
+
+namespace httplib {
+class Server;
+struct Request;
+struct Response;
+}  // namespace httplib
+
+namespace kv {
+
+struct RouterOptions {
+  std::vector<std::string> replicas;  // http://HOST:PORT each
+  std::vector<std::string> prefill;   // P/D: prefill instances ...
+  std::vector<std::string> decode;    // ... and decode instances (replicas must then be empty)
+  int32_t block_size = 16;            // the backends' KV page size
+  int32_t affinity_tokens = 128;      // prompt tokens (whole pages) that make the affinity key
+  int32_t max_imbalance = 8;          // requests in flight beyond the least loaded before leaving the owner
+  int32_t prefill_min_tokens = 64;    // shorter prompts go straight to a decode instance
+  bool round_robin = false;           // ignore prefixes: the next live backend in turn (a baseline)
+  double health_interval_s = 1.0;
+  double connect_timeout_s = 2.0;
+  double read_timeout_s = 600.0;      // longest silence from a backend mid-request
+  int32_t http_threads = 128;
+  size_t max_body_bytes = size_t(8) << 20;
+};
+
+// "http://HOST:PORT" or "HOST:PORT" → host and port; an error names what is wrong.
+Result<std::pair<std::string, int>> parse_backend_url(const std::string& url);
+
+class Router {
+ public:
+  // ctx: tokenizer, chat template, model names and limits, as the server's.
+  static Result<std::unique_ptr<Router>> create(RouterOptions opts, ApiContext ctx);
+  ~Router();
+
+  bool bind(const std::string& host, int port);
+  void run();   // serves until stop()
+  void stop();  // any thread
+
+  struct Backend;
+  struct Pool;
+
+ private:
+  Router(RouterOptions opts, ApiContext ctx);
+  void routes();
+  void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat);
+  void prefill(uint64_t key, const std::string& path, const std::string& body, const std::string& auth);
+  void forward(Pool& pool, uint64_t key, const std::string& path, const std::string& body, const std::string& auth, bool stream,
+               httplib::Response& res);
+  std::string render_metrics() const;
+  static uint64_t round_robin_key(const Pool& pool, uint64_t turn);
+  void health_loop();
+
+  RouterOptions opts_;
+  ApiContext ctx_;
+  std::unique_ptr<Pool> serve_;    // replicas, or decode instances
+  std::unique_ptr<Pool> prefill_;  // empty unless P/D
+  std::unique_ptr<httplib::Server> svr_;
+  std::atomic<bool> stopping_{false};
+  std::thread health_;
+  std::mutex health_mu_;
+  std::condition_variable health_cv_;
+  std::atomic<int32_t> upstreams_{0};  // streamed requests' upstream threads alive
+  std::atomic<uint64_t> rr_{0};        // round-robin turn
+
+  // Counters for /metrics.
+  std::atomic<uint64_t> n_owner_{0}, n_owner_down_{0}, n_owner_busy_{0};
+  std::atomic<uint64_t> n_retries_{0}, n_unavailable_{0};
+  std::atomic<uint64_t> n_prefill_ok_{0}, n_prefill_failed_{0}, n_prefill_skipped_{0};
+};
+
+}  // namespace kv

@@ -1,0 +1,243 @@
+"""Prefill/decode disaggregation and replicas behind `kvserve router`, through real processes:
+`kvserve serve --role prefill|decode` sharing a real `redis-server`, the router in front, the
+official `openai` client.
+
+- 1 prefill + 1 decode + router give the greedy output of one instance, streamed or not; the
+  decode instance reports the prompt as cached (its pages came from the prefill instance).
+- The prefill instance killed mid-load fails no request: the decode instance computes.
+- 2 replicas + router: requests sharing a system prompt go to one replica, and the prefix hit
+  rate is at least 90% of one instance's on the same requests; a replica killed loses no request.
+- The router answers bad requests itself (400, OpenAI-shaped), 503 when no backend is up.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import requests
+from openai import OpenAI
+
+from kvserve_server import KVSERVE, MODEL, MODEL_NAME, Redis, Router, Server, free_port
+
+MAX_LEN = 2048
+BASE = open(os.path.join(os.path.dirname(__file__), "..", "..", "data", "text", "emma.txt"), encoding="utf-8").read()
+
+
+def doc(offset: int, chars: int = 3000) -> str:
+    return BASE[40000 + offset: 40000 + offset + chars]
+
+
+def client(url: str) -> OpenAI:
+    return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def complete(url: str, prompt: str, max_tokens: int = 12, stream: bool = False):
+    c = client(url)
+    try:
+        if stream:
+            text, usage = "", None
+            for ch in c.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}):
+                if ch.choices:
+                    text += ch.choices[0].text
+                if ch.usage:
+                    usage = ch.usage
+        else:
+            r = c.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0)
+            text, usage = r.choices[0].text, r.usage
+    finally:
+        c.close()
+    return text, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
+
+
+def chat(url: str, system: str, question: str, max_tokens: int = 8):
+    c = client(url)
+    try:
+        r = c.chat.completions.create(model=MODEL_NAME, messages=[{"role": "system", "content": system},
+                                                                  {"role": "user", "content": question}],
+                                      max_tokens=max_tokens, temperature=0)
+    finally:
+        c.close()
+    return r.choices[0].message.content, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens
+
+
+@pytest.fixture
+def redis():
+    r = Redis()
+    yield r
+    r.close()
+
+
+def role_server(role: str, redis: Redis, *extra: str) -> Server:
+    return Server("--debug", "--role", role, "--kv-redis", redis.url, *extra, max_model_len=MAX_LEN, kv_memory="64MiB")
+
+
+def stop_all(*procs):
+    for p in procs:
+        if p is not None:
+            p.stop()
+
+
+# ---- prefill / decode -------------------------------------------------------------------------
+
+def test_prefill_and_decode_give_the_output_of_one_instance(redis):
+    prompts = [doc(0), doc(5000, 2000), "Name three rivers in Europe:" + doc(9000, 800)]
+    solo = Server("--debug", max_model_len=MAX_LEN, kv_memory="64MiB")
+    try:
+        expected = [complete(solo.url, p)[0] for p in prompts]
+    finally:
+        solo.stop()
+    pre = dec = router = None
+    try:
+        pre = role_server("prefill", redis)
+        dec = role_server("decode", redis)
+        assert requests.get(pre.url + "/health").json()["role"] == "prefill"
+        router = Router("--prefill", pre.url, "--decode", dec.url, max_model_len=MAX_LEN)
+        for i, p in enumerate(prompts):
+            text, n_prompt, cached = complete(router.url, p, stream=(i == 1))
+            assert text == expected[i], i
+            # The decode instance found every full page the prefill instance stored; it computed
+            # only the tail page (at most a page of 16 tokens).
+            assert cached >= n_prompt - 16 and cached > 0, (i, n_prompt, cached)
+        # A prefill instance answers one token, whatever was asked, once its pages are stored.
+        r = requests.post(pre.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": doc(20000, 1500), "max_tokens": 50,
+                                                             "temperature": 0})
+        assert r.status_code == 200 and r.headers["X-KVServe-Prefill-Stored"] == "1"
+        assert r.json()["usage"]["completion_tokens"] == 1
+        m = router.metrics()
+        assert m['kvserve:router_prefills_total{result="ok"}'] == 3
+        assert m['kvserve:router_prefills_total{result="failed"}'] == 0
+        assert dec.metrics()['kvserve:kv_tier_hits_total{tier="redis"}'] >= 3
+        # Keys live in the shared Redis, under the model's fingerprint and format.
+        assert any(k.startswith("kvs:") for k in redis.keys())
+        dec.wait_clean()
+        pre.wait_clean()
+    finally:
+        stop_all(router, dec, pre)
+
+
+def test_short_prompts_skip_the_prefill_instance(redis):
+    pre = dec = router = None
+    try:
+        pre = role_server("prefill", redis)
+        dec = role_server("decode", redis)
+        router = Router("--prefill", pre.url, "--decode", dec.url, "--prefill-min-tokens", "64", max_model_len=MAX_LEN)
+        text, n_prompt, cached = complete(router.url, "The capital of France is", max_tokens=4)
+        assert n_prompt < 64 and cached == 0 and text
+        m = router.metrics()
+        assert m['kvserve:router_prefills_total{result="skipped"}'] == 1
+        assert m['kvserve:router_prefills_total{result="ok"}'] == 0
+    finally:
+        stop_all(router, dec, pre)
+
+
+def test_prefill_instance_killed_mid_load_fails_no_request(redis):
+    prompts = [doc(1000 * i, 2500) for i in range(6)]
+    solo = Server("--debug", max_model_len=MAX_LEN, kv_memory="64MiB")
+    try:
+        expected = [complete(solo.url, p, max_tokens=6)[0] for p in prompts]
+    finally:
+        solo.stop()
+    pre = dec = router = None
+    try:
+        pre = role_server("prefill", redis, "--max-num-batched-tokens", "64")  # slow prefill: a kill lands mid-load
+        dec = role_server("decode", redis)
+        router = Router("--prefill", pre.url, "--decode", dec.url, max_model_len=MAX_LEN)
+        with cf.ThreadPoolExecutor(len(prompts)) as ex:
+            futs = [ex.submit(complete, router.url, p, 6, i % 2 == 0) for i, p in enumerate(prompts)]
+            time.sleep(1.0)
+            pre.proc.send_signal(signal.SIGKILL)
+            got = [f.result(timeout=300)[0] for f in futs]
+        assert got == expected
+        m = router.metrics()
+        assert m['kvserve:router_prefills_total{result="failed"}'] >= 1, m
+        # With the prefill side gone for good, requests still succeed: decode computes.
+        assert complete(router.url, prompts[0], max_tokens=6)[0] == expected[0]
+        dec.wait_clean()
+    finally:
+        stop_all(router, dec, pre)
+
+
+def test_roles_need_a_shared_tier():
+    for role in ("prefill", "decode"):
+        r = subprocess.run([KVSERVE, "serve", "-m", MODEL, "--port", str(free_port()), "--role", role], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode != 0 and "--kv-redis" in r.stderr, r.stderr
+
+
+# ---- replicas ---------------------------------------------------------------------------------
+
+def tenant_load():
+    """Four tenants, each with its own ~600-token system prompt, asking 5 questions each,
+    interleaved as they would arrive."""
+    systems = [f"You answer questions about this text (tenant {t}).\n" + doc(7000 * t, 2400) for t in range(4)]
+    questions = ["Who is the main character?", "Where does it happen?", "Summarise it in one line.", "What year is it?",
+                 "Name one object in it."]
+    return [(systems[t], q) for q in questions for t in range(4)]
+
+
+def hit_rate(url: str, load) -> float:
+    cached = total = 0
+    for system, q in load:
+        _, n, c = chat(url, system, q, max_tokens=2)
+        cached += c
+        total += n
+    return cached / total
+
+
+def test_replicas_keep_each_prefix_on_one_replica(redis):
+    load = tenant_load()
+    solo = Server("--debug", max_model_len=MAX_LEN, kv_memory="64MiB")
+    try:
+        solo_rate = hit_rate(solo.url, load)
+    finally:
+        solo.stop()
+    a = b = router = None
+    try:
+        a = Server("--debug", max_model_len=MAX_LEN, kv_memory="64MiB")
+        b = Server("--debug", max_model_len=MAX_LEN, kv_memory="64MiB")
+        router = Router("--replica", a.url, "--replica", b.url, max_model_len=MAX_LEN)
+        rate = hit_rate(router.url, load)
+        assert rate >= 0.9 * solo_rate, (rate, solo_rate)
+        m = router.metrics()
+        assert m['kvserve:router_affinity_total{result="owner"}'] == len(load)
+        per = [m[f'kvserve:router_requests_total{{backend="{s.url}",role="replica"}}'] for s in (a, b)]
+        assert sum(per) == len(load) and min(per) > 0, per  # both used, each tenant whole
+        assert all(v % 5 == 0 for v in per), per
+
+        # A replica killed: its tenants move to the other, no request fails.
+        b.proc.send_signal(signal.SIGKILL)
+        b.proc.wait()
+        for system, q in load[:8]:
+            assert chat(router.url, system, q, max_tokens=2)[0] is not None
+        m = router.metrics()
+        assert m[f'kvserve:router_backend_up{{backend="{b.url}",role="replica"}}'] == 0
+        a.wait_clean()
+    finally:
+        stop_all(router, a, b)
+
+
+def test_router_answers_bad_requests_and_503_without_backends():
+    router = Router("--replica", f"http://127.0.0.1:{free_port()}", max_model_len=MAX_LEN, wait_up=False)
+    try:
+        r = requests.post(router.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": -1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        r = requests.post(router.url + "/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "error" in r.json()
+        r = requests.post(router.url + "/v1/completions", json={"model": "other", "prompt": "hi"})
+        assert r.status_code == 404 or r.status_code == 400
+        r = requests.post(router.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
+        assert r.headers.get("Retry-After") == "1"
+        assert requests.get(router.url + "/health").status_code == 503
+        assert requests.get(router.url + "/v1/models").json()["data"][0]["id"] == MODEL_NAME
+        assert requests.get(router.url + "/nope").status_code == 404
+    finally:
+        router.stop()
+    r = subprocess.run([KVSERVE, "router", "-m", MODEL, "--listen", f"127.0.0.1:{free_port()}"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode != 0 and "--replica" in r.stderr

@@ -1,0 +1,121 @@
+// The router's pure routing policy (router/affinity.h): affinity keys, the consistent-hash
+// ring, and the choice between the prefix's owner and the least loaded backend.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+#include <random>
+#include <vector>
+
+#include "router/affinity.h"
+#include "router/router.h"
+
+namespace kv {
+namespace {
+
+std::vector<int32_t> tokens(int32_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> t(n);
+  for (auto& x : t) x = static_cast<int32_t>(rng() % 49152);
+  return t;
+}
+
+TEST(RouterAffinity, KeyCoversTheFirstFullPagesOnly) {
+  std::vector<int32_t> a = tokens(300, 1), b = a;
+  b[200] = 7;  // differs after the first 8 pages of 16
+  EXPECT_EQ(affinity_key("", a.data(), 300, 16, 8), affinity_key("", b.data(), 300, 16, 8));
+  b[127] = a[127] + 1;  // differs inside them
+  EXPECT_NE(affinity_key("", a.data(), 300, 16, 8), affinity_key("", b.data(), 300, 16, 8));
+  // A partial last page is not part of the key: 40 tokens key on 2 full pages.
+  std::vector<int32_t> c = a;
+  c[35] = a[35] + 1;
+  EXPECT_EQ(affinity_key("", a.data(), 40, 16, 8), affinity_key("", c.data(), 40, 16, 8));
+  c[31] = a[31] + 1;
+  EXPECT_NE(affinity_key("", a.data(), 40, 16, 8), affinity_key("", c.data(), 40, 16, 8));
+  // No full page: all tokens.
+  EXPECT_NE(affinity_key("", a.data(), 10, 16, 8), affinity_key("", a.data(), 11, 16, 8));
+  // Namespaces never share a key.
+  EXPECT_NE(affinity_key("t1", a.data(), 300, 16, 8), affinity_key("t2", a.data(), 300, 16, 8));
+  EXPECT_NE(affinity_key("ab", a.data(), 300, 16, 8), affinity_key("a", a.data(), 300, 16, 8));
+}
+
+TEST(RouterAffinity, RingSpreadsKeysEvenlyAndOrdersEveryBackendOnce) {
+  HashRing ring(4);
+  std::map<int32_t, int> owned;
+  std::mt19937_64 rng(3);
+  const int n = 40000;
+  for (int i = 0; i < n; ++i) {
+    std::vector<int32_t> o = ring.order(rng());
+    ASSERT_EQ(o.size(), 4u);
+    EXPECT_EQ(std::set<int32_t>(o.begin(), o.end()).size(), 4u);
+    ++owned[o[0]];
+  }
+  // 160 virtual nodes each: every share within 25% of a quarter (a fixed seed; measured ±8%).
+  for (int b = 0; b < 4; ++b) EXPECT_NEAR(owned[b], n / 4, n / 16) << b;
+}
+
+TEST(RouterAffinity, ADownBackendHandsOnlyItsOwnKeysOnAndGetsThemBack) {
+  HashRing ring(3);
+  const std::vector<int32_t> load(3, 0);
+  std::mt19937_64 rng(5);
+  int moved = 0, owned_by_1 = 0;
+  for (int i = 0; i < 5000; ++i) {
+    const uint64_t k = rng();
+    const RouteChoice all = choose_backend(ring, k, {true, true, true}, load, 8);
+    const RouteChoice without1 = choose_backend(ring, k, {true, false, true}, load, 8);
+    EXPECT_TRUE(all.owner);
+    EXPECT_EQ(all.why, RouteChoice::Why::kOwner);
+    if (all.backend == 1) {
+      ++owned_by_1;
+      EXPECT_NE(without1.backend, 1);
+      EXPECT_EQ(without1.backend, ring.order(k)[1]);  // the next on the ring
+      EXPECT_EQ(without1.why, RouteChoice::Why::kOwnerDown);
+      EXPECT_FALSE(without1.owner);
+    } else {
+      moved += without1.backend != all.backend;
+    }
+  }
+  EXPECT_GT(owned_by_1, 1000);
+  EXPECT_EQ(moved, 0);  // nobody else's keys move
+}
+
+TEST(RouterAffinity, TheOwnerLosesRequestsOnlyWhenFarBusierThanTheLeastLoaded) {
+  HashRing ring(2);
+  const uint64_t k = 12345;
+  const int32_t owner = ring.order(k)[0], other = 1 - owner;
+  std::vector<int32_t> load(2, 0);
+  load[owner] = 8;
+  EXPECT_EQ(choose_backend(ring, k, {true, true}, load, 8).backend, owner);
+  load[owner] = 9;
+  const RouteChoice c = choose_backend(ring, k, {true, true}, load, 8);
+  EXPECT_EQ(c.backend, other);
+  EXPECT_EQ(c.why, RouteChoice::Why::kOwnerBusy);
+  EXPECT_FALSE(c.owner);
+  load[other] = 5;  // within the imbalance again
+  EXPECT_EQ(choose_backend(ring, k, {true, true}, load, 8).backend, owner);
+  // Nobody up, or everybody tried: -1.
+  EXPECT_EQ(choose_backend(ring, k, {false, false}, load, 8).backend, -1);
+  EXPECT_EQ(choose_backend(ring, k, {true, true}, load, 8, {0, 1}).backend, -1);
+  EXPECT_EQ(choose_backend(ring, k, {true, true}, load, 8, {owner}).backend, other);
+}
+
+TEST(RouterAffinity, BackendUrls) {
+  auto a = parse_backend_url("http://127.0.0.1:8081");
+  ASSERT_TRUE(a);
+  EXPECT_EQ(a->first, "127.0.0.1");
+  EXPECT_EQ(a->second, 8081);
+  auto b = parse_backend_url("localhost:9000/");
+  ASSERT_TRUE(b);
+  EXPECT_EQ(b->first, "localhost");
+  auto c = parse_backend_url("http://[::1]:80");
+  ASSERT_TRUE(c);
+  EXPECT_EQ(c->first, "::1");
+  EXPECT_FALSE(parse_backend_url("https://x:1"));
+  EXPECT_FALSE(parse_backend_url("http://x"));
+  EXPECT_FALSE(parse_backend_url("http://x:0"));
+  EXPECT_FALSE(parse_backend_url("http://x:99999"));
+  EXPECT_FALSE(parse_backend_url("http://x:8a"));
+}
+
+}  // namespace
+}  // namespace kv

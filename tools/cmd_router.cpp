@@ -1,0 +1,133 @@
+// kvserve router: an OpenAI-compatible front over kvserve instances (src/router/): replicas with
+// prefix affinity, or prefill and decode instances (docs/disaggregation.md).
+#include <pthread.h>
+#include <signal.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <optional>
+#include <thread>
+
+#include "commands.h"
+#include "common/units.h"
+#include "gguf/gguf.h"
+#include "loaded_model.h"
+#include "model/config.h"
+#include "router/router.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/tokenizer.h"
+
+namespace kvtools {
+
+namespace {
+struct RouterCliOptions {
+  std::string model = kDefaultModel;
+  std::string served_model_name;
+  std::string listen = "127.0.0.1:8000";
+  int max_model_len = 0;
+  int max_n = 16;
+  std::string max_body = "8MiB";
+  std::string routing = "affinity";
+  kv::RouterOptions ro;
+};
+
+void run_router(RouterCliOptions o) {
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  // The tokenizer and chat template only: the router has no engine and loads no weights.
+  if (std::string hint = missing_model_hint(o.model); !hint.empty()) fail(hint);
+  auto file = kv::GgufFile::open(o.model);
+  if (!file) fail(o.model + ": " + file.message());
+  auto tok = kv::Tokenizer::from_gguf(**file);
+  if (!tok) fail(o.model + ": tokenizer: " + tok.message());
+  auto mc = kv::ModelConfig::from_gguf(**file);
+  if (!mc) fail(o.model + ": " + mc.message());
+  std::optional<kv::ChatTemplate> chat;
+  if (const kv::GgufValue* src = (*file)->find("tokenizer.chat_template"); src && !src->str.empty())
+    if (auto t = kv::ChatTemplate::parse(src->str)) chat = std::move(*t);
+
+  kv::ApiContext ctx;
+  ctx.tok = tok->get();
+  ctx.chat_template = chat ? &*chat : nullptr;
+  if ((*tok)->bos_id() >= 0) ctx.bos_text = (*tok)->token_bytes((*tok)->bos_id(), true);
+  if ((*tok)->eos_id() >= 0) ctx.eos_text = (*tok)->token_bytes((*tok)->eos_id(), true);
+  const std::string stem = std::filesystem::path(o.model).stem().string();
+  ctx.model_names = {o.served_model_name.empty() ? stem : o.served_model_name, stem, std::filesystem::path(o.model).filename().string()};
+  ctx.max_model_len = o.max_model_len > 0 ? o.max_model_len : (mc->n_ctx_train > 0 ? mc->n_ctx_train : 4096);
+  ctx.max_n = o.max_n;
+  auto max_body = kv::parse_memory_size(o.max_body);
+  if (!max_body) fail("--max-body-size: " + max_body.message());
+  o.ro.max_body_bytes = static_cast<size_t>(*max_body);
+  o.ro.round_robin = o.routing == "round-robin";
+
+  const size_t colon = o.listen.rfind(':');
+  if (colon == std::string::npos) fail("--listen " + o.listen + ": expected HOST:PORT");
+  const std::string host = o.listen.substr(0, colon);
+  const int port = std::atoi(o.listen.c_str() + colon + 1);
+  if (port < 1 || port > 65535) fail("--listen " + o.listen + ": bad port");
+
+  auto router = kv::Router::create(o.ro, ctx);
+  if (!router) fail(router.message());
+  if (!(*router)->bind(host, port)) fail("cannot listen on " + o.listen + " (address in use or invalid)");
+  std::thread watcher([&] {
+    int sig = 0;
+    sigwait(&stop_signals, &sig);
+    if (sig == SIGINT || sig == SIGTERM) (*router)->stop();
+  });
+  auto list = [](const std::vector<std::string>& v) {
+    std::string s;
+    for (const auto& u : v) s += (s.empty() ? "" : ", ") + u;
+    return s;
+  };
+  if (!o.ro.replicas.empty())
+    std::fprintf(stderr, "router at http://%s: %zu replicas (%s), %s\n", o.listen.c_str(), o.ro.replicas.size(), list(o.ro.replicas).c_str(),
+                 o.ro.round_robin ? "round-robin" : ("prefix affinity on the first " + std::to_string(o.ro.affinity_tokens) + " tokens").c_str());
+  else
+    std::fprintf(stderr, "router at http://%s: prefill %s; decode %s; prompts of %d+ tokens are prefilled\n", o.listen.c_str(),
+                 list(o.ro.prefill).c_str(), list(o.ro.decode).c_str(), o.ro.prefill_min_tokens);
+  std::fflush(stderr);
+  (*router)->run();
+  pthread_kill(watcher.native_handle(), SIGTERM);
+  watcher.join();
+  router->reset();
+  std::fprintf(stderr, "stopped\n");
+}
+}  // namespace
+
+void add_router_command(CLI::App& app) {
+  auto o = std::make_shared<RouterCliOptions>();
+  CLI::App* cmd = app.add_subcommand("router", "OpenAI-compatible front over kvserve instances: replicas by prefix, or prefill + decode");
+  cmd->add_option("-m,--model", o->model, "GGUF model the backends serve (its tokenizer and chat template are used)")->capture_default_str();
+  cmd->add_option("--served-model-name", o->served_model_name, "model id in the API (default: the file's stem)");
+  cmd->add_option("--listen", o->listen, "HOST:PORT to serve on")->capture_default_str();
+  cmd->add_option("--replica", o->ro.replicas, "a kvserve instance (http://HOST:PORT); repeat");
+  cmd->add_option("--prefill", o->ro.prefill, "a `serve --role prefill` instance; repeat");
+  cmd->add_option("--decode", o->ro.decode, "a `serve --role decode` instance; repeat");
+  cmd->add_option("--block-size", o->ro.block_size, "the backends' KV page size")->check(CLI::Range(1, 1024))->capture_default_str();
+  cmd->add_option("--affinity-tokens", o->ro.affinity_tokens, "leading prompt tokens (whole pages) that pick the replica")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  cmd->add_option("--max-imbalance", o->ro.max_imbalance, "requests in flight beyond the least loaded backend before leaving the prefix's owner")
+      ->check(CLI::Range(0, 1 << 20))
+      ->capture_default_str();
+  cmd->add_option("--routing", o->routing, "affinity (by prompt prefix), or round-robin (a baseline)")
+      ->check(CLI::IsMember({"affinity", "round-robin"}))
+      ->capture_default_str();
+  cmd->add_option("--prefill-min-tokens", o->ro.prefill_min_tokens, "shorter prompts skip the prefill instance")
+      ->check(CLI::Range(0, 1 << 24))
+      ->capture_default_str();
+  cmd->add_option("--health-interval", o->ro.health_interval_s, "seconds between health checks")->check(CLI::Range(0.05, 3600.0))->capture_default_str();
+  cmd->add_option("--timeout", o->ro.read_timeout_s, "seconds a backend may stay silent mid-request")->check(CLI::Range(1.0, 86400.0))->capture_default_str();
+  cmd->add_option("--http-threads", o->ro.http_threads, "connection threads")->check(CLI::Range(1, 4096))->capture_default_str();
+  cmd->add_option("--max-model-len", o->max_model_len, "as the backends' (default: the model's context)")->check(CLI::Range(1, 1 << 24));
+  cmd->add_option("--max-n", o->max_n, "as the backends'")->check(CLI::Range(1, 256))->capture_default_str();
+  cmd->add_option("--max-body-size", o->max_body, "largest request body (413 above)")->capture_default_str();
+  cmd->callback([o] { run_router(*o); });
+}
+
+}  // namespace kvtools
