@@ -459,35 +459,115 @@ void page_dispatch(KvElem e, const PageRef* pg, int n_pg, int bs, int hd, int v_
 
 #else  // portable path: dequantize one page tile to floats, then plain loops
 
+// f16 → f32 for n values (K tiles are [hd][bs], V tiles [bs][hd]: both convert in place order).
+inline void f16_to_f32(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = fp16_to_fp32(src[i]);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// e^x for 8 lanes: the polynomial of the AVX-512 path's exp16.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));  // 2^n stays a normal float below
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.7f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+// s[j] = q · k_j for j in [lo, hi); kt is the page's keys channel-major [hd][bs].
+inline void scores(const float* q, const float* kt, int bs, int hd, int lo, int hi, float* s) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (bs == 16) {  // the default page: the 16 scores stay in two registers across the channels
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int i = 0; i < hd; ++i) {
+      const __m256 qi = _mm256_broadcast_ss(q + i);
+      a0 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(kt + i * 16), a0);
+      a1 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(kt + i * 16 + 8), a1);
+    }
+    _mm256_storeu_ps(s, a0);
+    _mm256_storeu_ps(s + 8, a1);
+    return;
+  }
+#endif
+  for (int j = lo; j < hi; ++j) s[j] = 0.f;
+  for (int i = 0; i < hd; ++i) {
+    const float qi = q[i];
+    const float* kc = kt + size_t(i) * bs;
+    for (int j = lo; j < hi; ++j) s[j] += qi * kc[j];
+  }
+}
+
+// s[j] = e^(s[j] - m) for j in [lo, hi) (s has room for kAttnMaxBlockSize values).
+inline void exp_minus(float* s, int lo, int hi, float m) {
+  int j = lo;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 mv = _mm256_set1_ps(m);
+  for (; j + 8 <= hi; j += 8) _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)));
+#endif
+  for (; j < hi; ++j) s[j] = std::exp(s[j] - m);
+}
+
+// Loops shaped for the compiler's vectorizer (the build is -march=native: AVX2 on hosts without
+// AVX-512): keys channel-major so the scores of a page are one vector FMA per channel, values
+// token-major so the accumulator update is one per key. Each score still sums its channels in
+// order, as a scalar dot product would.
 void page_dispatch(KvElem e, const PageRef* pg, int n_pg, int bs, int hd, int v_from_k, int32_t window, Rows& rows,
                    int r_begin, int r_end) {
-  std::vector<float> kf(size_t(bs) * hd), vf(size_t(bs) * hd), s(bs);
+  alignas(64) static thread_local float kf[kAttnMaxBlockSize * kAttnMaxHeadDim];  // [bs][hd] as read
+  alignas(64) static thread_local float kt[kAttnMaxHeadDim * kAttnMaxBlockSize];  // [hd][bs]
+  alignas(64) static thread_local float vf[kAttnMaxBlockSize * kAttnMaxHeadDim];  // [bs][hd]
+  alignas(64) float s[kAttnMaxBlockSize];
   const int dv = v_from_k > 0 ? v_from_k : hd;
   for (int ip = 0; ip < n_pg; ++ip) {
     const int n_keys = pg[ip].n_keys;
     const KvElem pe = pg[ip].f16 ? KvElem::kF16 : e;
-    kv_read_k(pg[ip].kt, pe, bs, hd, n_keys, kf.data());
-    if (v_from_k > 0) vf = kf;  // values: the first v_from_k channels of each key row
-    else kv_read_v(pg[ip].vt, pe, bs, hd, n_keys, vf.data());
+    const float* vrow = kf;  // values: the first v_from_k channels of each key row
+    if (pe == KvElem::kF16 && v_from_k <= 0) {  // the default: tiles convert as they lie
+      f16_to_f32(reinterpret_cast<const uint16_t*>(pg[ip].kt), kt, int64_t(hd) * bs);
+      f16_to_f32(reinterpret_cast<const uint16_t*>(pg[ip].vt), vf, int64_t(n_keys) * hd);
+      vrow = vf;
+    } else {
+      kv_read_k(pg[ip].kt, pe, bs, hd, n_keys, kf);
+      for (int j = 0; j < n_keys; ++j)
+        for (int i = 0; i < hd; ++i) kt[size_t(i) * bs + j] = kf[size_t(j) * hd + i];
+      if (v_from_k <= 0) {
+        kv_read_v(pg[ip].vt, pe, bs, hd, n_keys, vf);
+        vrow = vf;
+      }
+    }
     for (int r = r_begin; r < r_end; ++r) {
       int lo, hi;
       visible(rows.pos[r], pg[ip].key0, n_keys, window, &lo, &hi);
       if (hi <= lo) continue;
+      const float* q = rows.qs[r];
+      scores(q, kt, bs, hd, lo, hi, s);
       float mx = kNegInf;
-      for (int j = lo; j < hi; ++j) {
-        float d = 0;
-        for (int i = 0; i < hd; ++i) d += rows.qs[r][i] * kf[size_t(j) * hd + i];
-        s[j] = d;
-        mx = std::max(mx, d);
-      }
+      for (int j = lo; j < hi; ++j) mx = std::max(mx, s[j]);
       const float m_new = std::max(rows.m[r], mx), corr = std::exp(rows.m[r] - m_new);
       float* acc = rows.acc[r];
       for (int i = 0; i < dv; ++i) acc[i] *= corr;
+      exp_minus(s, lo, hi, m_new);
       float sum = 0;
       for (int j = lo; j < hi; ++j) {
-        const float p = std::exp(s[j] - m_new);
+        const float p = s[j];
         sum += p;
-        for (int i = 0; i < dv; ++i) acc[i] += p * vf[size_t(j) * hd + i];
+        const float* v = vrow + size_t(j) * hd;
+        for (int i = 0; i < dv; ++i) acc[i] += p * v[i];
       }
       rows.l[r] = rows.l[r] * corr + sum;
       rows.m[r] = m_new;
