@@ -112,8 +112,9 @@ void add_router_command(CLI::App& app) {
   cmd->add_option("--affinity-tokens", o->ro.affinity_tokens, "leading prompt tokens (whole pages) that pick the replica")
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
-  cmd->add_option("--max-imbalance", o->ro.max_imbalance, "requests in flight beyond the least loaded backend before leaving the prefix's owner")
-      ->check(CLI::Range(0, 1 << 20))
+  cmd->add_option("--load-factor", o->ro.load_factor,
+                  "bounded-load hashing: a backend takes a request only while it has fewer than this × the average requests in flight")
+      ->check(CLI::Range(1.0, 100.0))
       ->capture_default_str();
   cmd->add_option("--routing", o->routing, "affinity (by prompt prefix), or round-robin (a baseline)")
       ->check(CLI::IsMember({"affinity", "round-robin"}))

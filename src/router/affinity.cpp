@@ -3,6 +3,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 namespace kv {
@@ -45,26 +46,27 @@ std::vector<int32_t> HashRing::order(uint64_t key) const {
 }
 
 RouteChoice choose_backend(const HashRing& ring, uint64_t key, const std::vector<bool>& up, const std::vector<int32_t>& load,
-                           int32_t max_imbalance, const std::vector<int32_t>& exclude) {
+                           double load_factor, const std::vector<int32_t>& exclude) {
   RouteChoice c;
   const std::vector<int32_t> order = ring.order(key);
   auto live = [&](int32_t b) { return up[b] && std::find(exclude.begin(), exclude.end(), b) == exclude.end(); };
-  int32_t first = -1, least = -1;
-  for (int32_t b : order) {
-    if (!live(b)) continue;
-    if (first < 0) first = b;
-    if (least < 0 || load[b] < load[least]) least = b;
-  }
-  if (first < 0) return c;
-  const bool owner_live = !order.empty() && live(order[0]);
-  if (load[first] > load[least] + max_imbalance) {
-    c.backend = least;
-    c.why = RouteChoice::Why::kOwnerBusy;
-  } else {
-    c.backend = first;
-    c.why = owner_live ? RouteChoice::Why::kOwner : RouteChoice::Why::kOwnerDown;
-  }
+  int64_t n_live = 0, total = 0;
+  for (int32_t b : order)
+    if (live(b)) {
+      ++n_live;
+      total += load[b];
+    }
+  if (n_live == 0) return c;
+  // Some live backend is always under it: n_live × capacity > total.
+  const int64_t capacity = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(load_factor * double(total + 1) / double(n_live))));
+  const bool owner_live = live(order[0]);
+  for (int32_t b : order)
+    if (live(b) && load[b] < capacity) {
+      c.backend = b;
+      break;
+    }
   c.owner = owner_live && c.backend == order[0];
+  c.why = c.owner ? RouteChoice::Why::kOwner : owner_live ? RouteChoice::Why::kOwnerBusy : RouteChoice::Why::kOwnerDown;
   return c;
 }
 

@@ -37,10 +37,13 @@ struct RouteChoice {
   enum class Why { kOwner, kOwnerDown, kOwnerBusy, kNone } why = Why::kNone;
 };
 
-// The key's first live backend on the ring, unless its load (requests in flight) exceeds the
-// least loaded live backend's by more than max_imbalance: then the least loaded (ties: ring
-// order). Backends listed in `exclude` (tried already) count as down.
+// Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018): the key's first
+// live backend on the ring that is under capacity, capacity being
+// ceil(load_factor × (requests in flight on live backends + 1) / live backends). So no backend
+// carries more than load_factor × the average, and a key that overflows its owner goes to the
+// same next backend every time (whose cache then holds it too). Backends listed in `exclude`
+// (tried already) count as down.
 RouteChoice choose_backend(const HashRing& ring, uint64_t key, const std::vector<bool>& up, const std::vector<int32_t>& load,
-                           int32_t max_imbalance, const std::vector<int32_t>& exclude = {});
+                           double load_factor, const std::vector<int32_t>& exclude = {});
 
 }  // namespace kv

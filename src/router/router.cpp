@@ -238,7 +238,7 @@ void Router::prefill(uint64_t key, const std::string& path, const std::string& b
   // The prefill instance forces one token, one choice, no stream: the body goes as it is.
   std::vector<int32_t> tried;
   for (size_t attempt = 0; attempt < prefill_->backends.size(); ++attempt) {
-    const RouteChoice c = choose_backend(prefill_->ring, key, prefill_->up(), prefill_->load(), opts_.max_imbalance, tried);
+    const RouteChoice c = choose_backend(prefill_->ring, key, prefill_->up(), prefill_->load(), opts_.load_factor, tried);
     if (c.backend < 0) break;
     Backend& b = *prefill_->backends[c.backend];
     InFlight f(&b);
@@ -266,7 +266,7 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
                      httplib::Response& res) {
   std::vector<int32_t> tried;
   for (size_t attempt = 0; attempt < pool.backends.size(); ++attempt) {
-    const RouteChoice c = choose_backend(pool.ring, key, pool.up(), pool.load(), opts_.max_imbalance, tried);
+    const RouteChoice c = choose_backend(pool.ring, key, pool.up(), pool.load(), opts_.load_factor, tried);
     if (c.backend < 0) break;
     if (attempt == 0) {
       if (c.why == RouteChoice::Why::kOwner) n_owner_.fetch_add(1);

@@ -47,7 +47,7 @@ struct RouterOptions {
   std::vector<std::string> decode;    // ... and decode instances (replicas must then be empty)
   int32_t block_size = 16;            // the backends' KV page size
   int32_t affinity_tokens = 128;      // prompt tokens (whole pages) that make the affinity key
-  int32_t max_imbalance = 8;          // requests in flight beyond the least loaded before leaving the owner
+  double load_factor = 1.25;          // bounded loads: a backend takes at most this × the average in flight
   int32_t prefill_min_tokens = 64;    // shorter prompts go straight to a decode instance
   bool round_robin = false;           // ignore prefixes: the next live backend in turn (a baseline)
   double health_interval_s = 1.0;

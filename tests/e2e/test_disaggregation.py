@@ -241,3 +241,28 @@ def test_router_answers_bad_requests_and_503_without_backends():
     r = subprocess.run([KVSERVE, "router", "-m", MODEL, "--listen", f"127.0.0.1:{free_port()}"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode != 0 and "--replica" in r.stderr
+
+
+def test_a_decode_instance_of_another_kv_format_never_takes_the_pages(redis):
+    """Pages carry the model fingerprint and KV format in their keys and headers: an int8 decode
+    instance finds nothing of an f16 prefill instance's and computes the prompt itself, with the
+    output of an int8 instance alone."""
+    p = doc(30000, 2500)
+    solo = Server("--debug", "--kv-cache-dtype", "int8", max_model_len=MAX_LEN, kv_memory="64MiB")
+    try:
+        expected = complete(solo.url, p)[0]
+    finally:
+        solo.stop()
+    pre = dec = router = None
+    try:
+        pre = role_server("prefill", redis)
+        dec = role_server("decode", redis, "--kv-cache-dtype", "int8")
+        router = Router("--prefill", pre.url, "--decode", dec.url, max_model_len=MAX_LEN)
+        text, n_prompt, cached = complete(router.url, p)
+        assert text == expected
+        assert cached == 0 and n_prompt > 500
+        assert router.metrics()['kvserve:router_prefills_total{result="ok"}'] == 1
+        assert dec.metrics().get('kvserve:kv_tier_hits_total{tier="redis"}', 0) == 0
+        dec.wait_clean()
+    finally:
+        stop_all(router, dec, pre)

@@ -2,6 +2,7 @@
 // ring, and the choice between the prefix's owner and the least loaded backend.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 #include <set>
 #include <random>
@@ -61,8 +62,8 @@ TEST(RouterAffinity, ADownBackendHandsOnlyItsOwnKeysOnAndGetsThemBack) {
   int moved = 0, owned_by_1 = 0;
   for (int i = 0; i < 5000; ++i) {
     const uint64_t k = rng();
-    const RouteChoice all = choose_backend(ring, k, {true, true, true}, load, 8);
-    const RouteChoice without1 = choose_backend(ring, k, {true, false, true}, load, 8);
+    const RouteChoice all = choose_backend(ring, k, {true, true, true}, load, 1.25);
+    const RouteChoice without1 = choose_backend(ring, k, {true, false, true}, load, 1.25);
     EXPECT_TRUE(all.owner);
     EXPECT_EQ(all.why, RouteChoice::Why::kOwner);
     if (all.backend == 1) {
@@ -79,24 +80,42 @@ TEST(RouterAffinity, ADownBackendHandsOnlyItsOwnKeysOnAndGetsThemBack) {
   EXPECT_EQ(moved, 0);  // nobody else's keys move
 }
 
-TEST(RouterAffinity, TheOwnerLosesRequestsOnlyWhenFarBusierThanTheLeastLoaded) {
+TEST(RouterAffinity, TheOwnerLosesRequestsOnlyAboveItsBoundedLoad) {
   HashRing ring(2);
   const uint64_t k = 12345;
   const int32_t owner = ring.order(k)[0], other = 1 - owner;
-  std::vector<int32_t> load(2, 0);
-  load[owner] = 8;
-  EXPECT_EQ(choose_backend(ring, k, {true, true}, load, 8).backend, owner);
-  load[owner] = 9;
-  const RouteChoice c = choose_backend(ring, k, {true, true}, load, 8);
+  auto pick = [&](int32_t lo, int32_t lt) {
+    std::vector<int32_t> load(2);
+    load[owner] = lo;
+    load[other] = lt;
+    return choose_backend(ring, k, {true, true}, load, 1.25);
+  };
+  // capacity = ceil(1.25 × (in flight + 1) / 2)
+  EXPECT_EQ(pick(0, 0).backend, owner);  // capacity 1
+  EXPECT_EQ(pick(1, 0).backend, owner);  // capacity 2
+  const RouteChoice c = pick(2, 0);      // capacity 2: the owner is full
   EXPECT_EQ(c.backend, other);
   EXPECT_EQ(c.why, RouteChoice::Why::kOwnerBusy);
   EXPECT_FALSE(c.owner);
-  load[other] = 5;  // within the imbalance again
-  EXPECT_EQ(choose_backend(ring, k, {true, true}, load, 8).backend, owner);
+  EXPECT_EQ(pick(4, 4).backend, owner);  // capacity 6
+  EXPECT_EQ(pick(5, 3).backend, owner);
+  EXPECT_EQ(pick(6, 2).backend, other);
+  EXPECT_EQ(pick(6, 2).why, RouteChoice::Why::kOwnerBusy);
+  // Whatever the loads, no live backend goes past 1.25 × the average + 1 (random loads, 4 backends).
+  HashRing r4(4);
+  std::mt19937_64 rng(9);
+  for (int i = 0; i < 2000; ++i) {
+    std::vector<int32_t> load(4);
+    int64_t total = 0;
+    for (auto& x : load) total += (x = static_cast<int32_t>(rng() % 12));
+    const RouteChoice rc = choose_backend(r4, rng(), {true, true, true, true}, load, 1.25);
+    ASSERT_GE(rc.backend, 0);
+    EXPECT_LT(load[rc.backend], std::ceil(1.25 * double(total + 1) / 4.0));
+  }
   // Nobody up, or everybody tried: -1.
-  EXPECT_EQ(choose_backend(ring, k, {false, false}, load, 8).backend, -1);
-  EXPECT_EQ(choose_backend(ring, k, {true, true}, load, 8, {0, 1}).backend, -1);
-  EXPECT_EQ(choose_backend(ring, k, {true, true}, load, 8, {owner}).backend, other);
+  EXPECT_EQ(choose_backend(ring, k, {false, false}, {0, 0}, 1.25).backend, -1);
+  EXPECT_EQ(choose_backend(ring, k, {true, true}, {0, 0}, 1.25, {0, 1}).backend, -1);
+  EXPECT_EQ(choose_backend(ring, k, {true, true}, {0, 0}, 1.25, {owner}).backend, other);
 }
 
 TEST(RouterAffinity, BackendUrls) {
