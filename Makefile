@@ -77,6 +77,13 @@ bench-eviction: deps models text build
 	$(PYTHON) bench/eviction_speed.py --kvserve $(BUILD_DIR)/kvserve
 	$(PYTHON) bench/passkey_bench.py --kvserve $(BUILD_DIR)/kvserve
 
+# Scale-out (docs/disaggregation.md): colocated vs prefill + decode behind the router, and prefix
+# affinity vs round-robin over 2 replicas. DISAGG_ARGS adds flags (--parts pd, --repeats 3, ...).
+DISAGG_ARGS ?=
+.PHONY: bench-disagg
+bench-disagg: deps models text build
+	$(PYTHON) bench/disagg_bench.py --kvserve $(BUILD_DIR)/kvserve $(DISAGG_ARGS)
+
 # KV tiers: TTFT of 2k/4k/8k-token documents recomputed vs loaded from the L2 disk tier (after a
 # restart) vs the L3 Redis tier (another instance; needs /usr/bin/redis-server), and swap vs
 # recompute preemption at 4k context: bench/out/tier_bench.{json,png}, about 5-8 min on 2 cores (estimate).
