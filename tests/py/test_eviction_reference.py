@@ -61,7 +61,10 @@ MEM = ["--kv-cache-memory", "64MiB"]
 # the per-token bound catches all of them, the PPL bound all but the one-token-late checks.
 PPL_REL_TOL = 5e-4
 NLL_ABS_TOL = 0.03
-NLL_ABS_TOL_WINDOW = 0.15  # no attention sink: the logits are far more sensitive to rounding
+# No attention sink: the logits are far more sensitive to rounding. One token's NLL of 252 moved by
+# 0.25 on an AVX2-only host (-march=native: 8-lane summation order; measured with the attention
+# kernel before and after its AVX2 path, 0.254 and 0.287) while the PPL stayed within 2e-3.
+NLL_ABS_TOL_WINDOW = 0.4
 # window without sinks (PPL ~160) moves by 7e-4 with nothing but the kernel's summation order
 # (grouping the live pages of a table with holes four at a time instead of aligned groups took it
 # from -1.9e-4 to +7.2e-4); its effect is +1100%, so 2e-3 still fails on any real difference.
