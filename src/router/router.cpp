@@ -75,6 +75,14 @@ struct Pipe {
   std::atomic<bool> cancel{false};  // the client went away, or the router stops
 };
 
+// A backend that did not answer: down until its health check passes; the request goes elsewhere.
+void gave_no_answer(Router::Backend& b, int32_t index, std::vector<int32_t>& tried, std::atomic<uint64_t>& retries) {
+  b.failures.fetch_add(1);
+  b.up.store(false);
+  tried.push_back(index);
+  retries.fetch_add(1);
+}
+
 ApiError unavailable(const char* what) {
   return ApiError{503, std::string("No ") + what + " instance is available; retry later.", "server_error", "", "service_unavailable"};
 }
@@ -250,13 +258,11 @@ void Router::prefill(uint64_t key, const std::string& path, const std::string& b
       n_prefill_ok_.fetch_add(1);
       return;
     }
-    b.failures.fetch_add(1);
     if (!r) {  // no answer: the instance is gone; try another
-      b.up.store(false);
-      tried.push_back(c.backend);
-      n_retries_.fetch_add(1);
+      gave_no_answer(b, c.backend, tried, n_retries_);
       continue;
     }
+    b.failures.fetch_add(1);
     break;  // it answered with an error: the decode side will give the client its own answer
   }
   n_prefill_failed_.fetch_add(1);  // the decode instance computes the prompt itself
@@ -282,10 +288,7 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
       set_timeouts(cli, opts_);
       auto r = cli.Post(path, upstream_headers(auth), body, "application/json");
       if (!r) {
-        b->failures.fetch_add(1);
-        b->up.store(false);
-        tried.push_back(c.backend);
-        n_retries_.fetch_add(1);
+        gave_no_answer(*b, c.backend, tried, n_retries_);
         continue;
       }
       res.status = r->status;
@@ -339,10 +342,7 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
     pipe->cv.wait(l, [&] { return pipe->status >= 0; });
     if (pipe->status == 0) {  // nothing came back: the backend is gone; nothing was sent yet
       l.unlock();
-      b->failures.fetch_add(1);
-      b->up.store(false);
-      tried.push_back(c.backend);
-      n_retries_.fetch_add(1);
+      gave_no_answer(*b, c.backend, tried, n_retries_);
       continue;
     }
     if (pipe->status != 200) {  // an error answer: whole, with its status

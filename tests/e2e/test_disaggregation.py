@@ -229,7 +229,7 @@ def test_router_answers_bad_requests_and_503_without_backends():
         r = requests.post(router.url + "/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and "error" in r.json()
         r = requests.post(router.url + "/v1/completions", json={"model": "other", "prompt": "hi"})
-        assert r.status_code == 404 or r.status_code == 400
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         r = requests.post(router.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
         assert r.headers.get("Retry-After") == "1"
