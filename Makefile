@@ -11,7 +11,7 @@ MODEL       ?= models/SmolLM2-135M-Instruct.Q4_1.gguf
 PROMPT      ?= The three most important ideas in computer science are
 N_TOKENS    ?= 64
 
-.PHONY: all deps models text build test serve bench peer clean distclean
+.PHONY: all deps models text build test serve bench peer clean distclean python-install
 
 all: build
 
@@ -26,7 +26,7 @@ text:
 	scripts/fetch_text.sh
 
 build: deps
-	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE)
+	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DPython_EXECUTABLE="$$(command -v $(PYTHON))"
 	cmake --build $(BUILD_DIR) -j$(JOBS)
 
 # A hung test fails after CTEST_TIMEOUT seconds instead of eating the CI budget.
@@ -39,6 +39,11 @@ test: deps models text build
 	  exit $$rc
 	if [ -x scripts/run_fuzz.sh ]; then scripts/run_fuzz.sh; \
 	  elif [ -f scripts/run_fuzz.sh ]; then bash scripts/run_fuzz.sh; fi
+
+# The Python package (docs/python.md) into the current interpreter, built by scikit-build-core from
+# pyproject.toml (`make build` also puts an importable copy in build/python).
+python-install: deps
+	$(PYTHON) -m pip install .
 
 # The OpenAI-compatible server on the default model; SERVE_ARGS adds flags (--port, --api-key, ...).
 HOST        ?= 127.0.0.1

@@ -1,50 +1,102 @@
 #!/usr/bin/env bash
-# Builds the GGUF fuzzer (libFuzzer + ASan + UBSan, clang) and runs it for a bounded time.
-# Fails on any crash, sanitizer report, leak, timeout or out-of-memory.
+# Builds the libFuzzer targets (clang, ASan + UBSan) and runs each for a bounded time. Fails on
+# any crash, sanitizer report, leak, timeout or out-of-memory.
 #
-#   scripts/run_fuzz.sh                 # 60 s
-#   FUZZ_SECONDS=300 scripts/run_fuzz.sh
+#   scripts/run_fuzz.sh                       # GGUF 60 s, tokenizer/template/request 20 s each
+#   FUZZ_SECONDS=300 TEXT_FUZZ_SECONDS=600 scripts/run_fuzz.sh
+#   FUZZ_TARGETS="request" scripts/run_fuzz.sh
 #
-# The fuzzer is built by hand from the two sources it needs (gguf.cpp, ggml_types.cpp) rather
-# than through CMake's KV_FUZZ build, so it does not depend on the rest of the library
-# compiling. Seeds come from tests/fuzz/corpus_gguf/ (committed, made by make_seeds.py);
-# what the fuzzer discovers goes to $OUT/corpus (not committed). Crash inputs land in
-# $OUT/artifacts/.
+# Targets:
+#   gguf       tests/fuzz/fuzz_gguf.cpp: the GGUF reader (seeds: corpus_gguf/, make_seeds.py)
+#   tokenizer, template, request
+#              tests/fuzz/fuzz_text.cpp (one binary, KV_FUZZ_TARGET picks): both real tokenizers'
+#              round trips, the chat-template engine, the OpenAI request parser. They read the
+#              models in models/ (make models). Seeds: corpus_{tokenizer,template,request}/,
+#              made by make_text_seeds.py.
+#
+# The fuzzers are built by hand from the sources they need rather than through CMake's KV_FUZZ
+# build, so they do not depend on the rest of the library compiling; objects are rebuilt only
+# when their source or a header under src/ is newer. What the fuzzer discovers goes to
+# $OUT/corpus_* (not committed); crash inputs land in $OUT/artifacts/.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-OUT="${FUZZ_OUT:-$ROOT/build-fuzz-gguf}"
-SECONDS_TO_RUN="${FUZZ_SECONDS:-60}"
+cd "$ROOT"
+OUT="${FUZZ_OUT:-$ROOT/build-fuzz}"
+GGUF_SECONDS="${FUZZ_SECONDS:-60}"
+TEXT_SECONDS="${TEXT_FUZZ_SECONDS:-20}"
+TARGETS="${FUZZ_TARGETS:-gguf tokenizer template request}"
 CXX="${FUZZ_CXX:-clang++}"
-BIN="$OUT/fuzz_gguf"
-SOURCES=("$ROOT/tests/fuzz/fuzz_gguf.cpp" "$ROOT/src/gguf/gguf.cpp" "$ROOT/src/kernels/ggml_types.cpp")
-HEADERS=("$ROOT/src/gguf/gguf.h" "$ROOT/src/kernels/ggml_types.h" "$ROOT/src/common/status.h")
+FLAGS=(-std=c++20 -O1 -g -fno-omit-frame-pointer -fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined -Isrc)
 
-mkdir -p "$OUT/corpus" "$OUT/artifacts"
+mkdir -p "$OUT/obj" "$OUT/artifacts"
+newest_header="$(find src -name '*.h' -newer "$OUT/.headers" 2>/dev/null | head -1 || true)"
+[[ -f "$OUT/.headers" ]] || newest_header=all
+touch "$OUT/.headers.new"
 
-# Rebuild only when a source or header is newer than the binary.
-needs_build=0
-if [[ ! -x "$BIN" ]]; then
-  needs_build=1
-else
-  for f in "${SOURCES[@]}" "${HEADERS[@]}" "${BASH_SOURCE[0]}"; do
-    if [[ "$f" -nt "$BIN" ]]; then needs_build=1; break; fi
+# Compiles sources to $OUT/obj in parallel (2 jobs), skipping up-to-date objects; prints the objects.
+compile() {
+  local objs=() todo=()
+  for src in "$@"; do
+    local obj="$OUT/obj/$(echo "$src" | tr / _).o"
+    objs+=("$obj")
+    if [[ ! -f "$obj" || "$src" -nt "$obj" || -n "$newest_header" ]]; then todo+=("$src"); fi
   done
-fi
-if (( needs_build )); then
-  echo "building $BIN"
-  "$CXX" -std=c++20 -O1 -g -fno-omit-frame-pointer \
-    -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-    -I"$ROOT/src" "${SOURCES[@]}" -o "$BIN.tmp"
-  mv "$BIN.tmp" "$BIN"
-fi
+  if (( ${#todo[@]} )); then
+    echo "compiling ${#todo[@]} sources for the fuzzers" >&2
+    local failed=0
+    for src in "${todo[@]}"; do
+      "$CXX" "${FLAGS[@]}" -c "$src" -o "$OUT/obj/$(echo "$src" | tr / _).o" >&2 &
+      while (( $(jobs -rp | wc -l) >= 2 )); do wait -n || failed=1; done
+    done
+    while (( $(jobs -rp | wc -l) > 0 )); do wait -n || failed=1; done
+    (( failed == 0 )) || { echo "fuzzer build failed" >&2; return 1; }
+  fi
+  printf '%s\n' "${objs[@]}"
+}
 
-echo "fuzzing GGUF parser for ${SECONDS_TO_RUN}s"
-# A hostile input of at most 64 KiB may cost a few MB of metadata, never hundreds.
+link() {  # link OUT_BIN OBJ...
+  local bin="$1"; shift
+  local stale=0
+  [[ -x "$bin" ]] || stale=1
+  for o in "$@"; do [[ "$o" -nt "$bin" ]] && stale=1; done
+  if (( stale )); then
+    "$CXX" -fsanitize=fuzzer,address,undefined "$@" -lpcre2-8 -o "$bin.tmp"
+    mv "$bin.tmp" "$bin"
+  fi
+}
+
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
 export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1"
-"$BIN" "$OUT/corpus" "$ROOT/tests/fuzz/corpus_gguf" \
-  -max_len=65536 -max_total_time="$SECONDS_TO_RUN" -timeout=10 \
-  -rss_limit_mb=2048 -malloc_limit_mb=256 \
-  -artifact_prefix="$OUT/artifacts/" -print_final_stats=1
-echo "fuzz run clean"
+
+for t in $TARGETS; do
+  case "$t" in
+    gguf)
+      compile tests/fuzz/fuzz_gguf.cpp src/gguf/gguf.cpp src/kernels/ggml_types.cpp > "$OUT/objs"
+      mapfile -t objs < "$OUT/objs"
+      link "$OUT/fuzz_gguf" "${objs[@]}"
+      mkdir -p "$OUT/corpus_gguf"
+      echo "fuzzing the GGUF reader for ${GGUF_SECONDS}s"
+      # A hostile input of at most 64 KiB may cost a few MB of metadata, never hundreds.
+      "$OUT/fuzz_gguf" "$OUT/corpus_gguf" tests/fuzz/corpus_gguf \
+        -max_len=65536 -max_total_time="$GGUF_SECONDS" -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=256 \
+        -artifact_prefix="$OUT/artifacts/" -print_final_stats=1
+      ;;
+    tokenizer|template|request)
+      compile tests/fuzz/fuzz_text.cpp src/tokenizer/*.cpp src/gguf/gguf.cpp src/kernels/ggml_types.cpp \
+              src/server/openai_request.cpp src/kv/eviction_policy.cpp src/common/*.cpp > "$OUT/objs"
+      mapfile -t objs < "$OUT/objs"
+      link "$OUT/fuzz_text" "${objs[@]}"
+      mkdir -p "$OUT/corpus_$t"
+      echo "fuzzing the $t target for ${TEXT_SECONDS}s"
+      # Each input is at most 8 KiB; a template that loops or recurses without bound hits the
+      # 10 s timeout or the 2 GiB RSS limit, and fails the run.
+      KV_FUZZ_TARGET="$t" "$OUT/fuzz_text" "$OUT/corpus_$t" "tests/fuzz/corpus_$t" \
+        -max_len=8192 -max_total_time="$TEXT_SECONDS" -timeout=10 -rss_limit_mb=2048 \
+        -artifact_prefix="$OUT/artifacts/" -print_final_stats=1
+      ;;
+    *) echo "unknown fuzz target $t" >&2; exit 2 ;;
+  esac
+done
+mv "$OUT/.headers.new" "$OUT/.headers"
+echo "fuzz runs clean"

@@ -4,7 +4,6 @@
 #include <signal.h>
 
 #include <cstdio>
-#include <filesystem>
 #include <optional>
 #include <thread>
 
@@ -51,15 +50,8 @@ void run_router(RouterCliOptions o) {
   if (const kv::GgufValue* src = (*file)->find("tokenizer.chat_template"); src && !src->str.empty())
     if (auto t = kv::ChatTemplate::parse(src->str)) chat = std::move(*t);
 
-  kv::ApiContext ctx;
-  ctx.tok = tok->get();
-  ctx.chat_template = chat ? &*chat : nullptr;
-  if ((*tok)->bos_id() >= 0) ctx.bos_text = (*tok)->token_bytes((*tok)->bos_id(), true);
-  if ((*tok)->eos_id() >= 0) ctx.eos_text = (*tok)->token_bytes((*tok)->eos_id(), true);
-  const std::string stem = std::filesystem::path(o.model).stem().string();
-  ctx.model_names = {o.served_model_name.empty() ? stem : o.served_model_name, stem, std::filesystem::path(o.model).filename().string()};
-  ctx.max_model_len = o.max_model_len > 0 ? o.max_model_len : (mc->n_ctx_train > 0 ? mc->n_ctx_train : 4096);
-  ctx.max_n = o.max_n;
+  kv::ApiContext ctx = kv::make_api_context(**tok, chat ? &*chat : nullptr, o.model, o.served_model_name,
+                                            o.max_model_len > 0 ? o.max_model_len : (mc->n_ctx_train > 0 ? mc->n_ctx_train : 4096), o.max_n);
   auto max_body = kv::parse_memory_size(o.max_body);
   if (!max_body) fail("--max-body-size: " + max_body.message());
   o.ro.max_body_bytes = static_cast<size_t>(*max_body);

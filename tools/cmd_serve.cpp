@@ -2,8 +2,9 @@
 #include <pthread.h>
 #include <signal.h>
 
+#include <atomic>
 #include <cstdio>
-#include <filesystem>
+#include <cstdlib>
 #include <thread>
 
 #include "commands.h"
@@ -32,6 +33,7 @@ struct ServeOptions {
   int max_n = 16;
   int threads = 0;
   int http_threads = 0;
+  double shutdown_timeout = 30;
   std::string max_body = "8MiB";
   bool debug = false;
   bool prefix_caching = true;
@@ -162,15 +164,7 @@ void run_serve(const ServeOptions& o) {
                  ec.tiers.write_through ? "through" : "back", o.preemption_mode.c_str());
   }
 
-  std::string stem = std::filesystem::path(o.model).stem().string();
-  kv::ApiContext ctx;
-  ctx.tok = tok->get();
-  ctx.chat_template = chat ? &*chat : nullptr;
-  if ((*tok)->bos_id() >= 0) ctx.bos_text = (*tok)->token_bytes((*tok)->bos_id(), true);
-  if ((*tok)->eos_id() >= 0) ctx.eos_text = (*tok)->token_bytes((*tok)->eos_id(), true);
-  ctx.model_names = {o.served_model_name.empty() ? stem : o.served_model_name, stem, std::filesystem::path(o.model).filename().string()};
-  ctx.max_model_len = ec.max_model_len;
-  ctx.max_n = ec.max_n;
+  kv::ApiContext ctx = kv::make_api_context(**tok, chat ? &*chat : nullptr, o.model, o.served_model_name, ec.max_model_len, ec.max_n);
 
   kv::ServerOptions so;
   so.api_key = o.api_key;
@@ -182,13 +176,28 @@ void run_serve(const ServeOptions& o) {
   if (!server.bind(o.host, o.port)) fail("cannot listen on " + o.host + ":" + std::to_string(o.port) + " (address in use or invalid)");
 
   engine.start();
-  std::thread watcher([&] {
+  // First SIGINT/SIGTERM: drain (no new requests, in-flight ones get --shutdown-timeout to
+  // finish), then stop (what is left ends with finish_reason "abort" and an error event).
+  // A second signal exits at once.
+  std::atomic<bool> run_returned{false};
+  const double shutdown_timeout = o.shutdown_timeout;
+  std::thread watcher([&server, &run_returned, stop_signals, shutdown_timeout] {
     int sig = 0;
     sigwait(&stop_signals, &sig);
-    if (sig == SIGINT || sig == SIGTERM) {
-      std::fprintf(stderr, "\n%s: stopping (in-flight requests are cancelled)\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
-      server.stop();
-    }
+    if (run_returned.load()) return;
+    const char* name = sig == SIGINT ? "SIGINT" : "SIGTERM";
+    std::fprintf(stderr, "\n%s: draining: new requests get 503; %d in flight get up to %g s (--shutdown-timeout); a second signal exits now\n",
+                 name, server.in_flight(), shutdown_timeout);
+    std::thread([stop_signals, name] {
+      int again = 0;
+      sigwait(&stop_signals, &again);
+      std::fprintf(stderr, "%s again: exiting now\n", again == SIGINT ? "SIGINT" : "SIGTERM");
+      std::_Exit(128 + again);
+    }).detach();
+    const bool idle = server.drain(shutdown_timeout);
+    if (idle) std::fprintf(stderr, "drained: every request finished\n");
+    else std::fprintf(stderr, "shutdown timeout: ending %d requests in flight (finish_reason \"abort\")\n", server.in_flight());
+    server.stop();
   });
 
   const std::string url = "http://" + (o.host.find(':') != std::string::npos ? "[" + o.host + "]" : o.host) + ":" + std::to_string(o.port);
@@ -202,6 +211,7 @@ void run_serve(const ServeOptions& o) {
 
   server.run();
   // run() also returns if listening fails; wake the watcher so it can be joined.
+  run_returned.store(true);
   pthread_kill(watcher.native_handle(), SIGTERM);
   watcher.join();
   engine.stop();
@@ -228,6 +238,10 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("-t,--threads", o->threads, "compute threads (default: all cores)")->check(CLI::Range(1, 256));
   cmd->add_option("--http-threads", o->http_threads, "connection threads (default: max-num-seqs + 16)")->check(CLI::Range(1, 4096));
   cmd->add_option("--max-body-size", o->max_body, "largest request body (413 above)")->capture_default_str();
+  cmd->add_option("--shutdown-timeout", o->shutdown_timeout,
+                  "seconds in-flight requests get to finish after SIGTERM/SIGINT before they are ended")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   cmd->add_flag("--debug", o->debug, "enable /debug/kv and log one line per request");
   cmd->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", o->prefix_caching,
                 "reuse the KV pages of repeated prompt prefixes (default on)");

@@ -582,9 +582,10 @@ void Engine::postprocess(Plan& plan, const float* logits) {
     e->last_token_time = now;
 
     const char* reason = nullptr;
+    ev.tokens.push_back(tok);
     if (!p.ignore_eos && tok_.is_eog(tok)) {
       reason = "stop";
-      ev.logprobs.clear();  // the end-of-generation token is not part of the text
+      ev.eog_logprobs.swap(ev.logprobs);  // the end-of-generation token is not part of the text
     } else {
       e->held += e->detok.push(tok);
       const bool at_limit = e->n_generated >= p.max_tokens || static_cast<int64_t>(e->tokens.size()) >= cfg_.max_model_len;
@@ -607,8 +608,8 @@ void Engine::postprocess(Plan& plan, const float* logits) {
         e->held.erase(0, e->held.size() - keep);
       }
     }
-    if (!ev.text.empty() || !ev.logprobs.empty()) rs.req.stream->push(std::move(ev));
-    if (reason) e->rs->req.stream->push(StreamEvent{StreamEvent::kFinish, e->index, "", {}, reason, "", 0});
+    rs.req.stream->push(std::move(ev));  // always carries the token
+    if (reason) e->rs->req.stream->push(StreamEvent{StreamEvent::kFinish, e->index, "", {}, reason, "", 0, {}, {}});
     if (reason) e->n_prompt = -1;  // marks finished; removed from running below
   }
   // Finished sequences leave the batch and give their pages back.
@@ -821,7 +822,12 @@ void Engine::maybe_finish_request(Sequence& s) {
   // Metrics first: a client that sees its response must also see it counted.
   metrics_.add_finished(aborted);
   metrics_.observe_e2e(seconds(rs.req.arrival, Clock::now()));
-  rs.req.stream->finish_all(u);
+  finishing_.emplace_back(rs.req.stream, u);  // done at the end of the step, after the gauges
+}
+
+void Engine::end_finished_streams() {
+  for (auto& [stream, usage] : finishing_) stream->finish_all(usage);
+  finishing_.clear();
 }
 
 void Engine::record_kv_outcome(Sequence& s) {
@@ -833,7 +839,7 @@ void Engine::record_kv_outcome(Sequence& s) {
 }
 
 void Engine::finish(Sequence& s, const char* reason) {
-  s.rs->req.stream->push(StreamEvent{StreamEvent::kFinish, s.index, "", {}, reason, "", 0});
+  s.rs->req.stream->push(StreamEvent{StreamEvent::kFinish, s.index, "", {}, reason, "", 0, {}, {}});
   record_kv_outcome(s);
   release(s);
   // A request with n > 1 whose children do not exist yet finishes them all at once.
@@ -841,7 +847,7 @@ void Engine::finish(Sequence& s, const char* reason) {
   if (rs.req.params.n > 1 && !rs.forked) {
     rs.forked = true;
     for (int32_t i = 1; i < rs.req.params.n; ++i) {
-      rs.req.stream->push(StreamEvent{StreamEvent::kFinish, i, "", {}, reason, "", 0});
+      rs.req.stream->push(StreamEvent{StreamEvent::kFinish, i, "", {}, reason, "", 0, {}, {}});
       --rs.n_unfinished;
     }
   }
@@ -869,7 +875,7 @@ bool Engine::step() {
     const auto t_post = Clock::now();
     if (!st) {
       // A forward failure is a bug or a bad token; fail the affected requests, keep serving.
-      for (auto& it : plan.items) it.seq->rs->req.stream->push(StreamEvent{StreamEvent::kError, it.seq->index, "", {}, "", st.message(), 500});
+      for (auto& it : plan.items) it.seq->rs->req.stream->push(StreamEvent{StreamEvent::kError, it.seq->index, "", {}, "", st.message(), 500, {}, {}});
       for (auto& it : plan.items) it.seq->rs->req.stream->cancel();
     } else {
       postprocess(plan, logits_.data());
@@ -881,6 +887,8 @@ bool Engine::step() {
   } else {
     publish_gauges();
   }
+  // A client that sees its request done also sees its pages back (pages_in_use, /metrics).
+  end_finished_streams();
   return work;
 }
 

@@ -128,7 +128,8 @@ class Engine {
   bool admit(Sequence& s, int64_t budget, int32_t* n_out);
   std::list<std::unique_ptr<Sequence>>::iterator pick_waiting();
   void publish_gauges();
-  void maybe_finish_request(Sequence& s);
+  void maybe_finish_request(Sequence& s);  // the last choice is done: queues the stream's end
+  void end_finished_streams();              // ends the queued streams (after publish_gauges)
   Sequence* fork(Sequence& parent, int32_t index);
   void annotate(Sequence& s, BatchSeq& b);  // eviction scores / sparse reads for s's run
   void maybe_evict(Sequence& s, int32_t n_run);
@@ -182,6 +183,7 @@ class Engine {
   std::atomic<int32_t> pages_cached_{0};
   std::atomic<int32_t> window_pages_cached_{0};
   std::vector<int32_t> held_scratch_;  // [n_pages], reused by publish_gauges
+  std::vector<std::pair<std::shared_ptr<RequestStream>, Usage>> finishing_;  // this step's finished requests
   static constexpr int kLpmWindow = 64;
   static constexpr int kLpmMaxSkips = 8;
   std::atomic<uint64_t> next_id_{1};

@@ -47,6 +47,12 @@ struct StreamEvent {
   std::string finish_reason;         // kFinish: "stop" | "length" | "abort"
   std::string error;                 // kError: message
   int32_t http_status = 0;           // kError: suggested status
+  // kText: the token ids drawn since the last event, the end-of-generation token included
+  // (events may carry tokens and no text: text held back for a stop string or a UTF-8 tail).
+  std::vector<int32_t> tokens;
+  // kText: the end-of-generation token's logprob (logprobs ≥ 0 only); it is not part of the
+  // text, so `logprobs` (what the HTTP API shows) leaves it out.
+  std::vector<TokenLogprob> eog_logprobs;
 };
 
 struct Usage {
@@ -59,8 +65,25 @@ struct Usage {
   int64_t kv_tokens_evicted = 0;  // evicted over the request's life
 };
 
+// One waiter for many streams (the Python API's generate(): one thread reads every request of
+// a call). Streams given it with RequestStream::set_waiter bump `version` on every push/finish.
+class StreamWaiter {
+ public:
+  uint64_t version() const;
+  // Waits until version() differs from `seen` or `timeout` passes; returns the version.
+  uint64_t wait(uint64_t seen, std::chrono::milliseconds timeout);
+  void notify();
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  uint64_t version_ = 0;
+};
+
 class RequestStream {
  public:
+  // Before submit: every later push/finish_all also notifies w.
+  void set_waiter(std::shared_ptr<StreamWaiter> w) { waiter_ = std::move(w); }
   // Engine side.
   void push(StreamEvent ev);
   void finish_all(const Usage& usage);  // after the last choice finished; wakes the reader
@@ -79,6 +102,7 @@ class RequestStream {
   bool done_ = false;
   Usage usage_;
   std::atomic<bool> cancelled_{false};
+  std::shared_ptr<StreamWaiter> waiter_;
 };
 
 struct Request {

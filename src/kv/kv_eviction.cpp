@@ -5,24 +5,6 @@
 
 namespace kv {
 
-const char* eviction_policy_name(EvictionPolicy p) {
-  switch (p) {
-    case EvictionPolicy::kNone: return "none";
-    case EvictionPolicy::kWindow: return "window";
-    case EvictionPolicy::kSinks: return "sinks";
-    case EvictionPolicy::kH2O: return "h2o";
-    case EvictionPolicy::kSnapKV: return "snapkv";
-  }
-  return "?";
-}
-
-Result<EvictionPolicy> parse_eviction_policy(const std::string& s) {
-  for (EvictionPolicy p : {EvictionPolicy::kNone, EvictionPolicy::kWindow, EvictionPolicy::kSinks, EvictionPolicy::kH2O,
-                           EvictionPolicy::kSnapKV})
-    if (s == eviction_policy_name(p)) return p;
-  return Status::error("unknown KV eviction policy '" + s + "' (expected none, window, sinks, h2o or snapkv)");
-}
-
 int64_t EvictionConfig::recent(int32_t block_size) const {
   if (recent_tokens >= 0) return recent_tokens;
   switch (policy) {

@@ -6,9 +6,11 @@
 
 #include <httplib.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <map>
+#include <thread>
 
 #include "engine/engine.h"
 #include "engine/metrics.h"
@@ -24,16 +26,28 @@ namespace {
 
 constexpr auto kPollInterval = std::chrono::milliseconds(50);
 
-ApiError from_rejection(const Rejection& r) {
-  ApiError e{r.http_status, r.message, error_type_for_status(r.http_status), r.param, ""};
-  if (r.http_status == 429) e.code = "rate_limit_exceeded";
-  return e;
+// Counts a generation request in flight until its answer is done (drain waits for zero).
+struct InFlight {
+  std::atomic<int32_t>* n;
+  bool armed = true;
+  explicit InFlight(std::atomic<int32_t>* count) : n(count) { n->fetch_add(1); }
+  InFlight(const InFlight&) = delete;
+  ~InFlight() {
+    if (armed) n->fetch_sub(1);
+  }
+};
+
+ApiError draining_error() {
+  return ApiError{503, "The server is shutting down and takes no new requests; retry on another instance or later.", "server_error",
+                  "", "server_shutting_down"};
 }
 
-ApiError from_event(const StreamEvent& ev) {
-  int status = ev.http_status >= 400 ? ev.http_status : 500;
-  return ApiError{status, ev.error.empty() ? "generation failed" : ev.error, error_type_for_status(status), "", ""};
+ApiError stopped_error() {
+  return ApiError{503, "The server shut down before this request finished; it was cancelled.", "server_error", "",
+                  "server_shutting_down"};
 }
+
+constexpr const char* kRetryAfterSeconds = "5";
 
 // Cancels the request if the handler leaves early (an exception, a vanished client).
 struct CancelGuard {
@@ -60,7 +74,9 @@ struct SseState {
   bool with_logprobs = false;
   bool started = false;
   bool finished = false;             // [DONE] written
+  bool stopped = false;              // the server is stopping: cancelled, ends with an error event
   std::vector<int64_t> text_offset;  // per choice, completions' logprobs.text_offset
+  std::vector<std::string> finish_reasons;  // per choice, once finished
   std::vector<StreamEvent> events;
 };
 
@@ -94,8 +110,20 @@ bool HttpServer::bind(const std::string& host, int port) {
 
 void HttpServer::run() { svr_->listen_after_bind(); }
 
+bool HttpServer::drain(double timeout_s) {
+  draining_.store(true);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  while (in_flight_.load() > 0 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  return in_flight_.load() == 0;
+}
+
 void HttpServer::stop() {
+  draining_.store(true);
   stopping_.store(true);
+  // Handlers now cancel their requests and write the ends (abort finishes, error event, [DONE]);
+  // httplib cuts chunked responses once it is stopped, so they get a moment to finish first.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (in_flight_.load() > 0 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   svr_->stop();
 }
 
@@ -166,6 +194,12 @@ void HttpServer::routes() {
               write_json(res, model_object());
             }));
   svr_->Get("/health", safe([this](const httplib::Request&, httplib::Response& res) {
+              if (draining_.load()) {  // load balancers take this instance out of rotation
+                res.set_header("Retry-After", kRetryAfterSeconds);
+                write_json(res, json{{"status", "draining"}, {"role", role_name(opts_.role)}, {"in_flight", in_flight_.load()}});
+                res.status = 503;
+                return;
+              }
               write_json(res, json{{"status", "ok"}, {"role", role_name(opts_.role)}});
             }));
   svr_->Get("/metrics", safe([this](const httplib::Request&, httplib::Response& res) {
@@ -192,6 +226,11 @@ void HttpServer::handle_debug_kv(httplib::Response& res) {
 }
 
 void HttpServer::handle_generate(const httplib::Request& req, httplib::Response& res, bool chat) {
+  InFlight in_flight(&in_flight_);  // before the draining check: drain() sees this request or it sees drain
+  if (draining_.load()) {
+    res.set_header("Retry-After", kRetryAfterSeconds);
+    throw draining_error();
+  }
   nlohmann::json body = parse_json_body(req.body, ctx_);
   ApiRequest ar = chat ? parse_chat_request(body, ctx_) : parse_completion_request(body, ctx_);
   const bool prefill = opts_.role == ServerRole::kPrefill;
@@ -227,8 +266,17 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
     std::vector<ChoiceResult> choices(n);
     std::vector<StreamEvent> events;
     std::optional<ApiError> error;
+    const int client_fd = find_client_socket(req);  // nothing is written until the end: watch the socket
+    bool stopped = false, client_gone = false;
     for (bool more = true; more;) {
-      if (stopping_.load()) stream->cancel();
+      if (!stopped && stopping_.load()) {
+        stopped = true;
+        stream->cancel();
+      }
+      if (!client_gone && client_fd >= 0 && peer_closed(client_fd)) {
+        client_gone = true;
+        stream->cancel();
+      }
       more = stream->pop(&events, kPollInterval);
       for (auto& ev : events) {
         if (ev.index < 0 || ev.index >= n) continue;
@@ -245,7 +293,15 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
       events.clear();
     }
     guard.armed = false;
+    if (client_gone) {  // nobody to answer; the pages are back
+      res.status = 499;
+      return;
+    }
     if (error) throw *error;
+    if (stopped && std::any_of(choices.begin(), choices.end(), [](const ChoiceResult& c) { return c.finish_reason == "abort"; })) {
+      res.set_header("Retry-After", kRetryAfterSeconds);
+      throw stopped_error();
+    }
     if (prefill) {
       // The prompt's full pages were queued for the tier as they filled (write-through), before
       // the token was sampled: once the writes queued so far are done, a decode instance finds them.
@@ -264,7 +320,9 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
   st->n = n;
   st->with_logprobs = ar.logprobs;
   st->text_offset.assign(n, 0);
+  st->finish_reasons.assign(n, "");
   guard.armed = false;  // from here the releaser owns cancellation
+  in_flight.armed = false;  // and the count
   const Tokenizer* tok = ctx_.tok;
   res.set_header("Cache-Control", "no-cache");
   res.set_header("X-Accel-Buffering", "no");
@@ -273,9 +331,13 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
       [this, st, tok](size_t, httplib::DataSink& sink) -> bool {
         try {
           auto send = [&](const std::string& s) { return sink.write(s.data(), s.size()); };
-          if (stopping_.load() || !sink.is_writable()) {
+          if (!sink.is_writable()) {
             st->stream->cancel();
             return false;
+          }
+          if (!st->stopped && stopping_.load()) {  // the choices still end: finish "abort", an error, [DONE]
+            st->stopped = true;
+            st->stream->cancel();
           }
           if (!st->started) {
             st->started = true;
@@ -293,6 +355,7 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
               out = sse_event(text_chunk(st->meta, ev.index, ev.text, st->with_logprobs ? &ev.logprobs : nullptr,
                                          &st->text_offset[ev.index], *tok));
             } else if (ev.kind == StreamEvent::kFinish) {
+              st->finish_reasons[ev.index] = ev.finish_reason;
               out = sse_event(finish_chunk(st->meta, ev.index, ev.finish_reason));
             } else {
               out = sse_event(from_event(ev).to_json());
@@ -304,6 +367,10 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
           }
           st->events.clear();
           if (!more) {
+            if (st->stopped && std::any_of(st->finish_reasons.begin(), st->finish_reasons.end(),
+                                           [](const std::string& r) { return r == "abort"; }) &&
+                !send(sse_event(stopped_error().to_json())))
+              return false;
             if (st->meta.include_usage && !send(sse_event(usage_chunk(st->meta, st->stream->usage())))) return false;
             if (!send(kSseDone)) return false;
             st->finished = true;
@@ -315,8 +382,9 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
           return false;
         }
       },
-      [st](bool) {
+      [this, st](bool) {
         if (!st->finished) st->stream->cancel();
+        in_flight_.fetch_sub(1);
       });
 }
 

@@ -9,9 +9,15 @@
 // handler. A streaming client that goes away cancels its request, so the engine frees its
 // pages within one step.
 //
-// Threading: construct, bind(), then run() on one thread; stop() from any thread (a signal
-// watcher) makes run() return after in-flight handlers end. The Engine must be started and
-// outlive the server.
+// Shutdown (docs/ARCHITECTURE.md §4): drain() stops admitting (new generation requests get 503
+// with Retry-After, /health answers 503 "draining"), waits up to a timeout for the requests in
+// flight to finish, then stop() ends what is left: a stream gets its choices' finish chunks
+// (finish_reason "abort"), an error event and [DONE]; a non-streamed request a 503.
+// A client that disconnects cancels its request within one poll (50 ms), streamed or not.
+//
+// Threading: construct, bind(), then run() on one thread; drain() and stop() from any thread
+// (a signal watcher); run() returns after in-flight handlers end. The Engine must be started
+// and outlive the server.
 #pragma once
 #include <atomic>
 #include <cstddef>
@@ -58,7 +64,11 @@ class HttpServer {
 
   bool bind(const std::string& host, int port);  // false: the address is taken or invalid
   void run();                                     // serves until stop()
+  // Stops admitting, then waits until no generation request is in flight or timeout_s passed;
+  // true if none is left. Any thread.
+  bool drain(double timeout_s);
   void stop();                                    // any thread
+  int32_t in_flight() const { return in_flight_.load(); }
 
  private:
   void routes();
@@ -71,6 +81,8 @@ class HttpServer {
   ServerOptions opts_;
   std::unique_ptr<httplib::Server> svr_;
   std::atomic<bool> stopping_{false};
+  std::atomic<bool> draining_{false};
+  std::atomic<int32_t> in_flight_{0};  // generation requests admitted and not yet answered
 };
 
 }  // namespace kv

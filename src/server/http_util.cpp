@@ -1,8 +1,12 @@
 #include "server/http_util.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+
+#include <cerrno>
+#include <cstdlib>
 
 #include <chrono>
 
@@ -83,6 +87,58 @@ void raise_listen_backlog(int port) {
     if (addr.ss_family == AF_INET6) bound = ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
     if (bound == port) ::listen(fd, SOMAXCONN);
   }
+}
+
+namespace {
+// addr's port and numeric address, as cpp-httplib writes them into Request::remote_addr.
+bool endpoint(const sockaddr_storage& addr, std::string* host, int* port) {
+  char buf[INET6_ADDRSTRLEN] = {};
+  if (addr.ss_family == AF_INET) {
+    const auto* a = reinterpret_cast<const sockaddr_in*>(&addr);
+    *port = ntohs(a->sin_port);
+    inet_ntop(AF_INET, &a->sin_addr, buf, sizeof buf);
+  } else if (addr.ss_family == AF_INET6) {
+    const auto* a = reinterpret_cast<const sockaddr_in6*>(&addr);
+    *port = ntohs(a->sin6_port);
+    inet_ntop(AF_INET6, &a->sin6_addr, buf, sizeof buf);
+  } else {
+    return false;
+  }
+  *host = buf;
+  return true;
+}
+}  // namespace
+
+int find_client_socket(const httplib::Request& req) {
+  if (req.remote_port <= 0 || req.local_port <= 0) return -1;
+  DIR* dir = opendir("/proc/self/fd");
+  if (!dir) return -1;
+  int found = -1;
+  while (dirent* e = readdir(dir)) {
+    if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+    const int fd = std::atoi(e->d_name);
+    if (fd == dirfd(dir)) continue;
+    sockaddr_storage peer{}, local{};
+    socklen_t plen = sizeof peer, llen = sizeof local;
+    if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &plen) != 0) continue;
+    std::string host;
+    int port = -1;
+    if (!endpoint(peer, &host, &port) || port != req.remote_port || host != req.remote_addr) continue;
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &llen) != 0) continue;
+    if (!endpoint(local, &host, &port) || port != req.local_port) continue;
+    found = fd;
+    break;
+  }
+  closedir(dir);
+  return found;
+}
+
+bool peer_closed(int fd) {
+  char c;
+  const ssize_t n = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+  if (n > 0) return false;
+  if (n == 0) return true;
+  return errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
 }
 
 }  // namespace kv

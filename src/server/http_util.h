@@ -32,6 +32,15 @@ std::function<void(const httplib::Request&, httplib::Response&)> safe_handler(
 // connecting at once overflow it. Raises the backlog of this process's socket bound to `port`.
 void raise_listen_backlog(int port);
 
+// The socket of the connection `req` arrived on (its peer and local address), or -1. cpp-httplib
+// 0.11 gives a handler no way to see that its client left while the response is not being
+// written (a non-streamed request); the handler watches the socket itself with peer_closed.
+// Looks through this process's open descriptors (/proc/self/fd): call once per request.
+int find_client_socket(const httplib::Request& req);
+// True when the peer closed or reset the connection (a read would return end-of-file or an
+// error); data waiting to be read (a pipelined request) is not a close. Never blocks.
+bool peer_closed(int fd);
+
 int64_t unix_now();
 
 }  // namespace kv

@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <limits>
 #include <mutex>
 #include <optional>
 #include <random>
 
+#include "engine/engine.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
@@ -223,7 +225,8 @@ int32_t parse_max_tokens(const Fields& f, const char* name, const ApiContext& ct
   const json* v = f.get(name);
   if (!v) return static_cast<int32_t>(std::clamp<int64_t>(dflt, 1, ctx.max_model_len));
   if (!v->is_number_integer()) type_error(name, "an integer", *v);
-  if (v->is_number_integer() && !v->is_number_unsigned() && v->get<int64_t>() < 1)
+  // nlohmann stores 0 and other non-negative literals as unsigned: 0 must be caught there too.
+  if (v->is_number_unsigned() ? v->get<uint64_t>() == 0 : v->get<int64_t>() < 1)
     value_error(name, std::to_string(v->get<int64_t>()) + " is below the minimum of 1.");
   if (v->is_number_unsigned() ? v->get<uint64_t>() > static_cast<uint64_t>(ctx.max_model_len) : v->get<int64_t>() > ctx.max_model_len)
     value_error(name, v->dump() + " is more than this model's maximum context length of " + std::to_string(ctx.max_model_len) +
@@ -342,6 +345,31 @@ uint64_t random_seed() {
   return gen();
 }
 
+ApiError from_rejection(const Rejection& r) {
+  ApiError e{r.http_status, r.message, error_type_for_status(r.http_status), r.param, ""};
+  if (r.http_status == 429) e.code = "rate_limit_exceeded";
+  return e;
+}
+
+ApiError from_event(const StreamEvent& ev) {
+  int status = ev.http_status >= 400 ? ev.http_status : 500;
+  return ApiError{status, ev.error.empty() ? "generation failed" : ev.error, error_type_for_status(status), "", ""};
+}
+
+ApiContext make_api_context(const Tokenizer& tok, const ChatTemplate* chat_template, const std::string& model_path,
+                            const std::string& served_name, int32_t max_model_len, int32_t max_n) {
+  ApiContext ctx;
+  ctx.tok = &tok;
+  ctx.chat_template = chat_template;
+  if (tok.bos_id() >= 0) ctx.bos_text = tok.token_bytes(tok.bos_id(), true);
+  if (tok.eos_id() >= 0) ctx.eos_text = tok.token_bytes(tok.eos_id(), true);
+  const std::filesystem::path p(model_path);
+  ctx.model_names = {served_name.empty() ? p.stem().string() : served_name, p.stem().string(), p.filename().string()};
+  ctx.max_model_len = max_model_len;
+  ctx.max_n = max_n;
+  return ctx;
+}
+
 json parse_json_body(const std::string& body, const ApiContext& ctx) {
   // nlohmann's parser is iterative, but the value it builds is destroyed and walked
   // recursively: refuse absurd nesting before parsing.
@@ -372,6 +400,8 @@ json parse_json_body(const std::string& body, const ApiContext& ctx) {
     throw bad_request("The request body is not valid JSON: " + what +
                           (body.empty() ? " (the body is empty; send a JSON object with Content-Type: application/json)" : ""),
                       "", "invalid_json");
+  } catch (const json::exception& e) {  // e.g. out_of_range: a number beyond double (1e400)
+    throw bad_request(std::string("The request body is not valid JSON: ") + e.what(), "", "invalid_json");
   }
   if (!j.is_object()) throw bad_request("The request body must be a JSON object, got " + type_word(j) + ".", "", "invalid_json");
   return j;

@@ -18,6 +18,7 @@ namespace kv {
 
 class Tokenizer;
 class ChatTemplate;
+struct Rejection;
 
 struct ApiContext {
   const Tokenizer* tok = nullptr;
@@ -41,12 +42,22 @@ struct ApiRequest {
   bool logprobs = false;        // the response carries logprobs
 };
 
+// The context of a model file at `model_path`: names accepted as `model` (served_name or the
+// file's stem first, then the stem and the file name), the template's bos/eos texts.
+ApiContext make_api_context(const Tokenizer& tok, const ChatTemplate* chat_template, const std::string& model_path,
+                            const std::string& served_name, int32_t max_model_len, int32_t max_n);
+
 // Parses a body as one JSON object. Rejects bodies that are not UTF-8, not JSON, nested
 // deeper than ctx.max_nesting, or not an object.
 nlohmann::json parse_json_body(const std::string& body, const ApiContext& ctx);
 
 ApiRequest parse_completion_request(const nlohmann::json& body, const ApiContext& ctx);  // /v1/completions
 ApiRequest parse_chat_request(const nlohmann::json& body, const ApiContext& ctx);        // /v1/chat/completions
+
+// What a client sees when Engine::submit refuses (429 has code rate_limit_exceeded), and when
+// a request ends with an error event.
+ApiError from_rejection(const Rejection& r);
+ApiError from_event(const StreamEvent& ev);
 
 // A seed for a request that did not give one: fresh per call, so n > 1 choices and repeated
 // requests differ.

@@ -46,6 +46,9 @@ CORPUS = [
     ("json string", "POST", CH, JSON, b'"hi"', 400, None),
     ("json null", "POST", C, JSON, b"null", 400, None),
     ("trailing garbage", "POST", C, JSON, b'{"prompt": "hi"} x', 400, None),
+    # found by tests/fuzz/fuzz_text.cpp (request): nlohmann throws out_of_range, not parse_error
+    ("number beyond double", "POST", C, JSON, b'{"prompt": "hi", "max_tokens": 1e400}', 400, None),
+    ("max_completion_tokens 0", "POST", CH, JSON, chat(max_completion_tokens=0), 400, "max_completion_tokens"),
     ("invalid utf-8 in prompt", "POST", C, JSON, b'{"prompt": "caf\xe9 \xff", "max_tokens": 2}', 400, None),
     ("invalid utf-8 in message", "POST", CH, JSON, b'{"messages": [{"role": "user", "content": "\xc3\x28"}]}', 400, None),
     ("overlong utf-8", "POST", C, JSON, b'{"prompt": "\xc0\xaf"}', 400, None),

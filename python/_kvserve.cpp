@@ -1,0 +1,372 @@
+// kvserve._kvserve: the engine in the Python process (python/kvserve/__init__.py wraps it in
+// vLLM's shapes: LLM, SamplingParams, RequestOutput).
+//
+// Requests travel as OpenAI request bodies (JSON text) through the server's own parser
+// (server/openai_request.h), so defaults, limits, seeds and error messages are the server's.
+// generate() submits every request of a call to the engine thread at once (continuous
+// batching) and collects their events with the GIL released; Ctrl-C cancels what is still
+// running, waits until its pages are back, and raises KeyboardInterrupt.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/thread_pool.h"
+#include "common/units.h"
+#include "engine/engine.h"
+#include "gguf/gguf.h"
+#include "kernels/matmul.h"
+#include "model/llama.h"
+#include "server/openai_request.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/tokenizer.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// kvserve.RequestError (a ValueError defined in Python): set by set_error_class at import.
+py::object g_error_class;
+
+// An ApiError on its way to Python, with the index of the request that caused it.
+struct RequestFailure {
+  kv::ApiError error;
+  int64_t index = -1;
+};
+
+[[noreturn]] void fail(const std::string& msg) { throw py::value_error(msg); }
+
+struct StderrProgress : kv::LoadProgress {
+  void on_tensor(int done, int total) override {
+    std::fprintf(stderr, "\rkvserve: loading weights: %d/%d layers", done, total);
+    if (done == total) std::fprintf(stderr, "\n");
+  }
+};
+
+// One choice of one request, as its events arrive.
+struct Choice {
+  std::string text;
+  std::vector<int32_t> tokens;
+  std::vector<kv::TokenLogprob> logprobs;
+  std::string finish_reason;
+};
+
+struct Pending {
+  kv::ApiRequest ar;
+  std::shared_ptr<kv::RequestStream> stream;
+  std::vector<Choice> choices;
+  bool done = false;
+  std::optional<kv::ApiError> error;
+};
+
+class PyEngine {
+ public:
+  PyEngine(const std::string& model, const std::string& kv_cache_dtype, const std::string& kv_cache_memory, int block_size,
+           bool enable_prefix_caching, int max_num_seqs, int max_num_batched_tokens, int max_model_len, int max_n, int threads,
+           const std::string& kv_cache_dtype_layers, const std::string& act_quant, const std::string& served_model_name, bool quiet) {
+    if (!act_quant.empty()) {
+      if (act_quant != "q8" && act_quant != "q8x2") fail("act_quant must be \"q8x2\" or \"q8\", got \"" + act_quant + "\"");
+      kv::set_act_quant(act_quant == "q8" ? kv::ActQuant::kQ8 : kv::ActQuant::kQ8x2);
+    }
+    auto f = kv::GgufFile::open(model);
+    if (!f) fail(f.message());
+    file_ = std::move(*f);
+    auto tok = kv::Tokenizer::from_gguf(*file_);
+    if (!tok) fail(model + ": tokenizer: " + tok.message());
+    tok_ = std::move(*tok);
+    StderrProgress progress;
+    auto m = kv::LlamaModel::load(*file_, kv::detect_isa(), quiet ? nullptr : &progress);
+    if (!m) fail(model + ": " + m.message());
+    model_ = std::move(*m);
+    const kv::ModelConfig& mc = model_->config();
+    if (const kv::GgufValue* src = file_->find("tokenizer.chat_template"); src && !src->str.empty()) {
+      auto t = kv::ChatTemplate::parse(src->str);
+      if (t) chat_ = std::move(*t);
+      else if (!quiet) std::fprintf(stderr, "kvserve: warning: the model's chat template does not parse (%s); chat() is off\n", t.message().c_str());
+    }
+
+    kv::EngineConfig ec;
+    if (block_size < 1 || block_size > 256) fail("block_size must be in [1, 256], got " + std::to_string(block_size));
+    if (max_num_seqs < 1) fail("max_num_seqs must be positive");
+    if (max_num_batched_tokens < 1) fail("max_num_batched_tokens must be positive");
+    if (max_n < 1) fail("max_n must be positive");
+    ec.block_size = block_size;
+    ec.enable_prefix_caching = enable_prefix_caching;
+    ec.max_num_seqs = max_num_seqs;
+    ec.max_num_batched_tokens = max_num_batched_tokens;
+    ec.max_model_len = max_model_len > 0 ? max_model_len : (mc.n_ctx_train > 0 ? mc.n_ctx_train : 4096);
+    ec.max_n = max_n;
+    ec.max_queue = 1 << 30;  // one call submits all its prompts; the engine queues them
+    ec.n_threads = threads > 0 ? threads : kv::default_thread_count();
+    auto bytes = kv::parse_memory_size(kv_cache_memory);
+    if (!bytes) fail("kv_cache_memory: " + bytes.message());
+    ec.kv_cache_bytes = *bytes;
+    auto dtype = kv::parse_kv_dtype(kv_cache_dtype);
+    if (!dtype) fail("kv_cache_dtype: " + dtype.message());
+    ec.kv_dtype = *dtype;
+    if (!kv_cache_dtype_layers.empty()) {
+      auto l = kv::parse_kv_dtype_layers(kv_cache_dtype_layers, mc.n_layer, *dtype);
+      if (!l) fail("kv_cache_dtype_layers: " + l.message());
+      ec.kv_layer_dtypes = std::move(*l);
+    }
+    const kv::KvLayout layout = model_->kv_layout(block_size, ec.kv_dtype, ec.kv_layer_dtypes);
+    if (kv::Status st = layout.validate(); !st) fail(st.message());
+    if (kv::PagePool::pages_for_bytes(layout, ec.kv_cache_bytes, kv::staging_slots(ec)) < 1)
+      fail("kv_cache_memory " + kv_cache_memory + " holds no page (one page is " + kv::format_bytes(layout.page_bytes()) + ")");
+    engine_ = std::make_unique<kv::Engine>(*model_, *tok_, ec);
+    if (!engine_->init_status()) fail(engine_->init_status().message());
+    ctx_ = kv::make_api_context(*tok_, chat_ ? &*chat_ : nullptr, model, served_model_name, ec.max_model_len, ec.max_n);
+    if (!quiet)
+      std::fprintf(stderr, "kvserve: %s (%s, %d layers), kernels %s, %d threads; KV cache %s %s = %lld tokens\n", mc.name.c_str(),
+                   mc.arch.c_str(), mc.n_layer, kv::isa_name(kv::detect_isa()), ec.n_threads,
+                   kv::format_bytes(eng().pool().total_bytes()).c_str(), layout.describe().c_str(),
+                   static_cast<long long>(eng().pool().n_pages()) * block_size);
+    engine_->start();
+  }
+
+  ~PyEngine() {
+    if (engine_) engine_->stop();  // no GIL games in a destructor: the engine thread never takes it
+  }
+
+  // Stops the engine thread and frees the KV pool; later calls raise. Idempotent.
+  void close() {
+    if (!engine_) return;
+    py::gil_scoped_release nogil;
+    engine_->stop();
+    engine_.reset();
+  }
+
+  std::string model_name() const { return ctx_.model_names.at(0); }
+  int32_t max_model_len() const { return ctx_.max_model_len; }
+  bool has_chat_template() const { return ctx_.chat_template != nullptr; }
+
+  std::vector<int32_t> tokenize(const std::string& text, bool add_special) const {
+    return tok_->encode(text, add_special, /*parse_special=*/true);
+  }
+  py::bytes detokenize_bytes(const std::vector<int32_t>& ids, bool special) const {
+    for (int32_t id : ids)
+      if (id < 0 || id >= tok_->n_vocab()) fail("token id " + std::to_string(id) + " is outside the vocabulary");
+    return py::bytes(tok_->decode(ids, special));
+  }
+  py::bytes token_bytes(int32_t id) const {
+    if (id < 0 || id >= tok_->n_vocab()) fail("token id " + std::to_string(id) + " is outside the vocabulary");
+    return py::bytes(tok_->token_bytes(id));
+  }
+  bool is_eog(int32_t id) const { return id >= 0 && id < tok_->n_vocab() && tok_->is_eog(id); }
+
+  // bodies: OpenAI request bodies (completions, or chat when `chat`). progress(k) is called
+  // with the GIL held each time k more requests are done.
+  py::list generate(const std::vector<std::string>& bodies, bool chat, py::object progress) {
+    kv::Engine& engine = eng();
+    std::vector<Pending> items(bodies.size());
+    // Every body is checked before anything runs: a bad one fails the call, and nothing is lost.
+    for (size_t i = 0; i < bodies.size(); ++i) {
+      try {
+        const nlohmann::json body = kv::parse_json_body(bodies[i], ctx_);
+        items[i].ar = chat ? kv::parse_chat_request(body, ctx_) : kv::parse_completion_request(body, ctx_);
+      } catch (const kv::ApiError& e) {
+        throw RequestFailure{e, static_cast<int64_t>(i)};
+      }
+      items[i].choices.resize(items[i].ar.params.n);
+    }
+    auto waiter = std::make_shared<kv::StreamWaiter>();
+    size_t n_submitted = 0;
+    std::optional<RequestFailure> refused;
+    {
+      py::gil_scoped_release nogil;
+      for (; n_submitted < items.size(); ++n_submitted) {
+        Pending& it = items[n_submitted];
+        it.stream = std::make_shared<kv::RequestStream>();
+        it.stream->set_waiter(waiter);
+        kv::Request r;
+        r.id = engine.next_request_id();
+        r.prompt = it.ar.prompt;
+        r.params = it.ar.params;
+        r.stream = it.stream;
+        if (kv::Rejection rej = engine.submit(std::move(r)); rej.http_status != 0) {
+          refused = RequestFailure{kv::from_rejection(rej), static_cast<int64_t>(n_submitted)};
+          break;
+        }
+      }
+    }
+    const size_t n = n_submitted;
+    if (refused) {  // the ones before it were accepted: they are cancelled, their pages come back
+      for (size_t i = 0; i < n; ++i) items[i].stream->cancel();
+      py::gil_scoped_release nogil;
+      wait_all(items, n, *waiter);
+    }
+    if (refused) throw *refused;
+
+    size_t n_done = 0;
+    uint64_t seen = waiter->version();
+    while (n_done < n) {
+      size_t newly = 0;
+      {
+        py::gil_scoped_release nogil;
+        seen = waiter->wait(seen, std::chrono::milliseconds(100));
+        newly = drain(items, n);
+      }
+      n_done += newly;
+      if (newly > 0 && !progress.is_none()) progress(newly);
+      if (PyErr_CheckSignals() != 0) {  // Ctrl-C (or another handler that raised)
+        py::error_already_set interrupted;
+        for (size_t i = 0; i < n; ++i) items[i].stream->cancel();
+        {
+          py::gil_scoped_release nogil;
+          wait_all(items, n, *waiter);
+        }
+        throw interrupted;
+      }
+    }
+    for (size_t i = 0; i < n; ++i)
+      if (items[i].error) throw RequestFailure{*items[i].error, static_cast<int64_t>(i)};
+
+    py::list out;
+    for (size_t i = 0; i < n; ++i) out.append(to_python(items[i]));
+    return out;
+  }
+
+  py::dict stats() const {
+    py::dict d;
+    d["pages_in_use"] = eng().pages_in_use();
+    d["pages_cached"] = eng().pages_cached();
+    d["pages_total"] = eng().pool().n_pages();
+    d["block_size"] = eng().config().block_size;
+    return d;
+  }
+
+  void check_integrity() const {
+    const kv::Engine& engine = eng();
+    kv::Status st;
+    {
+      py::gil_scoped_release nogil;
+      st = engine.check_integrity();
+    }
+    if (!st) throw std::runtime_error("KV integrity check failed: " + st.message());
+  }
+
+ private:
+  kv::Engine& eng() const {
+    if (!engine_) throw std::runtime_error("this LLM was closed");
+    return *engine_;
+  }
+
+  // Moves every available event into its choice; returns how many requests became done.
+  static size_t drain(std::vector<Pending>& items, size_t n) {
+    size_t newly = 0;
+    std::vector<kv::StreamEvent> events;
+    for (size_t i = 0; i < n; ++i) {
+      Pending& it = items[i];
+      if (it.done) continue;
+      const bool more = it.stream->pop(&events, std::chrono::milliseconds(0));
+      for (auto& ev : events) {
+        if (ev.index < 0 || ev.index >= static_cast<int32_t>(it.choices.size())) continue;
+        Choice& c = it.choices[ev.index];
+        if (ev.kind == kv::StreamEvent::kText) {
+          c.text += ev.text;
+          c.tokens.insert(c.tokens.end(), ev.tokens.begin(), ev.tokens.end());
+          for (auto& lp : ev.logprobs) c.logprobs.push_back(std::move(lp));
+          for (auto& lp : ev.eog_logprobs) c.logprobs.push_back(std::move(lp));
+        } else if (ev.kind == kv::StreamEvent::kFinish) {
+          c.finish_reason = ev.finish_reason;
+        } else if (!it.error) {
+          it.error = kv::from_event(ev);
+        }
+      }
+      events.clear();
+      if (!more) {
+        it.done = true;
+        ++newly;
+      }
+    }
+    return newly;
+  }
+
+  static void wait_all(std::vector<Pending>& items, size_t n, kv::StreamWaiter& waiter) {
+    size_t done = 0;
+    for (size_t i = 0; i < n; ++i) done += items[i].done;
+    uint64_t seen = waiter.version();
+    while (done < n) {
+      seen = waiter.wait(seen, std::chrono::milliseconds(100));
+      done += drain(items, n);
+    }
+  }
+
+  py::dict to_python(const Pending& it) const {
+    py::dict d;
+    d["prompt_token_ids"] = it.ar.prompt;
+    const kv::Usage u = it.stream->usage();
+    d["prompt_tokens"] = u.prompt_tokens;
+    d["completion_tokens"] = u.completion_tokens;
+    d["cached_tokens"] = u.cached_tokens;
+    d["kv_tokens_kept"] = u.kv_tokens_kept;
+    d["kv_tokens_evicted"] = u.kv_tokens_evicted;
+    d["with_logprobs"] = it.ar.logprobs;
+    py::list choices;
+    for (size_t j = 0; j < it.choices.size(); ++j) {
+      const Choice& c = it.choices[j];
+      py::dict cd;
+      cd["index"] = j;
+      cd["text"] = py::bytes(c.text);  // UTF-8; decoded (with replacement) in Python
+      cd["token_ids"] = c.tokens;
+      cd["finish_reason"] = c.finish_reason;
+      if (it.ar.logprobs) {
+        py::list lps;
+        for (const auto& lp : c.logprobs) lps.append(py::make_tuple(lp.token, lp.logprob, lp.top));
+        cd["logprobs"] = lps;
+      } else {
+        cd["logprobs"] = py::none();
+      }
+      choices.append(cd);
+    }
+    d["choices"] = choices;
+    return d;
+  }
+
+  std::unique_ptr<kv::GgufFile> file_;
+  std::unique_ptr<kv::Tokenizer> tok_;
+  std::unique_ptr<kv::LlamaModel> model_;
+  std::optional<kv::ChatTemplate> chat_;
+  std::unique_ptr<kv::Engine> engine_;
+  kv::ApiContext ctx_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_kvserve, m) {
+  m.doc() = "kvserve engine bindings (use the kvserve package: LLM, SamplingParams)";
+  m.def("set_error_class", [](py::object cls) { g_error_class = std::move(cls); });
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const RequestFailure& f) {
+      const kv::ApiError& e = f.error;
+      py::object cls = g_error_class ? g_error_class : py::reinterpret_borrow<py::object>(PyExc_ValueError);
+      py::object exc = cls(e.message, e.status, e.type, e.param.empty() ? py::object(py::none()) : py::str(e.param),
+                           e.code.empty() ? py::object(py::none()) : py::str(e.code), f.index);
+      PyErr_SetObject(cls.ptr(), exc.ptr());
+    }
+  });
+  py::class_<PyEngine>(m, "Engine")
+      .def(py::init<const std::string&, const std::string&, const std::string&, int, bool, int, int, int, int, int, const std::string&,
+                    const std::string&, const std::string&, bool>(),
+           py::arg("model"), py::arg("kv_cache_dtype") = "auto", py::arg("kv_cache_memory") = "1GiB", py::arg("block_size") = 16,
+           py::arg("enable_prefix_caching") = true, py::arg("max_num_seqs") = 64, py::arg("max_num_batched_tokens") = 512,
+           py::arg("max_model_len") = 0, py::arg("max_n") = 16, py::arg("threads") = 0, py::arg("kv_cache_dtype_layers") = "",
+           py::arg("act_quant") = "", py::arg("served_model_name") = "", py::arg("quiet") = false)
+      .def("close", &PyEngine::close)
+      .def_property_readonly("model_name", &PyEngine::model_name)
+      .def_property_readonly("max_model_len", &PyEngine::max_model_len)
+      .def_property_readonly("has_chat_template", &PyEngine::has_chat_template)
+      .def("tokenize", &PyEngine::tokenize, py::arg("text"), py::arg("add_special") = true)
+      .def("detokenize_bytes", &PyEngine::detokenize_bytes, py::arg("ids"), py::arg("special") = false)
+      .def("token_bytes", &PyEngine::token_bytes, py::arg("id"))
+      .def("is_eog", &PyEngine::is_eog, py::arg("id"))
+      .def("generate", &PyEngine::generate, py::arg("bodies"), py::arg("chat"), py::arg("progress") = py::none())
+      .def("stats", &PyEngine::stats)
+      .def("check_integrity", &PyEngine::check_integrity);
+}

@@ -1,0 +1,348 @@
+"""kvserve in Python: vLLM's offline API over the kvserve C++ engine, in this process.
+
+    from kvserve import LLM, SamplingParams
+    llm = LLM(model="models/SmolLM2-135M-Instruct.Q4_1.gguf", kv_cache_dtype="int8")
+    outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
+    print(outs[0].outputs[0].text)
+
+Requests go through the server's own request parser (as OpenAI request bodies), so defaults,
+limits, seeds and error messages are the server's: the same seed gives the same text as
+`kvserve serve`. See docs/python.md.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+from . import _kvserve
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestError"]
+
+
+class RequestError(ValueError):
+    """A request the engine refused, with the server's message (what the HTTP API would answer).
+
+    status: the HTTP status the server would send (400, 404, 429, 500, ...); type, param, code:
+    the OpenAI error object's fields; index: which prompt of the call it was.
+    """
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None, index: int = -1):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+        self.index = index
+
+
+_kvserve.set_error_class(RequestError)
+
+
+@dataclass
+class SamplingParams:
+    """vLLM's SamplingParams (the fields kvserve supports; others raise TypeError).
+
+    temperature 0 is greedy. top_k 0 or -1 is off. seed None draws a fresh seed per request
+    (or one from LLM(seed=...)). logprobs k: the chosen token's logprob and the top k.
+    max_tokens None: up to the model's context. kv_eviction: a long-context KV policy, as the
+    server's request field ({"policy": "snapkv", "budget": 2048}). cache_salt: the prefix
+    cache namespace (requests of different salts never share pages).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, List[str]]] = None
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    cache_salt: Optional[str] = None
+    kv_eviction: Optional[Dict[str, Any]] = None
+
+    def _stops(self) -> List[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def _body(self, chat: bool) -> Dict[str, Any]:
+        """The OpenAI request fields these parameters mean (the prompt is added by the caller)."""
+        b: Dict[str, Any] = {
+            "n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "min_p": self.min_p, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+            "ignore_eos": self.ignore_eos,
+        }
+        if self.seed is not None:
+            b["seed"] = self.seed
+        if self.stop is not None:
+            b["stop"] = self.stop
+        if self.max_tokens is not None:
+            b["max_tokens"] = self.max_tokens
+        if self.logprobs is not None:
+            if chat:
+                b["logprobs"] = True
+                b["top_logprobs"] = self.logprobs
+            else:
+                b["logprobs"] = self.logprobs
+        if self.cache_salt is not None:
+            b["cache_salt"] = self.cache_salt
+        if self.kv_eviction is not None:
+            b["kv_eviction"] = self.kv_eviction
+        return b
+
+
+@dataclass
+class Logprob:
+    """One candidate token's log-probability (of the model's distribution, before penalties
+    and temperature). rank: 1 for the most likely; None for a chosen token outside the top k."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: List[int]
+    cumulative_logprob: Optional[float]
+    logprobs: Optional[List[Dict[int, Logprob]]]
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    stop_reason: Union[int, str, None] = None  # the stop string that ended it; None for EOS / length
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: List[int]
+    outputs: List[CompletionOutput]
+    finished: bool = True
+    num_cached_tokens: int = 0
+    prompt_logprobs: None = None
+    # kvserve's KV policy outcome (SamplingParams.kv_eviction), summed over the choices.
+    kv_tokens_kept: int = 0
+    kv_tokens_evicted: int = 0
+
+
+class Tokenizer:
+    """The model's own tokenizer (the engine's, read from the GGUF)."""
+
+    def __init__(self, engine: Any):
+        self._engine = engine
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
+        return self._engine.tokenize(text, add_special_tokens)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._engine.detokenize_bytes(list(token_ids)).decode("utf-8", errors="replace")
+
+
+PromptType = Union[str, Dict[str, Any], List[int]]
+
+_ENGINE_ARGS = {
+    "kv_cache_dtype", "kv_cache_memory", "block_size", "enable_prefix_caching", "max_num_seqs",
+    "max_num_batched_tokens", "max_model_len", "max_n", "threads", "kv_cache_dtype_layers",
+    "act_quant", "served_model_name", "quiet",
+}
+
+
+class LLM:
+    """An engine over one GGUF model, in this process (vLLM's LLM).
+
+    model: path to a .gguf file. kv_cache_dtype: auto (f16), f32, f16, bf16, fp8 (fp8_e4m3),
+    fp8_e5m2, int8, int4. kv_cache_memory: bytes (int), "2GiB", or a fraction of RAM ("0.25").
+    enable_prefix_caching, max_num_seqs, max_num_batched_tokens, max_model_len, block_size:
+    as vLLM's and as `kvserve serve`'s flags. seed: requests without a seed get seeds drawn
+    from it (reproducible calls); None gives each request a fresh seed. threads: engine
+    threads (default: the machine's cores). quiet: no loading lines on stderr.
+    """
+
+    def __init__(self, model: str, *, seed: Optional[int] = None, tokenizer: Optional[str] = None,
+                 **kwargs: Any):
+        unknown = set(kwargs) - _ENGINE_ARGS
+        if unknown:
+            raise TypeError(f"LLM() got unsupported arguments: {', '.join(sorted(unknown))} "
+                            f"(kvserve takes: {', '.join(sorted(_ENGINE_ARGS | {'seed'}))})")
+        if tokenizer is not None and tokenizer != model:
+            raise TypeError("kvserve reads the tokenizer from the GGUF file: leave `tokenizer` unset")
+        args = dict(kwargs)
+        for key in ("kv_cache_memory",):
+            if key in args and not isinstance(args[key], str):
+                args[key] = str(args[key])
+        for key in ("max_model_len", "threads"):
+            if args.get(key) is None:
+                args.pop(key, None)
+        for key in ("kv_cache_dtype_layers", "act_quant", "served_model_name"):
+            if args.get(key) is None:
+                args.pop(key, None)
+        self._engine = _kvserve.Engine(str(model), **args)
+        self._rng = random.Random(seed) if seed is not None else None
+        self._next_id = 0
+
+    # -- vLLM's entry points -------------------------------------------------------------
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+                 *, use_tqdm: bool = True) -> List[RequestOutput]:
+        """Completes every prompt (str, {"prompt": str}, {"prompt_token_ids": [...]}), batched
+        continuously; returns one RequestOutput per prompt, in order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._params_for(sampling_params, len(prompts))
+        bodies, texts = [], []
+        for p, sp in zip(prompts, params):
+            if isinstance(p, dict):
+                if "prompt_token_ids" in p:
+                    prompt: Any = list(p["prompt_token_ids"])
+                elif "prompt" in p:
+                    prompt = p["prompt"]
+                else:
+                    raise TypeError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            elif isinstance(p, list):
+                prompt = p
+            elif isinstance(p, str):
+                prompt = p
+            else:
+                raise TypeError(f"a prompt is a str, a list of token ids or a dict, not {type(p).__name__}")
+            texts.append(prompt if isinstance(prompt, str) else None)
+            body = self._sampling_body(sp, chat=False)
+            if sp.max_tokens is None:
+                # vLLM's None: up to the context. The server's default for completions is 16,
+                # so the room is computed here, from the same tokenization the server does.
+                ids = prompt if isinstance(prompt, list) else self._engine.tokenize(prompt, True)
+                prompt = ids
+                body["max_tokens"] = max(1, self._engine.max_model_len - len(ids))
+            body["prompt"] = prompt
+            bodies.append(json.dumps(body))
+        return self._run(bodies, params, texts, chat=False, use_tqdm=use_tqdm)
+
+    def chat(self, messages: Union[List[Dict[str, Any]], List[List[Dict[str, Any]]]],
+             sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+             *, use_tqdm: bool = True, add_generation_prompt: bool = True) -> List[RequestOutput]:
+        """Answers one conversation (a list of {"role", "content"} messages) or a list of
+        them, through the model's chat template; one RequestOutput per conversation."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        params = self._params_for(sampling_params, len(convs))
+        bodies = []
+        for conv, sp in zip(convs, params):
+            body = self._sampling_body(sp, chat=True)
+            body["messages"] = conv
+            body["add_generation_prompt"] = add_generation_prompt
+            bodies.append(json.dumps(body))
+        return self._run(bodies, params, [None] * len(convs), chat=True, use_tqdm=use_tqdm)
+
+    def get_tokenizer(self) -> Tokenizer:
+        return Tokenizer(self._engine)
+
+    # -- kvserve extras --------------------------------------------------------------------
+    def kv_stats(self) -> Dict[str, int]:
+        """pages_in_use (held by requests), pages_cached (prefix cache only), pages_total, block_size."""
+        return self._engine.stats()
+
+    def check_integrity(self) -> None:
+        """Raises RuntimeError unless the KV pool's refcounts match the block tables."""
+        self._engine.check_integrity()
+
+    def close(self) -> None:
+        """Stops the engine and frees the KV cache (also done when the LLM is collected)."""
+        self._engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------------
+    @staticmethod
+    def _params_for(sp: Optional[Union[SamplingParams, Sequence[SamplingParams]]], n: int) -> List[SamplingParams]:
+        if sp is None:
+            return [SamplingParams()] * n
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sp = list(sp)
+        if len(sp) != n:
+            raise ValueError(f"{len(sp)} sampling_params for {n} prompts: give one, or one per prompt")
+        return sp
+
+    def _sampling_body(self, sp: SamplingParams, chat: bool) -> Dict[str, Any]:
+        body = sp._body(chat)
+        body["model"] = self._engine.model_name
+        if sp.seed is None and self._rng is not None:
+            body["seed"] = self._rng.randrange(1 << 63)
+        return body
+
+    def _run(self, bodies: List[str], params: List[SamplingParams], texts: List[Optional[str]],
+             chat: bool, use_tqdm: bool) -> List[RequestOutput]:
+        bar = None
+        if use_tqdm and bodies:
+            try:
+                from tqdm.auto import tqdm
+                bar = tqdm(total=len(bodies), desc="Processed prompts", unit="prompt", dynamic_ncols=True)
+            except ImportError:
+                bar = None
+        try:
+            raw = self._engine.generate(bodies, chat, bar.update if bar is not None else None)
+        finally:
+            if bar is not None:
+                bar.close()
+        outs = []
+        for i, (r, sp) in enumerate(zip(raw, params)):
+            prompt = texts[i]
+            if prompt is None:  # chat or token ids: the text the model saw, special tokens included
+                prompt = self._decode(r["prompt_token_ids"], special=True)
+            outs.append(RequestOutput(
+                request_id=str(self._next_id), prompt=prompt, prompt_token_ids=list(r["prompt_token_ids"]),
+                outputs=[self._completion(c, sp) for c in r["choices"]], finished=True,
+                num_cached_tokens=r["cached_tokens"], kv_tokens_kept=r["kv_tokens_kept"],
+                kv_tokens_evicted=r["kv_tokens_evicted"]))
+            self._next_id += 1
+        return outs
+
+    def _decode(self, ids: Sequence[int], special: bool = False) -> str:
+        return self._engine.detokenize_bytes(list(ids), special).decode("utf-8", errors="replace")
+
+    def _completion(self, c: Dict[str, Any], sp: SamplingParams) -> CompletionOutput:
+        text = c["text"].decode("utf-8", errors="replace")
+        token_ids = list(c["token_ids"])
+        logprobs = None
+        cumulative = None
+        if c["logprobs"] is not None:
+            logprobs, cumulative = [], 0.0
+            for tok, lp, top in c["logprobs"]:
+                entry: Dict[int, Logprob] = {}
+                for rank, (tid, tlp) in enumerate(top, start=1):
+                    entry[tid] = Logprob(tlp, rank, self._token_text(tid))
+                if tok not in entry:
+                    entry[tok] = Logprob(lp, None, self._token_text(tok))
+                # The chosen token first, as vLLM orders it.
+                entry = {tok: entry[tok], **{k: v for k, v in entry.items() if k != tok}}
+                logprobs.append(entry)
+                cumulative += lp
+        stop_reason = None
+        if c["finish_reason"] == "stop" and token_ids and not self._engine.is_eog(token_ids[-1]):
+            full = self._decode(token_ids)
+            for s in sp._stops():
+                if full.startswith(s, len(text)):
+                    stop_reason = s
+                    break
+        return CompletionOutput(index=c["index"], text=text, token_ids=token_ids, cumulative_logprob=cumulative,
+                                logprobs=logprobs, finish_reason=c["finish_reason"], stop_reason=stop_reason)
+
+    def _token_text(self, tid: int) -> str:
+        return self._engine.token_bytes(tid).decode("utf-8", errors="replace")

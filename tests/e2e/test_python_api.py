@@ -1,0 +1,246 @@
+"""The Python API (python/kvserve, vLLM's LLM / SamplingParams) against independent oracles:
+the numpy reference's greedy continuations (tests/data/golden), HuggingFace `tokenizers` for
+prompt ids, and the real server (same seed, same text; same error messages) through `openai`.
+
+Imports the package `make build` puts in build/python (the module is built by CMake from the
+same library as the server); `pip install .` builds the same package (docs/python.md).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from kvserve_server import MAX_MODEL_LEN, MAX_N, MODEL, ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "build", "python"))
+kvserve = pytest.importorskip("kvserve", reason="build/python/kvserve missing: make build (needs pybind11)")
+from kvserve import LLM, RequestError, SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # The server fixture's limits (tests/e2e/conftest.py), so both refuse the same things.
+    m = LLM(MODEL, kv_cache_memory="48MiB", max_num_seqs=32, max_num_batched_tokens=256,
+            max_model_len=MAX_MODEL_LEN, max_n=MAX_N, quiet=True)
+    yield m
+    m.close()
+
+
+@pytest.fixture(autouse=True)
+def pages_back(request):
+    yield
+    if "llm" in request.fixturenames:
+        m = request.getfixturevalue("llm")
+        assert m.kv_stats()["pages_in_use"] == 0
+        m.check_integrity()
+
+
+def golden():
+    with open(os.path.join(ROOT, "tests/data/golden/golden.json")) as f:
+        return json.load(f)
+
+
+def test_greedy_matches_the_numpy_oracle():
+    # Token ids in, token ids out: every golden prompt, one call, up to the first near-tie of
+    # the oracle's top two (where float64 and the engine's rounding may pick differently).
+    g = golden()
+    prompts = [{"prompt_token_ids": p["tokens"]} for p in g["prompts"]]
+    with LLM(MODEL, kv_cache_memory="64MiB", max_model_len=1024, quiet=True) as big:
+        outs = big.generate(prompts, SamplingParams(temperature=0, max_tokens=g["n_greedy"], ignore_eos=True), use_tqdm=False)
+        assert big.kv_stats()["pages_in_use"] == 0
+    compared = 0
+    for p, o in zip(g["prompts"], outs):
+        assert o.prompt_token_ids == p["tokens"]
+        n = next((i for i, m in enumerate(p["greedy_top2_margin"]) if m < 0.02), len(p["greedy"]))
+        assert o.outputs[0].token_ids[:n] == p["greedy"][:n], p["name"]
+        compared += n
+    assert compared >= 100
+
+
+def test_prompt_ids_match_huggingface_tokenizers(llm):
+    sys.path.insert(0, os.path.join(ROOT, "tests", "reference"))
+    import tokenizer_ref
+    tok = tokenizer_ref.load_tokenizer(MODEL)
+    texts = ["Hello, world!", "  two  spaces\tand a tab", "naïve café 12345 ünïcödé", "def f(x):\n    return x**2"]
+    outs = llm.generate(texts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    for t, o in zip(texts, outs):
+        assert o.prompt == t
+        assert o.prompt_token_ids == tok.encode(t).ids
+    assert llm.get_tokenizer().encode(texts[0]) == tok.encode(texts[0]).ids
+
+
+def test_output_shape_like_vllm(llm):
+    sp = SamplingParams(temperature=0.8, seed=5, max_tokens=12, logprobs=3, n=2)
+    (o,) = llm.generate(["Once upon a time"], sp, use_tqdm=False)
+    assert o.finished and o.request_id and len(o.outputs) == 2
+    for i, c in enumerate(o.outputs):
+        assert c.index == i and c.finish_reason in ("stop", "length")
+        assert len(c.logprobs) == len(c.token_ids) > 0
+        assert c.cumulative_logprob == pytest.approx(sum(next(iter(e.values())).logprob for e in c.logprobs), abs=1e-4)
+        for tid, e in zip(c.token_ids, c.logprobs):
+            assert next(iter(e)) == tid  # the chosen token first
+            ranked = sorted((lp for lp in e.values() if lp.rank is not None), key=lambda lp: lp.rank)
+            assert len(ranked) == 3 and all(a.logprob >= b.logprob for a, b in zip(ranked, ranked[1:]))
+        assert c.text == llm.get_tokenizer().decode(c.token_ids)
+    # Without logprobs: none, as vLLM.
+    (o,) = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert o.outputs[0].logprobs is None and o.outputs[0].cumulative_logprob is None
+    assert o.outputs[0].finish_reason == "length" and o.outputs[0].stop_reason is None
+
+
+def test_stop_strings_and_stop_reason(llm):
+    (o,) = llm.generate("Count: one, two, three,", SamplingParams(temperature=0, max_tokens=32, stop=[" five", " six"]),
+                        use_tqdm=False)
+    c = o.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == " five"
+    assert " five" not in c.text and c.text.startswith(" four")
+
+
+def test_prefix_cache_hit_is_reported(llm):
+    prompt = "The quick brown fox jumps over the lazy dog. " * 8
+    llm.generate(prompt, GREEDY, use_tqdm=False)
+    (o,) = llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert o.num_cached_tokens >= 64
+
+
+def test_chat_applies_the_template(llm):
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}]
+    (o,) = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    assert "<|im_start|>user\nWhat is 2+2?<|im_end|>" in o.prompt and o.prompt.endswith("<|im_start|>assistant\n")
+    assert o.outputs[0].text.strip()
+    outs = llm.chat([msgs, msgs[1:]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(outs) == 2 and outs[0].prompt != outs[1].prompt
+
+
+def test_same_seed_same_text_as_the_server(llm, server, client):
+    # The server and the Python API parse the same request the same way; with a seed, sampling
+    # is reproducible, so text and token counts agree exactly.
+    cases = [
+        dict(prompt="The three most important ideas in computer science are", temperature=0.9, top_p=0.95, seed=11, max_tokens=24, n=2),
+        dict(prompt="Once upon a time", temperature=1.2, top_k=40, seed=3, max_tokens=20, presence_penalty=0.5),
+        dict(prompt="def fib(n):", temperature=0.7, min_p=0.1, seed=99, max_tokens=24, stop=["\n\n"]),
+    ]
+    for case in cases:
+        std = {k: v for k, v in case.items() if k not in ("top_k", "min_p")}
+        extra = {k: v for k, v in case.items() if k in ("top_k", "min_p")}  # vLLM's fields, beyond OpenAI's
+        r = client.completions.create(model=server_model(client), extra_body=extra, **std)
+        sp = SamplingParams(**{k: v for k, v in case.items() if k != "prompt"})
+        (o,) = llm.generate(case["prompt"], sp, use_tqdm=False)
+        assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [c.text for c in o.outputs]
+        assert [c.finish_reason for c in sorted(r.choices, key=lambda c: c.index)] == [c.finish_reason for c in o.outputs]
+        assert r.usage.completion_tokens == sum(len(c.token_ids) for c in o.outputs)
+    msgs = [{"role": "user", "content": "Write a haiku about caches."}]
+    r = client.chat.completions.create(model=server_model(client), messages=msgs, temperature=0.8, seed=21, max_tokens=30)
+    (o,) = llm.chat(msgs, SamplingParams(temperature=0.8, seed=21, max_tokens=30), use_tqdm=False)
+    assert r.choices[0].message.content == o.outputs[0].text
+
+
+def server_model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_errors_carry_the_servers_messages(llm, server):
+    import requests
+    bad = [
+        ({"temperature": 5}, SamplingParams(temperature=5)),
+        ({"n": 99}, SamplingParams(n=99)),
+        ({"kv_eviction": {"policy": "lru"}}, SamplingParams(kv_eviction={"policy": "lru"})),
+        ({"max_tokens": 100}, SamplingParams(max_tokens=100)),  # with the long prompt: over max_model_len
+    ]
+    long_prompt = "word " * (MAX_MODEL_LEN - 50)
+    for fields, sp in bad:
+        prompt = long_prompt if "max_tokens" in fields else "hello"
+        body = {"model": server_model_http(server), "prompt": prompt, **fields}
+        r = requests.post(server.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 400, r.text
+        want = r.json()["error"]
+        with pytest.raises(RequestError) as ei:
+            llm.generate(["fine", prompt], [SamplingParams(max_tokens=2), sp], use_tqdm=False)
+        e = ei.value
+        assert str(e) == want["message"] and e.status == 400 and e.param == want["param"] and e.index == 1
+    with pytest.raises(TypeError):
+        LLM(MODEL, gpu_memory_utilization=0.9)
+
+
+def server_model_http(server) -> str:
+    import requests
+    return requests.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def test_a_bad_model_file_is_an_exception_not_a_crash(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    with open(MODEL, "rb") as f:
+        bad.write_bytes(f.read(200_000))
+    with pytest.raises(ValueError):
+        LLM(str(bad), quiet=True)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(MODEL, kv_cache_dtype="int3", quiet=True)
+    with pytest.raises(ValueError):
+        LLM(str(tmp_path / "missing.gguf"), quiet=True)
+
+
+def test_200_prompts_in_one_call_match_200_calls(llm):
+    # Batch invariance: continuous batching of 200 requests (greedy and seeded sampling, other
+    # lengths, shared prefixes) gives each the tokens it gets alone.
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    prompts, params = [], []
+    for i in range(200):
+        prompts.append(f"Item {i}: " + " ".join(words[(i * 7 + j) % len(words)] for j in range(3 + i % 9)))
+        if i % 2:
+            params.append(SamplingParams(temperature=0, max_tokens=6 + i % 5))
+        else:
+            params.append(SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=6 + i % 5))
+    together = llm.generate(prompts, params, use_tqdm=False)
+    alone = [llm.generate(p, sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+    for a, b in zip(together, alone):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].text == b.outputs[0].text
+
+
+def test_the_gil_is_released_while_the_engine_runs(llm):
+    ticks = [0]
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    t = threading.Thread(target=spin)
+    t.start()
+    t0 = time.monotonic()
+    llm.generate(["Tell me a story"] * 4, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+    elapsed = time.monotonic() - t0
+    stop.set()
+    t.join()
+    # A thread that needs the GIL every millisecond ran through the call (held, it would not).
+    assert elapsed > 0.2 and ticks[0] > 0.3 * elapsed / 0.0011
+
+
+def test_ctrl_c_cancels_and_returns_every_page(llm):
+    timer = threading.Timer(0.7, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["A long story begins"] * 8, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
+                     use_tqdm=False)
+    assert time.monotonic() - t0 < 10  # cancelled, not run to max_tokens
+    timer.join()
+    assert llm.kv_stats()["pages_in_use"] == 0
+    llm.check_integrity()
+    (o,) = llm.generate("still works", GREEDY, use_tqdm=False)  # the engine keeps serving
+    assert len(o.outputs[0].token_ids) == 8
+
+
+def test_progress_bar_counts_every_prompt(llm, capsys):
+    outs = llm.generate(["a", "b", "c"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=True)
+    assert len(outs) == 3
+    assert "3/3" in capsys.readouterr().err

@@ -1,0 +1,146 @@
+"""Shutdown and disconnects on a real server: SIGTERM drains (503 + Retry-After for new
+requests, /health "draining", in-flight requests finish), --shutdown-timeout ends the rest with
+finish_reason "abort", an error event and [DONE]; a second signal exits at once; a client that
+leaves a non-streamed request cancels it (its pages come back long before max_tokens)."""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import time
+
+import requests
+
+from kvserve_server import Server
+
+
+def wait_busy(s: Server, timeout: float = 15):
+    deadline = time.time() + timeout
+    while s.debug_kv()["pages_in_use"] == 0:
+        assert time.time() < deadline, "no request started"
+        time.sleep(0.02)
+
+
+def sse_events(r) -> list:
+    """Every `data:` payload of a stream, [DONE] as the string."""
+    out = []
+    for line in r.iter_lines():
+        if line.startswith(b"data: "):
+            p = line[6:].decode()
+            out.append(p if p == "[DONE]" else json.loads(p))
+    return out
+
+
+def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones():
+    s = Server("--debug", "--shutdown-timeout", "30")
+    got = {}
+
+    def stream():
+        r = requests.post(s.url + "/v1/completions", stream=True, timeout=60,
+                          json={"prompt": "Hi", "max_tokens": 40, "ignore_eos": True, "stream": True, "temperature": 0})
+        got["stream"] = sse_events(r)
+
+    def plain():
+        r = requests.post(s.url + "/v1/completions", timeout=60,
+                          json={"prompt": "Hello", "max_tokens": 40, "ignore_eos": True, "temperature": 0})
+        got["plain"] = (r.status_code, r.json())
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
+    for t in threads:
+        t.start()
+    wait_busy(s)
+    s.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.1)
+    h = requests.get(s.url + "/health", timeout=5)
+    assert h.status_code == 503 and h.json()["status"] == "draining"
+    r = requests.post(s.url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=5)
+    assert r.status_code == 503 and r.headers.get("Retry-After")
+    assert r.json()["error"]["code"] == "server_shutting_down"
+    for t in threads:
+        t.join(timeout=60)
+    ev = got["stream"]
+    assert ev[-1] == "[DONE]"
+    assert [e["choices"][0]["finish_reason"] for e in ev[:-1] if e["choices"][0].get("finish_reason")] == ["length"]
+    code, body = got["plain"]
+    assert code == 200 and body["usage"]["completion_tokens"] == 40
+    s.proc.wait(timeout=30)
+    assert s.proc.returncode == 0, s.output()
+    assert "drained" in s.output()
+
+
+def test_shutdown_timeout_ends_streams_with_abort_and_an_error_event():
+    s = Server("--debug", "--shutdown-timeout", "1")
+    got = []
+    plain = []
+
+    def stream():
+        r = requests.post(s.url + "/v1/completions", stream=True, timeout=60,
+                          json={"prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "stream": True, "n": 2})
+        got.append(sse_events(r))
+
+    def nonstream():
+        r = requests.post(s.url + "/v1/completions", timeout=60, json={"prompt": "Hey", "max_tokens": 400, "ignore_eos": True})
+        plain.append(r)
+
+    threads = [threading.Thread(target=stream) for _ in range(2)] + [threading.Thread(target=nonstream)]
+    for t in threads:
+        t.start()
+    wait_busy(s)
+    t0 = time.time()
+    s.proc.send_signal(signal.SIGTERM)
+    s.proc.wait(timeout=20)
+    assert s.proc.returncode == 0, s.output()
+    assert time.time() - t0 < 10
+    for t in threads:
+        t.join(timeout=10)
+    assert len(got) == 2
+    for ev in got:
+        assert ev[-1] == "[DONE]"
+        finishes = sorted((c["index"], c["finish_reason"]) for e in ev[:-1] if "choices" in e for c in e["choices"]
+                          if c.get("finish_reason"))
+        assert finishes == [(0, "abort"), (1, "abort")]
+        errors = [e["error"] for e in ev[:-1] if "error" in e]
+        assert len(errors) == 1 and errors[0]["code"] == "server_shutting_down"
+    (r,) = plain
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
+
+
+def test_a_second_signal_exits_at_once():
+    s = Server("--debug", "--shutdown-timeout", "60")
+    def long_request():
+        try:
+            requests.post(s.url + "/v1/completions", timeout=60, json={"prompt": "Hi", "max_tokens": 400, "ignore_eos": True})
+        except requests.ConnectionError:  # the process is gone: that is the point
+            pass
+
+    t = threading.Thread(target=long_request, daemon=True)
+    t.start()
+    wait_busy(s)
+    s.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    assert s.proc.poll() is None  # draining: the request has 60 s
+    t0 = time.time()
+    s.proc.send_signal(signal.SIGTERM)
+    s.proc.wait(timeout=5)
+    assert time.time() - t0 < 2
+    assert s.proc.returncode == 128 + signal.SIGTERM
+
+
+def test_a_client_that_leaves_a_non_streamed_request_cancels_it(server):
+    # 400 tokens would take seconds; the server sees the socket close within a poll.
+    before = server.metrics().get("kvserve:request_aborted_total", 0)
+    body = json.dumps({"prompt": "Tell me everything", "max_tokens": 400, "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    wait_busy(server)
+    sock.close()
+    t0 = time.time()
+    while server.debug_kv()["pages_in_use"] != 0:
+        assert time.time() - t0 < 2, "the request kept running after its client left"
+        time.sleep(0.02)
+    deadline = time.time() + 5
+    while server.metrics().get("kvserve:request_aborted_total", 0) < before + 1:
+        assert time.time() < deadline
+        time.sleep(0.05)
