@@ -34,6 +34,7 @@ struct ServeOptions {
   int threads = 0;
   int http_threads = 0;
   double shutdown_timeout = 30;
+  double request_timeout = 600;
   std::string max_body = "8MiB";
   bool debug = false;
   bool prefix_caching = true;
@@ -171,6 +172,7 @@ void run_serve(const ServeOptions& o) {
   so.max_body_bytes = static_cast<size_t>(*max_body);
   so.debug = o.debug;
   so.http_threads = o.http_threads;
+  so.request_timeout_s = o.request_timeout;
   so.role = role;
   kv::HttpServer server(engine, ctx, so);
   if (!server.bind(o.host, o.port)) fail("cannot listen on " + o.host + ":" + std::to_string(o.port) + " (address in use or invalid)");
@@ -240,6 +242,10 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--max-body-size", o->max_body, "largest request body (413 above)")->capture_default_str();
   cmd->add_option("--shutdown-timeout", o->shutdown_timeout,
                   "seconds in-flight requests get to finish after SIGTERM/SIGINT before they are ended")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--request-timeout", o->request_timeout,
+                  "seconds a generation request may run before it is cancelled (504; streams end with an error event); 0: no limit")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   cmd->add_flag("--debug", o->debug, "enable /debug/kv and log one line per request");

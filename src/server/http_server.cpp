@@ -47,6 +47,13 @@ ApiError stopped_error() {
                   "server_shutting_down"};
 }
 
+ApiError timeout_error(double limit_s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", limit_s);
+  return ApiError{504, std::string("The request ran longer than this server's limit of ") + buf + " s (--request-timeout); it was cancelled.",
+                  "server_error", "", "request_timeout"};
+}
+
 constexpr const char* kRetryAfterSeconds = "5";
 
 // Cancels the request if the handler leaves early (an exception, a vanished client).
@@ -74,7 +81,8 @@ struct SseState {
   bool with_logprobs = false;
   bool started = false;
   bool finished = false;             // [DONE] written
-  bool stopped = false;              // the server is stopping: cancelled, ends with an error event
+  std::optional<ApiError> ended;     // the server ended it (shutdown, deadline): cancelled, ends with this error event
+  std::chrono::steady_clock::time_point deadline;
   std::vector<int64_t> text_offset;  // per choice, completions' logprobs.text_offset
   std::vector<std::string> finish_reasons;  // per choice, once finished
   std::vector<StreamEvent> events;
@@ -109,6 +117,12 @@ bool HttpServer::bind(const std::string& host, int port) {
 }
 
 void HttpServer::run() { svr_->listen_after_bind(); }
+
+std::optional<ApiError> HttpServer::why_end(std::chrono::steady_clock::time_point deadline) const {
+  if (stopping_.load()) return stopped_error();
+  if (std::chrono::steady_clock::now() > deadline) return timeout_error(opts_.request_timeout_s);
+  return std::nullopt;
+}
 
 bool HttpServer::drain(double timeout_s) {
   draining_.store(true);
@@ -261,18 +275,20 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
     throw from_rejection(rej);
   }
   CancelGuard guard{stream};
+  const auto deadline = opts_.request_timeout_s > 0
+                            ? std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                                     std::chrono::duration<double>(opts_.request_timeout_s))
+                            : std::chrono::steady_clock::time_point::max();
 
   if (!ar.stream) {
     std::vector<ChoiceResult> choices(n);
     std::vector<StreamEvent> events;
     std::optional<ApiError> error;
     const int client_fd = find_client_socket(req);  // nothing is written until the end: watch the socket
-    bool stopped = false, client_gone = false;
+    std::optional<ApiError> ended;  // the server ended it: shutdown or the deadline
+    bool client_gone = false;
     for (bool more = true; more;) {
-      if (!stopped && stopping_.load()) {
-        stopped = true;
-        stream->cancel();
-      }
+      if (!ended && (ended = why_end(deadline))) stream->cancel();
       if (!client_gone && client_fd >= 0 && peer_closed(client_fd)) {
         client_gone = true;
         stream->cancel();
@@ -298,9 +314,9 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
       return;
     }
     if (error) throw *error;
-    if (stopped && std::any_of(choices.begin(), choices.end(), [](const ChoiceResult& c) { return c.finish_reason == "abort"; })) {
-      res.set_header("Retry-After", kRetryAfterSeconds);
-      throw stopped_error();
+    if (ended && std::any_of(choices.begin(), choices.end(), [](const ChoiceResult& c) { return c.finish_reason == "abort"; })) {
+      if (ended->status == 503) res.set_header("Retry-After", kRetryAfterSeconds);
+      throw *ended;
     }
     if (prefill) {
       // The prompt's full pages were queued for the tier as they filled (write-through), before
@@ -321,6 +337,7 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
   st->with_logprobs = ar.logprobs;
   st->text_offset.assign(n, 0);
   st->finish_reasons.assign(n, "");
+  st->deadline = deadline;
   guard.armed = false;  // from here the releaser owns cancellation
   in_flight.armed = false;  // and the count
   const Tokenizer* tok = ctx_.tok;
@@ -335,10 +352,8 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
             st->stream->cancel();
             return false;
           }
-          if (!st->stopped && stopping_.load()) {  // the choices still end: finish "abort", an error, [DONE]
-            st->stopped = true;
+          if (!st->ended && (st->ended = why_end(st->deadline)))  // the choices still end: finish "abort", an error, [DONE]
             st->stream->cancel();
-          }
           if (!st->started) {
             st->started = true;
             if (st->meta.chat)
@@ -367,9 +382,9 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
           }
           st->events.clear();
           if (!more) {
-            if (st->stopped && std::any_of(st->finish_reasons.begin(), st->finish_reasons.end(),
-                                           [](const std::string& r) { return r == "abort"; }) &&
-                !send(sse_event(stopped_error().to_json())))
+            if (st->ended && std::any_of(st->finish_reasons.begin(), st->finish_reasons.end(),
+                                         [](const std::string& r) { return r == "abort"; }) &&
+                !send(sse_event(st->ended->to_json())))
               return false;
             if (st->meta.include_usage && !send(sse_event(usage_chunk(st->meta, st->stream->usage())))) return false;
             if (!send(kSseDone)) return false;

@@ -13,15 +13,19 @@
 // with Retry-After, /health answers 503 "draining"), waits up to a timeout for the requests in
 // flight to finish, then stop() ends what is left: a stream gets its choices' finish chunks
 // (finish_reason "abort"), an error event and [DONE]; a non-streamed request a 503.
-// A client that disconnects cancels its request within one poll (50 ms), streamed or not.
+// A client that disconnects cancels its request within one poll (50 ms), streamed or not; a
+// request past --request-timeout is cancelled and answered 504 (a stream: finish "abort", the
+// error event, [DONE]).
 //
 // Threading: construct, bind(), then run() on one thread; drain() and stop() from any thread
 // (a signal watcher); run() returns after in-flight handlers end. The Engine must be started
 // and outlive the server.
 #pragma once
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -54,6 +58,7 @@ struct ServerOptions {
   size_t max_body_bytes = size_t(8) << 20;
   bool debug = false;                     // /debug/kv and one log line per request
   int32_t http_threads = 0;               // 0: max_num_seqs + 16
+  double request_timeout_s = 0;           // > 0: a generation request running longer is cancelled (504)
 };
 
 class HttpServer {
@@ -75,6 +80,8 @@ class HttpServer {
   void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat);
   void handle_debug_kv(httplib::Response& res);
   bool authorized(const httplib::Request& req) const;
+  // Why the server ends a running request now (shutting down: 503; past its deadline: 504), if it does.
+  std::optional<ApiError> why_end(std::chrono::steady_clock::time_point deadline) const;
 
   Engine& engine_;
   ApiContext ctx_;

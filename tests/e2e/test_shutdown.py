@@ -1,7 +1,9 @@
 """Shutdown and disconnects on a real server: SIGTERM drains (503 + Retry-After for new
 requests, /health "draining", in-flight requests finish), --shutdown-timeout ends the rest with
 finish_reason "abort", an error event and [DONE]; a second signal exits at once; a client that
-leaves a non-streamed request cancels it (its pages come back long before max_tokens)."""
+leaves a non-streamed request cancels it (its pages come back long before max_tokens);
+--request-timeout ends a request with 504 (a stream: abort, error event, [DONE]); a client that
+sends its body slowly holds only its own connection; oversized headers get a 4xx."""
 from __future__ import annotations
 
 import json
@@ -144,3 +146,51 @@ def test_a_client_that_leaves_a_non_streamed_request_cancels_it(server):
     while server.metrics().get("kvserve:request_aborted_total", 0) < before + 1:
         assert time.time() < deadline
         time.sleep(0.05)
+
+
+def test_request_timeout_ends_requests_with_504():
+    s = Server("--debug", "--request-timeout", "1")
+    try:
+        t0 = time.time()
+        r = requests.post(s.url + "/v1/completions", timeout=30, json={"prompt": "Hi", "max_tokens": 400, "ignore_eos": True})
+        assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout", r.text
+        assert time.time() - t0 < 5
+        r = requests.post(s.url + "/v1/completions", stream=True, timeout=30,
+                          json={"prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "stream": True})
+        ev = sse_events(r)
+        assert ev[-1] == "[DONE]"
+        assert [c["finish_reason"] for e in ev[:-1] if "choices" in e for c in e["choices"] if c.get("finish_reason")] == ["abort"]
+        assert [e["error"]["code"] for e in ev[:-1] if "error" in e] == ["request_timeout"]
+        # A short request is untouched.
+        r = requests.post(s.url + "/v1/completions", timeout=30, json={"prompt": "Hi", "max_tokens": 4})
+        assert r.status_code == 200
+        s.wait_clean()
+    finally:
+        s.stop()
+    assert s.proc.returncode == 0, s.output()
+
+
+def test_a_slow_body_does_not_hold_up_others(server):
+    # One client announces a body and sends it a byte at a time; others are served meanwhile
+    # (a connection thread each, from a pool of max_num_seqs + 16).
+    body = json.dumps({"prompt": "slow", "max_tokens": 2}).encode()
+    slow = socket.create_connection(("127.0.0.1", server.port))
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    try:
+        for i in range(3):
+            slow.sendall(body[i:i + 1])
+            t0 = time.time()
+            r = requests.post(server.url + "/v1/completions", json={"prompt": "fast", "max_tokens": 2}, timeout=10)
+            assert r.status_code == 200 and time.time() - t0 < 3
+            time.sleep(0.5)
+        slow.sendall(body[3:])
+        assert b" 200 " in slow.recv(4096).split(b"\r\n")[0]
+    finally:
+        slow.close()
+
+
+def test_oversized_headers_are_refused(server):
+    r = requests.get(server.url + "/health", headers={"X-Big": "a" * 100_000}, timeout=10)
+    assert 400 <= r.status_code < 500
+    assert requests.get(server.url + "/health", timeout=5).status_code == 200
