@@ -34,7 +34,7 @@ build: deps
 # tests/e2e starts the real server (build/kvserve serve) on the default model.
 test: deps models text build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j$(JOBS) --timeout $(CTEST_TIMEOUT)
-	$(PYTHON) -m pytest -q tests/py tests/e2e; rc=$$?; \
+	$(PYTHON) -m pytest -q --durations=12 tests/py tests/e2e; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest: no tests collected in tests/py tests/e2e"; rc=0; fi; \
 	  exit $$rc
 	if [ -x scripts/run_fuzz.sh ]; then scripts/run_fuzz.sh; \
@@ -85,6 +85,13 @@ bench-eviction: deps models text build
 # Scale-out (docs/disaggregation.md): colocated vs prefill + decode behind the router, and prefix
 # affinity vs round-robin over 2 replicas. DISAGG_ARGS adds flags (--parts pd, --repeats 3, ...).
 DISAGG_ARGS ?=
+# Reliability soak (docs/reliability.md): 64 clients for 10 minutes, random parameters, 20%
+# disconnecting; zero failures, flat RSS, every page back. SOAK_ARGS adds flags (--duration 60).
+SOAK_ARGS ?=
+.PHONY: soak
+soak: deps models build
+	$(PYTHON) bench/soak.py --kvserve $(BUILD_DIR)/kvserve $(SOAK_ARGS)
+
 .PHONY: bench-disagg
 bench-disagg: deps models text build
 	$(PYTHON) bench/disagg_bench.py --kvserve $(BUILD_DIR)/kvserve $(DISAGG_ARGS)
