@@ -2,7 +2,7 @@
 # Builds the libFuzzer targets (clang, ASan + UBSan) and runs each for a bounded time. Fails on
 # any crash, sanitizer report, leak, timeout or out-of-memory.
 #
-#   scripts/run_fuzz.sh                       # GGUF 60 s, tokenizer/template/request 20 s each
+#   scripts/run_fuzz.sh                       # GGUF 30 s, tokenizer/template/request 15 s each
 #   FUZZ_SECONDS=300 TEXT_FUZZ_SECONDS=600 scripts/run_fuzz.sh
 #   FUZZ_TARGETS="request" scripts/run_fuzz.sh
 #
@@ -23,8 +23,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT="${FUZZ_OUT:-$ROOT/build-fuzz}"
-GGUF_SECONDS="${FUZZ_SECONDS:-60}"
-TEXT_SECONDS="${TEXT_FUZZ_SECONDS:-20}"
+GGUF_SECONDS="${FUZZ_SECONDS:-30}"
+TEXT_SECONDS="${TEXT_FUZZ_SECONDS:-15}"
 TARGETS="${FUZZ_TARGETS:-gguf tokenizer template request}"
 CXX="${FUZZ_CXX:-clang++}"
 FLAGS=(-std=c++20 -O1 -g -fno-omit-frame-pointer -fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined -Isrc)

@@ -22,6 +22,7 @@ APT_PACKAGES=(
   libfmt-dev libspdlog-dev libpcre2-dev
   libhiredis-dev redis-server
   iproute2
+  chromium
 )
 
 # ---------------------------------------------------------------- apt

@@ -205,6 +205,7 @@ void run_serve(const ServeOptions& o) {
   const std::string url = "http://" + (o.host.find(':') != std::string::npos ? "[" + o.host + "]" : o.host) + ":" + std::to_string(o.port);
   std::fprintf(stderr, "serving %s at %s%s%s\n", ctx.model_names[0].c_str(), url.c_str(), o.debug ? " (debug: /debug/kv)" : "",
                role == kv::ServerRole::kBoth ? "" : (std::string(", role ") + o.role).c_str());
+  std::fprintf(stderr, "chat in a browser: %s/\n", url.c_str());
   std::fprintf(stderr,
                "try:\n  curl %s/v1/chat/completions -H 'Content-Type: application/json'%s \\\n"
                "    -d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 64}'\n",

@@ -17,6 +17,7 @@
 #include "server/api_error.h"
 #include "server/http_util.h"
 #include "server/openai_response.h"
+#include "web_assets.h"
 
 namespace kv {
 
@@ -154,13 +155,15 @@ void HttpServer::routes() {
   static const std::map<std::string, std::string> kAllowed = {
       {"/v1/completions", "POST"}, {"/v1/chat/completions", "POST"}, {"/v1/models", "GET"},
       {"/health", "GET"},          {"/metrics", "GET"},              {"/debug/kv", "GET"},
+      {"/tokenize", "POST"},       {"/detokenize", "POST"},          {"/", "GET"},
   };
 
   svr_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
     std::string path = req.path;
     if (path == "/debug/kv" && !opts_.debug) return httplib::Server::HandlerResponse::Unhandled;  // → 404
-    // Everything but the liveness and metrics probes needs the key.
-    if (path != "/health" && path != "/metrics" && !authorized(req)) {
+    // Everything but the liveness and metrics probes and the chat page (which asks for the key)
+    // needs the key.
+    if (path != "/health" && path != "/metrics" && path != "/" && !authorized(req)) {
       bool missing = req.get_header_value("Authorization").empty();
       write_error(res, ApiError{401,
                                 missing ? "You didn't provide an API key. Provide it in an Authorization header using Bearer auth "
@@ -207,6 +210,20 @@ void HttpServer::routes() {
                 throw ApiError{404, "The model `" + id + "` does not exist.", "invalid_request_error", "model", "model_not_found"};
               write_json(res, model_object());
             }));
+  // The chat page (web/chat.html, compiled in).
+  svr_->Get("/", safe([](const httplib::Request&, httplib::Response& res) {
+              res.set_header("Cache-Control", "no-cache");
+              res.set_content(web::k_chat_html, "text/html; charset=utf-8");
+            }));
+  // vLLM's and llama-server's shapes: both field names in, both out.
+  svr_->Post("/tokenize", safe([this](const httplib::Request& req, httplib::Response& res) {
+               std::vector<int32_t> ids = parse_tokenize_request(parse_json_body(req.body, ctx_), ctx_);
+               write_json(res, json{{"tokens", ids}, {"count", ids.size()}, {"max_model_len", ctx_.max_model_len}});
+             }));
+  svr_->Post("/detokenize", safe([this](const httplib::Request& req, httplib::Response& res) {
+               const std::string text = ctx_.tok->decode(parse_detokenize_request(parse_json_body(req.body, ctx_), ctx_));
+               write_json(res, json{{"prompt", text}, {"content", text}});
+             }));
   svr_->Get("/health", safe([this](const httplib::Request&, httplib::Response& res) {
               if (draining_.load()) {  // load balancers take this instance out of rotation
                 res.set_header("Retry-After", kRetryAfterSeconds);

@@ -4,6 +4,8 @@
 //   POST /v1/completions        POST /v1/chat/completions     (JSON, or SSE with "stream")
 //   GET  /v1/models             GET  /health                  GET /metrics (Prometheus text)
 //   GET  /debug/kv              only with ServerOptions::debug: pool pages and integrity
+//   GET  /                      the chat page (web/chat.html)
+//   POST /tokenize              POST /detokenize
 //
 // Every error is an OpenAI-shaped JSON body with a 4xx/5xx status; no exception escapes a
 // handler. A streaming client that goes away cancels its request, so the engine frees its

@@ -407,6 +407,24 @@ json parse_json_body(const std::string& body, const ApiContext& ctx) {
   return j;
 }
 
+namespace {
+
+// `messages` rendered by the model's chat template (add_generation_prompt, default true) and
+// tokenized, as transformers' apply_chat_template(tokenize=True): the template writes any BOS.
+std::vector<int32_t> chat_prompt(const Fields& f, const ApiContext& ctx) {
+  std::vector<ChatMessage> msgs = parse_messages(f);
+  if (!ctx.chat_template)
+    throw bad_request("This model has no chat template (tokenizer.chat_template); use /v1/completions.", "messages", "no_chat_template");
+  bool add_generation_prompt = f.boolean("add_generation_prompt").value_or(true);
+  Result<std::string> text = ctx.chat_template->render(msgs, add_generation_prompt, ctx.bos_text, ctx.eos_text);
+  if (!text) throw bad_request(text.message(), "messages", "chat_template_error");
+  std::vector<int32_t> ids = ctx.tok->encode(*text, /*add_special=*/false, /*parse_special=*/true);
+  if (ids.empty()) value_error("messages", "the conversation renders to an empty prompt.");
+  return ids;
+}
+
+}  // namespace
+
 ApiRequest parse_completion_request(const json& body, const ApiContext& ctx) {
   Fields f(body);
   ApiRequest r;
@@ -454,21 +472,42 @@ ApiRequest parse_chat_request(const json& body, const ApiContext& ctx) {
     r.logprobs = true;
   }
 
-  std::vector<ChatMessage> msgs = parse_messages(f);
-  if (!ctx.chat_template)
-    throw bad_request("This model has no chat template (tokenizer.chat_template); use /v1/completions.", "messages", "no_chat_template");
-  bool add_generation_prompt = f.boolean("add_generation_prompt").value_or(true);
-  Result<std::string> text = ctx.chat_template->render(msgs, add_generation_prompt, ctx.bos_text, ctx.eos_text);
-  if (!text) throw bad_request(text.message(), "messages", "chat_template_error");
-  // As transformers' apply_chat_template(tokenize=True): the template writes any BOS itself.
-  r.prompt = ctx.tok->encode(*text, /*add_special=*/false, /*parse_special=*/true);
-  if (r.prompt.empty()) value_error("messages", "the conversation renders to an empty prompt.");
+  r.prompt = chat_prompt(f, ctx);
 
   // max_completion_tokens is OpenAI's current name; max_tokens the deprecated one.
   const int64_t room = static_cast<int64_t>(ctx.max_model_len) - static_cast<int64_t>(r.prompt.size());
   const char* name = f.get("max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
   r.params.max_tokens = parse_max_tokens(f, name, ctx, room);
   return r;
+}
+
+std::vector<int32_t> parse_tokenize_request(const json& body, const ApiContext& ctx) {
+  Fields f(body);
+  check_model(f, ctx);
+  if (f.get("messages")) return chat_prompt(f, ctx);
+  const char* name = f.get("prompt") ? "prompt" : "content";  // vLLM's name, llama-server's
+  auto text = f.string(name);
+  if (!text) throw bad_request("Missing required parameter: 'prompt' (or 'messages').", "prompt", "missing_required_parameter");
+  const bool add_special = f.boolean("add_special_tokens").value_or(true);
+  return ctx.tok->encode(*text, add_special, /*parse_special=*/true);
+}
+
+std::vector<int32_t> parse_detokenize_request(const json& body, const ApiContext& ctx) {
+  Fields f(body);
+  check_model(f, ctx);
+  const json* v = f.get("tokens");
+  if (!v) throw bad_request("Missing required parameter: 'tokens'.", "tokens", "missing_required_parameter");
+  if (!v->is_array()) type_error("tokens", "an array of token ids", *v);
+  std::vector<int32_t> ids;
+  ids.reserve(v->size());
+  for (const json& t : *v) {
+    if (!t.is_number_integer()) type_error("tokens", "an array of token ids", t);
+    const int64_t id = t.get<int64_t>();
+    if (t.is_number_unsigned() ? t.get<uint64_t>() >= static_cast<uint64_t>(ctx.tok->n_vocab()) : (id < 0 || id >= ctx.tok->n_vocab()))
+      value_error("tokens", "token id " + t.dump() + " is outside the vocabulary [0, " + std::to_string(ctx.tok->n_vocab()) + ").");
+    ids.push_back(static_cast<int32_t>(id));
+  }
+  return ids;
 }
 
 }  // namespace kv

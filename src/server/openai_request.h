@@ -59,6 +59,12 @@ ApiRequest parse_chat_request(const nlohmann::json& body, const ApiContext& ctx)
 ApiError from_rejection(const Rejection& r);
 ApiError from_event(const StreamEvent& ev);
 
+// /tokenize: {"prompt" | "content": text, "add_special_tokens": true} or {"messages": [...],
+// "add_generation_prompt": true} (the chat template, as /v1/chat/completions) → token ids.
+// /detokenize: {"tokens": [ids]} → the ids, checked against the vocabulary.
+std::vector<int32_t> parse_tokenize_request(const nlohmann::json& body, const ApiContext& ctx);
+std::vector<int32_t> parse_detokenize_request(const nlohmann::json& body, const ApiContext& ctx);
+
 // A seed for a request that did not give one: fresh per call, so n > 1 choices and repeated
 // requests differ.
 uint64_t random_seed();

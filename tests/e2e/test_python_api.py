@@ -195,9 +195,9 @@ def test_200_prompts_in_one_call_match_200_calls(llm):
     for i in range(200):
         prompts.append(f"Item {i}: " + " ".join(words[(i * 7 + j) % len(words)] for j in range(3 + i % 9)))
         if i % 2:
-            params.append(SamplingParams(temperature=0, max_tokens=6 + i % 5))
+            params.append(SamplingParams(temperature=0, max_tokens=3 + i % 4))
         else:
-            params.append(SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=6 + i % 5))
+            params.append(SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=3 + i % 4))
     together = llm.generate(prompts, params, use_tqdm=False)
     alone = [llm.generate(p, sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
     for a, b in zip(together, alone):

@@ -10,8 +10,9 @@
 //              never crash; loops and recursion are bounded (libFuzzer's -timeout and
 //              -rss_limit_mb catch what is not). The rest also goes through SmolLM2's real
 //              template as message content.
-//   request    input = a request body. parse_json_body + both request parsers either succeed
-//              or throw ApiError with a 4xx status and a message; nothing else escapes.
+//   request    input = a request body. parse_json_body + both request parsers (and /tokenize,
+//              /detokenize) either succeed or throw ApiError with a 4xx status and a message;
+//              nothing else escapes.
 //
 // The models come from KV_FUZZ_MODELS (default: models/ under the working directory).
 #include <cstddef>
@@ -140,6 +141,17 @@ void run_request(std::string_view data) {
         if (id < 0 || id >= g_ctx.tok->n_vocab()) die("an accepted prompt token outside the vocabulary");
       if (r.params.n < 1 || r.params.n > g_ctx.max_n) die("n outside its bounds");
       if (r.params.max_tokens < 1) die("max_tokens < 1 accepted");
+    } catch (const kv::ApiError& e) {
+      if (e.status < 400 || e.status >= 500 || e.message.empty()) die("an ApiError that is not a 4xx with a message");
+    }
+  }
+  for (bool detok : {false, true}) {  // /tokenize and /detokenize
+    try {
+      const nlohmann::json j = kv::parse_json_body(body, g_ctx);
+      const std::vector<int32_t> ids = detok ? kv::parse_detokenize_request(j, g_ctx) : kv::parse_tokenize_request(j, g_ctx);
+      for (int32_t id : ids)
+        if (id < 0 || id >= g_ctx.tok->n_vocab()) die("/tokenize or /detokenize let a token outside the vocabulary through");
+      if (detok) (void)g_ctx.tok->decode(ids);
     } catch (const kv::ApiError& e) {
       if (e.status < 400 || e.status >= 500 || e.message.empty()) die("an ApiError that is not a 4xx with a message");
     }

@@ -1,0 +1,46 @@
+"""POST /tokenize and /detokenize (vLLM's and llama-server's shapes) against HuggingFace
+`tokenizers` (the oracle built from the same GGUF) and the server's own chat prompts."""
+from __future__ import annotations
+
+import os
+import sys
+
+import requests
+
+from kvserve_server import MODEL, MODEL_NAME, ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "tests", "reference"))
+import tokenizer_ref  # noqa: E402
+
+TEXTS = ["Hello, world!", "naïve café 12345 ünïcödé", "def f(x):\n    return x**2", "<|im_start|>user\nhi<|im_end|>"]
+
+
+def test_tokenize_matches_huggingface_and_round_trips(server):
+    tok = tokenizer_ref.load_tokenizer(MODEL)
+    for t in TEXTS:
+        r = requests.post(server.url + "/tokenize", json={"model": MODEL_NAME, "prompt": t}, timeout=10)
+        assert r.status_code == 200, r.text
+        j = r.json()
+        assert j["tokens"] == tok.encode(t).ids and j["count"] == len(j["tokens"]) and j["max_model_len"] > 0
+        # llama-server's field names give the same
+        assert requests.post(server.url + "/tokenize", json={"content": t}, timeout=10).json()["tokens"] == j["tokens"]
+        d = requests.post(server.url + "/detokenize", json={"tokens": j["tokens"]}, timeout=10).json()
+        assert d["prompt"] == t.replace("<|im_start|>", "").replace("<|im_end|>", "") and d["content"] == d["prompt"]
+
+
+def test_tokenize_messages_counts_what_chat_completions_prefills(server, client):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a river."}]
+    j = requests.post(server.url + "/tokenize", json={"messages": msgs}, timeout=10).json()
+    r = client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=1, temperature=0)
+    assert j["count"] == r.usage.prompt_tokens
+
+
+def test_bad_tokenize_requests(server):
+    for path, body, param in [("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": 3}, "prompt"),
+                              ("/detokenize", {}, "tokens"), ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+                              ("/detokenize", {"tokens": [-1]}, "tokens"), ("/detokenize", {"tokens": "abc"}, "tokens")]:
+        r = requests.post(server.url + path, json=body, timeout=10)
+        assert r.status_code == 400, (path, body, r.text)
+        assert r.json()["error"]["param"] == param
+    assert requests.post(server.url + "/tokenize", json={"model": "nope", "prompt": "x"}, timeout=10).status_code == 404
+    assert requests.get(server.url + "/tokenize", timeout=10).status_code == 405

@@ -1,0 +1,106 @@
+"""The chat page at / in a real browser: Playwright driving Debian's chromium, headless, against
+the real server. A round trip streams the same text the API gives for the same request; the
+second turn shows cached prompt tokens; stop cancels the request on the server (its pages come
+back); a wrong API key shows the server's error, the right one works."""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import pytest
+
+from kvserve_server import MODEL_NAME, ROOT, Server
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (make deps)")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make deps)")
+SHOTS = os.path.join(ROOT, "build", "screenshots")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+def ask(page, text: str, max_tokens: int, temperature: float = 0):
+    page.fill("#temperature", str(temperature))
+    page.fill("#max_tokens", str(max_tokens))
+    page.fill("#input", text)
+    page.click("#send")
+
+
+def last_stats(page, timeout_ms: int = 60_000):
+    page.wait_for_function(
+        "() => { const s = document.querySelectorAll('.assistant .stats'); return s.length && s[s.length - 1].textContent; }",
+        timeout=timeout_ms)
+    return page.locator(".assistant .stats").last
+
+
+def test_a_chat_round_trip_streams_the_apis_answer(server, client, browser):
+    page = browser.new_page()
+    page.goto(server.url + "/")
+    sync_api.expect(page.locator("#model")).to_contain_text(MODEL_NAME)
+    ask(page, "Name three rivers.", 24)
+    stats = last_stats(page)
+    assert "tok/s" in stats.text_content(), stats.text_content()
+    shown = page.locator(".assistant .body").last.text_content()
+    want = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Name three rivers."}],
+                                          temperature=0, top_p=0.95, max_tokens=24).choices[0].message.content
+    assert shown == want and shown
+    # The second turn resends the conversation: its prefix comes from the prefix cache.
+    ask(page, "And three mountains?", 8)
+    page.wait_for_function("() => document.querySelectorAll('.assistant .stats').length == 2 && "
+                           "document.querySelectorAll('.assistant .stats')[1].textContent", timeout=60_000)
+    assert int(page.locator(".assistant .stats").last.get_attribute("data-cached")) > 0
+    os.makedirs(SHOTS, exist_ok=True)
+    page.screenshot(path=os.path.join(SHOTS, "chat.png"))
+    page.close()
+
+
+def test_stop_cancels_the_request_on_the_server(server, browser):
+    page = browser.new_page()
+    page.goto(server.url + "/")
+    sync_api.expect(page.locator("#model")).to_contain_text(MODEL_NAME)
+    before = server.metrics().get("kvserve:request_aborted_total", 0)
+    ask(page, "Count from 1 to 500, one number per line.", 400)
+    page.wait_for_function("() => { const b = document.querySelectorAll('.assistant .body'); return b.length && "
+                           "b[b.length - 1].textContent.length > 10; }", timeout=60_000)
+    assert server.debug_kv()["pages_in_use"] > 0
+    page.click("#stop")
+    assert last_stats(page).text_content() == "stopped"
+    t0 = time.time()
+    while server.debug_kv()["pages_in_use"] != 0:
+        assert time.time() - t0 < 3, "the server kept running the stopped request"
+        time.sleep(0.05)
+    while server.metrics().get("kvserve:request_aborted_total", 0) < before + 1:
+        assert time.time() - t0 < 5
+        time.sleep(0.05)
+    page.close()
+
+
+def test_a_wrong_api_key_shows_the_error_and_the_right_one_works(browser):
+    s = Server("--api-key", "sk-right")
+    try:
+        page = browser.new_page()
+        page.goto(s.url + "/")
+        sync_api.expect(page.locator("#model")).to_contain_text("API key")  # /v1/models answered 401
+        page.fill("#apikey", "sk-wrong")
+        page.dispatch_event("#apikey", "change")
+        ask(page, "hi", 4)
+        assert "Incorrect API key" in last_stats(page).text_content()
+        page.fill("#apikey", "sk-right")
+        page.dispatch_event("#apikey", "change")
+        sync_api.expect(page.locator("#model")).to_contain_text(MODEL_NAME)
+        ask(page, "hi", 4)
+        page.wait_for_function("() => document.querySelectorAll('.assistant .stats')[1] && "
+                               "document.querySelectorAll('.assistant .stats')[1].textContent.includes('tok/s')", timeout=60_000)
+        # The key is kept in the page (localStorage) across a reload.
+        page.reload()
+        assert page.input_value("#apikey") == "sk-right"
+        page.close()
+    finally:
+        s.stop()
