@@ -181,7 +181,7 @@ class PyEngine {
       for (; n_submitted < items.size(); ++n_submitted) {
         Pending& it = items[n_submitted];
         it.stream = std::make_shared<kv::RequestStream>();
-        it.stream->set_waiter(waiter);
+        it.stream->set_waiter(waiter, n_submitted);
         kv::Request r;
         r.id = engine.next_request_id();
         r.prompt = it.ar.prompt;
@@ -202,13 +202,13 @@ class PyEngine {
     if (refused) throw *refused;
 
     size_t n_done = 0;
-    uint64_t seen = waiter->version();
+    std::vector<uint64_t> ready;
     while (n_done < n) {
       size_t newly = 0;
       {
         py::gil_scoped_release nogil;
-        seen = waiter->wait(seen, std::chrono::milliseconds(100));
-        newly = drain(items, n);
+        waiter->wait(&ready, std::chrono::milliseconds(100));
+        newly = drain(items, &ready);
       }
       n_done += newly;
       if (newly > 0 && !progress.is_none()) progress(newly);
@@ -255,13 +255,14 @@ class PyEngine {
     return *engine_;
   }
 
-  // Moves every available event into its choice; returns how many requests became done.
-  static size_t drain(std::vector<Pending>& items, size_t n) {
+  // Moves the events of the streams in *ready (keys = item indices; consumed) into their
+  // choices; returns how many requests became done.
+  static size_t drain(std::vector<Pending>& items, std::vector<uint64_t>* ready) {
     size_t newly = 0;
     std::vector<kv::StreamEvent> events;
-    for (size_t i = 0; i < n; ++i) {
+    for (uint64_t i : *ready) {
       Pending& it = items[i];
-      if (it.done) continue;
+      if (it.done) continue;  // a repeated key, or a report after the end
       const bool more = it.stream->pop(&events, std::chrono::milliseconds(0));
       for (auto& ev : events) {
         if (ev.index < 0 || ev.index >= static_cast<int32_t>(it.choices.size())) continue;
@@ -283,16 +284,17 @@ class PyEngine {
         ++newly;
       }
     }
+    ready->clear();
     return newly;
   }
 
   static void wait_all(std::vector<Pending>& items, size_t n, kv::StreamWaiter& waiter) {
     size_t done = 0;
     for (size_t i = 0; i < n; ++i) done += items[i].done;
-    uint64_t seen = waiter.version();
+    std::vector<uint64_t> ready;
     while (done < n) {
-      seen = waiter.wait(seen, std::chrono::milliseconds(100));
-      done += drain(items, n);
+      waiter.wait(&ready, std::chrono::milliseconds(100));
+      done += drain(items, &ready);
     }
   }
 

@@ -2,21 +2,17 @@
 
 namespace kv {
 
-uint64_t StreamWaiter::version() const {
-  std::lock_guard<std::mutex> l(mu_);
-  return version_;
-}
-
-uint64_t StreamWaiter::wait(uint64_t seen, std::chrono::milliseconds timeout) {
+void StreamWaiter::wait(std::vector<uint64_t>* ready, std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> l(mu_);
-  cv_.wait_for(l, timeout, [&] { return version_ != seen; });
-  return version_;
+  cv_.wait_for(l, timeout, [&] { return !ready_.empty(); });
+  ready->insert(ready->end(), ready_.begin(), ready_.end());
+  ready_.clear();
 }
 
-void StreamWaiter::notify() {
+void StreamWaiter::notify(uint64_t key) {
   {
     std::lock_guard<std::mutex> l(mu_);
-    ++version_;
+    ready_.push_back(key);
   }
   cv_.notify_all();
 }
@@ -27,7 +23,7 @@ void RequestStream::push(StreamEvent ev) {
     events_.push_back(std::move(ev));
   }
   cv_.notify_all();
-  if (waiter_) waiter_->notify();
+  if (waiter_) waiter_->notify(waiter_key_);
 }
 
 void RequestStream::finish_all(const Usage& usage) {
@@ -37,7 +33,7 @@ void RequestStream::finish_all(const Usage& usage) {
     done_ = true;
   }
   cv_.notify_all();
-  if (waiter_) waiter_->notify();
+  if (waiter_) waiter_->notify(waiter_key_);
 }
 
 bool RequestStream::pop(std::vector<StreamEvent>* out, std::chrono::milliseconds timeout) {

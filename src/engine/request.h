@@ -66,24 +66,28 @@ struct Usage {
 };
 
 // One waiter for many streams (the Python API's generate(): one thread reads every request of
-// a call). Streams given it with RequestStream::set_waiter bump `version` on every push/finish.
+// a call). A stream given it with RequestStream::set_waiter(w, key) reports its key on every
+// push/finish, so the reader visits only the streams with news, not all of them.
 class StreamWaiter {
  public:
-  uint64_t version() const;
-  // Waits until version() differs from `seen` or `timeout` passes; returns the version.
-  uint64_t wait(uint64_t seen, std::chrono::milliseconds timeout);
-  void notify();
+  // Waits up to `timeout` for a report; moves the keys reported since the last call into *ready
+  // (a key may appear more than once).
+  void wait(std::vector<uint64_t>* ready, std::chrono::milliseconds timeout);
+  void notify(uint64_t key);
 
  private:
-  mutable std::mutex mu_;
+  std::mutex mu_;
   std::condition_variable cv_;
-  uint64_t version_ = 0;
+  std::vector<uint64_t> ready_;
 };
 
 class RequestStream {
  public:
   // Before submit: every later push/finish_all also notifies w.
-  void set_waiter(std::shared_ptr<StreamWaiter> w) { waiter_ = std::move(w); }
+  void set_waiter(std::shared_ptr<StreamWaiter> w, uint64_t key) {
+    waiter_ = std::move(w);
+    waiter_key_ = key;
+  }
   // Engine side.
   void push(StreamEvent ev);
   void finish_all(const Usage& usage);  // after the last choice finished; wakes the reader
@@ -103,6 +107,7 @@ class RequestStream {
   Usage usage_;
   std::atomic<bool> cancelled_{false};
   std::shared_ptr<StreamWaiter> waiter_;
+  uint64_t waiter_key_ = 0;
 };
 
 struct Request {
