@@ -125,11 +125,15 @@ std::optional<ApiError> HttpServer::why_end(std::chrono::steady_clock::time_poin
   return std::nullopt;
 }
 
+bool HttpServer::wait_idle(double timeout_s) const {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  while (in_flight_.load() > 0 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  return in_flight_.load() == 0;
+}
+
 bool HttpServer::drain(double timeout_s) {
   draining_.store(true);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
-  while (in_flight_.load() > 0 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  return in_flight_.load() == 0;
+  return wait_idle(timeout_s);
 }
 
 void HttpServer::stop() {
@@ -137,8 +141,7 @@ void HttpServer::stop() {
   stopping_.store(true);
   // Handlers now cancel their requests and write the ends (abort finishes, error event, [DONE]);
   // httplib cuts chunked responses once it is stopped, so they get a moment to finish first.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  while (in_flight_.load() > 0 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  wait_idle(5);
   svr_->stop();
 }
 

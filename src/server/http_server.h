@@ -82,6 +82,7 @@ class HttpServer {
   void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat);
   void handle_debug_kv(httplib::Response& res);
   bool authorized(const httplib::Request& req) const;
+  bool wait_idle(double timeout_s) const;  // until no generation request is in flight; true if none
   // Why the server ends a running request now (shutting down: 503; past its deadline: 504), if it does.
   std::optional<ApiError> why_end(std::chrono::steady_clock::time_point deadline) const;
 
