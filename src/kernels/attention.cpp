@@ -1,767 +1,68 @@
+// Dispatch of the paged attention kernels to the build for kernel_isa() (attention_impl.h,
+// compiled per ISA), the thread-local scratch those builds share, and the reference.
 #include "kernels/attention.h"
-#include "kernels/prefetch.h"
-
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
-#include "kernels/quant.h"
+#include "kernels/isa_kernels.h"
 
 namespace kv {
 
 namespace {
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr int kMaxRows = kAttnQTile * kAttnMaxGroup;
-
-// The rows of one query tile and their running softmax state.
-struct Rows {
-  int n = 0;
-  const float* qs[kMaxRows];  // query row pre-multiplied by the softmax scale
-  int64_t pos[kMaxRows];      // the row's position (causal bound)
-  float* acc[kMaxRows];       // Σ p·v, head_dim floats
-  float* m;                   // running max
-  float* l;                   // running Σ p
-  float* lse = nullptr;       // optional per-page log-sum-exp: row r, page index pg at
-  int64_t lse_stride = 0;     //   lse[r * lse_stride + pg - lse_page0]
-  int64_t lse_page0 = 0;
-};
-
-// Which copy of a page a query reads: a page that has a staging slot is read from staging by
-// the queries whose own page it is (it is still filling, or was filled by this very pass);
-// queries on later pages read its quantized tiles — what they would read decoding one token
-// at a time.
-bool has_stage(const PagedKvView& kv, int32_t page) { return kv.stage_of && kv.stage_of[page] >= 0; }
-const uint8_t* k_tile(const PagedKvView& kv, int32_t page, int head, bool staged) {
-  if (staged)
-    return kv.k_stage + kv.stage_of[page] * kv.stage_bytes + head * kv_stage_tile_bytes(kv.block_size, kv.head_dim);
-  return kv.k_base + page * kv.k_page_bytes + head * kv_k_tile_bytes(kv.elem, kv.block_size, kv.head_dim);
-}
-const uint8_t* v_tile(const PagedKvView& kv, int32_t page, int head, bool staged) {
-  if (kv.v_from_k > 0) return nullptr;  // values come from the K tile
-  if (staged)
-    return kv.v_stage + kv.stage_of[page] * kv.stage_bytes + head * kv_stage_tile_bytes(kv.block_size, kv.head_dim);
-  return kv.v_base + page * kv.v_page_bytes + head * kv_v_tile_bytes(kv.elem, kv.block_size, kv.head_dim);
-}
-
-// Keys of the page [key0, key0 + n_keys) a row at `pos` may see.
-inline void visible(int64_t pos, int64_t key0, int n_keys, int32_t window, int* lo, int* hi) {
-  *hi = static_cast<int>(std::clamp<int64_t>(pos + 1 - key0, 0, n_keys));
-  *lo = window > 0 ? static_cast<int>(std::clamp<int64_t>(pos - window + 1 - key0, 0, *hi)) : 0;
-}
-
-// One page of a group as the kernels see it.
-struct PageRef {
-  const uint8_t* kt;  // K tile
-  const uint8_t* vt;  // V tile (MLA: the caller's f32 token-major copy of the K tile)
-  int64_t key0;       // position of slot 0
-  int n_keys;         // valid slots
-  bool f16 = false;   // the tiles are a staging copy at f16, whatever the group's element type
-};
-
-// Pages per online-softmax update. A page is only 16 keys by default: paying the row max, the
-// correction exp and the accumulator rescale once per group of pages instead of once per page
-// is what long-context decode gains here (the q·k and p·v work itself is the same).
-constexpr int kGroupPages = 4;
-constexpr int kGroupKeys = kGroupPages * kAttnMaxBlockSize;  // score buffer width per row
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-
-// e^x for 16 lanes: x = n·ln2 + r, |r| ≤ ln2/2, degree-6 polynomial, scaled by 2^n.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-// 16 bytes of fp8 → 16 floats (e4m3 comes out 2^-8 too small; the caller's scale has the 256).
-inline __m512 fp8x16(__m128i b, bool e4m3) {
-  const __m256i w = _mm256_cvtepu8_epi16(b);
-  __m256i h;
-  if (e4m3)
-    h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
-                        _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
-  else
-    h = _mm256_slli_epi16(w, 8);
-  return _mm512_cvtph_ps(h);
-}
-// 8 bytes of nibbles → 16 floats: the low nibbles then the high nibbles.
-inline __m512 nib8x16(const uint8_t* p) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  const __m128i m = _mm_set1_epi8(0x0F);
-  const __m128i x = _mm_unpacklo_epi64(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x));
-}
-inline __m512 u8x16(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-
-// 16 consecutive values (masked to `mask` lanes) of an unquantized or fp8/int8 run at element i.
-template <KvElem E>
-inline __m512 load16(const uint8_t* base, int64_t i, __mmask16 mask) {
-  if constexpr (E == KvElem::kF32) return _mm512_maskz_loadu_ps(mask, reinterpret_cast<const float*>(base) + i);
-  if constexpr (E == KvElem::kF16)
-    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, reinterpret_cast<const uint16_t*>(base) + i));
-  if constexpr (E == KvElem::kBF16)
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, reinterpret_cast<const uint16_t*>(base) + i)), 16));
-  if constexpr (E == KvElem::kFp8E4M3 || E == KvElem::kFp8E5M2)
-    return fp8x16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + i)), E == KvElem::kFp8E4M3);
-  if constexpr (E == KvElem::kInt8) return u8x16(base + i);
-  return _mm512_setzero_ps();
-}
-
-// K: channel d, keys [c·16, c·16 + 16) of a channel-major tile.
-template <KvElem E>
-inline __m512 load_k(const uint8_t* kt, int bs, int d, int c, __mmask16 mask) {
-  if constexpr (E == KvElem::kInt4) return nib8x16(kt + int64_t(d) * (bs / 2) + c * 8);
-  return load16<E>(kt, int64_t(d) * bs + c * 16, mask);
-}
-// V: token j, channels [cc·16, cc·16 + 16) of a token-major tile (G: int4 group size).
-template <KvElem E>
-inline __m512 load_v(const uint8_t* vt, int hd, int G, int j, int cc) {
-  if constexpr (E == KvElem::kInt4) {
-    const int ch = cc * 16, g = ch / G;
-    const uint8_t* p = vt + int64_t(j) * (hd / 2) + g * (G / 2);
-    if (G == 16) return nib8x16(p);
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i x = (ch % G) == 0 ? _mm_and_si128(b, _mm_set1_epi8(0x0F))
-                                    : _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x));
-  }
-  return load16<E>(vt, int64_t(j) * hd + cc * 16, 0xFFFF);
-}
-
-constexpr int64_t values_bytes(KvElem e, int64_t n) {
-  return e == KvElem::kF32 ? 4 * n : (e == KvElem::kF16 || e == KvElem::kBF16) ? 2 * n : e == KvElem::kInt4 ? n / 2 : n;
-}
-
-// Scores of one page for rows [r0, r0 + NR) into s[r][off, off + n_chunks·16): q·k, 16 keys
-// per vector, one FMA per channel and row (two accumulator sets for ILP). Int keys: the
-// per-channel scales are folded into the query and the zero points add one constant per row;
-// fp8 keys: the tile scale is folded into the query, the channel midpoints likewise add one
-// constant per row.
-template <KvElem E, int NR>
-inline void page_scores(const uint8_t* kt, int bs, int hd, int n_keys, const Rows& rows, int r0,
-                        float (*s)[kGroupKeys], int off) {
-  constexpr bool kInt = E == KvElem::kInt8 || E == KvElem::kInt4;
-  constexpr bool kFp8 = E == KvElem::kFp8E4M3 || E == KvElem::kFp8E5M2;
-  const int64_t n = int64_t(bs) * hd;
-  const int n_chunks = (n_keys + 15) / 16;
-  alignas(64) float qe[(kInt || kFp8) ? NR : 1][kAttnMaxHeadDim];  // q·scale·(per-channel / tile scale)
-  float cadd[NR] = {};  // Σ q·scale·zero (int keys' min, fp8 keys' channel midpoint)
-  if constexpr (kInt || kFp8) {
-    const uint16_t* meta = reinterpret_cast<const uint16_t*>(kt + values_bytes(E, n));
-    alignas(64) float ks[kAttnMaxHeadDim], kz[kAttnMaxHeadDim];
-    if constexpr (kFp8) {  // one tile scale (e4m3: ×256, see fp8x16), then f16 zero points
-      float ts;
-      std::memcpy(&ts, meta, 4);
-      const __m512 tv = _mm512_set1_ps(E == KvElem::kFp8E4M3 ? ts * 256.f : ts);
-      for (int d = 0; d < hd; d += 16) {
-        _mm512_store_ps(ks + d, tv);
-        _mm512_store_ps(kz + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 2 + d))));
-      }
-    } else {
-      for (int d = 0; d < hd; d += 16) {  // meta pairs {scale, min} per channel: deinterleave 16 pairs
-        const __m512i pr = _mm512_loadu_si512(meta + 2 * d);
-        _mm512_store_ps(ks + d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(pr)));
-        _mm512_store_ps(kz + d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(pr, 16))));
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      const float* q = rows.qs[r0 + r];
-      __m512 c = _mm512_setzero_ps();
-      for (int d = 0; d < hd; d += 16) {
-        const __m512 qv = _mm512_loadu_ps(q + d);
-        _mm512_store_ps(qe[r] + d, _mm512_mul_ps(qv, _mm512_load_ps(ks + d)));
-        c = _mm512_fmadd_ps(qv, _mm512_load_ps(kz + d), c);
-      }
-      cadd[r] = _mm512_reduce_add_ps(c);
-    }
-  }
-  auto qrow = [&](int r) -> const float* {
-    if constexpr (kInt || kFp8) return qe[r];
-    return rows.qs[r0 + r];
-  };
-  auto chunk = [&](int c, auto full) {
-    // full: all 16 slots of the chunk exist (bs a multiple of 16, the usual case), so the
-    // loads need no mask and fold into the conversions
-    const __mmask16 mask = full ? 0xFFFF : static_cast<__mmask16>((1u << std::min(16, bs - c * 16)) - 1);
-    __m512 a0[NR] = {}, a1[NR] = {};
-    for (int d = 0; d + 2 <= hd; d += 2) {
-      const __m512 k0 = load_k<E>(kt, bs, d, c, mask);
-      const __m512 k1 = load_k<E>(kt, bs, d + 1, c, mask);
-      for (int r = 0; r < NR; ++r) {
-        a0[r] = _mm512_fmadd_ps(_mm512_set1_ps(qrow(r)[d]), k0, a0[r]);
-        a1[r] = _mm512_fmadd_ps(_mm512_set1_ps(qrow(r)[d + 1]), k1, a1[r]);
-      }
-    }
-    for (int r = 0; r < NR; ++r)
-      _mm512_store_ps(s[r] + off + c * 16, _mm512_add_ps(_mm512_add_ps(a0[r], a1[r]), _mm512_set1_ps(cadd[r])));
-  };
-  for (int c = 0; c < n_chunks; ++c) {
-    if (bs - c * 16 >= 16) chunk(c, std::true_type{});
-    else chunk(c, std::false_type{});
-  }
-}
-
-// A group of n_pg pages against NR rows [r0, r0 + NR): scores of every page, one online-
-// softmax update per row for the whole group, then Σ p·v with the accumulators kept in
-// registers across the group's pages. K tiles of type E; V tiles of type EV (E, or f32 for
-// MLA: the K tile's first dv channels made token-major by the caller), token-major with row
-// stride hd; dv value channels (hd, or C).
-template <KvElem E, KvElem EV, int NR>
-void group_rows(const PageRef* pg, int n_pg, int bs, int hd, int dv, int32_t window, Rows& rows, int r0) {
-  constexpr bool kIntV = EV == KvElem::kInt8 || EV == KvElem::kInt4;
-  constexpr bool kFp8V = EV == KvElem::kFp8E4M3 || EV == KvElem::kFp8E5M2;
-  const int64_t n = int64_t(bs) * hd;
-  const int cpp = (bs + 15) / 16;  // 16-key chunks per page in the score buffer
-  int lo[kGroupPages][NR], hi[kGroupPages][NR];
-  int j_end[kGroupPages];  // one past the last key any row sees in page i (0: none)
-  bool any = false, full = bs % 16 == 0;  // full: every row sees every slot of every page
-  for (int i = 0; i < n_pg; ++i) {
-    j_end[i] = 0;
-    for (int r = 0; r < NR; ++r) {
-      visible(rows.pos[r0 + r], pg[i].key0, pg[i].n_keys, window, &lo[i][r], &hi[i][r]);
-      if (hi[i][r] > lo[i][r]) j_end[i] = std::max(j_end[i], hi[i][r]);
-      full &= lo[i][r] == 0 && hi[i][r] == bs;
-    }
-    any |= j_end[i] > 0;
-  }
-  if (!any) return;
-
-  // 1. scores, page i at s[r][i·cpp·16, ...)
-  alignas(64) float s[NR][kGroupKeys];
-  for (int i = 0; i < n_pg; ++i)
-    if (j_end[i] > 0) {
-      if (kv_elem_staged(E) && pg[i].f16) page_scores<KvElem::kF16, NR>(pg[i].kt, bs, hd, pg[i].n_keys, rows, r0, s, i * cpp * 16);
-      else page_scores<E, NR>(pg[i].kt, bs, hd, pg[i].n_keys, rows, r0, s, i * cpp * 16);
-    }
-
-  // 2. one online-softmax update per row for the group; s becomes p (0 where the row sees no key)
-  float corr[NR];
-  for (int r = 0; r < NR; ++r) {
-    const int row = r0 + r;
-    __mmask16 vm[kGroupKeys / 16];
-    __m512 mxv = _mm512_set1_ps(kNegInf);
-    for (int i = 0; i < n_pg; ++i)
-      for (int c = 0; c < cpp; ++c) {
-        const int j0 = c * 16, k = i * cpp + c;
-        if (full) {
-          vm[k] = 0xFFFF;
-        } else {
-          const int a = std::clamp(lo[i][r] - j0, 0, 16), b = std::clamp(hi[i][r] - j0, 0, 16);
-          vm[k] = static_cast<__mmask16>(((1u << b) - 1) & ~((1u << a) - 1));
-        }
-        if (vm[k]) mxv = _mm512_mask_max_ps(mxv, vm[k], mxv, _mm512_load_ps(s[r] + k * 16));
-      }
-    const float mx = _mm512_reduce_max_ps(mxv);
-    if (mx == kNegInf) {  // the row sees none of the group's keys
-      corr[r] = 1.f;
-      for (int k = 0; k < n_pg * cpp; ++k) _mm512_store_ps(s[r] + k * 16, _mm512_setzero_ps());
-      continue;
-    }
-    const float m_old = rows.m[row], m_new = std::max(m_old, mx);
-    corr[r] = m_new == m_old ? 1.f : std::exp(m_old - m_new);  // deep in a context the max rarely moves
-    const __m512 mv = _mm512_set1_ps(m_new);
-    __m512 sum = _mm512_setzero_ps();
-    for (int k = 0; k < n_pg * cpp; ++k) {
-      const __m512 p = vm[k] ? _mm512_maskz_mov_ps(vm[k], exp16(_mm512_sub_ps(_mm512_load_ps(s[r] + k * 16), mv)))
-                             : _mm512_setzero_ps();
-      _mm512_store_ps(s[r] + k * 16, p);
-      sum = _mm512_add_ps(sum, p);
-    }
-    rows.l[row] = rows.l[row] * corr[r] + _mm512_reduce_add_ps(sum);
-    rows.m[row] = m_new;
-    if (rows.lse) {  // eviction scores: each page's share, as a log-sum-exp at this row's max
-      for (int i = 0; i < n_pg; ++i) {
-        __m512 ps = _mm512_setzero_ps();
-        for (int c = 0; c < cpp; ++c) ps = _mm512_add_ps(ps, _mm512_load_ps(s[r] + (i * cpp + c) * 16));
-        const float t = _mm512_reduce_add_ps(ps);
-        if (t > 0.f) rows.lse[row * rows.lse_stride + pg[i].key0 / bs - rows.lse_page0] = m_new + std::log(t);
-      }
-    }
-  }
-
-  // 3. value weights. fp8: p·(tile scale). int: v = min + scale·q per (token, channel group),
-  // so Σ p·v = Σ (p·scale)·q + Σ p·min: pw[g][r][j] = p·scale, zr[i][r][g] = Σ_j p·min of page i
-  // (added page by page: the two terms nearly cancel, so summing each over the group first
-  // would cost precision).
-  const int G = kIntV ? kv_v_group(EV, hd) : hd;
-  constexpr int kMaxG = kIntV ? kAttnMaxHeadDim / 16 : 1;
-  alignas(64) float pw[kMaxG][kIntV ? NR : 1][kIntV ? kGroupKeys : 1];
-  float zr[kIntV ? kGroupPages : 1][NR][kMaxG];
-  for (int i = 0; i < n_pg; ++i) {
-    if (j_end[i] == 0) continue;
-    const int off = i * cpp * 16, n_chunks = (j_end[i] + 15) / 16;
-    const uint8_t* vt = pg[i].vt;
-    if (kv_elem_staged(EV) && pg[i].f16) {  // f16 staging: the weights are p itself
-      if constexpr (kIntV)
-        for (int r = 0; r < NR; ++r) {
-          for (int g = 0; g < hd / G; ++g) {
-            zr[i][r][g] = 0.f;
-            for (int c = 0; c < n_chunks; ++c) _mm512_store_ps(pw[g][r] + off + c * 16, _mm512_load_ps(s[r] + off + c * 16));
-          }
-        }
-      continue;
-    }
-    if constexpr (kFp8V) {
-      float ts;
-      std::memcpy(&ts, vt + n, 4);
-      const __m512 tv = _mm512_set1_ps(EV == KvElem::kFp8E4M3 ? ts * 256.f : ts);
-      for (int r = 0; r < NR; ++r)
-        for (int c = 0; c < n_chunks; ++c)
-          _mm512_store_ps(s[r] + off + c * 16, _mm512_mul_ps(_mm512_load_ps(s[r] + off + c * 16), tv));
-    }
-    if constexpr (kIntV) {
-      const int ng = hd / G;
-      const uint16_t* meta = reinterpret_cast<const uint16_t*>(vt + values_bytes(EV, n));
-      alignas(64) float vs[kAttnMaxBlockSize], vz[kAttnMaxBlockSize];
-      for (int g = 0; g < ng; ++g) {
-        if (ng == 1) {
-          for (int c = 0; c < n_chunks; ++c) {
-            const __m512i pr = _mm512_loadu_si512(meta + 2 * c * 16);
-            _mm512_store_ps(vs + c * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(pr)));
-            _mm512_store_ps(vz + c * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(pr, 16))));
-          }
-        } else {
-          for (int j = 0; j < n_chunks * 16; ++j) {
-            vs[j] = j < bs ? _cvtsh_ss(meta[2 * (j * ng + g)]) : 0.f;
-            vz[j] = j < bs ? _cvtsh_ss(meta[2 * (j * ng + g) + 1]) : 0.f;
-          }
-        }
-        for (int r = 0; r < NR; ++r) {
-          __m512 z = _mm512_setzero_ps();
-          for (int c = 0; c < n_chunks; ++c) {
-            const __m512 p = _mm512_load_ps(s[r] + off + c * 16);
-            _mm512_store_ps(pw[g][r] + off + c * 16, _mm512_mul_ps(p, _mm512_load_ps(vs + c * 16)));
-            z = _mm512_fmadd_ps(p, _mm512_load_ps(vz + c * 16), z);
-          }
-          zr[i][r][g] = _mm512_reduce_add_ps(z);
-        }
-      }
-    }
-  }
-
-  // 4. acc = corr·acc + Σ_pages Σ_j p·v, 16 channels at a time, loaded and stored once per group
-  for (int cc = 0; cc < dv / 16; ++cc) {
-    const int g = kIntV ? cc * 16 / G : 0;
-    auto w = [&](int r, int j) -> float {
-      if constexpr (kIntV) return pw[g][r][j];
-      return s[r][j];
-    };
-    __m512 a0[NR], a1[NR] = {};
-    for (int r = 0; r < NR; ++r)
-      a0[r] = _mm512_mul_ps(_mm512_loadu_ps(rows.acc[r0 + r] + cc * 16), _mm512_set1_ps(corr[r]));
-    auto page_pv = [&](const uint8_t* vt, int off, int je, auto ev) {
-      constexpr KvElem T = decltype(ev)::value;
-      int j = 0;
-      for (; j + 2 <= je; j += 2) {
-        const __m512 v0 = load_v<T>(vt, hd, G, j, cc);
-        const __m512 v1 = load_v<T>(vt, hd, G, j + 1, cc);
-        for (int r = 0; r < NR; ++r) {
-          a0[r] = _mm512_fmadd_ps(_mm512_set1_ps(w(r, off + j)), v0, a0[r]);
-          a1[r] = _mm512_fmadd_ps(_mm512_set1_ps(w(r, off + j + 1)), v1, a1[r]);
-        }
-      }
-      if (j < je) {
-        const __m512 v0 = load_v<T>(vt, hd, G, j, cc);
-        for (int r = 0; r < NR; ++r) a0[r] = _mm512_fmadd_ps(_mm512_set1_ps(w(r, off + j)), v0, a0[r]);
-      }
-    };
-    for (int i = 0; i < n_pg; ++i) {
-      const int off = i * cpp * 16, je = j_end[i];
-      if (kv_elem_staged(EV) && pg[i].f16) page_pv(pg[i].vt, off, je, std::integral_constant<KvElem, KvElem::kF16>{});
-      else page_pv(pg[i].vt, off, je, std::integral_constant<KvElem, EV>{});
-      if constexpr (kIntV)
-        if (je > 0)
-          for (int r = 0; r < NR; ++r) a1[r] = _mm512_add_ps(a1[r], _mm512_set1_ps(zr[i][r][g]));
-    }
-    for (int r = 0; r < NR; ++r) {
-      _mm512_storeu_ps(rows.acc[r0 + r] + cc * 16, _mm512_add_ps(a0[r], a1[r]));
-    }
-  }
-}
-
-template <KvElem E, KvElem EV>
-void group_all_rows(const PageRef* pg, int n_pg, int bs, int hd, int dv, int32_t window, Rows& rows, int r_begin,
-                    int r_end) {
-  int r = r_begin;
-  for (; r + 4 <= r_end; r += 4) group_rows<E, EV, 4>(pg, n_pg, bs, hd, dv, window, rows, r);
-  switch (r_end - r) {
-    case 3: group_rows<E, EV, 3>(pg, n_pg, bs, hd, dv, window, rows, r); break;
-    case 2: group_rows<E, EV, 2>(pg, n_pg, bs, hd, dv, window, rows, r); break;
-    case 1: group_rows<E, EV, 1>(pg, n_pg, bs, hd, dv, window, rows, r); break;
-    default: break;
-  }
-}
-
-// MLA (values = the K tile's first v_from_k channels): each page's keys are dequantized once,
-// token-major, into an f32 tile (row stride hd) that serves as the V tile for every row group;
-// one page per softmax update, since the f32 tile is per page.
-template <KvElem E>
-void group_all_rows_vk(const PageRef* pg, int n_pg, int bs, int hd, int dv, int32_t window, Rows& rows, int r_begin,
-                       int r_end) {
-  alignas(64) float vf[kAttnMaxBlockSize * kAttnMaxHeadDim];  // [n_keys][hd]
-  for (int i = 0; i < n_pg; ++i) {
-    const PageRef one{pg[i].kt, reinterpret_cast<const uint8_t*>(vf), pg[i].key0, pg[i].n_keys};
-    if (kv_elem_staged(E) && pg[i].f16) {
-      kv_read_k(pg[i].kt, KvElem::kF16, bs, hd, pg[i].n_keys, vf);
-      group_all_rows<KvElem::kF16, KvElem::kF32>(&one, 1, bs, hd, dv, window, rows, r_begin, r_end);
-    } else {
-      kv_read_k(pg[i].kt, E, bs, hd, pg[i].n_keys, vf);
-      group_all_rows<E, KvElem::kF32>(&one, 1, bs, hd, dv, window, rows, r_begin, r_end);
-    }
-  }
-}
-
-void page_dispatch(KvElem e, const PageRef* pg, int n_pg, int bs, int hd, int v_from_k, int32_t window, Rows& rows,
-                   int r_begin, int r_end) {
-  if (v_from_k > 0) {
-    const int dv = v_from_k;
-    switch (e) {
-      case KvElem::kF32: return group_all_rows_vk<KvElem::kF32>(pg, n_pg, bs, hd, dv, window, rows, r_begin, r_end);
-      case KvElem::kF16: return group_all_rows_vk<KvElem::kF16>(pg, n_pg, bs, hd, dv, window, rows, r_begin, r_end);
-      case KvElem::kBF16: return group_all_rows_vk<KvElem::kBF16>(pg, n_pg, bs, hd, dv, window, rows, r_begin, r_end);
-      case KvElem::kFp8E4M3: return group_all_rows_vk<KvElem::kFp8E4M3>(pg, n_pg, bs, hd, dv, window, rows, r_begin, r_end);
-      case KvElem::kFp8E5M2: return group_all_rows_vk<KvElem::kFp8E5M2>(pg, n_pg, bs, hd, dv, window, rows, r_begin, r_end);
-      case KvElem::kInt8: return group_all_rows_vk<KvElem::kInt8>(pg, n_pg, bs, hd, dv, window, rows, r_begin, r_end);
-      case KvElem::kInt4: return group_all_rows_vk<KvElem::kInt4>(pg, n_pg, bs, hd, dv, window, rows, r_begin, r_end);
-    }
-    return;
-  }
-  switch (e) {
-    case KvElem::kF32: return group_all_rows<KvElem::kF32, KvElem::kF32>(pg, n_pg, bs, hd, hd, window, rows, r_begin, r_end);
-    case KvElem::kF16: return group_all_rows<KvElem::kF16, KvElem::kF16>(pg, n_pg, bs, hd, hd, window, rows, r_begin, r_end);
-    case KvElem::kBF16: return group_all_rows<KvElem::kBF16, KvElem::kBF16>(pg, n_pg, bs, hd, hd, window, rows, r_begin, r_end);
-    case KvElem::kFp8E4M3: return group_all_rows<KvElem::kFp8E4M3, KvElem::kFp8E4M3>(pg, n_pg, bs, hd, hd, window, rows, r_begin, r_end);
-    case KvElem::kFp8E5M2: return group_all_rows<KvElem::kFp8E5M2, KvElem::kFp8E5M2>(pg, n_pg, bs, hd, hd, window, rows, r_begin, r_end);
-    case KvElem::kInt8: return group_all_rows<KvElem::kInt8, KvElem::kInt8>(pg, n_pg, bs, hd, hd, window, rows, r_begin, r_end);
-    case KvElem::kInt4: return group_all_rows<KvElem::kInt4, KvElem::kInt4>(pg, n_pg, bs, hd, hd, window, rows, r_begin, r_end);
-  }
-}
-
-#else  // portable path: dequantize one page tile to floats, then plain loops
-
-// f16 → f32 for n values (K tiles are [hd][bs], V tiles [bs][hd]: both convert in place order).
-inline void f16_to_f32(const uint16_t* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(__F16C__) && defined(__AVX__)
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-#endif
-  for (; i < n; ++i) dst[i] = fp16_to_fp32(src[i]);
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-// e^x for 8 lanes: the polynomial of the AVX-512 path's exp16.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));  // 2^n stays a normal float below
-  x = _mm256_min_ps(x, _mm256_set1_ps(88.7f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-#endif
-
-// s[j] = q · k_j for j in [lo, hi); kt is the page's keys channel-major [hd][bs].
-inline void scores(const float* q, const float* kt, int bs, int hd, int lo, int hi, float* s) {
-#if defined(__AVX2__) && defined(__FMA__)
-  if (bs == 16) {  // the default page: the 16 scores stay in two registers across the channels
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    for (int i = 0; i < hd; ++i) {
-      const __m256 qi = _mm256_broadcast_ss(q + i);
-      a0 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(kt + i * 16), a0);
-      a1 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(kt + i * 16 + 8), a1);
-    }
-    _mm256_storeu_ps(s, a0);
-    _mm256_storeu_ps(s + 8, a1);
-    return;
+const AttentionKernels& kernels() {
+#ifndef KV_SCALAR_ONLY
+  switch (kernel_isa()) {
+    case Isa::kAvx512: return avx512::kAttention;
+    case Isa::kAvx2: return avx2::kAttention;
+    case Isa::kScalar: break;
   }
 #endif
-  for (int j = lo; j < hi; ++j) s[j] = 0.f;
-  for (int i = 0; i < hd; ++i) {
-    const float qi = q[i];
-    const float* kc = kt + size_t(i) * bs;
-    for (int j = lo; j < hi; ++j) s[j] += qi * kc[j];
-  }
-}
-
-// s[j] = e^(s[j] - m) for j in [lo, hi) (s has room for kAttnMaxBlockSize values).
-inline void exp_minus(float* s, int lo, int hi, float m) {
-  int j = lo;
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256 mv = _mm256_set1_ps(m);
-  for (; j + 8 <= hi; j += 8) _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)));
-#endif
-  for (; j < hi; ++j) s[j] = std::exp(s[j] - m);
-}
-
-// Loops shaped for the compiler's vectorizer (the build is -march=native: AVX2 on hosts without
-// AVX-512): keys channel-major so the scores of a page are one vector FMA per channel, values
-// token-major so the accumulator update is one per key. Each score still sums its channels in
-// order, as a scalar dot product would.
-void page_dispatch(KvElem e, const PageRef* pg, int n_pg, int bs, int hd, int v_from_k, int32_t window, Rows& rows,
-                   int r_begin, int r_end) {
-  alignas(64) static thread_local float kf[kAttnMaxBlockSize * kAttnMaxHeadDim];  // [bs][hd] as read
-  alignas(64) static thread_local float kt[kAttnMaxHeadDim * kAttnMaxBlockSize];  // [hd][bs]
-  alignas(64) static thread_local float vf[kAttnMaxBlockSize * kAttnMaxHeadDim];  // [bs][hd]
-  alignas(64) float s[kAttnMaxBlockSize];
-  const int dv = v_from_k > 0 ? v_from_k : hd;
-  for (int ip = 0; ip < n_pg; ++ip) {
-    const int n_keys = pg[ip].n_keys;
-    const KvElem pe = pg[ip].f16 ? KvElem::kF16 : e;
-    const float* vrow = kf;  // values: the first v_from_k channels of each key row
-    if (pe == KvElem::kF16 && v_from_k <= 0) {  // the default: tiles convert as they lie
-      f16_to_f32(reinterpret_cast<const uint16_t*>(pg[ip].kt), kt, int64_t(hd) * bs);
-      f16_to_f32(reinterpret_cast<const uint16_t*>(pg[ip].vt), vf, int64_t(n_keys) * hd);
-      vrow = vf;
-    } else {
-      kv_read_k(pg[ip].kt, pe, bs, hd, n_keys, kf);
-      for (int j = 0; j < n_keys; ++j)
-        for (int i = 0; i < hd; ++i) kt[size_t(i) * bs + j] = kf[size_t(j) * hd + i];
-      if (v_from_k <= 0) {
-        kv_read_v(pg[ip].vt, pe, bs, hd, n_keys, vf);
-        vrow = vf;
-      }
-    }
-    for (int r = r_begin; r < r_end; ++r) {
-      int lo, hi;
-      visible(rows.pos[r], pg[ip].key0, n_keys, window, &lo, &hi);
-      if (hi <= lo) continue;
-      const float* q = rows.qs[r];
-      scores(q, kt, bs, hd, lo, hi, s);
-      float mx = kNegInf;
-      for (int j = lo; j < hi; ++j) mx = std::max(mx, s[j]);
-      const float m_new = std::max(rows.m[r], mx), corr = std::exp(rows.m[r] - m_new);
-      float* acc = rows.acc[r];
-      for (int i = 0; i < dv; ++i) acc[i] *= corr;
-      exp_minus(s, lo, hi, m_new);
-      float sum = 0;
-      for (int j = lo; j < hi; ++j) {
-        const float p = s[j];
-        sum += p;
-        const float* v = vrow + size_t(j) * hd;
-        for (int i = 0; i < dv; ++i) acc[i] += p * v[i];
-      }
-      rows.l[r] = rows.l[r] * corr + sum;
-      rows.m[r] = m_new;
-      if (rows.lse && sum > 0.f) rows.lse[r * rows.lse_stride + pg[ip].key0 / bs - rows.lse_page0] = m_new + std::log(sum);
-    }
-  }
-}
-
-#endif
-
-// Asks for a tile's cache lines ahead of use. Inline asm, not _mm_prefetch: GCC may delete a
-// loop whose only statements are prefetch builtins (no side effects, assumed finite).
-// The level follows kernels/prefetch.h (L1 on Intel, L2 on AMD).
-inline void prefetch_tile(const uint8_t* p, int64_t bytes) {
-  static const PrefetchLevel level = prefetch_level();
-  if (level == PrefetchLevel::kT1) {
-    for (int64_t o = 0; o < bytes; o += 64) asm volatile("prefetcht1 %0" ::"m"(p[o]));
-  } else if (level == PrefetchLevel::kT0) {
-    for (int64_t o = 0; o < bytes; o += 64) asm volatile("prefetcht0 %0" ::"m"(p[o]));
-  }
-}
-
-// Runs the rows of one query tile over keys [key_begin, key_end), leaving acc/m/l unnormalised.
-void attend(const PagedKvView& kv, int kv_head, int n_group, const float* q, int64_t q_stride, int64_t pos0, int n_q,
-            int64_t key_begin, int64_t key_end, float scale, float* acc, float* m, float* l, float* page_lse,
-            int64_t lse_stride) {
-  const int hd = kv.head_dim, bs = kv.block_size, dv = kv.value_dim();
-  alignas(64) float qs[kMaxRows][kAttnMaxHeadDim];
-  Rows rows;
-  rows.n = n_q * n_group;
-  rows.m = m;
-  rows.l = l;
-  for (int t = 0; t < n_q; ++t)
-    for (int g = 0; g < n_group; ++g) {
-      const int r = t * n_group + g;
-      const float* src = q + int64_t(t) * q_stride + int64_t(kv_head * n_group + g) * hd;
-      for (int i = 0; i < hd; ++i) qs[r][i] = src[i] * scale;
-      rows.qs[r] = qs[r];
-      rows.pos[r] = pos0 + t;
-      rows.acc[r] = acc + int64_t(r) * dv;
-      std::fill(rows.acc[r], rows.acc[r] + dv, 0.f);
-      m[r] = kNegInf;
-      l[r] = 0.f;
-    }
-  int64_t lo = key_begin;
-  const int64_t hi = std::min(key_end, pos0 + n_q);  // one past the last key any row sees
-  if (kv.window > 0) lo = std::max(lo, (pos0 - kv.window + 1) / bs * bs);
-  // Pages are scattered tiles of a few KiB: ask for the tiles kPrefetchAhead pages ahead so
-  // the memory system streams them while this page is computed.
-  // (Measured at 8k context on an Intel Xeon: 2 to 4 pages ahead are equal, 8 is no better;
-  // prefetcht1 is 15% and prefetchnta 3x slower there; every cache line must be asked for, not
-  // every other one.)
-  constexpr int kPrefetchAhead = 4;
-  const int64_t k_bytes = kv_k_tile_bytes(kv.elem, bs, hd);
-  const int64_t v_bytes = kv.v_from_k ? 0 : kv_v_tile_bytes(kv.elem, bs, hd);
-  const uint8_t* k_head = kv.k_base + kv_head * k_bytes;  // page p's tile at + p * k_page_bytes
-  const uint8_t* v_head = v_bytes ? kv.v_base + kv_head * v_bytes : nullptr;
-  auto kq = [&](int32_t page) { return k_head + page * kv.k_page_bytes; };
-  auto vq = [&](int32_t page) -> const uint8_t* { return v_head ? v_head + page * kv.v_page_bytes : nullptr; };
-  const int64_t pg_end = (hi + bs - 1) / bs;
-  auto prefetch = [&](int64_t pg) {
-    if (pg >= pg_end) return;
-    const int32_t page = kv.pages[pg];
-    if (page < 0 || has_stage(kv, page)) return;
-    prefetch_tile(kq(page), k_bytes);
-    if (v_bytes) prefetch_tile(vq(page), v_bytes);
-  };
-  const int64_t pg0 = std::max<int64_t>(lo, 0) / bs;
-  if (page_lse) {
-    rows.lse = page_lse;
-    rows.lse_stride = lse_stride;
-    rows.lse_page0 = key_begin / bs;
-    for (int r = 0; r < rows.n; ++r)
-      for (int64_t pg = key_begin / bs; pg < (key_end + bs - 1) / bs; ++pg) page_lse[r * lse_stride + pg - key_begin / bs] = kNegInf;
-  }
-  // Sparse tables (evicted pages, Quest's selection): the live pages go kGroupPages at a time
-  // and the live pages ahead are prefetched; dense tables keep groups aligned to absolute page
-  // indices (see below).
-  thread_local std::vector<int64_t> live;
-  bool sparse = false;
-  for (int64_t pg = pg0; pg < pg_end && !sparse; ++pg) sparse = kv.pages[pg] < 0;
-  if (sparse) {
-    live.clear();
-    for (int64_t pg = pg0; pg < pg_end; ++pg)
-      if (kv.pages[pg] >= 0) live.push_back(pg);
-  }
-  const int64_t n_iter = sparse ? static_cast<int64_t>(live.size()) : pg_end - pg0;
-  auto page_at = [&](int64_t j) { return sparse ? live[j] : pg0 + j; };
-  auto prefetch_ahead = [&](int64_t j) {
-    if (j < n_iter) prefetch(page_at(j));
-  };
-  for (int64_t a = 0; a < kPrefetchAhead; ++a) prefetch_ahead(a);
-  // Pages go kGroupPages at a time to one softmax update, in groups aligned to absolute page
-  // indices: a row's sequence of updates then depends only on its position and the part, never
-  // on how the prompt was chunked or which pages still have staging (chunked prefill stays
-  // bit-identical to one pass). Within a group, rows are cut where their view of a staged page
-  // changes: rows before it leave it out, rows on it read its staging copy at f16, rows past
-  // it read its quantized tiles.
-  for (int64_t j0 = 0; j0 < n_iter;) {
-    const int64_t j1 = sparse ? std::min<int64_t>(j0 + kGroupPages, n_iter)
-                              : std::min((page_at(j0) / kGroupPages + 1) * kGroupPages, pg_end) - pg0;
-    PageRef grp[kGroupPages];
-    bool staged[kGroupPages], any_staged = false;
-    int n = 0;
-    for (int64_t j = j0; j < j1; ++j) {
-      prefetch_ahead(j + kPrefetchAhead);
-      const int64_t pg = page_at(j), key0 = pg * bs;
-      const int32_t page = kv.pages[pg];
-      grp[n] = {kq(page), vq(page), key0, static_cast<int>(std::min<int64_t>(bs, hi - key0))};
-      staged[n] = has_stage(kv, page);
-      any_staged |= staged[n];
-      ++n;
-    }
-    j0 = j1;
-    if (!any_staged) {
-      page_dispatch(kv.elem, grp, n, bs, hd, kv.v_from_k, kv.window, rows, 0, rows.n);
-      continue;
-    }
-    auto view_of = [&](int r, int i) {  // 0: before the page, 1: on it, 2: past it
-      const int64_t pos = rows.pos[r], key0 = grp[i].key0;
-      return pos < key0 ? 0 : pos < key0 + bs ? 1 : 2;
-    };
-    for (int ra = 0, rb; ra < rows.n; ra = rb) {
-      rb = ra + 1;
-      for (bool same = true; rb < rows.n && same; rb += same) {
-        for (int i = 0; i < n && same; ++i) same = !staged[i] || view_of(rb, i) == view_of(ra, i);
-      }
-      PageRef sub[kGroupPages];
-      int n_sub = 0;
-      for (int i = 0; i < n; ++i) {
-        if (!staged[i]) {
-          sub[n_sub++] = grp[i];
-          continue;
-        }
-        const int32_t page = kv.pages[grp[i].key0 / bs];
-        switch (view_of(ra, i)) {
-          case 0: break;
-          case 1:
-            sub[n_sub++] = {k_tile(kv, page, kv_head, true), v_tile(kv, page, kv_head, true), grp[i].key0, grp[i].n_keys, true};
-            break;
-          default: sub[n_sub++] = grp[i]; break;
-        }
-      }
-      if (n_sub > 0) page_dispatch(kv.elem, sub, n_sub, bs, hd, kv.v_from_k, kv.window, rows, ra, rb);
-    }
-  }
+  return scalar::kAttention;
 }
 
 }  // namespace
 
+void paged_attention(const PagedKvView& kv, int kv_head, int n_group, const float* q, int64_t q_stride,
+                     int64_t pos0, int n_q, float scale, float* out, int64_t o_stride) {
+  kernels().attention(kv, kv_head, n_group, q, q_stride, pos0, n_q, scale, out, o_stride);
+}
+
 void paged_attention_partial(const PagedKvView& kv, int kv_head, int n_group, const float* q, int64_t q_stride,
                              int64_t pos0, int n_q, int64_t key_begin, int64_t key_end, float scale, float* acc,
                              float* m, float* l, float* page_lse, int64_t lse_stride) {
-  attend(kv, kv_head, n_group, q, q_stride, pos0, n_q, key_begin, key_end, scale, acc, m, l, page_lse, lse_stride);
+  kernels().partial(kv, kv_head, n_group, q, q_stride, pos0, n_q, key_begin, key_end, scale, acc, m, l, page_lse,
+                    lse_stride);
 }
 
 void attention_merge(int n_parts, int n_group, int n_q, int head_dim, const float* acc, const float* m,
                      const float* l, int kv_head, float* out, int64_t o_stride) {
-  const int n_rows = n_q * n_group;
-  for (int r = 0; r < n_rows; ++r) {
-    float mx = kNegInf;
-    for (int p = 0; p < n_parts; ++p) mx = std::max(mx, m[p * n_rows + r]);
-    float* o = out + int64_t(r / n_group) * o_stride + int64_t(kv_head * n_group + r % n_group) * head_dim;
-    std::fill(o, o + head_dim, 0.f);
-    float lsum = 0.f;
-    for (int p = 0; p < n_parts; ++p) {
-      const float mp = m[p * n_rows + r];
-      if (mp == kNegInf) continue;
-      const float w = std::exp(mp - mx);
-      lsum += w * l[p * n_rows + r];
-      const float* a = acc + (int64_t(p) * n_rows + r) * head_dim;
-      for (int i = 0; i < head_dim; ++i) o[i] += w * a[i];
-    }
-    const float inv = lsum > 0 ? 1.f / lsum : 0.f;
-    for (int i = 0; i < head_dim; ++i) o[i] *= inv;
-  }
+  kernels().merge(n_parts, n_group, n_q, head_dim, acc, m, l, kv_head, out, o_stride);
 }
 
-void paged_attention(const PagedKvView& kv, int kv_head, int n_group, const float* q, int64_t q_stride,
-                     int64_t pos0, int n_q, float scale, float* out, int64_t o_stride) {
-  const int dv = kv.value_dim();
-  alignas(64) float acc[kMaxRows * kAttnMaxHeadDim];
-  float m[kMaxRows], l[kMaxRows];
-  for (int t0 = 0; t0 < n_q; t0 += kAttnQTile) {
-    const int nt = std::min(kAttnQTile, n_q - t0);
-    attend(kv, kv_head, n_group, q + int64_t(t0) * q_stride, q_stride, pos0 + t0, nt, 0, pos0 + t0 + nt, scale, acc, m,
-           l, nullptr, 0);
-    attention_merge(1, n_group, nt, dv, acc, m, l, kv_head, out + int64_t(t0) * o_stride, o_stride);
-  }
+// One set per thread for whichever ISA build runs on it (~200 KiB of TLS; a copy per build
+// would be paid by every thread, HTTP threads included).
+AttnTileScratch attention_tile_scratch() {
+  alignas(64) static thread_local float kf[kAttnMaxBlockSize * kAttnMaxHeadDim];
+  alignas(64) static thread_local float kt[kAttnMaxHeadDim * kAttnMaxBlockSize];
+  alignas(64) static thread_local float vf[kAttnMaxBlockSize * kAttnMaxHeadDim];
+  return {kf, kt, vf};
+}
+
+int64_t* attention_index_scratch(int64_t n) {
+  thread_local std::vector<int64_t> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(static_cast<size_t>(n));
+  return buf.data();
 }
 
 void paged_attention_ref(const PagedKvView& kv, int kv_head, int n_group, const float* q, int64_t q_stride,
                          int64_t pos0, int n_q, float scale, float* out, int64_t o_stride) {
   const int hd = kv.head_dim, bs = kv.block_size, dv = kv.value_dim();
+  const int64_t stage_tile = kv_stage_tile_bytes(bs, hd), k_tile_bytes = kv_k_tile_bytes(kv.elem, bs, hd),
+                v_tile_bytes = kv_v_tile_bytes(kv.elem, bs, hd);
   // Reads all tokens of a page (both K and V) through the tile readers (MLA, v_from_k > 0: the
   // values are the first v_from_k channels of each key).
   std::vector<float> kp(size_t(bs) * hd), vp(size_t(bs) * hd);
@@ -775,9 +76,13 @@ void paged_attention_ref(const PagedKvView& kv, int kv_head, int n_group, const 
       double mx = -1e300;
       for (int64_t pg = first / bs; pg * bs <= qpos; ++pg) {
         if (kv.pages[pg] < 0) continue;  // evicted: not seen
-        const bool staged = has_stage(kv, kv.pages[pg]) && pg == qpos / bs;  // own page: staging
-        const uint8_t* kt = k_tile(kv, kv.pages[pg], kv_head, staged);
-        const uint8_t* vt = v_tile(kv, kv.pages[pg], kv_head, staged);
+        const int32_t page = kv.pages[pg];
+        const bool staged = kv.stage_of && kv.stage_of[page] >= 0 && pg == qpos / bs;  // own page: staging
+        const uint8_t* kt = staged ? kv.k_stage + kv.stage_of[page] * kv.stage_bytes + kv_head * stage_tile
+                                   : kv.k_base + page * kv.k_page_bytes + kv_head * k_tile_bytes;
+        const uint8_t* vt = kv.v_from_k > 0 ? nullptr
+                            : staged        ? kv.v_stage + kv.stage_of[page] * kv.stage_bytes + kv_head * stage_tile
+                                            : kv.v_base + page * kv.v_page_bytes + kv_head * v_tile_bytes;
         const KvElem e = staged ? KvElem::kF16 : kv.elem;
         kv_read_k(kt, e, bs, hd, bs, kp.data());
         if (kv.v_from_k > 0) vp = kp;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "kernels/isa.h"
 #include "kernels/quant.h"
 
 namespace kv {
@@ -163,9 +164,11 @@ float plain_value(const uint8_t* tile, KvElem e, int64_t i) {
   }
 }
 
-// f16 conversion of a K or V row: F16C's vcvtps2ph where the CPU has it (the same RNE, the
-// same quiet NaNs as fp32_to_fp16), else the portable conversion. Every KV write of every
-// token goes through here.
+// f16 conversion of a K or V row: F16C's vcvtps2ph when the kernels run AVX2 or better (the
+// same RNE, the same quiet NaNs as fp32_to_fp16), else the portable conversion (KV_ISA=scalar
+// included, so a forced scalar run executes no AVX instruction). Every KV write of every token
+// goes through here. The F16C loop is compiled for that target alone (a function attribute:
+// three instructions, not worth a file of their own); tests/check_isa_objects.py knows its name.
 constexpr int kMaxF16Row = 1024;
 __attribute__((target("avx,f16c"))) void to_f16_f16c(const float* src, uint16_t* dst, int n) {
   int i = 0;
@@ -174,8 +177,7 @@ __attribute__((target("avx,f16c"))) void to_f16_f16c(const float* src, uint16_t*
   for (; i < n; ++i) dst[i] = fp32_to_fp16(src[i]);
 }
 void to_f16(const float* src, uint16_t* dst, int n) {
-  static const bool f16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
-  if (f16c) return to_f16_f16c(src, dst, n);
+  if (kernel_isa() != Isa::kScalar) return to_f16_f16c(src, dst, n);
   for (int i = 0; i < n; ++i) dst[i] = fp32_to_fp16(src[i]);
 }
 

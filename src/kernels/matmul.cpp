@@ -42,25 +42,6 @@ float half_to_float(uint16_t h) {
   return f;
 }
 
-bool cpu_has(Isa isa) {
-#if defined(KV_SCALAR_ONLY) || !(defined(__x86_64__) || defined(__i386__))
-  return isa == Isa::kScalar;
-#else
-  switch (isa) {
-    case Isa::kScalar:
-      return true;
-    case Isa::kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("f16c");
-    case Isa::kAvx512:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
-             __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
-  }
-  return false;
-#endif
-}
-
 struct Kernels {
   void (*quantize)(const float*, int64_t, int64_t, const QAct&);
   void (*q_gemm)(const QWeights&, const QAct&, int64_t, int64_t, int64_t, float*);
@@ -245,29 +226,8 @@ constexpr int64_t kPrivateQuantRows = 2;
 
 }  // namespace
 
-Isa detect_isa() {
-  Isa best = cpu_has(Isa::kAvx512) ? Isa::kAvx512 : cpu_has(Isa::kAvx2) ? Isa::kAvx2 : Isa::kScalar;
-  if (const char* e = std::getenv("KV_ISA")) {
-    Isa want = best;
-    if (std::strcmp(e, "scalar") == 0) want = Isa::kScalar;
-    if (std::strcmp(e, "avx2") == 0) want = Isa::kAvx2;
-    if (std::strcmp(e, "avx512") == 0) want = Isa::kAvx512;
-    if (cpu_has(want)) best = want;
-  }
-  return best;
-}
-
 ActQuant act_quant() { return g_act_quant; }
 void set_act_quant(ActQuant q) { g_act_quant = q; }
-
-const char* isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::kScalar: return "scalar";
-    case Isa::kAvx2: return "avx2";
-    case Isa::kAvx512: return "avx512";
-  }
-  return "?";
-}
 
 Result<PackedMatrix> PackedMatrix::pack(const std::vector<RawMatrix>& parts, Isa isa) {
   using R = Result<PackedMatrix>;

@@ -22,6 +22,7 @@
 #include "common/status.h"
 #include "common/thread_pool.h"
 #include "kernels/ggml_types.h"
+#include "kernels/isa.h"
 
 namespace kv {
 
@@ -46,10 +47,6 @@ struct AlignedAllocator {
   template <typename U>
   bool operator==(const AlignedAllocator<U>&) const { return true; }
 };
-
-enum class Isa { kScalar, kAvx2, kAvx512 };
-Isa detect_isa();          // best ISA this CPU supports (KV_ISA=scalar|avx2|avx512 overrides)
-const char* isa_name(Isa);
 
 class PackedMatrix {
  public:

@@ -3,6 +3,8 @@
 #pragma once
 #include <cstdint>
 
+#include "kernels/isa.h"
+
 namespace kv {
 
 // Two RoPE conventions as GGUF models use them. kNorm (llama arch in GGUF, whose converter
@@ -61,11 +63,8 @@ int64_t first_gt_ref(const float* x, int64_t from, int64_t n, float t);
 float key_bound(const float* const* q, int n_rows, const uint16_t* mn, const uint16_t* mx, int hd);
 float key_bound_ref(const float* const* q, int n_rows, const uint16_t* mn, const uint16_t* mx, int hd);
 
-// Which implementation the fast entry points above run. Chosen once, on first use, from the
-// CPU (AVX-512F) and env KV_ISA (scalar|avx2|avx512; avx2 has no ops of its own and means
-// scalar here). Tests override it to exercise every path in one process. Thread-safe.
-enum class OpsPath { kScalar, kAvx512 };
-OpsPath ops_path();
-void set_ops_path_for_testing(OpsPath p);  // kAvx512 is ignored on a CPU without AVX-512F
+// The fast entry points above run the build for kernel_isa() (kernels/isa.h): AVX-512
+// intrinsics, the portable loops compiled for AVX2 + FMA, or the same loops for the x86-64
+// baseline. Tests switch it with set_kernel_isa_for_testing to exercise every path.
 
 }  // namespace kv

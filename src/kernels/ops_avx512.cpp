@@ -1,18 +1,23 @@
-// AVX-512F versions of the exp-bound and reduction ops (ops.cpp calls them only on a CPU with
-// AVX-512F). Tails use masked loads/stores, so every n works without a scalar epilogue.
+// The ops built for AVX-512 (CMakeLists.txt flags *_avx512.cpp): intrinsics for the exp-bound
+// and reduction ops; RoPE and add_inplace are ops_impl.h's loops, vectorised 16 wide. Tails use
+// masked loads/stores, so every n works without a scalar epilogue.
 // GCC 12 warns that _mm512_undefined_ps()'s deliberate self-initialisation is uninitialised at
 // every inlined intrinsic that uses it (GCC bug 105593); nothing here reads undefined lanes.
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#if !defined(__AVX512F__) || !defined(__AVX512BW__)
+#error "ops_avx512.cpp needs the AVX-512 flags (CMakeLists.txt gives them to *_avx512.cpp)"
+#endif
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
-#include "kernels/ops.h"
+#define KV_ISA_NS avx512
+#include "kernels/ops_impl.h"
 
-namespace kv::avx512_ops {
+namespace kv::avx512 {
 
 namespace {
 
@@ -205,6 +210,7 @@ int64_t first_gt(const float* x, int64_t from, int64_t n, float t) {
 }
 
 float key_bound(const float* const* q, int n_rows, const uint16_t* mn, const uint16_t* mx, int hd) {
+  if (hd % 16 != 0) return key_bound_ref(q, n_rows, mn, mx, hd);
   constexpr int kMaxChunks = 16;  // head_dim ≤ 256
   __m512 lo[kMaxChunks], hi[kMaxChunks];
   const int nc = std::min(hd / 16, kMaxChunks);
@@ -225,4 +231,7 @@ float key_bound(const float* const* q, int n_rows, const uint16_t* mn, const uin
   return best;
 }
 
-}  // namespace kv::avx512_ops
+const OpsKernels kOps = {rms_norm, rope_portable, silu_mul, gelu_mul, softmax, add_inplace_portable, max_value,
+                         exp_scaled, collect_ge, first_gt, key_bound};
+
+}  // namespace kv::avx512

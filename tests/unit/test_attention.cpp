@@ -2,17 +2,20 @@
 
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <random>
 
 #include "kernels/attention.h"
 #include "kernels/kv_tile.h"
 #include "kernels/quant.h"
 #include "kv/page_pool.h"
+#include "isa_param.h"
 
+// The PagedAttention* tests run once per ISA build (isa_param.h).
 // Tolerance: float accumulation with an online softmax against a double reference over the
 // same stored K/V (whatever the page type, both read the same bytes); a few float ulps of the
-// output scale. Built for AVX-512 (16 lanes) the worst case measured 1.6e-6; an AVX2-only host
-// (-march=native there: 8 lanes, another summation order) measured 2.7e-6.
+// output scale. Built for AVX-512 (16 lanes) the worst case measured 1.6e-6; the AVX2 build
+// (8 lanes, another summation order) measured 2.7e-6.
 constexpr double kTol = 4e-6;
 
 using namespace kv;
@@ -92,7 +95,12 @@ double run_case(int n_head_kv, int n_group, int head_dim, int block_size, KvElem
 
 }  // namespace
 
-TEST(PagedAttention, MatchesReferenceAcrossShapesAndDtypes) {
+class PagedAttention : public kvtest::IsaTest {};
+class PagedAttentionMla : public kvtest::IsaTest {};
+KV_INSTANTIATE_FOR_EVERY_ISA(PagedAttention);
+KV_INSTANTIATE_FOR_EVERY_ISA(PagedAttentionMla);
+
+TEST_P(PagedAttention, MatchesReferenceAcrossShapesAndDtypes) {
   uint32_t seed = 1;
   for (KvElem elem : kAll)
     for (int bs : {1, 4, 16, 32, 64}) {
@@ -107,7 +115,7 @@ TEST(PagedAttention, MatchesReferenceAcrossShapesAndDtypes) {
     }
 }
 
-TEST(PagedAttention, HeadDimsAndLongContext) {
+TEST_P(PagedAttention, HeadDimsAndLongContext) {
   for (KvElem elem : kAll) {
     EXPECT_LT(run_case(1, 2, 48, 16, elem, 1000, 2, 99), kTol) << kv_elem_name(elem);  // int4 V groups of 16
     EXPECT_LT(run_case(2, 2, 128, 64, elem, 300, 33, 98), kTol) << kv_elem_name(elem);
@@ -115,7 +123,7 @@ TEST(PagedAttention, HeadDimsAndLongContext) {
   }
 }
 
-TEST(PagedAttention, SlidingWindowMatchesReference) {
+TEST_P(PagedAttention, SlidingWindowMatchesReference) {
   for (KvElem elem : {KvElem::kF16, KvElem::kFp8E4M3, KvElem::kFp8E5M2, KvElem::kInt8, KvElem::kInt4})
     for (auto [pos0, nq, win] : {std::tuple<int64_t, int, int>{0, 40, 8}, {100, 3, 16}, {500, 20, 37}, {63, 1, 64}})
       EXPECT_LT(run_case(1, 4, 64, 16, elem, pos0, nq, 5, win), kTol)
@@ -123,7 +131,7 @@ TEST(PagedAttention, SlidingWindowMatchesReference) {
 }
 
 // Flash-decoding: page-aligned parts merged by log-sum-exp equal one pass.
-TEST(PagedAttention, SplitPartsMergeToTheFullResult) {
+TEST_P(PagedAttention, SplitPartsMergeToTheFullResult) {
   for (KvElem elem : {KvElem::kF16, KvElem::kFp8E4M3, KvElem::kFp8E5M2, KvElem::kInt4}) {
     const int hkv = 3, grp = 3, hd = 64, bs = 16;
     for (auto [pos0, nq] : {std::pair<int64_t, int>{1000, 1}, {700, 8}, {64, 1}}) {
@@ -154,7 +162,7 @@ TEST(PagedAttention, SplitPartsMergeToTheFullResult) {
 }
 
 // Quantized pages against the same data kept in f32: the price of each format, bounded.
-TEST(PagedAttention, QuantizedPagesStayCloseToF32) {
+TEST_P(PagedAttention, QuantizedPagesStayCloseToF32) {
   const int hkv = 2, grp = 3, hd = 64, bs = 16;
   const int64_t pos0 = 400;
   const int nq = 4;
@@ -324,6 +332,32 @@ TEST(KvTile, F16WriteRoundsToNearest) {
   EXPECT_NEAR(fp16_to_fp32(h[1 * 4 + 1]), -3.14159f, 1e-3);
 }
 
+// The f16 K/V writes (F16C when the kernels run AVX2 or better, else the portable conversion)
+// give fp32_to_fp16's bits exactly: ties to even, subnormals, overflow to inf, quiet NaNs.
+class KvTileWrite : public kvtest::IsaTest {};
+KV_INSTANTIATE_FOR_EVERY_ISA(KvTileWrite);
+
+TEST_P(KvTileWrite, F16RowsMatchTheScalarConversionBitForBit) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const float specials[] = {0.f, -0.f, 1.0009765625f, 1.00048828125f /* tie: to even */, 65504.f, 65520.f /* → inf */,
+                            -1e9f, 6e-8f, 3e-5f /* subnormal */, 1e-10f, INFINITY, -INFINITY, NAN, -NAN};
+  for (int hd = 1; hd <= 40; ++hd) {
+    std::vector<float> src(hd);
+    for (int i = 0; i < hd; ++i) src[i] = i < int(std::size(specials)) && hd > 20 ? specials[i] : nd(rng) * 100.f;
+    const int bs = 4, slot = 3;
+    std::vector<uint8_t> kt(size_t(bs) * hd * 2), vt(kt.size());
+    kv_write_k(kt.data(), KvElem::kF16, bs, hd, slot, src.data());
+    kv_write_v(vt.data(), KvElem::kF16, bs, hd, slot, src.data());
+    const uint16_t* k = reinterpret_cast<const uint16_t*>(kt.data());
+    const uint16_t* v = reinterpret_cast<const uint16_t*>(vt.data());
+    for (int d = 0; d < hd; ++d) {
+      ASSERT_EQ(k[d * bs + slot], fp32_to_fp16(src[d])) << "K hd=" << hd << " d=" << d << " x=" << src[d];
+      ASSERT_EQ(v[slot * hd + d], fp32_to_fp16(src[d])) << "V hd=" << hd << " d=" << d << " x=" << src[d];
+    }
+  }
+}
+
 // ---- MLA: a K-only (latent) cache whose values are the first C channels of each key row.
 
 namespace {
@@ -403,7 +437,7 @@ double run_mla_case(int H, int hd, int C, int bs, KvElem elem, int64_t pos0, int
 
 }  // namespace
 
-TEST(PagedAttentionMla, KOnlyLayoutStoresOnlyTheLatent) {
+TEST_P(PagedAttentionMla, KOnlyLayoutStoresOnlyTheLatent) {
   KvLayout l;
   l.n_layer = 4;
   l.n_head_kv = 1;
@@ -425,7 +459,7 @@ TEST(PagedAttentionMla, KOnlyLayoutStoresOnlyTheLatent) {
   EXPECT_FALSE(l.validate().is_ok());
 }
 
-TEST(PagedAttentionMla, MatchesReferenceAllDtypes) {
+TEST_P(PagedAttentionMla, MatchesReferenceAllDtypes) {
   uint32_t seed = 300;
   for (KvElem elem : kAll)
     for (int bs : {16, 32})
@@ -440,7 +474,7 @@ TEST(PagedAttentionMla, MatchesReferenceAllDtypes) {
   }
 }
 
-TEST(PagedAttentionMla, SplitPartsMergeToTheFullResult) {
+TEST_P(PagedAttentionMla, SplitPartsMergeToTheFullResult) {
   const int H = 8, hd = 80, C = 64, bs = 16;
   for (KvElem elem : {KvElem::kF16, KvElem::kFp8E4M3, KvElem::kFp8E5M2, KvElem::kInt4}) {
     const int64_t pos0 = 700;
@@ -465,7 +499,7 @@ TEST(PagedAttentionMla, SplitPartsMergeToTheFullResult) {
 
 // Eviction leaves holes in a block table (-1): the kernel skips them, as the reference does,
 // for every page type, decode and prefill tiles, with the query's own page staged.
-TEST(PagedAttention, EvictedPagesAreSkipped) {
+TEST_P(PagedAttention, EvictedPagesAreSkipped) {
   for (KvElem elem : kAll) {
     const int hkv = 2, grp = 3, hd = 64, bs = 16;
     for (auto [pos0, nq] : {std::pair<int64_t, int>{700, 1}, {300, 9}}) {
@@ -495,7 +529,7 @@ TEST(PagedAttention, EvictedPagesAreSkipped) {
 // The per-page log-sum-exp the kernel emits for eviction scores gives each page's attention
 // mass: exp(page_lse − row_lse) against a double softmax over the keys read back from the
 // pages; masses over pages sum to 1. Split into parts, as flash-decoding runs it.
-TEST(PagedAttention, PageLogSumExpGivesEachPagesAttentionMass) {
+TEST_P(PagedAttention, PageLogSumExpGivesEachPagesAttentionMass) {
   for (KvElem elem : {KvElem::kF32, KvElem::kF16, KvElem::kInt8, KvElem::kFp8E4M3}) {
     const int hkv = 1, grp = 3, hd = 64, bs = 16;
     const int64_t pos0 = 200;

@@ -1,5 +1,5 @@
-// Fast ops against their float64 references, on every implementation path this CPU has
-// (scalar always; AVX-512 when present), over sizes that hit every tail case.
+// Fast ops against their float64 references, on every ISA build this CPU can run (scalar
+// always; AVX2 and AVX-512 when present), over sizes that hit every tail case.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,6 +11,7 @@
 
 #include "kernels/ops.h"
 #include "kernels/quant.h"
+#include "isa_param.h"
 
 namespace kv {
 namespace {
@@ -30,20 +31,8 @@ std::vector<float> randn(int64_t n, uint32_t seed, float scale) {
   return v;
 }
 
-// Runs each test once per path. Restores the automatic choice afterwards.
-class OpsTest : public ::testing::TestWithParam<OpsPath> {
- protected:
-  void SetUp() override {
-    set_ops_path_for_testing(GetParam());
-    if (ops_path() != GetParam()) GTEST_SKIP() << "CPU lacks this path";
-  }
-  void TearDown() override { set_ops_path_for_testing(saved_); }
-  OpsPath saved_ = ops_path();
-};
-
-std::string path_name(const ::testing::TestParamInfo<OpsPath>& p) {
-  return p.param == OpsPath::kScalar ? "scalar" : "avx512";
-}
+// Runs each test once per ISA build (isa_param.h).
+class OpsTest : public kvtest::IsaTest {};
 
 TEST_P(OpsTest, RmsNorm) {
   for (int64_t n : sizes()) {
@@ -345,8 +334,7 @@ TEST_P(OpsTest, KeyBound) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Paths, OpsTest, ::testing::Values(OpsPath::kScalar, OpsPath::kAvx512),
-                         path_name);
+KV_INSTANTIATE_FOR_EVERY_ISA(OpsTest);
 
 }  // namespace
 }  // namespace kv

@@ -1,0 +1,92 @@
+#include "kernels/isa.h"
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+namespace kv {
+
+namespace {
+
+Isa best_isa() {
+  return cpu_has(Isa::kAvx512) ? Isa::kAvx512 : cpu_has(Isa::kAvx2) ? Isa::kAvx2 : Isa::kScalar;
+}
+
+// One warning per process, whichever thread asks first (model loads and the CLI all call
+// detect_isa()).
+std::atomic<bool> g_warned{false};
+void warn_once(const char* what, const char* value, Isa used) {
+  if (g_warned.exchange(true)) return;
+  std::fprintf(stderr, "kvserve: warning: KV_ISA=%s %s; using %s\n", value, what, isa_name(used));
+}
+
+// -1 until first use; then an Isa. Relaxed: every thread computes the same answer.
+std::atomic<int> g_kernel_isa{-1};
+
+}  // namespace
+
+bool cpu_has(Isa isa) {
+#if defined(KV_SCALAR_ONLY) || !(defined(__x86_64__) || defined(__i386__))
+  return isa == Isa::kScalar;
+#else
+  switch (isa) {
+    case Isa::kScalar:
+      return true;
+    case Isa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case Isa::kAvx512:
+      // Everything the *_avx512.cpp files are compiled for (CMakeLists.txt), so the compiler
+      // may use any of it there.
+      return cpu_has(Isa::kAvx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("avx512vnni");
+  }
+  return false;
+#endif
+}
+
+Isa detect_isa() {
+  const Isa best = best_isa();
+  const char* e = std::getenv("KV_ISA");
+  if (!e || !*e) return best;
+  Isa want;
+  if (std::strcmp(e, "scalar") == 0) want = Isa::kScalar;
+  else if (std::strcmp(e, "avx2") == 0) want = Isa::kAvx2;
+  else if (std::strcmp(e, "avx512") == 0) want = Isa::kAvx512;
+  else {
+    warn_once("is not one of scalar, avx2, avx512", e, best);
+    return best;
+  }
+  if (!cpu_has(want)) {
+    warn_once("asks for more than this CPU has", e, best);
+    return best;
+  }
+  return want;
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kScalar: return "scalar";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kAvx512: return "avx512";
+  }
+  return "?";
+}
+
+Isa kernel_isa() {
+  int v = g_kernel_isa.load(std::memory_order_relaxed);
+  if (v < 0) {
+    v = static_cast<int>(detect_isa());
+    g_kernel_isa.store(v, std::memory_order_relaxed);
+  }
+  return static_cast<Isa>(v);
+}
+
+Isa set_kernel_isa_for_testing(Isa isa) {
+  while (!cpu_has(isa)) isa = static_cast<Isa>(static_cast<int>(isa) - 1);
+  g_kernel_isa.store(static_cast<int>(isa), std::memory_order_relaxed);
+  return isa;
+}
+
+}  // namespace kv
