@@ -1,4 +1,5 @@
-// `kvserve inspect [-m PATH] [--json]`: what a GGUF model is and what its KV cache costs.
+// `kvserve inspect [-m PATH] [--json]`: what a GGUF model is and what its KV cache costs, and
+// which kernels (ISA build) this machine would run it with.
 //
 // One description (a JSON object) is built from the file; the text view and --json print
 // the same facts. Hyperparameters come from the `{arch}.*` keys the way llama.cpp names
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "kernels/isa.h"
 #include "kernels/kv_tile.h"
 #include "common/units.h"
 #include "gguf/gguf.h"
@@ -254,6 +256,19 @@ void print_text(const Json& j) {
     std::printf("chat template   yes (%s chars)\n", show(j["chat_template"]["length"]).c_str());
   else
     std::printf("chat template   no\n");
+  const Json& k = j["kernels"];
+  std::string cpu;
+  for (const auto& x : k["cpu"]) cpu += (cpu.empty() ? "" : ", ") + x.get<std::string>();
+  std::printf("kernels         %s (this CPU runs: %s; KV_ISA=scalar|avx2|avx512 lowers the choice)\n",
+              show(k["isa"]).c_str(), cpu.c_str());
+}
+
+// The kernel ISA the other commands would use here, and every one this CPU can run.
+Json kernels_description() {
+  Json cpu = Json::array();
+  for (kv::Isa isa : {kv::Isa::kScalar, kv::Isa::kAvx2, kv::Isa::kAvx512})
+    if (kv::cpu_has(isa)) cpu.push_back(kv::isa_name(isa));
+  return {{"isa", kv::isa_name(kv::detect_isa())}, {"cpu", cpu}};
 }
 
 [[noreturn]] void fail_cli(const std::string& msg) {
@@ -279,6 +294,7 @@ void add_inspect_command(CLI::App& app) {
     if (!file) fail_cli(file.message());
     auto desc = Describer(**file).run();
     if (!desc) fail_cli(opts->path + ": " + desc.message());
+    (*desc)["kernels"] = kernels_description();
     if (opts->json)
       std::printf("%s\n", desc->dump(2, ' ', false, Json::error_handler_t::replace).c_str());
     else
