@@ -23,6 +23,7 @@ APT_PACKAGES=(
   libhiredis-dev redis-server
   iproute2
   chromium
+  qemu-user
 )
 
 # ---------------------------------------------------------------- apt

@@ -4,6 +4,7 @@ falls back with a warning, and greedy text is the numpy oracle's on every path."
 import functools
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -82,3 +83,14 @@ def test_greedy_text_is_the_oracles_on_every_isa(isa):
     assert f"kernels: {used}," in r.stderr
     assert ("warning" in r.stderr) == (isa not in cpu)
     assert r.stdout.rstrip("\n") == want
+
+
+@pytest.mark.skipif(shutil.which("qemu-x86_64") is None, reason="needs qemu-x86_64 (Debian qemu-user)")
+def test_runs_on_a_cpu_without_avx():
+    """Under QEMU's plain x86-64 CPU (qemu64: no AVX, no SSE4) the binary starts and picks the
+    scalar kernels; a -march=native build dies there of SIGILL before main. (The kernel tests
+    under the same CPU: ctest kernels_on_baseline_cpu.)"""
+    r = subprocess.run(["qemu-x86_64", "-cpu", "qemu64", KVSERVE, "inspect", "-m", MODEL, "--json"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["kernels"] == {"isa": "scalar", "cpu": ["scalar"]}
