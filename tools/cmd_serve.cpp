@@ -50,6 +50,7 @@ struct ServeOptions {
   std::string kv_tier_write = "back";
   int kv_tier_min_tokens = 32;
   std::string preemption_mode = "recompute";
+  std::string speculative_config;
   std::string role = "both";
 };
 
@@ -129,6 +130,7 @@ void run_serve(const ServeOptions& o) {
     ec.tiers.max_pending_bytes = std::max<int64_t>(ec.tiers.max_pending_bytes, int64_t(1) << 30);
   }
   ec.tiers.min_pages = std::max(1, (o.kv_tier_min_tokens + o.kvo.block_size - 1) / o.kvo.block_size);
+  ec.spec = parse_speculative_option(o.speculative_config);
   ec.preemption = o.preemption_mode == "swap" ? kv::EngineConfig::Preemption::kSwap : kv::EngineConfig::Preemption::kRecompute;
   if (ec.preemption == kv::EngineConfig::Preemption::kSwap && !ec.tiers.enabled())
     fail("--preemption-mode swap writes pages to a KV tier: give --kv-disk-dir or --kv-redis");
@@ -148,9 +150,9 @@ void run_serve(const ServeOptions& o) {
     std::fprintf(stderr, "KV cache, sliding-window layers (window %d): %s, %d pages (the window of %lld sequences); the prefix cache keeps these pages too while they fit\n",
                  (*model)->kv_groups()[1].window, kv::format_bytes(g1->total_bytes()).c_str(), g1->n_pages(),
                  static_cast<long long>(g1->n_pages() / ((*model)->kv_groups()[1].window / ec.block_size + 2)));
-  std::fprintf(stderr, "engine: max_num_seqs %d, max_num_batched_tokens %d, max_queue %d, prefix caching %s, policy %s, KV policy %s\n",
+  std::fprintf(stderr, "engine: max_num_seqs %d, max_num_batched_tokens %d, max_queue %d, prefix caching %s, policy %s, KV policy %s, speculative %s\n",
                ec.max_num_seqs, ec.max_num_batched_tokens, ec.max_queue, ec.enable_prefix_caching ? "on" : "off", o.policy.c_str(),
-               ec.kv_policy.describe(ec.block_size).c_str());
+               ec.kv_policy.describe(ec.block_size).c_str(), ec.spec.describe().c_str());
 
   if (ec.tiers.enabled()) {
     std::string redis;
@@ -271,6 +273,9 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--kv-tier-min-tokens", o->kv_tier_min_tokens, "look below RAM only when at least this many prompt tokens could come from there")
       ->check(CLI::Range(1, 1 << 24))
       ->capture_default_str();
+  cmd->add_option("--speculative-config", o->speculative_config,
+                  "speculative decoding for every request (a request's \"speculative\": false turns it off), vLLM's JSON: "
+                  "'{\"method\": \"ngram\"|\"suffix\", \"num_speculative_tokens\": 5, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}'");
   cmd->add_option("--preemption-mode", o->preemption_mode, "recompute, or swap: a preempted sequence's pages go to the KV tiers and come back")
       ->check(CLI::IsMember({"recompute", "swap"}))
       ->capture_default_str();

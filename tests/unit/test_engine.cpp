@@ -23,6 +23,7 @@ const Tokenizer* smollm2_tokenizer() {
 struct Outcome {
   std::map<int, std::string> text;
   std::map<int, std::string> finish;
+  std::map<int, std::vector<int32_t>> tokens;
   Usage usage;
 };
 
@@ -48,6 +49,7 @@ Outcome collect(RequestStream& s) {
   s.pop(&evs, std::chrono::milliseconds(0));
   for (auto& ev : evs) {
     if (ev.kind == StreamEvent::kText) o.text[ev.index] += ev.text;
+    if (ev.kind == StreamEvent::kText) o.tokens[ev.index].insert(o.tokens[ev.index].end(), ev.tokens.begin(), ev.tokens.end());
     if (ev.kind == StreamEvent::kFinish) o.finish[ev.index] = ev.finish_reason;
   }
   o.usage = s.usage();
@@ -594,4 +596,183 @@ TEST(Engine, Gemma3PrefixCacheUnderWindowPoolPressure) {
   EXPECT_GE(n_hits, 2);
   EXPECT_GT(e.metrics().prefix_cache_window_evictions_total, 0);  // the pool did run short
   expect_drained(e);
+}
+
+// ---- Speculative decoding (engine/speculative.h) ----------------------------------------------
+
+namespace {
+struct SpecCase {
+  std::vector<int32_t> prompt;
+  int max_tokens = 16;
+  int n = 1;
+  std::vector<std::string> stop;
+  SamplingParams sp;
+};
+
+// ≥ 100 requests: the test prompts, prompts that repeat themselves (drafts get accepted), counts,
+// code; max_tokens from 1 to 20 (so it lands inside drafts), stop strings, sampling with seeds
+// and penalties, n = 2.
+std::vector<SpecCase> spec_cases(const Tokenizer& tok) {
+  static const char* kLines[] = {"the cat sat on the mat", "x = x + 1; y = y * 2;", "SELECT id FROM users WHERE age > 30",
+                                 "roses are red, violets are blue", "for (int i = 0; i < n; ++i) sum += a[i];",
+                                 "The meeting is at 10 am in room 4."};
+  std::vector<std::string> texts(std::begin(kPrompts), std::end(kPrompts));
+  for (int i = 0; i < 48; ++i) {
+    const std::string line = kLines[i % 6];
+    texts.push_back("Repeat this line " + std::to_string(2 + i % 3) + " times:\n" + line + "\n" + line + "\n" + (i % 2 ? line.substr(0, 8) : ""));
+  }
+  for (int k = 5; k < 25; ++k) {
+    std::string t;
+    for (int j = 1; j <= k; ++j) t += std::to_string(j) + ", ";
+    texts.push_back(t);
+  }
+  for (int i = 0; i < 16; ++i)
+    texts.push_back("def f" + std::to_string(i) + "(x):\n    return x * " + std::to_string(i) + "\n\ndef g" + std::to_string(i) +
+                    "(x):\n    return x * ");
+  std::vector<SpecCase> out;
+  for (size_t i = 0; i < texts.size(); ++i) {
+    SpecCase c;
+    c.prompt = tok.encode(texts[i], true, true);
+    c.max_tokens = 1 + static_cast<int>((i * 7) % 20);
+    if (i % 7 == 0) c.stop = {","};
+    if (i % 7 == 3) c.stop = {"\n", "x"};
+    if (i % 4 == 1) {
+      c.sp.temperature = 0.8f;
+      c.sp.top_p = 0.9f;
+      c.sp.seed = 77 + i;
+      if (i % 8 == 1) c.sp.frequency_penalty = 0.5f;
+    }
+    if (i % 10 == 5) {
+      c.n = 2;
+      c.sp.temperature = 0.9f;
+      c.sp.seed = 5 + i;
+    }
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+// Every case at once in one engine (integrity checked after every step); the outcomes in order.
+std::vector<Outcome> run_spec_cases(LlamaModel& m, const Tokenizer& tok, const EngineConfig& cfg, const std::vector<SpecCase>& cases,
+                                    RequestParams::Spec choice, MetricsSnapshot* metrics = nullptr) {
+  Engine e(m, tok, cfg);
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (const SpecCase& c : cases) {
+    Request r;
+    r.id = e.next_request_id();
+    r.prompt = c.prompt;
+    r.params.max_tokens = c.max_tokens;
+    r.params.n = c.n;
+    r.params.stop = c.stop;
+    r.params.sampling = c.sp;
+    r.params.spec_choice = choice;
+    r.stream = std::make_shared<RequestStream>();
+    Rejection rej = e.submit(r);
+    EXPECT_EQ(rej.http_status, 0) << rej.message;
+    streams.push_back(r.stream);
+  }
+  run_until_idle(e);
+  expect_drained(e);
+  if (metrics) *metrics = e.metrics();
+  std::vector<Outcome> out;
+  for (auto& s : streams) out.push_back(collect(*s));
+  return out;
+}
+
+void expect_same_outcomes(const std::vector<Outcome>& want, const std::vector<Outcome>& got) {
+  ASSERT_EQ(want.size(), got.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(got[i].tokens, want[i].tokens) << "request " << i;
+    EXPECT_EQ(got[i].text, want[i].text) << "request " << i;
+    EXPECT_EQ(got[i].finish, want[i].finish) << "request " << i;
+    EXPECT_EQ(got[i].usage.completion_tokens, want[i].usage.completion_tokens) << "request " << i;
+  }
+}
+
+EngineConfig with_spec(EngineConfig c, SpecConfig::Method method) {
+  c.spec.method = method;
+  c.spec.num_speculative_tokens = 4;
+  c.spec.max_batch_tokens = 0;  // draft at every batch width, so verification runs mixed with everything
+  return c;
+}
+
+void expect_spec_identical(LlamaModel& m, const Tokenizer& tok, EngineConfig base, size_t min_cases) {
+  const std::vector<SpecCase> cases = spec_cases(tok);
+  ASSERT_GE(cases.size(), min_cases);
+  base.spec.method = SpecConfig::Method::kNgram;  // a request's "speculative": false wins over it
+  const std::vector<Outcome> want = run_spec_cases(m, tok, base, cases, RequestParams::Spec::kOff);
+  for (auto method : {SpecConfig::Method::kNgram, SpecConfig::Method::kSuffix}) {
+    MetricsSnapshot ms;
+    const std::vector<Outcome> got = run_spec_cases(m, tok, with_spec(base, method), cases, RequestParams::Spec::kDefault, &ms);
+    expect_same_outcomes(want, got);
+    // Drafts ran, some were accepted and some rejected (rollbacks happened).
+    EXPECT_GT(ms.spec_drafts_total, 20) << spec_method_name(method);
+    EXPECT_GT(ms.spec_accepted_tokens_total, 0) << spec_method_name(method);
+    EXPECT_LT(ms.spec_accepted_tokens_total, ms.spec_draft_tokens_total) << spec_method_name(method);
+    std::printf("%s: %lld drafts, %lld of %lld draft tokens accepted\n", spec_method_name(method),
+                static_cast<long long>(ms.spec_drafts_total), static_cast<long long>(ms.spec_accepted_tokens_total),
+                static_cast<long long>(ms.spec_draft_tokens_total));
+  }
+}
+}  // namespace
+
+// Greedy and seeded sampling give the same tokens with and without speculation (the draws are
+// the same draws), with stop strings, max_tokens inside a draft and n = 2; every page returns.
+TEST(Engine, SpeculativeOutputIsIdenticalSmolLM2) {
+  LlamaModel* m = kvtest::smollm2_model();
+  const Tokenizer* tok = smollm2_tokenizer();
+  ASSERT_TRUE(m && tok);
+  expect_spec_identical(*m, *tok, small_config(1024), 100);
+}
+
+TEST(Engine, SpeculativeOutputIsIdenticalGemma3) {
+  LlamaModel* m = kvtest::gemma3_model();
+  ASSERT_NE(m, nullptr);
+  auto tok = gemma3_tokenizer();
+  ASSERT_NE(tok, nullptr);
+  EngineConfig c = gemma_config();
+  c.max_num_seqs = 32;
+  c.max_model_len = 512;
+  expect_spec_identical(*m, *tok, c, 100);
+}
+
+// Quantized pages are quantized when their last slot is written: drafts never write it, so a
+// rejected draft never reaches a quantized page, and the output stays the same.
+TEST(Engine, SpeculativeOutputIsIdenticalWithInt8Pages) {
+  LlamaModel* m = kvtest::smollm2_model();
+  const Tokenizer* tok = smollm2_tokenizer();
+  ASSERT_TRUE(m && tok);
+  EngineConfig c = small_config(1024);
+  c.kv_dtype = KvDtype::kInt8;
+  std::vector<SpecCase> cases = spec_cases(*tok);
+  cases.resize(40);
+  const std::vector<Outcome> want = run_spec_cases(*m, *tok, c, cases, RequestParams::Spec::kOff);
+  MetricsSnapshot ms;
+  expect_same_outcomes(want, run_spec_cases(*m, *tok, with_spec(c, SpecConfig::Method::kNgram), cases, RequestParams::Spec::kDefault, &ms));
+  EXPECT_GT(ms.spec_accepted_tokens_total, 0);
+}
+
+// Under load the drafts stop: with max_batch_tokens 8 and 16 decoding sequences, no step drafts.
+TEST(Engine, SpeculationTurnsOffWhenTheBatchIsWide) {
+  LlamaModel* m = kvtest::smollm2_model();
+  const Tokenizer* tok = smollm2_tokenizer();
+  ASSERT_TRUE(m && tok);
+  EngineConfig c = small_config(1024);
+  c.spec.method = SpecConfig::Method::kNgram;
+  c.spec.max_batch_tokens = 8;
+  std::vector<SpecCase> cases;
+  for (int i = 0; i < 16; ++i) {
+    SpecCase sc;
+    sc.prompt = tok->encode("Repeat this line 4 times:\nthe cat sat on the mat\nthe cat sat on the mat\nthe cat", true, true);
+    sc.max_tokens = 24;
+    cases.push_back(sc);
+  }
+  MetricsSnapshot wide, narrow;
+  run_spec_cases(*m, *tok, c, cases, RequestParams::Spec::kDefault, &wide);
+  cases.resize(1);
+  run_spec_cases(*m, *tok, c, cases, RequestParams::Spec::kDefault, &narrow);
+  EXPECT_GT(narrow.spec_accepted_tokens_total, 5);  // alone, the repeated line is drafted and accepted
+  // Sixteen together: drafts only in the last steps, when most have finished (prefills end at
+  // different steps); far fewer than sixteen times one sequence's.
+  EXPECT_LT(wide.spec_draft_tokens_total, 4 * narrow.spec_draft_tokens_total);
 }
