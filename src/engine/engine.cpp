@@ -73,6 +73,7 @@ struct Engine::Sequence {
   // Speculative decoding (engine/speculative.h): the request's or the server's configuration,
   // and this step's draft with the run that verifies it ([last token, draft...]).
   SpecConfig spec;
+  SpecStats spec_stats;
   std::vector<int32_t> draft;
   std::vector<int32_t> spec_run;
 
@@ -589,6 +590,8 @@ int32_t Engine::make_draft(Sequence& s, int32_t k_cap) {
     k = std::min<int64_t>(k, slot == bs - 1 ? bs - 1 : bs - 2 - slot);
   }
   if (k <= 0) return 0;
+  k = s.spec_stats.worth(static_cast<int32_t>(k), s.spec.draft_cost);  // as long as it pays, from this sequence's record
+  if (k <= 0) return 0;
   const int32_t* t = s.tokens.data();
   if (s.spec.method == SpecConfig::Method::kNgram) {
     ngram_draft(t, n_tok, s.spec, static_cast<int32_t>(k), &s.draft);
@@ -629,6 +632,7 @@ void Engine::settle_draft(Sequence& s, int32_t n_accepted) {
   truncate(s.table, *pool_);
   if (pool_g1_) truncate(s.table_g1, *pool_g1_);
   metrics_.add_spec(static_cast<int32_t>(s.draft.size()), n_accepted);
+  s.spec_stats.observe(static_cast<int32_t>(s.draft.size()), n_accepted);
   s.draft.clear();
   publish(s);
 }

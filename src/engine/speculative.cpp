@@ -31,6 +31,7 @@ Status SpecConfig::validate() const {
   if (!(suffix_alpha > 0.f && suffix_alpha <= 64.f)) return Status::error("suffix_alpha must be in (0, 64]");
   if (suffix_cache_tokens < 0) return Status::error("suffix_cache_tokens must be >= 0");
   if (max_batch_tokens < 0) return Status::error("max_batch_tokens must be >= 0");
+  if (!(draft_cost >= 0.f && draft_cost < 1.f)) return Status::error("draft_cost must be in [0, 1)");
   return Status::ok();
 }
 
@@ -40,6 +41,19 @@ std::string SpecConfig::describe() const {
   if (method == Method::kNgram) s += " n=" + std::to_string(prompt_lookup_min) + ".." + std::to_string(prompt_lookup_max);
   if (method == Method::kSuffix) s += " depth=" + std::to_string(suffix_max_depth);
   return s;
+}
+
+int32_t SpecStats::worth(int32_t k_max, float draft_cost) {
+  const double r = std::clamp(rate(), 1e-3, 0.999);
+  int32_t k = 0;
+  for (double p = r; k < k_max && p > draft_cost; p *= r) ++k;
+  if (k > 0 || draft_cost <= 0) {
+    idle_steps = 0;
+    return draft_cost <= 0 ? k_max : k;
+  }
+  if (++idle_steps < kProbeEvery) return 0;
+  idle_steps = 0;
+  return std::min(k_max, 1);
 }
 
 int32_t ngram_draft(const int32_t* t, int64_t n, const SpecConfig& cfg, int32_t k_max, std::vector<int32_t>* out) {

@@ -47,11 +47,32 @@ struct SpecConfig {
   // sequence, plus drafts) stay within this; beyond it the batch is compute-bound on a CPU and
   // a rejected draft would cost throughput. 0 = no limit.
   int32_t max_batch_tokens = 8;
+  // Adaptive length: a draft token is worth its cost while the chance that it and every token
+  // before it are accepted exceeds draft_cost (a draft token's compute as a fraction of a decode
+  // step at batch 1). The per-token acceptance is learnt per sequence (SpecStats).
+  float draft_cost = 0.1f;
 
   bool enabled() const { return method != Method::kNone && num_speculative_tokens > 0; }
   Status validate() const;
   std::string describe() const;  // e.g. "ngram k=5 n=2..4"
 };
+// A sequence's acceptance so far, as an exponentially decayed count of accepted draft tokens and
+// of tokens tried (an accepted token, or the first rejected one). From a 1-in-2 prior.
+struct SpecStats {
+  double accepted = 1.0, tried = 2.0;
+  int32_t idle_steps = 0;  // steps without a draft since the last probe
+  void observe(int32_t n_draft, int32_t n_accepted) {
+    constexpr double kDecay = 0.9;
+    accepted = kDecay * accepted + n_accepted;
+    tried = kDecay * tried + n_accepted + (n_accepted < n_draft ? 1 : 0);
+  }
+  double rate() const { return accepted / tried; }
+  // Draft length worth verifying: the largest k with rate^k > draft_cost, at most k_max; when
+  // that is 0, one token every kProbeEvery steps, so a sequence that starts repeating is noticed.
+  int32_t worth(int32_t k_max, float draft_cost);
+  static constexpr int32_t kProbeEvery = 4;
+};
+
 const char* spec_method_name(SpecConfig::Method m);
 bool parse_spec_method(const std::string& s, SpecConfig::Method* out);
 

@@ -354,12 +354,12 @@ std::vector<ChatMessage> parse_messages(const Fields& f) {
 SpecConfig parse_spec_config(const json& v, const std::string& param) {
   if (!v.is_object()) type_error(param, "an object", v);
   static const char* kKnown[] = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "suffix_max_depth",
-                                 "suffix_min_prob", "suffix_alpha", "suffix_cache_tokens", "max_batch_tokens"};
+                                 "suffix_min_prob", "suffix_alpha", "suffix_cache_tokens", "max_batch_tokens", "draft_cost"};
   for (auto it = v.begin(); it != v.end(); ++it)
     if (std::find(std::begin(kKnown), std::end(kKnown), it.key()) == std::end(kKnown))
       value_error(param, "unknown field '" + it.key() +
                              "' (expected method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, suffix_max_depth, "
-                             "suffix_min_prob, suffix_alpha, suffix_cache_tokens, max_batch_tokens).");
+                             "suffix_min_prob, suffix_alpha, suffix_cache_tokens, max_batch_tokens, draft_cost).");
   Fields f(v);
   SpecConfig c;
   c.method = SpecConfig::Method::kNgram;
@@ -374,6 +374,7 @@ SpecConfig parse_spec_config(const json& v, const std::string& param) {
     c.suffix_alpha = static_cast<float>(f.number("suffix_alpha", 0.0, 64.0, /*lo_open=*/true).value_or(c.suffix_alpha));
     c.suffix_cache_tokens = static_cast<int32_t>(f.integer("suffix_cache_tokens", 0, int64_t(1) << 24).value_or(c.suffix_cache_tokens));
     c.max_batch_tokens = static_cast<int32_t>(f.integer("max_batch_tokens", 0, 1 << 20).value_or(c.max_batch_tokens));
+    c.draft_cost = static_cast<float>(f.number("draft_cost", 0.0, 0.99).value_or(c.draft_cost));
     if (Status st = c.validate(); !st) value_error(param, st.message() + ".");
   } catch (ApiError& e) {  // a nested field: name it as <param>.<field>
     if (!e.param.empty() && e.param != param) {

@@ -693,6 +693,7 @@ EngineConfig with_spec(EngineConfig c, SpecConfig::Method method) {
   c.spec.method = method;
   c.spec.num_speculative_tokens = 4;
   c.spec.max_batch_tokens = 0;  // draft at every batch width, so verification runs mixed with everything
+  c.spec.draft_cost = 0.f;      // and at full length whatever the acceptance so far
   return c;
 }
 

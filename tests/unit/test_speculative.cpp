@@ -116,3 +116,17 @@ TEST(SpecConfig, ValidatesRanges) {
   EXPECT_FALSE(c.validate().is_ok());
   EXPECT_EQ(SpecConfig{}.describe(), "none");
 }
+
+TEST(SpecStats, DraftsAsLongAsTheAcceptanceRatePays) {
+  SpecStats st;  // prior 1/2: 0.5, 0.25, 0.125 > 0.1 → 3 tokens
+  EXPECT_EQ(st.worth(8, 0.1f), 3);
+  for (int i = 0; i < 40; ++i) st.observe(5, 5);  // everything accepted: long drafts
+  EXPECT_EQ(st.worth(8, 0.1f), 8);
+  EXPECT_EQ(st.worth(5, 0.1f), 5);
+  for (int i = 0; i < 60; ++i) st.observe(3, 0);  // everything rejected: none, then a probe
+  EXPECT_LT(st.rate(), 0.05);
+  int32_t probes = 0;
+  for (int i = 0; i < 4 * SpecStats::kProbeEvery; ++i) probes += st.worth(5, 0.1f);
+  EXPECT_EQ(probes, 4);
+  EXPECT_EQ(st.worth(5, 0.f), 5);  // draft_cost 0: always the full length
+}
