@@ -757,37 +757,25 @@ void Engine::sample_all(int32_t nv) {
       const RequestParams& p = s.rs->req.params;
       d.out.clear();
       d.lps.clear();
-      // Row j verifies draft token j: drawn with the history that includes drafts 0..j-1 (the
-      // sampler's penalties see exactly what they would without speculation); the first draw
-      // that differs from the draft is the last.
-      const size_t n0 = s.tokens.size();
-      for (int32_t j = 0; j < d.n_rows; ++j) {
-        const float* lg = d.logits + int64_t(j) * nv;
-        double lz = 0;  // log-partition of the raw logits
-        if (p.logprobs >= 0) {
-          // Log-probabilities of the model's distribution (before penalties and temperature).
-          const float mx = max_value(lg, nv);
-          double z = 0;
-          for (int32_t v = 0; v < nv; ++v) z += std::exp(double(lg[v]) - mx);
-          lz = mx + std::log(z);
-          TokenLogprob tl;
-          if (p.logprobs > 0) {
-            top_k_select(lg, nv, std::min(p.logprobs, nv), &ws.sampler.cand);
-            for (const auto& [v, id] : ws.sampler.cand) tl.top.emplace_back(id, static_cast<float>(double(v) - lz));
-          }
-          d.lps.push_back(std::move(tl));
-        }
-        std::copy(lg, lg + nv, ws.row.begin());  // the sampler rewrites its row
-        const int32_t tok = s.sampler.sample(ws.row.data(), nv, s.tokens, static_cast<size_t>(s.n_prompt), &ws.sampler);
-        if (p.logprobs >= 0) {
-          d.lps.back().token = tok;
-          d.lps.back().logprob = static_cast<float>(double(lg[tok]) - lz);  // same arithmetic as `top`
-        }
-        d.out.push_back(tok);
-        if (j + 1 >= d.n_rows || tok != s.draft[j]) break;
-        s.tokens.push_back(tok);
-      }
-      s.tokens.resize(n0);  // postprocess appends the drawn tokens
+      // Row j verifies draft token j (verify_draft); logprobs of each row drawn.
+      const std::vector<int32_t>* draft = d.n_rows > 1 ? &s.draft : nullptr;
+      verify_draft(s.sampler, d.logits, d.n_rows, nv, draft, s.tokens, static_cast<size_t>(s.n_prompt), &ws.sampler, ws.row.data(),
+                   &d.out, [&](int32_t, const float* lg, int32_t tok) {
+                     if (p.logprobs < 0) return;
+                     // Log-probabilities of the model's distribution (before penalties and temperature).
+                     const float mx = max_value(lg, nv);
+                     double z = 0;
+                     for (int32_t v = 0; v < nv; ++v) z += std::exp(double(lg[v]) - mx);
+                     const double lz = mx + std::log(z);  // log-partition of the raw logits
+                     TokenLogprob tl;
+                     if (p.logprobs > 0) {
+                       top_k_select(lg, nv, std::min(p.logprobs, nv), &ws.sampler.cand);
+                       for (const auto& [v, id] : ws.sampler.cand) tl.top.emplace_back(id, static_cast<float>(double(v) - lz));
+                     }
+                     tl.token = tok;
+                     tl.logprob = static_cast<float>(double(lg[tok]) - lz);  // same arithmetic as `top`
+                     d.lps.push_back(std::move(tl));
+                   });
     }
   };
   // One sequence is not worth a wake-up of the pool.

@@ -43,6 +43,22 @@ std::string SpecConfig::describe() const {
   return s;
 }
 
+void verify_draft(Sampler& sampler, const float* rows, int32_t n_rows, int32_t nv, const std::vector<int32_t>* draft,
+                  std::vector<int32_t>& history, size_t n_prompt, SamplerScratch* scratch, float* row_buf,
+                  std::vector<int32_t>* out, const std::function<void(int32_t, const float*, int32_t)>& on_draw) {
+  const size_t n0 = history.size();
+  for (int32_t j = 0; j < n_rows; ++j) {
+    const float* lg = rows + int64_t(j) * nv;
+    std::copy(lg, lg + nv, row_buf);  // the sampler rewrites its row
+    const int32_t tok = sampler.sample(row_buf, nv, history, n_prompt, scratch);
+    if (on_draw) on_draw(j, lg, tok);
+    out->push_back(tok);
+    if (!draft || j + 1 >= n_rows || j >= static_cast<int32_t>(draft->size()) || tok != (*draft)[j]) break;
+    history.push_back(tok);  // the next row's draw sees the accepted token, as it would unspeculated
+  }
+  history.resize(n0);
+}
+
 int32_t SpecStats::worth(int32_t k_max, float draft_cost) {
   const double r = std::clamp(rate(), 1e-3, 0.999);
   int32_t k = 0;

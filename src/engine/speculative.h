@@ -24,11 +24,13 @@
 #pragma once
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "common/status.h"
+#include "engine/sampler.h"
 
 namespace kv {
 
@@ -75,6 +77,15 @@ struct SpecStats {
 
 const char* spec_method_name(SpecConfig::Method m);
 bool parse_spec_method(const std::string& s, SpecConfig::Method* out);
+
+// Verification: row j of rows[n_rows][nv] is drawn by `sampler` with history + draft[0, j);
+// draft[j] is accepted when the draw equals it, and the first draw that differs (or the last
+// row's) ends it. The draws go to *out (accepted drafts, then one more); on_draw(j, row, token)
+// sees each (the sampler itself rewrites a copy in row_buf[nv]). history is restored.
+// draft null: one row, a plain draw.
+void verify_draft(Sampler& sampler, const float* rows, int32_t n_rows, int32_t nv, const std::vector<int32_t>* draft,
+                  std::vector<int32_t>& history, size_t n_prompt, SamplerScratch* scratch, float* row_buf,
+                  std::vector<int32_t>* out, const std::function<void(int32_t, const float*, int32_t)>& on_draw);
 
 // Prompt lookup over tokens[0, n): appends at most k_max tokens to *out; returns how many.
 int32_t ngram_draft(const int32_t* tokens, int64_t n, const SpecConfig& cfg, int32_t k_max, std::vector<int32_t>* out);

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "engine/speculative.h"
+#include "sampling_stats.h"
 
 using namespace kv;
 
@@ -129,4 +130,58 @@ TEST(SpecStats, DraftsAsLongAsTheAcceptanceRatePays) {
   for (int i = 0; i < 4 * SpecStats::kProbeEvery; ++i) probes += st.worth(5, 0.1f);
   EXPECT_EQ(probes, 4);
   EXPECT_EQ(st.worth(5, 0.f), 5);  // draft_cost 0: always the full length
+}
+
+// The verification rule (draw, accept while the draw equals the draft) against the exact
+// target distributions, over 100k seeds: the first token emitted follows p0 whatever the draft,
+// the draft's first token is accepted with probability p0(d1), and the token after an accepted
+// d1 follows p1 computed with d1 in the history (a frequency penalty makes that matter).
+// Thresholds as in test_sampler.cpp: chi-square at alpha = 1e-6; the acceptance rate within
+// 5 standard deviations of p0(d1).
+TEST(VerifyDraft, AcceptedTokensFollowTheTargetDistribution) {
+  constexpr int32_t nv = 12;
+  constexpr int64_t kDraws = 100000;
+  std::vector<float> rows(3 * nv);
+  for (int32_t j = 0; j < 3; ++j)
+    for (int32_t v = 0; v < nv; ++v) rows[j * nv + v] = std::sin(0.7f * v + 1.3f * j) * 2.f;
+  for (kv::SamplingParams p : {kv::SamplingParams{}, kv::SamplingParams{}}) {
+    p.temperature = 0.9f;
+    static int variant = 0;
+    if (variant++ % 2) p.top_p = 0.9f, p.frequency_penalty = 0.8f;
+    const std::vector<float> row0(rows.begin(), rows.begin() + nv), row1(rows.begin() + nv, rows.begin() + 2 * nv);
+    const std::vector<int32_t> history = {1, 2, 3};
+    const std::vector<double> p0 = kvtest::reference_probs(row0, p, history, 3);
+    const int32_t d1 = static_cast<int32_t>(std::max_element(p0.begin(), p0.end()) - p0.begin());
+    std::vector<int32_t> with_d1 = history;
+    with_d1.push_back(d1);
+    const std::vector<double> p1 = kvtest::reference_probs(row1, p, with_d1, 3);
+    const std::vector<int32_t> draft = {d1, 5};
+    std::vector<int64_t> first(nv, 0), second(nv, 0);
+    int64_t accepted = 0;
+    std::vector<float> buf(nv);
+    std::vector<int32_t> out, hist = history;
+    kv::SamplerScratch ws;
+    for (int64_t i = 0; i < kDraws; ++i) {
+      p.seed = 1000 + static_cast<uint64_t>(i);
+      kv::Sampler sampler(p);
+      out.clear();
+      kv::verify_draft(sampler, rows.data(), 3, nv, &draft, hist, 3, &ws, buf.data(), &out, nullptr);
+      ASSERT_EQ(hist, history);  // restored
+      ASSERT_GE(out.size(), 1u);
+      ++first[out[0]];
+      if (out[0] == d1) {
+        ++accepted;
+        ASSERT_GE(out.size(), 2u);
+        ++second[out[1]];
+      } else {
+        ASSERT_EQ(out.size(), 1u);  // a rejected draft ends the step
+      }
+    }
+    const kvtest::ChiSquare c0 = kvtest::chi_square(first, p0, kDraws);
+    EXPECT_TRUE(c0.pass()) << "first token: chi2 " << c0.stat << " df " << c0.df;
+    const double sd = std::sqrt(p0[d1] * (1 - p0[d1]) / kDraws);
+    EXPECT_NEAR(double(accepted) / kDraws, p0[d1], 5 * sd);
+    const kvtest::ChiSquare c1 = kvtest::chi_square(second, p1, accepted);
+    EXPECT_TRUE(c1.pass()) << "after an accepted d1: chi2 " << c1.stat << " df " << c1.df;
+  }
 }
