@@ -1068,8 +1068,8 @@ void Engine::note_runs(const Plan& plan, Clock::time_point t0) {
   const double t = dash_.since_epoch(t0);
   for (const auto& it : plan.items) {
     const RequestState& rs = *it.seq->rs;
-    dash_.timelines().ran(rs.req.id, rs.req.params.cache_namespace, rs.req.arrival, t, it.n, it.seq->n_computed < it.seq->n_prompt,
-                          it.logits);
+    const bool prefill = it.n > 1 || it.seq->n_computed < it.seq->n_prompt;  // a prompt, or a recompute after preemption
+    dash_.timelines().ran(rs.req.id, rs.req.params.cache_namespace, rs.req.arrival, t, it.n, prefill, it.logits);
   }
 }
 
