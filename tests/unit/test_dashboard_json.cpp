@@ -10,16 +10,6 @@
 using namespace kv;
 
 namespace {
-const Tokenizer* tokenizer() {
-  static std::unique_ptr<Tokenizer> tok = []() -> std::unique_ptr<Tokenizer> {
-    const GgufFile* f = kvtest::smollm2_file();
-    if (!f) return nullptr;
-    auto t = Tokenizer::from_gguf(*f);
-    return t ? std::move(*t) : nullptr;
-  }();
-  return tok.get();
-}
-
 // Two tenants' namespaces, a request and a tree node each.
 KvSnapshot two_tenants(const Tokenizer& tok, const std::string& a, const std::string& b) {
   KvSnapshot s;
@@ -54,7 +44,7 @@ KvSnapshot two_tenants(const Tokenizer& tok, const std::string& a, const std::st
 }  // namespace
 
 TEST(DashboardJson, AViewerSeesItsOwnNamespacesByNameAndOthersAnonymously) {
-  const Tokenizer* tok = tokenizer();
+  const Tokenizer* tok = kvtest::smollm2_tokenizer();
   ASSERT_TRUE(tok);
   const std::string a = tenant_prefix("sk-a"), b = tenant_prefix("sk-b");
   EXPECT_EQ(a.size(), 21u);  // "key:" + 16 hex digits + "/"

@@ -10,15 +10,7 @@
 using namespace kv;
 
 namespace {
-const Tokenizer* smollm2_tokenizer() {
-  static std::unique_ptr<Tokenizer> tok = []() -> std::unique_ptr<Tokenizer> {
-    const GgufFile* f = kvtest::smollm2_file();
-    if (!f) return nullptr;
-    auto t = Tokenizer::from_gguf(*f);
-    return t ? std::move(*t) : nullptr;
-  }();
-  return tok.get();
-}
+using kvtest::smollm2_tokenizer;
 
 struct Outcome {
   std::map<int, std::string> text;
