@@ -1068,7 +1068,8 @@ void Engine::note_runs(const Plan& plan, Clock::time_point t0) {
   const double t = dash_.since_epoch(t0);
   for (const auto& it : plan.items) {
     const RequestState& rs = *it.seq->rs;
-    const bool prefill = it.n > 1 || it.seq->n_computed < it.seq->n_prompt;  // a prompt, or a recompute after preemption
+    // A prompt, or a recompute after preemption; a decode step with a draft also runs several tokens.
+    const bool prefill = !it.draft && (it.n > 1 || it.seq->n_computed < it.seq->n_prompt);
     dash_.timelines().ran(rs.req.id, rs.req.params.cache_namespace, rs.req.arrival, t, it.n, prefill, it.logits);
   }
 }

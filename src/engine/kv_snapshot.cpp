@@ -90,7 +90,7 @@ void RequestTimelines::ran(uint64_t id, const std::string& ns, std::chrono::stea
   Timeline& t = entry(id, ns, arrival);
   step_runs_.push_back({id, logits});
   if (!prefill) {
-    // A run of decode steps is one event; n > 1 choices add to the same one.
+    // A run of decode steps is one event (n counts steps); n > 1 choices add to the same one.
     if (!t.events.empty() && t.events.back().kind == TimelineEvent::kDecode) {
       t.events.back().n += 1;
       return;

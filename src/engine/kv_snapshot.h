@@ -71,7 +71,8 @@ std::string encode_runs(const std::string& states);
 struct TimelineEvent {
   enum Kind : uint8_t { kPrefill, kDecode, kPreempted, kFinished } kind = kPrefill;
   double t0 = 0, t1 = 0;
-  int32_t n = 0;  // kPrefill: prompt tokens of the chunk; kDecode: tokens drawn over the span
+  int32_t n = 0;  // kPrefill: prompt tokens of the chunk; kDecode: decode steps over the span (a
+                  // speculative step may draw several tokens)
 };
 const char* timeline_kind_name(TimelineEvent::Kind k);
 
