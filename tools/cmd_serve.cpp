@@ -24,7 +24,7 @@ struct ServeOptions {
   std::string model = kDefaultModel;
   std::string host = "127.0.0.1";
   int port = 8080;
-  std::string api_key;
+  std::vector<std::string> api_keys;
   std::string served_model_name;
   int max_num_batched_tokens = 512;
   int max_num_seqs = 64;
@@ -170,7 +170,7 @@ void run_serve(const ServeOptions& o) {
   kv::ApiContext ctx = kv::make_api_context(**tok, chat ? &*chat : nullptr, o.model, o.served_model_name, ec.max_model_len, ec.max_n);
 
   kv::ServerOptions so;
-  so.api_key = o.api_key;
+  so.api_keys = o.api_keys;
   so.max_body_bytes = static_cast<size_t>(*max_body);
   so.debug = o.debug;
   so.http_threads = o.http_threads;
@@ -207,11 +207,11 @@ void run_serve(const ServeOptions& o) {
   const std::string url = "http://" + (o.host.find(':') != std::string::npos ? "[" + o.host + "]" : o.host) + ":" + std::to_string(o.port);
   std::fprintf(stderr, "serving %s at %s%s%s\n", ctx.model_names[0].c_str(), url.c_str(), o.debug ? " (debug: /debug/kv)" : "",
                role == kv::ServerRole::kBoth ? "" : (std::string(", role ") + o.role).c_str());
-  std::fprintf(stderr, "chat in a browser: %s/\n", url.c_str());
+  std::fprintf(stderr, "chat in a browser: %s/   KV dashboard: %s/dashboard\n", url.c_str(), url.c_str());
   std::fprintf(stderr,
                "try:\n  curl %s/v1/chat/completions -H 'Content-Type: application/json'%s \\\n"
                "    -d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 64}'\n",
-               url.c_str(), o.api_key.empty() ? "" : " -H \"Authorization: Bearer $KVSERVE_API_KEY\"", ctx.model_names[0].c_str());
+               url.c_str(), o.api_keys.empty() ? "" : " -H \"Authorization: Bearer $KVSERVE_API_KEY\"", ctx.model_names[0].c_str());
   std::fflush(stderr);
 
   server.run();
@@ -230,7 +230,12 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("-m,--model", o->model, "GGUF model path")->capture_default_str();
   cmd->add_option("--host", o->host, "address to bind")->capture_default_str();
   cmd->add_option("--port", o->port, "port")->check(CLI::Range(1, 65535))->capture_default_str();
-  cmd->add_option("--api-key", o->api_key, "require Authorization: Bearer <key> on /v1/* (env KVSERVE_API_KEY)")->envname("KVSERVE_API_KEY");
+  cmd->add_option("--api-key", o->api_keys,
+                  "require Authorization: Bearer <key> on /v1/* and /dashboard/events (env KVSERVE_API_KEY); repeat for several "
+                  "tenants, whose prefix-cache pages are never shared and whose dashboards show only their own")
+      ->envname("KVSERVE_API_KEY")
+      ->expected(1)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   cmd->add_option("--served-model-name", o->served_model_name, "model id in the API (default: the file's stem)");
   cmd->add_option("--max-num-batched-tokens", o->max_num_batched_tokens, "token budget per engine step")
       ->check(CLI::Range(1, 1 << 20))

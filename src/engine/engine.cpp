@@ -320,6 +320,7 @@ void Engine::preempt(Sequence& s) {
   release(s);
   s.n_computed = 0;
   metrics_.add_preemption();
+  dash_.timelines().preempted(s.rs->req.id, dash_.since_epoch(Clock::now()));
 }
 
 bool Engine::schedule(Plan* plan) {
@@ -529,7 +530,7 @@ bool Engine::admit(Sequence& s, int64_t budget, int32_t* n_out) {
   s.swapped = false;
   s.tier_miss_at = -1;
   if (cache_ && s.rs->cached_tokens < 0) {
-    cache_->count_query(static_cast<int64_t>(s.tokens.size()), m.n_tokens);
+    cache_->count_query(static_cast<int64_t>(s.tokens.size()), m.n_tokens, m.handle);
     s.rs->cached_tokens = static_cast<int32_t>(std::min<int64_t>(m.n_tokens, s.n_prompt));
   }
   *n_out = n;
@@ -938,6 +939,10 @@ void Engine::maybe_finish_request(Sequence& s) {
   metrics_.add_finished(aborted);
   metrics_.observe_e2e(seconds(rs.req.arrival, Clock::now()));
   finishing_.emplace_back(rs.req.stream, u);  // done at the end of the step, after the gauges
+  const bool at_length = rs.completion_tokens >= int64_t(rs.req.params.max_tokens) * rs.req.params.n ||
+                         static_cast<int64_t>(s.tokens.size()) >= cfg_.max_model_len;
+  dash_.timelines().finished(rs.req.id, rs.req.params.cache_namespace, rs.req.arrival, dash_.since_epoch(Clock::now()),
+                             aborted ? "abort" : at_length ? "length" : "stop", u.prompt_tokens, u.completion_tokens, u.cached_tokens);
 }
 
 void Engine::end_finished_streams() {
@@ -975,6 +980,7 @@ bool Engine::step() {
   drain_incoming();
   Plan plan;
   const bool work = schedule(&plan);
+  note_runs(plan, t0);
   double phase[kNumStepPhases] = {};
   phase[static_cast<int>(StepPhase::kSchedule)] = seconds(t0, Clock::now());
   sample_seconds_ = 0;
@@ -1004,6 +1010,7 @@ bool Engine::step() {
   }
   // A client that sees its request done also sees its pages back (pages_in_use, /metrics).
   end_finished_streams();
+  if (const auto t_dash = Clock::now(); dash_.end_step(metrics_)) publish_dashboard(t_dash);
   return work;
 }
 
@@ -1041,6 +1048,41 @@ MetricsSnapshot Engine::metrics() const {
     for (TierSnapshot& t : tiers_->stats())
       m.tiers.push_back({t.s, Histogram(tier_load_buckets(), std::move(t.load_counts), t.load_sum, t.load_count)});
   return m;
+}
+
+// ---- KV dashboard (kv_snapshot.h) ------------------------------------------------------
+
+void Engine::note_runs(const Plan& plan, Clock::time_point t0) {
+  const double t = dash_.since_epoch(t0);
+  for (const auto& it : plan.items) {
+    const RequestState& rs = *it.seq->rs;
+    // A prompt, or a recompute after preemption; a decode step with a draft also runs several tokens.
+    const bool prefill = !it.draft && (it.n > 1 || it.seq->n_computed < it.seq->n_prompt);
+    dash_.timelines().ran(rs.req.id, rs.req.params.cache_namespace, rs.req.arrival, t, it.n, prefill, it.logits);
+  }
+}
+
+void Engine::publish_dashboard(Clock::time_point started) {
+  std::vector<DashboardRecorder::Live> live;
+  for (auto* q : {&running_, &waiting_})
+    for (const auto& s : *q) {
+      RequestView v;
+      v.id = s->rs->req.id;
+      v.index = s->index;
+      v.ns = s->rs->req.params.cache_namespace;
+      v.state = q == &running_ ? RequestView::kRunning : s->tier_ticket != 0 ? RequestView::kLoading : RequestView::kWaiting;
+      v.n_prompt = s->n_prompt;
+      v.n_generated = s->n_generated;
+      v.max_tokens = s->rs->req.params.max_tokens;
+      v.n_computed = s->n_computed;
+      v.cached_tokens = s->rs->cached_tokens;
+      v.arrival = dash_.since_epoch(s->rs->req.arrival);
+      live.push_back({std::move(v), &s->table.pages, pool_g1_ ? &s->table_g1.pages : nullptr});
+    }
+  std::vector<std::pair<std::string, int64_t>> tier_pages;
+  if (tiers_)
+    for (const TierSnapshot& t : tiers_->stats()) tier_pages.emplace_back(t.s.tier, t.s.pages_stored);
+  dash_.publish(std::move(live), *pool_, pool_g1_.get(), cache_.get(), std::move(tier_pages), started);
 }
 
 Status Engine::check_integrity() const {

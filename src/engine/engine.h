@@ -23,6 +23,7 @@
 
 #include "common/status.h"
 #include "common/thread_pool.h"
+#include "engine/kv_snapshot.h"
 #include "engine/metrics.h"
 #include "engine/request.h"
 #include "engine/sampler.h"
@@ -115,6 +116,9 @@ class Engine {
   int32_t pages_cached() const { return pages_cached_.load(); }
   // Hybrid models: sliding-window pages held by the prefix cache (pages_in_use counts both pools).
   int32_t window_pages_cached() const { return window_pages_cached_.load(); }
+  // The KV dashboard's snapshots (kv_snapshot.h): while subscribed, the engine thread publishes
+  // one at the end of a step at most every 250 ms. Thread-safe.
+  SnapshotFeed& dashboard_feed() const { return dash_.feed(); }
 
  private:
   struct Sequence;
@@ -145,6 +149,9 @@ class Engine {
   int32_t make_draft(Sequence& s, int32_t k_cap);
   void settle_draft(Sequence& s, int32_t n_accepted);
   void loop();
+  // KV dashboard (kv_snapshot.h): this step's runs into the timelines; a snapshot when one is due.
+  void note_runs(const Plan& plan, std::chrono::steady_clock::time_point t0);
+  void publish_dashboard(std::chrono::steady_clock::time_point started);
 
   LlamaModel& model_;
   const Tokenizer& tok_;
@@ -159,6 +166,7 @@ class Engine {
   std::atomic<bool> tier_ready_{false};  // a lookup finished: step again
   std::unique_ptr<ThreadPool> threads_;
   Metrics metrics_;
+  mutable DashboardRecorder dash_;  // engine thread, but for its feed
 
   // Submission queue (any thread → engine thread).
   mutable std::mutex in_mu_;

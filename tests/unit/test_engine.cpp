@@ -10,15 +10,7 @@
 using namespace kv;
 
 namespace {
-const Tokenizer* smollm2_tokenizer() {
-  static std::unique_ptr<Tokenizer> tok = []() -> std::unique_ptr<Tokenizer> {
-    const GgufFile* f = kvtest::smollm2_file();
-    if (!f) return nullptr;
-    auto t = Tokenizer::from_gguf(*f);
-    return t ? std::move(*t) : nullptr;
-  }();
-  return tok.get();
-}
+using kvtest::smollm2_tokenizer;
 
 struct Outcome {
   std::map<int, std::string> text;
@@ -392,6 +384,77 @@ TEST(Engine, PagesArePublishedWhilePrefillRuns) {
   // b arrived while a was still mid-prompt, and still reused a's first pages.
   EXPECT_GE(ob.usage.cached_tokens, 64);
   collect(*a);
+  expect_drained(e);
+}
+
+// The KV dashboard's snapshots (kv_snapshot.h), step by step: two requests with one system prompt
+// share its pages while they run; afterwards those pages are cached, the rest free, and the
+// finished list holds both timelines.
+TEST(Engine, DashboardSnapshotsFollowPagesRequestsAndTheTree) {
+  LlamaModel* m = kvtest::smollm2_model();
+  const Tokenizer* tok = smollm2_tokenizer();
+  ASSERT_TRUE(m && tok);
+  std::string sys;
+  for (int i = 0; i < 6; ++i) sys += "Rule " + std::to_string(i) + ": answer briefly and stay polite. ";
+  Engine e(*m, *tok, small_config(64));
+  SnapshotFeed& feed = e.dashboard_feed();
+  feed.set_interval(0);  // a snapshot after every step
+  e.step();
+  EXPECT_EQ(feed.wait_newer(0, std::chrono::milliseconds(0)), nullptr);  // nobody watches: none built
+  feed.subscribe();
+  auto first = submit(e, prompt_of(*tok, sys + "Q: red?"), 2);
+  run_until_idle(e);
+  auto a = submit(e, prompt_of(*tok, sys + "Q: green?"), 6);
+  auto b = submit(e, prompt_of(*tok, sys + "Q: blue?"), 6);
+  ASSERT_TRUE(e.step());
+  auto s = feed.wait_newer(0, std::chrono::milliseconds(0));
+  ASSERT_TRUE(s);
+  ASSERT_EQ(s->pools.size(), 1u);
+  const PoolView& p = s->pools[0];
+  EXPECT_EQ(static_cast<int32_t>(p.states.size()), e.pool().n_pages());
+  EXPECT_GT(p.n_shared, 0);  // the system prompt's pages, in both block tables
+  EXPECT_GT(p.n_running, 0);
+  EXPECT_EQ(p.n_running + p.n_shared, e.pages_in_use());
+  int32_t n_running = 0, pages = 0;
+  for (const RequestView& r : s->requests)
+    if (r.state == RequestView::kRunning) {
+      ++n_running;
+      pages += r.n_pages;
+      EXPECT_GT(r.cached_tokens, 0);
+      ASSERT_FALSE(r.timeline.events.empty());
+      EXPECT_EQ(r.timeline.events[0].kind, TimelineEvent::kPrefill);
+      EXPECT_LE(r.timeline.arrival, r.timeline.events[0].t0);
+    }
+  EXPECT_EQ(n_running, 2);
+  EXPECT_EQ(pages, 2 * p.n_shared + p.n_running);
+  // The tree: the system prompt's node, hit by both, its text the prompt's start.
+  ASSERT_FALSE(s->tree.nodes.empty());
+  const PrefixTreeView::Node& root = s->tree.nodes[0];
+  EXPECT_EQ(root.parent, -1);
+  EXPECT_GE(root.hits, 2);
+  EXPECT_TRUE(root.pinned);
+  const std::vector<int32_t> sys_ids = prompt_of(*tok, sys);
+  ASSERT_EQ(root.head.size(), static_cast<size_t>(DashboardRecorder::kSnippetTokens));
+  EXPECT_EQ(root.head, std::vector<int32_t>(sys_ids.begin(), sys_ids.begin() + DashboardRecorder::kSnippetTokens));
+  run_until_idle(e);
+  collect(*first);
+  collect(*a);
+  collect(*b);
+  e.step();  // an idle step still publishes
+  s = feed.wait_newer(0, std::chrono::milliseconds(0));
+  EXPECT_EQ(s->pools[0].n_running + s->pools[0].n_shared, 0);
+  EXPECT_EQ(s->pools[0].n_cached, e.pages_cached());
+  EXPECT_EQ(s->pools[0].n_free, e.pool().n_pages() - e.pages_cached());
+  int32_t n_finished = 0;
+  for (const RequestView& r : s->requests) {
+    EXPECT_EQ(r.state, RequestView::kFinished);
+    ++n_finished;
+    EXPECT_EQ(r.timeline.finish_reason, "length");
+    EXPECT_GT(r.timeline.first_token, r.timeline.arrival);
+    EXPECT_EQ(r.timeline.events.back().kind, TimelineEvent::kFinished);
+  }
+  EXPECT_EQ(n_finished, 3);
+  feed.unsubscribe();
   expect_drained(e);
 }
 
