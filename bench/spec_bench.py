@@ -147,10 +147,9 @@ def render_prompt(port: int, messages: list) -> str:
 def run_peer(binary: Path, model: Path, prompt: str, n: int, threads: int, extra: list[str]) -> dict | None:
     if not binary.exists():
         return None
-    cmd = [str(binary), "-m", str(model), "-p", prompt, "-n", str(n), "-t", str(threads), "--temp", "0", "-c", "4096",
-           "--no-warmup"] + extra
+    cmd = [str(binary), "-m", str(model), "-p", prompt, "-n", str(n), "-t", str(threads), "--temp", "0", "-c", "4096"] + extra
     if binary.name == "llama-completion":
-        cmd += ["-no-cnv"]
+        cmd += ["-no-cnv", "--no-warmup"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
     out = p.stdout + p.stderr
     res: dict = {"rc": p.returncode}
@@ -275,20 +274,25 @@ def main() -> int:
             texts = {}
             # warm-up: the prompt's pages into the prefix cache (TTFT is not what is measured here)
             stream(srv.port, msgs, 8, False)
-            for method, spec in METHODS.items():
-                runs = []
-                d0, a0 = spec_counters(srv.port)
-                for rep in range(args.repeats):
+            # Methods interleaved within each repeat, so a drift of the host's speed hits all alike.
+            runs = {m: [] for m in METHODS}
+            acc = {m: [0.0, 0.0] for m in METHODS}
+            for rep in range(args.repeats):
+                for method, spec in METHODS.items():
                     salt = f"spec-{wl}-{method}-{rep}" if method == "suffix" else None
+                    d0, a0 = spec_counters(srv.port)
                     r = stream(srv.port, msgs, args.max_tokens, spec, salt=salt)
-                    runs.append(decode_tok_s(r))
+                    d1, a1 = spec_counters(srv.port)
+                    acc[method][0] += d1 - d0
+                    acc[method][1] += a1 - a0
+                    runs[method].append(decode_tok_s(r))
                     texts.setdefault(method, r["text"])
                     log(f"{wl:8s} {method:6s} repeat {rep + 1}/{args.repeats}: {r['tokens']} tokens, "
-                        f"{(runs[-1] or 0):.1f} tok/s")
-                d1, a1 = spec_counters(srv.port)
-                row[method] = {"tok_s": med(runs), "runs": runs, "tokens": r["tokens"],
-                               "acceptance": (a1 - a0) / (d1 - d0) if d1 > d0 else None,
-                               "accepted_per_token": None}
+                        f"{(runs[method][-1] or 0):.1f} tok/s")
+            for method in METHODS:
+                d, a = acc[method]
+                row[method] = {"tok_s": med(runs[method]), "runs": runs[method], "tokens": r["tokens"],
+                               "acceptance": a / d if d > 0 else None, "draft_tokens": d}
             for method in ("ngram", "suffix"):
                 if row["off"]["tok_s"] and row[method]["tok_s"]:
                     row[method]["speedup"] = row[method]["tok_s"] / row["off"]["tok_s"]
@@ -298,7 +302,7 @@ def main() -> int:
                 plain = [run_peer(PEER_BIN / "llama-completion", Path(args.model), prompt, args.max_tokens, args.threads, [])
                          for _ in range(args.repeats)]
                 look = [run_peer(PEER_BIN / "llama-lookup", Path(args.model), prompt, args.max_tokens, args.threads,
-                                 ["--draft-max", "5"]) for _ in range(args.repeats)]
+                                 ["--spec-draft-n-max", "5"]) for _ in range(args.repeats)]
                 if plain[0]:
                     row["peer_plain"] = {"tok_s": med([p.get("tok_s") for p in plain]), "runs": plain}
                 if look[0]:
