@@ -760,12 +760,13 @@ EngineConfig with_spec(EngineConfig c, SpecConfig::Method method) {
   return c;
 }
 
-void expect_spec_identical(LlamaModel& m, const Tokenizer& tok, EngineConfig base, size_t min_cases) {
+void expect_spec_identical(LlamaModel& m, const Tokenizer& tok, EngineConfig base, size_t min_cases,
+                           std::initializer_list<SpecConfig::Method> methods = {SpecConfig::Method::kNgram, SpecConfig::Method::kSuffix}) {
   const std::vector<SpecCase> cases = spec_cases(tok);
   ASSERT_GE(cases.size(), min_cases);
   base.spec.method = SpecConfig::Method::kNgram;  // a request's "speculative": false wins over it
   const std::vector<Outcome> want = run_spec_cases(m, tok, base, cases, RequestParams::Spec::kOff);
-  for (auto method : {SpecConfig::Method::kNgram, SpecConfig::Method::kSuffix}) {
+  for (auto method : methods) {
     MetricsSnapshot ms;
     const std::vector<Outcome> got = run_spec_cases(m, tok, with_spec(base, method), cases, RequestParams::Spec::kDefault, &ms);
     expect_same_outcomes(want, got);
@@ -797,7 +798,9 @@ TEST(Engine, SpeculativeOutputIsIdenticalGemma3) {
   EngineConfig c = gemma_config();
   c.max_num_seqs = 32;
   c.max_model_len = 512;
-  expect_spec_identical(*m, *tok, c, 100);
+  // ngram only: the suffix proposer is model-independent (SmolLM2's test covers it); Gemma's
+  // 262k-entry output rows make every verified draft token expensive in CI.
+  expect_spec_identical(*m, *tok, c, 100, {SpecConfig::Method::kNgram});
 }
 
 // Quantized pages are quantized when their last slot is written: drafts never write it, so a
