@@ -32,6 +32,24 @@ def test_a_chat_round_trip_streams_the_apis_answer(server, client, browser):
     page.close()
 
 
+def test_the_token_count_is_the_servers_tokenizer(server, browser):
+    # While typing, the page shows the conversation's size as POST /tokenize counts it (the chat
+    # template included), against the model's context.
+    import requests
+    page = browser.new_page()
+    page.goto(server.url + "/")
+    sync_api.expect(page.locator("#model")).to_contain_text(MODEL_NAME)
+    text = "How many tokens is this sentence, with the template around it?"
+    page.fill("#input", text)
+    page.dispatch_event("#input", "input")
+    page.wait_for_function("() => document.getElementById('tokens').textContent.includes('tokens of')", timeout=10_000)
+    want = requests.post(server.url + "/tokenize", timeout=10, json={
+        "messages": [{"role": "user", "content": text}], "add_generation_prompt": True}).json()
+    assert page.locator("#tokens").text_content() == f"{want['count']} tokens of {want['max_model_len']}"
+    assert want["count"] > len(text.split())  # the template's tokens are counted too
+    page.close()
+
+
 def test_the_kv_eviction_select_sends_the_policy_and_the_dashboard_is_linked(server, browser):
     page = browser.new_page()
     page.goto(server.url + "/")
