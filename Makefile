@@ -73,6 +73,15 @@ SWEEP_ARGS ?=
 bench-sweep: deps models build peer
 	$(PYTHON) bench/sweep_bench.py --kvserve $(BUILD_DIR)/kvserve $(SWEEP_ARGS)
 
+# Speculative decoding (docs/speculative.md): batch-1 decode on code / document / chat workloads with
+# and without drafts, llama.cpp's lookup decoding in the same run, and 16 users:
+# bench/out/spec_bench.{json,png}. SPEC_BENCH_ARGS adds flags (--repeats 5, --no-peer).
+SPEC_BENCH_ARGS ?=
+.PHONY: bench-spec
+bench-spec: deps models text build
+	LLAMA_WITH_LOOKUP=1 bench/peer/build_llama.sh
+	$(PYTHON) bench/spec_bench.py --kvserve $(BUILD_DIR)/kvserve $(SPEC_BENCH_ARGS)
+
 # Long-context KV policies (docs/eviction.md): perplexity per policy and budget (both texts, 4k
 # and 8k), decode speed per policy and context, passkey retrieval through the server. ~1.5 h
 # on 2 cores; outputs in bench/out/ and docs/*.png.

@@ -67,7 +67,8 @@ class PyEngine {
  public:
   PyEngine(const std::string& model, const std::string& kv_cache_dtype, const std::string& kv_cache_memory, int block_size,
            bool enable_prefix_caching, int max_num_seqs, int max_num_batched_tokens, int max_model_len, int max_n, int threads,
-           const std::string& kv_cache_dtype_layers, const std::string& act_quant, const std::string& served_model_name, bool quiet) {
+           const std::string& kv_cache_dtype_layers, const std::string& act_quant, const std::string& served_model_name, bool quiet,
+           const std::string& speculative_config) {
     if (!act_quant.empty()) {
       if (act_quant != "q8" && act_quant != "q8x2") fail("act_quant must be \"q8x2\" or \"q8\", got \"" + act_quant + "\"");
       kv::set_act_quant(act_quant == "q8" ? kv::ActQuant::kQ8 : kv::ActQuant::kQ8x2);
@@ -101,6 +102,15 @@ class PyEngine {
     ec.max_model_len = max_model_len > 0 ? max_model_len : (mc.n_ctx_train > 0 ? mc.n_ctx_train : 4096);
     ec.max_n = max_n;
     ec.max_queue = 1 << 30;  // one call submits all its prompts; the engine queues them
+    if (!speculative_config.empty()) {  // vLLM's speculative_config, as --speculative-config
+      nlohmann::json j = nlohmann::json::parse(speculative_config, nullptr, false);
+      if (j.is_discarded()) fail("speculative_config is not valid JSON");
+      try {
+        ec.spec = kv::parse_spec_config(j, "speculative_config");
+      } catch (const kv::ApiError& e) {
+        fail(e.message);
+      }
+    }
     ec.n_threads = threads > 0 ? threads : kv::default_thread_count();
     auto bytes = kv::parse_memory_size(kv_cache_memory);
     if (!bytes) fail("kv_cache_memory: " + bytes.message());
@@ -355,11 +365,12 @@ PYBIND11_MODULE(_kvserve, m) {
   });
   py::class_<PyEngine>(m, "Engine")
       .def(py::init<const std::string&, const std::string&, const std::string&, int, bool, int, int, int, int, int, const std::string&,
-                    const std::string&, const std::string&, bool>(),
+                    const std::string&, const std::string&, bool, const std::string&>(),
            py::arg("model"), py::arg("kv_cache_dtype") = "auto", py::arg("kv_cache_memory") = "1GiB", py::arg("block_size") = 16,
            py::arg("enable_prefix_caching") = true, py::arg("max_num_seqs") = 64, py::arg("max_num_batched_tokens") = 512,
            py::arg("max_model_len") = 0, py::arg("max_n") = 16, py::arg("threads") = 0, py::arg("kv_cache_dtype_layers") = "",
-           py::arg("act_quant") = "", py::arg("served_model_name") = "", py::arg("quiet") = false)
+           py::arg("act_quant") = "", py::arg("served_model_name") = "", py::arg("quiet") = false,
+           py::arg("speculative_config") = "")
       .def("close", &PyEngine::close)
       .def_property_readonly("model_name", &PyEngine::model_name)
       .def_property_readonly("max_model_len", &PyEngine::max_model_len)

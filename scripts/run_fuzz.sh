@@ -84,7 +84,7 @@ for t in $TARGETS; do
       ;;
     tokenizer|template|request)
       compile tests/fuzz/fuzz_text.cpp src/tokenizer/*.cpp src/gguf/gguf.cpp src/kernels/ggml_types.cpp \
-              src/server/openai_request.cpp src/kv/eviction_policy.cpp src/common/*.cpp > "$OUT/objs"
+              src/server/openai_request.cpp src/kv/eviction_policy.cpp src/engine/spec_config.cpp src/common/*.cpp > "$OUT/objs"
       mapfile -t objs < "$OUT/objs"
       link "$OUT/fuzz_text" "${objs[@]}"
       mkdir -p "$OUT/corpus_$t"

@@ -39,6 +39,7 @@ struct BenchOptions {
   kv::SamplingParams sp;
   KvOptions kvo;
   EvictionOptions evo;
+  std::string speculative_config;  // --batch: speculative decoding for every sequence
 };
 
 struct Stats {
@@ -136,6 +137,7 @@ void run_bench_batch(const BenchOptions& o) {
   ec.n_threads = o.threads > 0 ? o.threads : kv::default_thread_count();
   ec.enable_prefix_caching = false;  // distinct random prompts: nothing to share
   ec.kv_policy = make_eviction(o.evo, o.kvo.block_size);  // --kv-eviction / --kv-sparse for every sequence
+  ec.spec = parse_speculative_option(o.speculative_config);
   const kv::KvLayout layout = make_kv_layout(*lm.model, o.kvo);
   ec.kv_dtype = layout.dtype;
   ec.kv_layer_dtypes = model_layer_dtypes(*lm.model, o.kvo);
@@ -196,6 +198,12 @@ void run_bench_batch(const BenchOptions& o) {
   nlohmann::json j;
   j["model"] = o.model;
   j["mode"] = "batch";
+  {
+    const kv::MetricsSnapshot ms = engine.metrics();
+    j["speculative"] = ec.spec.describe();
+    j["spec_draft_tokens"] = ms.spec_draft_tokens_total;
+    j["spec_accepted_tokens"] = ms.spec_accepted_tokens_total;
+  }
   j["batch"] = n_seq;
   j["threads"] = ec.n_threads;
   j["isa"] = kv::isa_name(kv::detect_isa());
@@ -348,6 +356,8 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--min-p", o->sp.min_p, "--batch: min-p (0 = off)")->check(CLI::Range(0.0, 1.0))->capture_default_str();
   cmd->add_option("--seed", o->sp.seed, "--batch: base seed (sequence i of repeat r uses seed + 1000 r + i)")->capture_default_str();
   add_kv_options(cmd, &o->kvo);
+  cmd->add_option("--speculative-config", o->speculative_config,
+                  "--batch: speculative decoding for every sequence, vLLM's JSON (random prompts: drafts only where the output repeats itself)");
   add_eviction_options(cmd, &o->evo);  // single-sequence decode from a context under a KV policy
   cmd->callback([o] { run_bench(*o); });
 }

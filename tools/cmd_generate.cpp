@@ -3,6 +3,8 @@
 #include <cstdio>
 
 #include "commands.h"
+#include "common/units.h"
+#include "engine/engine.h"
 #include "engine/sampler.h"
 #include "engine/sequence_runner.h"
 #include "loaded_model.h"
@@ -20,9 +22,70 @@ struct GenerateOptions {
   bool no_special = false;
   kv::SamplingParams sp;
   KvOptions kvo;
+  std::string speculative_config;
 };
 
+// --speculative-config: the prompt goes through the engine (speculative decoding lives there),
+// as one request; the text streams as it is accepted.
+void run_generate_engine(const GenerateOptions& o, const kv::SpecConfig& spec) {
+  LoadedModel lm = load_model(o.model, o.threads, o.kvo, false, /*with_runtime=*/false);
+  const auto& cfg = lm.model->config();
+  std::vector<int32_t> toks = lm.tokenizer->encode(o.prompt, true, !o.no_special);
+  if (toks.empty()) fail("the prompt is empty after tokenization");
+  kv::EngineConfig ec;
+  ec.max_model_len = static_cast<int32_t>(o.ctx > 0 ? o.ctx : cfg.n_ctx_train);
+  if (static_cast<int64_t>(toks.size()) >= ec.max_model_len)
+    fail("prompt is " + std::to_string(toks.size()) + " tokens, the context is " + std::to_string(ec.max_model_len));
+  ec.max_num_batched_tokens = o.chunk;
+  ec.max_num_seqs = 1;
+  ec.block_size = o.kvo.block_size;
+  auto bytes = kv::parse_memory_size(o.kvo.memory);
+  if (!bytes) fail(bytes.message());
+  ec.kv_cache_bytes = *bytes;
+  ec.n_threads = o.threads > 0 ? o.threads : kv::default_thread_count();
+  const kv::KvLayout layout = make_kv_layout(*lm.model, o.kvo);
+  ec.kv_dtype = layout.dtype;
+  ec.kv_layer_dtypes = model_layer_dtypes(*lm.model, o.kvo);
+  ec.spec = spec;
+  kv::Engine engine(*lm.model, *lm.tokenizer, ec);
+  kv::Request req;
+  req.id = engine.next_request_id();
+  req.prompt = toks;
+  req.params.sampling = o.sp;
+  req.params.max_tokens = static_cast<int32_t>(std::min<int64_t>(std::max(o.n_predict, 1), ec.max_model_len - static_cast<int64_t>(toks.size())));
+  req.stream = std::make_shared<kv::RequestStream>();
+  if (kv::Rejection rej = engine.submit(req); rej.http_status) fail(rej.message);
+  auto t0 = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point t1{};
+  int64_t n_gen = 0;
+  std::vector<kv::StreamEvent> evs;
+  bool more = true;
+  while (more) {
+    engine.step();
+    evs.clear();
+    more = req.stream->pop(&evs, std::chrono::milliseconds(0));
+    for (const auto& ev : evs) {
+      if (ev.kind == kv::StreamEvent::kError) fail(ev.error);
+      if (ev.kind != kv::StreamEvent::kText) continue;
+      if (n_gen == 0 && !ev.tokens.empty()) t1 = std::chrono::steady_clock::now();
+      n_gen += static_cast<int64_t>(ev.tokens.size());
+      std::fwrite(ev.text.data(), 1, ev.text.size(), stdout);
+      std::fflush(stdout);
+    }
+  }
+  std::fputc('\n', stdout);
+  auto t2 = std::chrono::steady_clock::now();
+  const double pf = std::chrono::duration<double>(t1 - t0).count(), dc = std::chrono::duration<double>(t2 - t1).count();
+  const kv::MetricsSnapshot m = engine.metrics();
+  std::fprintf(stderr, "prompt: %zu tokens + first token in %.3f s; generated: %lld more tokens in %.3f s (%.1f tok/s); %s: %lld of %lld draft tokens accepted\n",
+               toks.size(), pf, static_cast<long long>(n_gen - 1), dc, n_gen > 1 ? (n_gen - 1) / dc : 0.0, spec.describe().c_str(),
+               static_cast<long long>(m.spec_accepted_tokens_total), static_cast<long long>(m.spec_draft_tokens_total));
+  if (engine.pages_in_use() != 0) fail("pages still in use after the request ended");
+  if (kv::Status st = engine.check_integrity(); !st) fail("engine integrity: " + st.message());
+}
+
 void run_generate(const GenerateOptions& o) {
+  if (const kv::SpecConfig spec = parse_speculative_option(o.speculative_config); spec.enabled()) return run_generate_engine(o, spec);
   LoadedModel lm = load_model(o.model, o.threads, o.kvo, false);
   const auto& cfg = lm.model->config();
   std::vector<int32_t> toks = lm.tokenizer->encode(o.prompt, true, !o.no_special);
@@ -80,6 +143,8 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--chunk", o->chunk, "prefill chunk size in tokens")->check(CLI::Range(1, 1 << 16))->capture_default_str();
   cmd->add_option("--ctx", o->ctx, "context length (default: the model's)")->check(CLI::NonNegativeNumber);
   cmd->add_flag("--no-special", o->no_special, "treat special-token text in the prompt as plain text");
+  cmd->add_option("--speculative-config", o->speculative_config,
+                  "speculative decoding (runs through the engine), vLLM's JSON: '{\"method\": \"ngram\"|\"suffix\", \"num_speculative_tokens\": 5}'");
   add_kv_options(cmd, &o->kvo);
   cmd->callback([o] { run_generate(*o); });
 }

@@ -24,7 +24,7 @@ struct ServeOptions {
   std::string model = kDefaultModel;
   std::string host = "127.0.0.1";
   int port = 8080;
-  std::string api_key;
+  std::vector<std::string> api_keys;
   std::string served_model_name;
   int max_num_batched_tokens = 512;
   int max_num_seqs = 64;
@@ -50,6 +50,7 @@ struct ServeOptions {
   std::string kv_tier_write = "back";
   int kv_tier_min_tokens = 32;
   std::string preemption_mode = "recompute";
+  std::string speculative_config;
   std::string role = "both";
 };
 
@@ -129,6 +130,7 @@ void run_serve(const ServeOptions& o) {
     ec.tiers.max_pending_bytes = std::max<int64_t>(ec.tiers.max_pending_bytes, int64_t(1) << 30);
   }
   ec.tiers.min_pages = std::max(1, (o.kv_tier_min_tokens + o.kvo.block_size - 1) / o.kvo.block_size);
+  ec.spec = parse_speculative_option(o.speculative_config);
   ec.preemption = o.preemption_mode == "swap" ? kv::EngineConfig::Preemption::kSwap : kv::EngineConfig::Preemption::kRecompute;
   if (ec.preemption == kv::EngineConfig::Preemption::kSwap && !ec.tiers.enabled())
     fail("--preemption-mode swap writes pages to a KV tier: give --kv-disk-dir or --kv-redis");
@@ -148,9 +150,9 @@ void run_serve(const ServeOptions& o) {
     std::fprintf(stderr, "KV cache, sliding-window layers (window %d): %s, %d pages (the window of %lld sequences); the prefix cache keeps these pages too while they fit\n",
                  (*model)->kv_groups()[1].window, kv::format_bytes(g1->total_bytes()).c_str(), g1->n_pages(),
                  static_cast<long long>(g1->n_pages() / ((*model)->kv_groups()[1].window / ec.block_size + 2)));
-  std::fprintf(stderr, "engine: max_num_seqs %d, max_num_batched_tokens %d, max_queue %d, prefix caching %s, policy %s, KV policy %s\n",
+  std::fprintf(stderr, "engine: max_num_seqs %d, max_num_batched_tokens %d, max_queue %d, prefix caching %s, policy %s, KV policy %s, speculative %s\n",
                ec.max_num_seqs, ec.max_num_batched_tokens, ec.max_queue, ec.enable_prefix_caching ? "on" : "off", o.policy.c_str(),
-               ec.kv_policy.describe(ec.block_size).c_str());
+               ec.kv_policy.describe(ec.block_size).c_str(), ec.spec.describe().c_str());
 
   if (ec.tiers.enabled()) {
     std::string redis;
@@ -168,7 +170,7 @@ void run_serve(const ServeOptions& o) {
   kv::ApiContext ctx = kv::make_api_context(**tok, chat ? &*chat : nullptr, o.model, o.served_model_name, ec.max_model_len, ec.max_n);
 
   kv::ServerOptions so;
-  so.api_key = o.api_key;
+  so.api_keys = o.api_keys;
   so.max_body_bytes = static_cast<size_t>(*max_body);
   so.debug = o.debug;
   so.http_threads = o.http_threads;
@@ -205,11 +207,11 @@ void run_serve(const ServeOptions& o) {
   const std::string url = "http://" + (o.host.find(':') != std::string::npos ? "[" + o.host + "]" : o.host) + ":" + std::to_string(o.port);
   std::fprintf(stderr, "serving %s at %s%s%s\n", ctx.model_names[0].c_str(), url.c_str(), o.debug ? " (debug: /debug/kv)" : "",
                role == kv::ServerRole::kBoth ? "" : (std::string(", role ") + o.role).c_str());
-  std::fprintf(stderr, "chat in a browser: %s/\n", url.c_str());
+  std::fprintf(stderr, "chat in a browser: %s/   KV dashboard: %s/dashboard\n", url.c_str(), url.c_str());
   std::fprintf(stderr,
                "try:\n  curl %s/v1/chat/completions -H 'Content-Type: application/json'%s \\\n"
                "    -d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 64}'\n",
-               url.c_str(), o.api_key.empty() ? "" : " -H \"Authorization: Bearer $KVSERVE_API_KEY\"", ctx.model_names[0].c_str());
+               url.c_str(), o.api_keys.empty() ? "" : " -H \"Authorization: Bearer $KVSERVE_API_KEY\"", ctx.model_names[0].c_str());
   std::fflush(stderr);
 
   server.run();
@@ -228,7 +230,12 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("-m,--model", o->model, "GGUF model path")->capture_default_str();
   cmd->add_option("--host", o->host, "address to bind")->capture_default_str();
   cmd->add_option("--port", o->port, "port")->check(CLI::Range(1, 65535))->capture_default_str();
-  cmd->add_option("--api-key", o->api_key, "require Authorization: Bearer <key> on /v1/* (env KVSERVE_API_KEY)")->envname("KVSERVE_API_KEY");
+  cmd->add_option("--api-key", o->api_keys,
+                  "require Authorization: Bearer <key> on /v1/* and /dashboard/events (env KVSERVE_API_KEY); repeat for several "
+                  "tenants, whose prefix-cache pages are never shared and whose dashboards show only their own")
+      ->envname("KVSERVE_API_KEY")
+      ->expected(1)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   cmd->add_option("--served-model-name", o->served_model_name, "model id in the API (default: the file's stem)");
   cmd->add_option("--max-num-batched-tokens", o->max_num_batched_tokens, "token budget per engine step")
       ->check(CLI::Range(1, 1 << 20))
@@ -271,6 +278,9 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--kv-tier-min-tokens", o->kv_tier_min_tokens, "look below RAM only when at least this many prompt tokens could come from there")
       ->check(CLI::Range(1, 1 << 24))
       ->capture_default_str();
+  cmd->add_option("--speculative-config", o->speculative_config,
+                  "speculative decoding for every request (a request's \"speculative\": false turns it off), vLLM's JSON: "
+                  "'{\"method\": \"ngram\"|\"suffix\", \"num_speculative_tokens\": 5, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}'");
   cmd->add_option("--preemption-mode", o->preemption_mode, "recompute, or swap: a preempted sequence's pages go to the KV tiers and come back")
       ->check(CLI::IsMember({"recompute", "swap"}))
       ->capture_default_str();

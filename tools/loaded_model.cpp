@@ -4,6 +4,7 @@
 #include "common/units.h"
 #include "kernels/attention.h"
 #include "loaded_model.h"
+#include "server/openai_request.h"
 
 namespace kvtools {
 
@@ -148,6 +149,17 @@ LoadedModel load_model(const std::string& path, int n_threads, const KvOptions& 
                             : "");
   }
   return lm;
+}
+
+kv::SpecConfig parse_speculative_option(const std::string& json_text) {
+  if (json_text.empty()) return kv::SpecConfig{};
+  nlohmann::json j = nlohmann::json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) fail("--speculative-config is not valid JSON: " + json_text);
+  try {
+    return kv::parse_spec_config(j, "speculative_config");
+  } catch (const kv::ApiError& e) {
+    fail("--speculative-config: " + e.message);
+  }
 }
 
 }  // namespace kvtools

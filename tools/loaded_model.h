@@ -1,6 +1,7 @@
 // Loading shared by the commands that run a model: file, weights, tokenizer, KV pool, with
 // progress on stderr and one-line errors (thrown as CLI::RuntimeError after printing).
 #pragma once
+#include "engine/speculative.h"
 #include <memory>
 #include <string>
 
@@ -57,5 +58,9 @@ LoadedModel load_model(const std::string& path, int n_threads, const KvOptions& 
 void add_kv_options(CLI::App* cmd, KvOptions* kvo);
 
 [[noreturn]] void fail(const std::string& msg);
+
+// --speculative-config '{"method": "ngram", "num_speculative_tokens": 5, ...}' (vLLM's shape,
+// kv::parse_spec_config); "" = off. A bad value fails with the parser's message.
+kv::SpecConfig parse_speculative_option(const std::string& json_text);
 
 }  // namespace kvtools

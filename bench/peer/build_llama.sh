@@ -15,6 +15,8 @@
 #   LLAMA_CPP_PYTHON_VERSION  sdist version to use (default pinned below)
 #   LLAMA_WITH_SERVER=0       do not build llama-server (default 1)
 #   LLAMA_WITH_CLI=1          also build llama-cli
+#   LLAMA_WITH_LOOKUP=1       also build llama-lookup (prompt-lookup speculative decoding, the
+#                             peer of --speculative-config ngram; bench/spec_bench.py)
 #   JOBS                      parallel build jobs (default: nproc)
 #   FORCE=1                   rebuild even if the binaries exist
 set -euo pipefail
@@ -33,6 +35,7 @@ BIN="$BUILD/bin"
 targets=(llama-bench llama-completion llama-perplexity)
 [[ "${LLAMA_WITH_SERVER:-1}" == 1 ]] && targets+=(llama-server)
 [[ "${LLAMA_WITH_CLI:-0}" == 1 ]] && targets+=(llama-cli)
+[[ "${LLAMA_WITH_LOOKUP:-0}" == 1 ]] && targets+=(llama-lookup)
 need_server=0
 [[ "${LLAMA_WITH_SERVER:-1}" == 1 || "${LLAMA_WITH_CLI:-0}" == 1 ]] && need_server=1
 
@@ -83,7 +86,7 @@ cmake -S "$SRC" -B "$BUILD" "${gen[@]}" \
   -DLLAMA_CURL=OFF \
   -DLLAMA_OPENSSL=OFF \
   -DLLAMA_BUILD_TESTS=OFF \
-  -DLLAMA_BUILD_EXAMPLES=OFF \
+  -DLLAMA_BUILD_EXAMPLES="$([[ "${LLAMA_WITH_LOOKUP:-0}" == 1 ]] && echo ON || echo OFF)" \
   -DLLAMA_BUILD_APP=OFF \
   -DLLAMA_BUILD_SERVER="$([[ "$need_server" == 1 ]] && echo ON || echo OFF)" \
   -DLLAMA_BUILD_UI=OFF \

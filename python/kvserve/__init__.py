@@ -157,7 +157,7 @@ PromptType = Union[str, Dict[str, Any], List[int]]
 _ENGINE_ARGS = {
     "kv_cache_dtype", "kv_cache_memory", "block_size", "enable_prefix_caching", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "max_n", "threads", "kv_cache_dtype_layers",
-    "act_quant", "served_model_name", "quiet",
+    "act_quant", "served_model_name", "quiet", "speculative_config",
 }
 
 
@@ -170,6 +170,8 @@ class LLM:
     as vLLM's and as `kvserve serve`'s flags. seed: requests without a seed get seeds drawn
     from it (reproducible calls); None gives each request a fresh seed. threads: engine
     threads (default: the machine's cores). quiet: no loading lines on stderr.
+    speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 5} or
+    {"method": "suffix"} (drafts from the text itself; outputs unchanged, docs/speculative.md).
     """
 
     def __init__(self, model: str, *, seed: Optional[int] = None, tokenizer: Optional[str] = None,
@@ -187,9 +189,11 @@ class LLM:
         for key in ("max_model_len", "threads"):
             if args.get(key) is None:
                 args.pop(key, None)
-        for key in ("kv_cache_dtype_layers", "act_quant", "served_model_name"):
+        for key in ("kv_cache_dtype_layers", "act_quant", "served_model_name", "speculative_config"):
             if args.get(key) is None:
                 args.pop(key, None)
+        if isinstance(args.get("speculative_config"), dict):
+            args["speculative_config"] = json.dumps(args["speculative_config"])
         self._engine = _kvserve.Engine(str(model), **args)
         self._rng = random.Random(seed) if seed is not None else None
         self._next_id = 0

@@ -70,6 +70,12 @@ struct Engine::Sequence {
   bool swapped = false;
   int64_t tier_fetch_ram = 0;      // RAM pages when the last lookup started
   int64_t tier_miss_at = -1;       // RAM pages when a lookup last came back short (-1: none)
+  // Speculative decoding (engine/speculative.h): the request's or the server's configuration,
+  // and this step's draft with the run that verifies it ([last token, draft...]).
+  SpecConfig spec;
+  SpecStats spec_stats;
+  std::vector<int32_t> draft;
+  std::vector<int32_t> spec_run;
 
   Sequence(const Tokenizer& tok, const SamplingParams& sp) : sampler(sp), detok(tok) {}
   int64_t to_compute() const { return static_cast<int64_t>(tokens.size()) - n_computed; }
@@ -80,6 +86,7 @@ struct Engine::Plan {
     Sequence* seq;
     int32_t n;
     bool logits;
+    bool draft = false;  // a speculative run: logits at every position (n rows)
   };
   std::vector<Item> items;
   Batch batch;
@@ -110,6 +117,7 @@ Engine::Engine(LlamaModel& model, const Tokenizer& tok, const EngineConfig& cfg)
   }
   pool_ = std::make_unique<PagePool>(layout, static_cast<int32_t>(std::max<int64_t>(n_pages, 0)), n_staging);
   if (cfg.kv_policy.sparse()) pool_->enable_key_bounds();
+  staged_kv_ = pool_->layout().n_staged_layers() > 0 || (pool_g1_ && pool_g1_->layout().n_staged_layers() > 0);
   threads_ = std::make_unique<ThreadPool>(cfg.n_threads);
   // Hybrid models: the cache also keeps the sliding-window layers' pages, and a prefix counts
   // only with its last window present (prefix_cache.h).
@@ -241,6 +249,16 @@ void Engine::drain_incoming() {
     s->tokens = rs->req.prompt;
     s->n_prompt = static_cast<int32_t>(s->tokens.size());
     s->evict = rs->req.params.kv_policy_set ? rs->req.params.kv_policy : cfg_.kv_policy;
+    switch (rs->req.params.spec_choice) {
+      case RequestParams::Spec::kDefault: s->spec = cfg_.spec; break;
+      case RequestParams::Spec::kOff: s->spec = SpecConfig{}; break;
+      case RequestParams::Spec::kOn:
+        s->spec = cfg_.spec;
+        if (!s->spec.enabled()) s->spec.method = SpecConfig::Method::kNgram;
+        break;
+      case RequestParams::Spec::kCustom: s->spec = rs->req.params.spec; break;
+    }
+    if (s->spec.method == SpecConfig::Method::kSuffix && !suffix_cache_) suffix_cache_ = std::make_unique<SuffixCache>(s->spec);
     waiting_.push_back(std::move(s));
   }
 }
@@ -302,6 +320,7 @@ void Engine::preempt(Sequence& s) {
   release(s);
   s.n_computed = 0;
   metrics_.add_preemption();
+  dash_.timelines().preempted(s.rs->req.id, dash_.since_epoch(Clock::now()));
 }
 
 bool Engine::schedule(Plan* plan) {
@@ -332,6 +351,16 @@ bool Engine::schedule(Plan* plan) {
   }
 
   int64_t budget = cfg_.max_num_batched_tokens;
+  // Speculative drafts only while the decode batch stays narrow (memory-bound): decodes plus
+  // drafts within max_batch_tokens of the server's configuration (the oldest draft first).
+  int64_t spec_room = 0;
+  if (cfg_.spec.max_batch_tokens > 0) {
+    int64_t n_decoding = 0;
+    for (const auto& sp : running_) n_decoding += sp->to_compute() == 1;
+    spec_room = std::max<int64_t>(0, cfg_.spec.max_batch_tokens - n_decoding);
+  } else {
+    spec_room = budget;
+  }
   // 1. Decodes of running sequences, oldest first. Out of pages: preempt the newest.
   for (auto it = running_.begin(); it != running_.end() && budget > 0;) {
     Sequence& s = **it;
@@ -348,8 +377,10 @@ bool Engine::schedule(Plan* plan) {
       ok = ensure_pages(s, 1);
     }
     if (!ok) break;  // s was preempted and removed; everything after it was too
-    plan->items.push_back({&s, 1, true});
-    --budget;
+    const int32_t k = make_draft(s, static_cast<int32_t>(std::min<int64_t>(spec_room, budget - 1)));
+    plan->items.push_back({&s, 1 + k, true, k > 0});
+    budget -= 1 + k;
+    spec_room -= k;
     ++it;
   }
   // 2. Running sequences still in their prompt (chunked prefill), then 3. admissions.
@@ -396,8 +427,9 @@ bool Engine::schedule(Plan* plan) {
     return true;  // state changed: ask for another step
   }
   for (const auto& it : plan->items) {
-    plan->batch.add(it.seq->table.pages.data(), it.seq->n_computed, it.seq->tokens.data() + it.seq->n_computed, it.n, it.logits,
-                    pool_g1_ ? it.seq->table_g1.pages.data() : nullptr);
+    const int32_t* toks = it.draft ? it.seq->spec_run.data() : it.seq->tokens.data() + it.seq->n_computed;
+    plan->batch.add(it.seq->table.pages.data(), it.seq->n_computed, toks, it.n, it.logits, pool_g1_ ? it.seq->table_g1.pages.data() : nullptr);
+    if (it.draft) plan->batch.seqs.back().n_logits = it.n;
     annotate(*it.seq, plan->batch.seqs.back());
   }
   return !plan->items.empty();
@@ -498,7 +530,7 @@ bool Engine::admit(Sequence& s, int64_t budget, int32_t* n_out) {
   s.swapped = false;
   s.tier_miss_at = -1;
   if (cache_ && s.rs->cached_tokens < 0) {
-    cache_->count_query(static_cast<int64_t>(s.tokens.size()), m.n_tokens);
+    cache_->count_query(static_cast<int64_t>(s.tokens.size()), m.n_tokens, m.handle);
     s.rs->cached_tokens = static_cast<int32_t>(std::min<int64_t>(m.n_tokens, s.n_prompt));
   }
   *n_out = n;
@@ -520,6 +552,7 @@ Engine::Sequence* Engine::fork(Sequence& parent, int32_t index) {
   for (int32_t p : c->table.pages)
     if (p >= 0) pool_->retain(p);  // shared until written (copy-on-write); -1: evicted
   c->evict = parent.evict;
+  c->spec = parent.spec;
   c->scores = parent.scores;
   c->evicted_tokens = parent.evicted_tokens;
   c->first_evicted_page = parent.first_evicted_page;
@@ -536,6 +569,75 @@ Engine::Sequence* Engine::fork(Sequence& parent, int32_t index) {
   return raw;
 }
 
+// ---- Speculative decoding (engine/speculative.h) ---------------------------------------------
+
+int32_t Engine::make_draft(Sequence& s, int32_t k_cap) {
+  s.draft.clear();
+  const RequestParams& p = s.rs->req.params;
+  // Not for a first token (forks of n > 1 are made from it) nor under a long-context KV policy
+  // (rejected positions would vote in its scores).
+  if (!s.spec.enabled() || s.n_generated < 1 || s.evict.active()) return 0;
+  const int32_t bs = cfg_.block_size;
+  const int64_t n_tok = static_cast<int64_t>(s.tokens.size());
+  int64_t k = std::min<int64_t>({k_cap, s.spec.num_speculative_tokens, p.max_tokens - s.n_generated - 1,
+                                 cfg_.max_model_len - n_tok - 1});
+  // Drafts use free pages only: making room for a guess is not worth evicting cached pages.
+  k = std::min<int64_t>(k, (static_cast<int64_t>(s.table.pages.size()) + pool_->n_free()) * bs - s.n_computed - 1);
+  if (pool_g1_) k = std::min<int64_t>(k, (static_cast<int64_t>(s.table_g1.pages.size()) + pool_g1_->n_free()) * bs - s.n_computed - 1);
+  // A quantized page is quantized when its last slot is written: a draft must not write it (it
+  // may be rejected), so drafts stay inside the page of the run's first token, or the next.
+  if (staged_kv_) {
+    const int64_t slot = s.n_computed % bs;
+    k = std::min<int64_t>(k, slot == bs - 1 ? bs - 1 : bs - 2 - slot);
+  }
+  if (k <= 0) return 0;
+  k = s.spec_stats.worth(static_cast<int32_t>(k), s.spec.draft_cost);  // as long as it pays, from this sequence's record
+  if (k <= 0) return 0;
+  const int32_t* t = s.tokens.data();
+  if (s.spec.method == SpecConfig::Method::kNgram) {
+    ngram_draft(t, n_tok, s.spec, static_cast<int32_t>(k), &s.draft);
+  } else {
+    const SpecConfig& c = s.spec;
+    SuffixDraft best = suffix_draft_self(t, n_tok, c.suffix_max_depth / 2, static_cast<int32_t>(k), c.suffix_min_prob, c.suffix_alpha);
+    if (const SuffixTrie* trie = suffix_cache_ ? suffix_cache_->trie(p.cache_namespace) : nullptr) {
+      SuffixDraft other = trie->propose(t, n_tok, static_cast<int32_t>(k), c.suffix_min_prob, c.suffix_alpha);
+      if (other.score > best.score) best = std::move(other);
+    }
+    s.draft = std::move(best.tokens);
+  }
+  if (s.draft.empty()) return 0;
+  const int32_t n = static_cast<int32_t>(s.draft.size());
+  if (!ensure_pages(s, 1 + n)) {  // cannot happen with the free pages counted above; be safe
+    s.draft.clear();
+    return 0;
+  }
+  s.spec_run.assign(1, s.tokens.back());
+  s.spec_run.insert(s.spec_run.end(), s.draft.begin(), s.draft.end());
+  return n;
+}
+
+void Engine::settle_draft(Sequence& s, int32_t n_accepted) {
+  // The accepted drafts' K/V stays (a finished sequence keeps only what its tokens cover); the
+  // rejected positions are forgotten, and pages holding nothing else go back to the pool.
+  const int32_t bs = cfg_.block_size;
+  s.n_computed = std::min<int64_t>(s.n_computed + n_accepted, static_cast<int64_t>(s.tokens.size()));
+  s.table.n_tokens = s.n_computed;
+  const size_t keep = static_cast<size_t>(BlockTable::pages_for(s.n_computed, bs));
+  auto truncate = [&](BlockTable& t, PagePool& pool) {
+    while (t.pages.size() > keep) {
+      if (t.pages.back() >= 0) pool.release(t.pages.back());
+      t.pages.pop_back();
+    }
+    t.n_tokens = s.n_computed;
+  };
+  truncate(s.table, *pool_);
+  if (pool_g1_) truncate(s.table_g1, *pool_g1_);
+  metrics_.add_spec(static_cast<int32_t>(s.draft.size()), n_accepted);
+  s.spec_stats.observe(static_cast<int32_t>(s.draft.size()), n_accepted);
+  s.draft.clear();
+  publish(s);
+}
+
 void Engine::postprocess(Plan& plan, const float* logits) {
   const int32_t nv = model_.config().n_vocab;
   const auto now = Clock::now();
@@ -544,18 +646,22 @@ void Engine::postprocess(Plan& plan, const float* logits) {
   draws_.clear();
   for (auto& it : plan.items) {
     Sequence& s = *it.seq;
-    s.n_computed += it.n;
+    // A speculative run: only its first token is known to be right (settle_draft does the rest).
+    const int32_t n_known = it.draft ? 1 : it.n;
+    s.n_computed += n_known;
     s.table.n_tokens = s.n_computed;
     publish(s);
-    maybe_evict(s, it.n);
+    maybe_evict(s, n_known);
     if (s.n_computed <= s.n_prompt) metrics_.add_prompt_tokens(std::min<int64_t>(it.n, s.n_prompt - (s.n_computed - it.n)));
     if (!it.logits) continue;
-    const float* lg = logits + r++ * nv;
+    const float* lg = logits + r * nv;
+    const int32_t rows = it.draft ? it.n : 1;
+    r += rows;
     RequestState& rs = *s.rs;
-    draws_.push_back({&s, lg});
+    draws_.push_back({&s, lg, rows, {}, {}});
     if (rs.req.params.n > 1 && !rs.forked && s.index == 0) {
       rs.forked = true;
-      for (int32_t i = 1; i < rs.req.params.n; ++i) draws_.push_back({fork(s, i), lg});
+      for (int32_t i = 1; i < rs.req.params.n; ++i) draws_.push_back({fork(s, i), lg, 1, {}, {}});
     }
     if (!rs.first_token) {
       rs.first_token = true;
@@ -567,48 +673,54 @@ void Engine::postprocess(Plan& plan, const float* logits) {
   const auto t_sample = Clock::now();
   sample_all(nv);
   sample_seconds_ = seconds(t_sample, Clock::now());
-  // 3. Tokens, text, stop strings and streaming, in batch order.
+  // 3. Tokens, text, stop strings and streaming, in batch order (a speculative draw may bring
+  // several tokens; the first that finishes the sequence ends it).
   for (Draw& d : draws_) {
     Sequence* e = d.seq;
     RequestState& rs = *e->rs;
     const RequestParams& p = rs.req.params;
-    StreamEvent& ev = d.ev;
-    const int32_t tok = d.token;
-    e->tokens.push_back(tok);
-    ++e->n_generated;
-    ++rs.completion_tokens;
-    metrics_.add_generation_tokens(1);
-    if (e->n_generated > 1) metrics_.observe_itl(seconds(e->last_token_time, now));
-    e->last_token_time = now;
-
+    const double itl = seconds(e->last_token_time, now) / static_cast<double>(d.out.size());
     const char* reason = nullptr;
-    ev.tokens.push_back(tok);
-    if (!p.ignore_eos && tok_.is_eog(tok)) {
-      reason = "stop";
-      ev.eog_logprobs.swap(ev.logprobs);  // the end-of-generation token is not part of the text
-    } else {
-      e->held += e->detok.push(tok);
-      const bool at_limit = e->n_generated >= p.max_tokens || static_cast<int64_t>(e->tokens.size()) >= cfg_.max_model_len;
-      if (at_limit) e->held += e->detok.flush();
-      size_t cut = std::string::npos;
-      for (const auto& st : p.stop) {
-        size_t at = e->held.find(st);
-        if (at != std::string::npos) cut = std::min(cut, at);
-      }
-      if (cut != std::string::npos) {
-        ev.text = e->held.substr(0, cut);
-        e->held.clear();
+    for (size_t i = 0; i < d.out.size() && !reason; ++i) {
+      const int32_t tok = d.out[i];
+      StreamEvent ev;
+      ev.index = e->index;
+      if (!d.lps.empty()) ev.logprobs.push_back(std::move(d.lps[i]));
+      e->tokens.push_back(tok);
+      ++e->n_generated;
+      ++rs.completion_tokens;
+      metrics_.add_generation_tokens(1);
+      if (e->n_generated > 1) metrics_.observe_itl(itl);
+      ev.tokens.push_back(tok);
+      if (!p.ignore_eos && tok_.is_eog(tok)) {
         reason = "stop";
-      } else if (at_limit) {
-        ev.text.swap(e->held);
-        reason = "length";
+        ev.eog_logprobs.swap(ev.logprobs);  // the end-of-generation token is not part of the text
       } else {
-        const size_t keep = stop_holdback(e->held, p.stop);
-        ev.text = e->held.substr(0, e->held.size() - keep);
-        e->held.erase(0, e->held.size() - keep);
+        e->held += e->detok.push(tok);
+        const bool at_limit = e->n_generated >= p.max_tokens || static_cast<int64_t>(e->tokens.size()) >= cfg_.max_model_len;
+        if (at_limit) e->held += e->detok.flush();
+        size_t cut = std::string::npos;
+        for (const auto& st : p.stop) {
+          size_t at = e->held.find(st);
+          if (at != std::string::npos) cut = std::min(cut, at);
+        }
+        if (cut != std::string::npos) {
+          ev.text = e->held.substr(0, cut);
+          e->held.clear();
+          reason = "stop";
+        } else if (at_limit) {
+          ev.text.swap(e->held);
+          reason = "length";
+        } else {
+          const size_t keep = stop_holdback(e->held, p.stop);
+          ev.text = e->held.substr(0, e->held.size() - keep);
+          e->held.erase(0, e->held.size() - keep);
+        }
       }
+      rs.req.stream->push(std::move(ev));  // always carries the token
     }
-    rs.req.stream->push(std::move(ev));  // always carries the token
+    e->last_token_time = now;
+    if (d.n_rows > 1) settle_draft(*e, static_cast<int32_t>(d.out.size()) - 1);
     if (reason) e->rs->req.stream->push(StreamEvent{StreamEvent::kFinish, e->index, "", {}, reason, "", 0, {}, {}});
     if (reason) e->n_prompt = -1;  // marks finished; removed from running below
   }
@@ -616,6 +728,12 @@ void Engine::postprocess(Plan& plan, const float* logits) {
   for (auto it = running_.begin(); it != running_.end();) {
     Sequence& s = **it;
     if (s.n_prompt == -1) {
+      if (suffix_cache_ && s.spec.method == SpecConfig::Method::kSuffix) {  // its output feeds later drafts
+        const size_t n_prompt = s.rs->req.prompt.size();
+        if (s.tokens.size() > n_prompt)
+          suffix_cache_->add_output(s.rs->req.params.cache_namespace, s.tokens.data() + n_prompt,
+                                    static_cast<int64_t>(s.tokens.size() - n_prompt));
+      }
       record_kv_outcome(s);
       release(s);
       maybe_finish_request(s);
@@ -638,29 +756,27 @@ void Engine::sample_all(int32_t nv) {
       Draw& d = draws_[i];
       Sequence& s = *d.seq;
       const RequestParams& p = s.rs->req.params;
-      const float* lg = d.logits;
-      d.ev = StreamEvent{};
-      d.ev.index = s.index;
-      double lz = 0;  // log-partition of the raw logits
-      if (p.logprobs >= 0) {
-        // Log-probabilities of the model's distribution (before penalties and temperature).
-        const float mx = max_value(lg, nv);
-        double z = 0;
-        for (int32_t j = 0; j < nv; ++j) z += std::exp(double(lg[j]) - mx);
-        lz = mx + std::log(z);
-        TokenLogprob tl;
-        if (p.logprobs > 0) {
-          top_k_select(lg, nv, std::min(p.logprobs, nv), &ws.sampler.cand);
-          for (const auto& [v, id] : ws.sampler.cand) tl.top.emplace_back(id, static_cast<float>(double(v) - lz));
-        }
-        d.ev.logprobs.push_back(tl);
-      }
-      std::copy(lg, lg + nv, ws.row.begin());  // the sampler rewrites its row
-      d.token = s.sampler.sample(ws.row.data(), nv, s.tokens, static_cast<size_t>(s.n_prompt), &ws.sampler);
-      if (!d.ev.logprobs.empty()) {
-        d.ev.logprobs[0].token = d.token;
-        d.ev.logprobs[0].logprob = static_cast<float>(double(lg[d.token]) - lz);  // same arithmetic as `top`
-      }
+      d.out.clear();
+      d.lps.clear();
+      // Row j verifies draft token j (verify_draft); logprobs of each row drawn.
+      const std::vector<int32_t>* draft = d.n_rows > 1 ? &s.draft : nullptr;
+      verify_draft(s.sampler, d.logits, d.n_rows, nv, draft, s.tokens, static_cast<size_t>(s.n_prompt), &ws.sampler, ws.row.data(),
+                   &d.out, [&](int32_t, const float* lg, int32_t tok) {
+                     if (p.logprobs < 0) return;
+                     // Log-probabilities of the model's distribution (before penalties and temperature).
+                     const float mx = max_value(lg, nv);
+                     double z = 0;
+                     for (int32_t v = 0; v < nv; ++v) z += std::exp(double(lg[v]) - mx);
+                     const double lz = mx + std::log(z);  // log-partition of the raw logits
+                     TokenLogprob tl;
+                     if (p.logprobs > 0) {
+                       top_k_select(lg, nv, std::min(p.logprobs, nv), &ws.sampler.cand);
+                       for (const auto& [v, id] : ws.sampler.cand) tl.top.emplace_back(id, static_cast<float>(double(v) - lz));
+                     }
+                     tl.token = tok;
+                     tl.logprob = static_cast<float>(double(lg[tok]) - lz);  // same arithmetic as `top`
+                     d.lps.push_back(std::move(tl));
+                   });
     }
   };
   // One sequence is not worth a wake-up of the pool.
@@ -823,6 +939,10 @@ void Engine::maybe_finish_request(Sequence& s) {
   metrics_.add_finished(aborted);
   metrics_.observe_e2e(seconds(rs.req.arrival, Clock::now()));
   finishing_.emplace_back(rs.req.stream, u);  // done at the end of the step, after the gauges
+  const bool at_length = rs.completion_tokens >= int64_t(rs.req.params.max_tokens) * rs.req.params.n ||
+                         static_cast<int64_t>(s.tokens.size()) >= cfg_.max_model_len;
+  dash_.timelines().finished(rs.req.id, rs.req.params.cache_namespace, rs.req.arrival, dash_.since_epoch(Clock::now()),
+                             aborted ? "abort" : at_length ? "length" : "stop", u.prompt_tokens, u.completion_tokens, u.cached_tokens);
 }
 
 void Engine::end_finished_streams() {
@@ -860,6 +980,7 @@ bool Engine::step() {
   drain_incoming();
   Plan plan;
   const bool work = schedule(&plan);
+  note_runs(plan, t0);
   double phase[kNumStepPhases] = {};
   phase[static_cast<int>(StepPhase::kSchedule)] = seconds(t0, Clock::now());
   sample_seconds_ = 0;
@@ -889,6 +1010,7 @@ bool Engine::step() {
   }
   // A client that sees its request done also sees its pages back (pages_in_use, /metrics).
   end_finished_streams();
+  if (const auto t_dash = Clock::now(); dash_.end_step(metrics_)) publish_dashboard(t_dash);
   return work;
 }
 
@@ -926,6 +1048,41 @@ MetricsSnapshot Engine::metrics() const {
     for (TierSnapshot& t : tiers_->stats())
       m.tiers.push_back({t.s, Histogram(tier_load_buckets(), std::move(t.load_counts), t.load_sum, t.load_count)});
   return m;
+}
+
+// ---- KV dashboard (kv_snapshot.h) ------------------------------------------------------
+
+void Engine::note_runs(const Plan& plan, Clock::time_point t0) {
+  const double t = dash_.since_epoch(t0);
+  for (const auto& it : plan.items) {
+    const RequestState& rs = *it.seq->rs;
+    // A prompt, or a recompute after preemption; a decode step with a draft also runs several tokens.
+    const bool prefill = !it.draft && (it.n > 1 || it.seq->n_computed < it.seq->n_prompt);
+    dash_.timelines().ran(rs.req.id, rs.req.params.cache_namespace, rs.req.arrival, t, it.n, prefill, it.logits);
+  }
+}
+
+void Engine::publish_dashboard(Clock::time_point started) {
+  std::vector<DashboardRecorder::Live> live;
+  for (auto* q : {&running_, &waiting_})
+    for (const auto& s : *q) {
+      RequestView v;
+      v.id = s->rs->req.id;
+      v.index = s->index;
+      v.ns = s->rs->req.params.cache_namespace;
+      v.state = q == &running_ ? RequestView::kRunning : s->tier_ticket != 0 ? RequestView::kLoading : RequestView::kWaiting;
+      v.n_prompt = s->n_prompt;
+      v.n_generated = s->n_generated;
+      v.max_tokens = s->rs->req.params.max_tokens;
+      v.n_computed = s->n_computed;
+      v.cached_tokens = s->rs->cached_tokens;
+      v.arrival = dash_.since_epoch(s->rs->req.arrival);
+      live.push_back({std::move(v), &s->table.pages, pool_g1_ ? &s->table_g1.pages : nullptr});
+    }
+  std::vector<std::pair<std::string, int64_t>> tier_pages;
+  if (tiers_)
+    for (const TierSnapshot& t : tiers_->stats()) tier_pages.emplace_back(t.s.tier, t.s.pages_stored);
+  dash_.publish(std::move(live), *pool_, pool_g1_.get(), cache_.get(), std::move(tier_pages), started);
 }
 
 Status Engine::check_integrity() const {

@@ -23,9 +23,11 @@
 
 #include "common/status.h"
 #include "common/thread_pool.h"
+#include "engine/kv_snapshot.h"
 #include "engine/metrics.h"
 #include "engine/request.h"
 #include "engine/sampler.h"
+#include "engine/speculative.h"
 #include "kv/page_pool.h"
 #include "kv/prefix_cache.h"
 #include "kv/tier_manager.h"
@@ -62,6 +64,8 @@ struct EngineConfig {
   // page, then computes instead (the lookup's pages still land in the cache when they come).
   double tier_timeout_s = 1.0;
   double tier_timeout_per_page_s = 0.002;
+  // Speculative decoding of requests that do not choose (engine/speculative.h); off by default.
+  SpecConfig spec;
 };
 
 // Staging slots per quantized layer the engine's pool needs: one partly filled page per
@@ -112,6 +116,9 @@ class Engine {
   int32_t pages_cached() const { return pages_cached_.load(); }
   // Hybrid models: sliding-window pages held by the prefix cache (pages_in_use counts both pools).
   int32_t window_pages_cached() const { return window_pages_cached_.load(); }
+  // The KV dashboard's snapshots (kv_snapshot.h): while subscribed, the engine thread publishes
+  // one at the end of a step at most every 250 ms. Thread-safe.
+  SnapshotFeed& dashboard_feed() const { return dash_.feed(); }
 
  private:
   struct Sequence;
@@ -136,8 +143,15 @@ class Engine {
   void record_kv_outcome(Sequence& s);
   void lookup_tiers();        // starts lower-tier lookups for waiting requests (RAM misses)
   void install_tier_pages();  // pages the lookups found: into the pool and the prefix cache
-  void swap_out(Sequence& s); // preemption in swap mode: the full pages go to the tiers  // a finishing sequence's kept / evicted tokens into usage and metrics
+  void swap_out(Sequence& s); // preemption in swap mode: the full pages go to the tiers
+  // Speculative decoding: s.draft for this step (at most k_cap tokens, none when s cannot
+  // speculate); then, after the verification forward, the accepted prefix's bookkeeping.
+  int32_t make_draft(Sequence& s, int32_t k_cap);
+  void settle_draft(Sequence& s, int32_t n_accepted);
   void loop();
+  // KV dashboard (kv_snapshot.h): this step's runs into the timelines; a snapshot when one is due.
+  void note_runs(const Plan& plan, std::chrono::steady_clock::time_point t0);
+  void publish_dashboard(std::chrono::steady_clock::time_point started);
 
   LlamaModel& model_;
   const Tokenizer& tok_;
@@ -152,6 +166,7 @@ class Engine {
   std::atomic<bool> tier_ready_{false};  // a lookup finished: step again
   std::unique_ptr<ThreadPool> threads_;
   Metrics metrics_;
+  mutable DashboardRecorder dash_;  // engine thread, but for its feed
 
   // Submission queue (any thread → engine thread).
   mutable std::mutex in_mu_;
@@ -165,12 +180,14 @@ class Engine {
   std::list<std::unique_ptr<Sequence>> waiting_;   // FCFS; preempted go to the front
   std::list<std::unique_ptr<Sequence>> running_;   // admission order (oldest first)
   std::vector<float> logits_;
-  // One token to draw this step: a sequence and its logit row (forks share their parent's).
+  // Tokens to draw this step: a sequence and its logit rows (forks share their parent's). A
+  // speculative run has one row per position: row i verifies draft token i (engine/speculative.h).
   struct Draw {
     Sequence* seq;
-    const float* logits;  // [n_vocab]
-    int32_t token = -1;
-    StreamEvent ev;       // index and logprobs, filled by sample_all
+    const float* logits;  // [n_rows][n_vocab]
+    int32_t n_rows = 1;
+    std::vector<int32_t> out;         // the tokens drawn (accepted drafts, then one more)
+    std::vector<TokenLogprob> lps;    // one per token of `out` (logprobs ≥ 0 only)
   };
   std::vector<Draw> draws_;
   struct SampleWorkspace {
@@ -178,6 +195,8 @@ class Engine {
     SamplerScratch sampler;
   };
   std::vector<SampleWorkspace> sample_ws_;  // one per pool thread
+  std::unique_ptr<SuffixCache> suffix_cache_;  // suffix drafts: recent outputs per namespace
+  bool staged_kv_ = false;                     // some layer quantizes pages when they fill
   double sample_seconds_ = 0;               // this step's sampling time, for the step profile
   std::atomic<int32_t> pages_in_use_{0};
   std::atomic<int32_t> pages_cached_{0};

@@ -55,6 +55,14 @@ void Metrics::set_prefix_cache(int64_t queries, int64_t hits, int64_t evictions,
   m_.prefix_cache_window_evictions_total = window_evictions;
 }
 void Metrics::add_preemption() { std::lock_guard<std::mutex> l(mu_); ++m_.num_preemptions_total; }
+void Metrics::add_spec(int32_t n_draft, int32_t n_accepted) {
+  std::lock_guard<std::mutex> l(mu_);
+  ++m_.spec_drafts_total;
+  m_.spec_draft_tokens_total += n_draft;
+  m_.spec_accepted_tokens_total += n_accepted;
+  if (static_cast<int32_t>(m_.spec_accepted_per_pos.size()) < n_draft) m_.spec_accepted_per_pos.resize(n_draft, 0);
+  for (int32_t i = 0; i < n_accepted; ++i) ++m_.spec_accepted_per_pos[i];
+}
 void Metrics::add_tier_loaded_pages(int64_t n) {
   std::lock_guard<std::mutex> l(mu_);
   m_.tier_loaded_pages_total += n;
@@ -155,6 +163,17 @@ std::string render_prometheus(const MetricsSnapshot& m) {
       histogram_series(out, name, std::string("phase=\"") + step_phase_name(static_cast<StepPhase>(i)) + "\",", m.step_phase[i]);
   }
   counter(out, "kvserve:engine_steps_total", "Engine steps that ran a forward pass.", double(m.steps_total));
+  counter(out, "kvserve:spec_decode_num_drafts_total", "Speculative drafts verified.", double(m.spec_drafts_total));
+  counter(out, "kvserve:spec_decode_num_draft_tokens_total", "Speculative draft tokens verified.", double(m.spec_draft_tokens_total));
+  counter(out, "kvserve:spec_decode_num_accepted_tokens_total", "Speculative draft tokens accepted.",
+          double(m.spec_accepted_tokens_total));
+  if (!m.spec_accepted_per_pos.empty()) {
+    const char* name = "kvserve:spec_decode_num_accepted_tokens_per_pos_total";
+    out += std::string("# HELP ") + name + " Speculative draft tokens accepted, per position in the draft (0 = first).\n# TYPE " +
+           name + " counter\n";
+    for (size_t i = 0; i < m.spec_accepted_per_pos.size(); ++i)
+      out += std::string(name) + "{position=\"" + std::to_string(i) + "\"} " + std::to_string(m.spec_accepted_per_pos[i]) + "\n";
+  }
   if (!m.tiers.empty()) {
     counter(out, "kvserve:kv_tier_loaded_pages_total", "KV pages copied from a lower tier (disk, Redis) into RAM.",
             double(m.tier_loaded_pages_total));

@@ -69,6 +69,12 @@ struct MetricsSnapshot {
   int64_t tier_loaded_pages_total = 0;   // pages copied from a lower tier into the pool
   int64_t tier_load_timeouts_total = 0;  // lookups a request stopped waiting for
   uint64_t steps_total = 0;           // steps that ran a forward
+  // Speculative decoding (vLLM's spec_decode_* names): drafts verified, their tokens, the
+  // tokens accepted, and accepted tokens per draft position (index 0 = the first draft token).
+  int64_t spec_drafts_total = 0;
+  int64_t spec_draft_tokens_total = 0;
+  int64_t spec_accepted_tokens_total = 0;
+  std::vector<int64_t> spec_accepted_per_pos;
 };
 
 std::string render_prometheus(const MetricsSnapshot& m);
@@ -82,6 +88,7 @@ class Metrics {
   void set_prefix_cache(int64_t queries, int64_t hits, int64_t evictions, int64_t cached_pages, int64_t window_pages = 0,
                         int64_t window_evictions = 0);
   void add_preemption();
+  void add_spec(int32_t n_draft, int32_t n_accepted);  // one verified draft
   void add_evicted_tokens(int64_t n);
   void add_tier_loaded_pages(int64_t n);
   void add_tier_load_timeout();

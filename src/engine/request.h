@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "engine/sampler.h"
+#include "engine/speculative.h"
 #include "kv/kv_eviction.h"
 
 namespace kv {
@@ -30,6 +31,10 @@ struct RequestParams {
   // Long-context KV policy for this request (kv/kv_eviction.h); unset: the server's default.
   bool kv_policy_set = false;
   EvictionConfig kv_policy;
+  // Speculative decoding: the server's default, off, on (the server's configuration, or ngram
+  // with its defaults when the server has none), or this request's own configuration.
+  enum class Spec { kDefault, kOff, kOn, kCustom } spec_choice = Spec::kDefault;
+  SpecConfig spec;  // kCustom
 };
 
 struct TokenLogprob {

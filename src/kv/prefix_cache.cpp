@@ -55,7 +55,7 @@ PrefixCache::~PrefixCache() {
     if (wpage_node_[p] >= 0) wpool_->release(p);
 }
 
-uint64_t PrefixCache::now() {
+uint64_t PrefixCache::now() const {
   if (clock_) return clock_();
   return static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
@@ -98,6 +98,65 @@ void PrefixCache::for_each_page(const std::function<void(const PageHash&, const 
     if (!n.live || n.parent < 0) continue;
     for (size_t k = 0; k < n.pages.size(); ++k) f(n.hashes[k], ns_of(x), n.tokens.data() + k * block_size_, n.pages[k]);
   }
+}
+
+PrefixTreeView PrefixCache::view(int32_t max_nodes, int32_t n_head_tokens) const {
+  PrefixTreeView v;
+  v.now = now();
+  // One walk from the roots gives every node its namespace and depth.
+  struct Seen {
+    int32_t node, ns;
+    int64_t depth;
+  };
+  std::vector<Seen> all;
+  for (const auto& [ns, root] : roots_) {
+    const int32_t k = static_cast<int32_t>(v.namespaces.size());
+    v.namespaces.push_back(ns);
+    v.ns_pages.push_back(0);
+    v.ns_nodes.push_back(0);
+    std::vector<std::pair<int32_t, int64_t>> todo = {{root, 0}};
+    while (!todo.empty()) {
+      auto [x, depth] = todo.back();
+      todo.pop_back();
+      const Node& n = nodes_[x];
+      if (x != root) {
+        all.push_back({x, k, depth - static_cast<int64_t>(n.tokens.size())});
+        v.ns_pages[k] += static_cast<int32_t>(n.pages.size());
+        ++v.ns_nodes[k];
+      }
+      for (const auto& [key, c] : n.children) todo.push_back({c, depth + static_cast<int64_t>(nodes_[c].tokens.size())});
+    }
+  }
+  v.n_nodes = static_cast<int32_t>(all.size());
+  // The most recent first; a parent is never older than its children, so the chosen set is
+  // nearly closed under ancestors already, and ties are closed below.
+  const size_t keep = std::min(all.size(), static_cast<size_t>(std::max(max_nodes, 0)));
+  auto newer = [&](const Seen& a, const Seen& b) { return nodes_[a.node].last_access > nodes_[b.node].last_access; };
+  std::nth_element(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(keep), all.end(), newer);
+  std::vector<Seen> chosen(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(keep));
+  std::set<int32_t> have;
+  for (const Seen& s : chosen) have.insert(s.node);
+  for (size_t i = 0; i < chosen.size(); ++i) {
+    const int32_t p = nodes_[chosen[i].node].parent;
+    if (nodes_[p].parent >= 0 && have.insert(p).second)
+      chosen.push_back({p, chosen[i].ns, chosen[i].depth - static_cast<int64_t>(nodes_[p].tokens.size())});
+  }
+  std::sort(chosen.begin(), chosen.end(), [](const Seen& a, const Seen& b) { return a.depth != b.depth ? a.depth < b.depth : a.node < b.node; });
+  for (const Seen& s : chosen) {
+    const Node& n = nodes_[s.node];
+    PrefixTreeView::Node out;
+    out.id = s.node;
+    out.parent = nodes_[n.parent].parent >= 0 ? n.parent : -1;
+    out.ns = s.ns;
+    out.n_pages = static_cast<int32_t>(n.pages.size());
+    out.depth_tokens = s.depth;
+    out.hits = n.hits;
+    out.last_access = n.last_access;
+    out.pinned = n.lock > 0;
+    out.head.assign(n.tokens.begin(), n.tokens.begin() + std::min<int64_t>(static_cast<int64_t>(n.tokens.size()), std::max(n_head_tokens, 0)));
+    v.nodes.push_back(std::move(out));
+  }
+  return v;
 }
 
 const std::string& PrefixCache::ns_of(int32_t x) const {
@@ -193,6 +252,7 @@ int32_t PrefixCache::split(int32_t x, int32_t k) {
   Y.parent = X.parent;
   Y.lock = X.lock;  // every pin through X passes through Y
   Y.last_access = X.last_access;
+  Y.hits = X.hits;  // every hit through X passed through Y
   Y.tokens.assign(X.tokens.begin(), X.tokens.begin() + n_tok);
   Y.pages.assign(X.pages.begin(), X.pages.begin() + k);
   Y.hashes.assign(X.hashes.begin(), X.hashes.begin() + k);
@@ -350,10 +410,12 @@ int64_t PrefixCache::match_length(const std::string& ns, const int32_t* tokens, 
   return walk(root, tokens, (n_tokens - 1) / block_size_, nullptr).n_pages * block_size_;
 }
 
-void PrefixCache::count_query(int64_t n_query_tokens, int64_t n_hit_tokens) {
+void PrefixCache::count_query(int64_t n_query_tokens, int64_t n_hit_tokens, const PrefixHandle& hit) {
   assert(n_hit_tokens >= 0 && n_hit_tokens <= n_query_tokens);
   stats_.queries_tokens += n_query_tokens;
   stats_.hit_tokens += n_hit_tokens;
+  if (hit.empty() || !is_valid(hit)) return;
+  for (int32_t x = hit.node; nodes_[x].parent >= 0; x = nodes_[x].parent) ++nodes_[x].hits;
 }
 
 // ---- pins --------------------------------------------------------------------------------

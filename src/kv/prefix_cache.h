@@ -119,6 +119,27 @@ struct PrefixCacheStats {
   int64_t evicted_window_pages = 0;   // cache references on window pages dropped
 };
 
+// A bounded picture of the trees for the KV dashboard (view()).
+struct PrefixTreeView {
+  struct Node {
+    int32_t id = 0;
+    int32_t parent = -1;         // -1: a first-level node (its parent is the namespace's root)
+    int32_t ns = 0;              // index into namespaces
+    int32_t n_pages = 0;         // pages on this node's edge
+    int64_t depth_tokens = 0;    // tokens before the edge (the path from the root)
+    int64_t hits = 0;            // admissions whose cached prefix ran through this node (count_query)
+    uint64_t last_access = 0;    // the clock's time of the last pin, unpin or insert through it
+    bool pinned = false;         // a running request reads it
+    std::vector<int32_t> head;   // the edge's first tokens (at most n_head_tokens)
+  };
+  std::vector<std::string> namespaces;  // every namespace with a tree
+  std::vector<int32_t> ns_pages;        // [namespaces] cached pages
+  std::vector<int32_t> ns_nodes;        // [namespaces] nodes (roots not counted)
+  std::vector<Node> nodes;              // the most recently used, parents before children
+  int32_t n_nodes = 0;                  // nodes in every tree (roots not counted)
+  uint64_t now = 0;                     // the clock when viewed: a node's age is now - last_access
+};
+
 // The sliding-window layer group's pool and window (tokens), for hybrid models.
 struct WindowGroup {
   PagePool* pool = nullptr;
@@ -175,8 +196,9 @@ class PrefixCache {
   int64_t match_length(const std::string& ns, const int32_t* tokens, int64_t n_tokens) const;
   // Adds one admission's lookup to the stats: n_query_tokens prompt tokens, n_hit_tokens of
   // them from the cache. Called once per admission that commits, not per match() (lpm
-  // ordering and failed admissions look up without counting).
-  void count_query(int64_t n_query_tokens, int64_t n_hit_tokens);
+  // ordering and failed admissions look up without counting). hit: the match's handle (valid),
+  // whose path counts one hit per node (PrefixTreeView::Node::hits).
+  void count_query(int64_t n_query_tokens, int64_t n_hit_tokens, const PrefixHandle& hit = {});
 
   // --- pins -----------------------------------------------------------------------------
   // Lock (unlock) every node from the handle's node up to the root; refreshes their LRU time.
@@ -231,6 +253,9 @@ class PrefixCache {
   void for_each_page(const std::function<void(const PageHash&, const std::string&, const int32_t*, int32_t)>& f) const;
   // Pages on the handle's path, root first.
   std::vector<int32_t> path_pages(const PrefixHandle& h) const;
+  // The max_nodes most recently used nodes (ties: any) and their ancestors, each with its edge's
+  // first n_head_tokens tokens; counts per namespace over every node. O(nodes); changes nothing.
+  PrefixTreeView view(int32_t max_nodes, int32_t n_head_tokens) const;
 
   // --- accounting -----------------------------------------------------------------------
   int32_t n_cached_pages() const { return stats_.cached_pages; }
@@ -263,6 +288,7 @@ class PrefixCache {
     int32_t lock = 0;              // pins through this node (own + descendants')
     int32_t own_pins = 0;          // pins whose handle is this node
     uint64_t last_access = 0;      // never below any child's
+    int64_t hits = 0;              // admissions that matched through this node (count_query)
     std::vector<int32_t> tokens;   // [n_pages * block_size] edge tokens
     std::vector<int32_t> pages;    // [n_pages]
     std::vector<PageHash> hashes;  // [n_pages] chain hash of each page
@@ -275,7 +301,7 @@ class PrefixCache {
   };
   using LruKey = std::pair<uint64_t, int32_t>;  // (last_access, node)
 
-  uint64_t now();
+  uint64_t now() const;
   uint64_t page_key(const int32_t* tokens) const;
   int32_t find_child(const Node& n, const int32_t* page_tokens) const;
   int32_t root_for(const std::string& ns) const;

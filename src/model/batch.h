@@ -18,7 +18,7 @@ struct BatchSeq {
   int64_t pos0 = 0;                // position of the run's first token (= tokens already in KV)
   int32_t n_tokens = 0;            // run length; the run's tokens are tokens[offset, offset+n)
   int32_t offset = 0;
-  bool want_logits = false;        // logits for the run's last token
+  bool want_logits = false;        // logits for the run's last n_logits tokens
   // Eviction scores (kv/kv_eviction.h): when set, the attention mass each page of group 0
   // receives from the run's tokens at index ≥ score_from is added to page_scores[logical
   // page] (summed over group-0 layers, KV heads and query heads). Runs may share one array.
@@ -27,6 +27,8 @@ struct BatchSeq {
   // Quest sparse reads (kv/kv_eviction.h, sparse_pages > 0): a run of ≤ kAttnQTile tokens reads
   // only the pages quest_select picks, per group-0 layer and KV head. Needs the pool's key bounds.
   const EvictionConfig* quest = nullptr;
+  int32_t n_logits = 1;            // with want_logits: rows for the run's last n_logits tokens
+                                   // (speculative verification), in position order
 };
 
 struct Batch {
@@ -43,7 +45,7 @@ struct Batch {
   }
   int32_t n_logit_rows() const {
     int32_t n = 0;
-    for (const auto& s : seqs) n += s.want_logits;
+    for (const auto& s : seqs) n += s.want_logits ? s.n_logits : 0;
     return n;
   }
   void clear() { tokens.clear(); seqs.clear(); }

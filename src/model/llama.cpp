@@ -649,14 +649,15 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
   }
 
   if (scoring) finish_scores();
-  // Logits for the last token of each run that asked.
+  // Logits for the last n_logits tokens of each run that asked.
   const auto t_logits = Clock::now();
   int64_t r = 0;
   for (const BatchSeq& s : batch.seqs) {
     if (!s.want_logits) continue;
-    const int64_t t = s.offset + s.n_tokens - 1;
-    rms_norm(x_.data() + t * E, output_norm_.data(), last_.data() + r * E, E, c.rms_eps);
-    ++r;
+    for (int64_t t = s.offset + s.n_tokens - s.n_logits; t < s.offset + s.n_tokens; ++t) {
+      rms_norm(x_.data() + t * E, output_norm_.data(), last_.data() + r * E, E, c.rms_eps);
+      ++r;
+    }
   }
   if (r > 0) matmul(output_, last_.data(), r, logits, tp);
   if (c.final_softcap > 0)

@@ -1,9 +1,5 @@
 #include "server/http_server.h"
 
-#include <xxhash.h>
-
-#include <cstdio>
-
 #include <httplib.h>
 
 #include <algorithm>
@@ -15,6 +11,7 @@
 #include "engine/engine.h"
 #include "engine/metrics.h"
 #include "server/api_error.h"
+#include "server/dashboard.h"
 #include "server/http_util.h"
 #include "server/openai_response.h"
 #include "web_assets.h"
@@ -146,11 +143,13 @@ void HttpServer::stop() {
 }
 
 bool HttpServer::authorized(const httplib::Request& req) const {
-  if (opts_.api_key.empty()) return true;
+  if (opts_.api_keys.empty()) return true;
   std::string h = req.get_header_value("Authorization");
   const std::string prefix = "Bearer ";
   if (h.size() < prefix.size() || h.compare(0, prefix.size(), prefix) != 0) return false;
-  return same_secret(h.substr(prefix.size()), opts_.api_key);
+  bool ok = false;
+  for (const std::string& key : opts_.api_keys) ok |= same_secret(h.substr(prefix.size()), key);  // every key compared
+  return ok;
 }
 
 void HttpServer::routes() {
@@ -159,14 +158,15 @@ void HttpServer::routes() {
       {"/v1/completions", "POST"}, {"/v1/chat/completions", "POST"}, {"/v1/models", "GET"},
       {"/health", "GET"},          {"/metrics", "GET"},              {"/debug/kv", "GET"},
       {"/tokenize", "POST"},       {"/detokenize", "POST"},          {"/", "GET"},
+      {"/dashboard", "GET"},       {"/dashboard/events", "GET"},
   };
 
   svr_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
     std::string path = req.path;
     if (path == "/debug/kv" && !opts_.debug) return httplib::Server::HandlerResponse::Unhandled;  // → 404
-    // Everything but the liveness and metrics probes and the chat page (which asks for the key)
+    // Everything but the liveness and metrics probes and the two pages (which ask for the key)
     // needs the key.
-    if (path != "/health" && path != "/metrics" && path != "/" && !authorized(req)) {
+    if (path != "/health" && path != "/metrics" && path != "/" && path != "/dashboard" && !authorized(req)) {
       bool missing = req.get_header_value("Authorization").empty();
       write_error(res, ApiError{401,
                                 missing ? "You didn't provide an API key. Provide it in an Authorization header using Bearer auth "
@@ -218,6 +218,11 @@ void HttpServer::routes() {
               res.set_header("Cache-Control", "no-cache");
               res.set_content(web::k_chat_html, "text/html; charset=utf-8");
             }));
+  svr_->Get("/dashboard", safe([](const httplib::Request&, httplib::Response& res) {
+              res.set_header("Cache-Control", "no-cache");
+              res.set_content(web::k_dashboard_html, "text/html; charset=utf-8");
+            }));
+  svr_->Get("/dashboard/events", safe([this](const httplib::Request& req, httplib::Response& res) { handle_dashboard_events(req, res); }));
   // vLLM's and llama-server's shapes: both field names in, both out.
   svr_->Post("/tokenize", safe([this](const httplib::Request& req, httplib::Response& res) {
                std::vector<int32_t> ids = parse_tokenize_request(parse_json_body(req.body, ctx_), ctx_);
@@ -259,6 +264,60 @@ void HttpServer::handle_debug_kv(httplib::Response& res) {
                        {"integrity", {{"ok", st.is_ok()}, {"message", st.message()}}}});
 }
 
+void HttpServer::handle_dashboard_events(const httplib::Request& req, httplib::Response& res) {
+  // Each viewer holds an HTTP thread for as long as it watches: a few, not the pool.
+  if (dashboard_clients_.fetch_add(1) >= opts_.max_dashboard_clients) {
+    dashboard_clients_.fetch_sub(1);
+    res.set_header("Retry-After", kRetryAfterSeconds);
+    throw ApiError{429, "Too many KV dashboards are open (at most " + std::to_string(opts_.max_dashboard_clients) + "); close one or retry later.",
+                   "rate_limit_error", "", "rate_limit_exceeded"};
+  }
+  struct Watch {
+    DashboardViewer viewer;
+    uint64_t seq = 0;           // last snapshot sent
+    double rates_after = -1e9;  // rate points up to here were sent
+    bool started = false;
+  };
+  auto w = std::make_shared<Watch>();
+  if (!opts_.api_keys.empty()) w->viewer.ns_prefix = tenant_prefix(req.get_header_value("Authorization").substr(7));
+  SnapshotFeed* feed = &engine_.dashboard_feed();
+  feed->subscribe();
+  // Only snapshots taken from now on: one published before (while nobody watched) is stale.
+  if (auto last = feed->wait_newer(0, std::chrono::milliseconds(0))) w->seq = last->seq;
+  const Tokenizer* tok = ctx_.tok;
+  res.set_header("Cache-Control", "no-cache");
+  res.set_header("X-Accel-Buffering", "no");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [this, w, feed, tok](size_t, httplib::DataSink& sink) -> bool {
+        try {
+          if (!sink.is_writable()) return false;
+          if (draining_.load()) {  // shutting down: the viewer's stream ends
+            sink.done();
+            return true;
+          }
+          std::string out;
+          if (!w->started) {
+            w->started = true;
+            out = "retry: 2000\n\n";
+          } else if (auto s = feed->wait_newer(w->seq, std::chrono::milliseconds(1000)); s && s->seq > w->seq) {
+            w->seq = s->seq;
+            out = "data: " + dashboard_json(*s, w->viewer, *tok, w->rates_after) + "\n\n";
+            if (!s->rates.empty()) w->rates_after = s->rates.back().t;
+          } else {
+            out = ": idle\n\n";  // a write per second finds a vanished viewer
+          }
+          return sink.write(out.data(), out.size());
+        } catch (...) {
+          return false;
+        }
+      },
+      [this, feed](bool) {
+        feed->unsubscribe();
+        dashboard_clients_.fetch_sub(1);
+      });
+}
+
 void HttpServer::handle_generate(const httplib::Request& req, httplib::Response& res, bool chat) {
   InFlight in_flight(&in_flight_);  // before the draining check: drain() sees this request or it sees drain
   if (draining_.load()) {
@@ -281,12 +340,7 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
   r.params = ar.params;
   // Prefix-cache namespace: the caller's cache_salt, and with auth on, the key itself (hashed,
   // never stored raw), so tenants with different keys never share a page.
-  if (!opts_.api_key.empty()) {
-    const std::string key = req.get_header_value("Authorization").substr(7);
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "key:%016llx/", static_cast<unsigned long long>(XXH3_64bits(key.data(), key.size())));
-    r.params.cache_namespace = buf + r.params.cache_namespace;
-  }
+  if (!opts_.api_keys.empty()) r.params.cache_namespace = tenant_prefix(req.get_header_value("Authorization").substr(7)) + r.params.cache_namespace;
   r.stream = std::make_shared<RequestStream>();
   std::shared_ptr<RequestStream> stream = r.stream;
   const int32_t n = ar.params.n;

@@ -5,6 +5,9 @@
 //   GET  /v1/models             GET  /health                  GET /metrics (Prometheus text)
 //   GET  /debug/kv              only with ServerOptions::debug: pool pages and integrity
 //   GET  /                      the chat page (web/chat.html)
+//   GET  /dashboard             the KV dashboard (web/dashboard.html)
+//   GET  /dashboard/events      its SSE feed (server/dashboard.h): at most max_dashboard_clients at
+//                               once (429 beyond), each a snapshot at most every 250 ms
 //   POST /tokenize              POST /detokenize
 //
 // Every error is an OpenAI-shaped JSON body with a 4xx/5xx status; no exception escapes a
@@ -54,13 +57,16 @@ enum class ServerRole { kBoth, kPrefill, kDecode };
 const char* role_name(ServerRole r);
 
 struct ServerOptions {
-  std::string api_key;                    // empty: no auth
+  // Keys accepted as Bearer tokens; empty: no auth. Each key is a tenant: its requests' prefix
+  // cache namespace starts with tenant_prefix(key), and its dashboard shows only those by name.
+  std::vector<std::string> api_keys;
   ServerRole role = ServerRole::kBoth;
   double prefill_write_timeout_s = 10;    // prefill role: longest wait for the pages to be stored
   size_t max_body_bytes = size_t(8) << 20;
   bool debug = false;                     // /debug/kv and one log line per request
   int32_t http_threads = 0;               // 0: max_num_seqs + 16
   double request_timeout_s = 0;           // > 0: a generation request running longer is cancelled (504)
+  int32_t max_dashboard_clients = 8;      // /dashboard/events streams at once (each holds an HTTP thread)
 };
 
 class HttpServer {
@@ -81,6 +87,7 @@ class HttpServer {
   void routes();
   void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat);
   void handle_debug_kv(httplib::Response& res);
+  void handle_dashboard_events(const httplib::Request& req, httplib::Response& res);
   bool authorized(const httplib::Request& req) const;
   bool wait_idle(double timeout_s) const;  // until no generation request is in flight; true if none
   // Why the server ends a running request now (shutting down: 503; past its deadline: 504), if it does.
@@ -93,6 +100,7 @@ class HttpServer {
   std::atomic<bool> stopping_{false};
   std::atomic<bool> draining_{false};
   std::atomic<int32_t> in_flight_{0};  // generation requests admitted and not yet answered
+  std::atomic<int32_t> dashboard_clients_{0};  // /dashboard/events streams open
 };
 
 }  // namespace kv

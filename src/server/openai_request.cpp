@@ -217,6 +217,19 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
     }
     r->params.kv_policy_set = true;
   }
+
+  // "speculative": false (off), true (on: the server's configuration, or ngram), or an object
+  // (this request's configuration, parse_spec_config).
+  if (const json* sp = f.get("speculative")) {
+    if (sp->is_boolean()) {
+      r->params.spec_choice = sp->get<bool>() ? RequestParams::Spec::kOn : RequestParams::Spec::kOff;
+    } else if (sp->is_object()) {
+      r->params.spec = parse_spec_config(*sp, "speculative");
+      r->params.spec_choice = RequestParams::Spec::kCustom;
+    } else if (!sp->is_null()) {
+      type_error("speculative", "a boolean or an object", *sp);
+    }
+  }
 }
 
 // max_tokens: given, or `dflt` when absent. Over max_model_len is refused here with the reason;
@@ -337,6 +350,42 @@ std::vector<ChatMessage> parse_messages(const Fields& f) {
 }
 
 }  // namespace
+
+SpecConfig parse_spec_config(const json& v, const std::string& param) {
+  if (!v.is_object()) type_error(param, "an object", v);
+  static const char* kKnown[] = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "suffix_max_depth",
+                                 "suffix_min_prob", "suffix_alpha", "suffix_cache_tokens", "max_batch_tokens", "draft_cost"};
+  for (auto it = v.begin(); it != v.end(); ++it)
+    if (std::find(std::begin(kKnown), std::end(kKnown), it.key()) == std::end(kKnown))
+      value_error(param, "unknown field '" + it.key() +
+                             "' (expected method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, suffix_max_depth, "
+                             "suffix_min_prob, suffix_alpha, suffix_cache_tokens, max_batch_tokens, draft_cost).");
+  Fields f(v);
+  SpecConfig c;
+  c.method = SpecConfig::Method::kNgram;
+  try {
+    if (auto m = f.string("method"))
+      if (!parse_spec_method(*m, &c.method)) value_error("method", "must be \"ngram\", \"suffix\" or \"none\", got \"" + *m + "\".");
+    c.num_speculative_tokens = static_cast<int32_t>(f.integer("num_speculative_tokens", 0, 32).value_or(c.num_speculative_tokens));
+    c.prompt_lookup_min = static_cast<int32_t>(f.integer("prompt_lookup_min", 1, 64).value_or(c.prompt_lookup_min));
+    c.prompt_lookup_max = static_cast<int32_t>(f.integer("prompt_lookup_max", 1, 64).value_or(std::max(c.prompt_lookup_max, c.prompt_lookup_min)));
+    c.suffix_max_depth = static_cast<int32_t>(f.integer("suffix_max_depth", 2, 64).value_or(c.suffix_max_depth));
+    c.suffix_min_prob = static_cast<float>(f.number("suffix_min_prob", 0.0, 1.0).value_or(c.suffix_min_prob));
+    c.suffix_alpha = static_cast<float>(f.number("suffix_alpha", 0.0, 64.0, /*lo_open=*/true).value_or(c.suffix_alpha));
+    c.suffix_cache_tokens = static_cast<int32_t>(f.integer("suffix_cache_tokens", 0, int64_t(1) << 24).value_or(c.suffix_cache_tokens));
+    c.max_batch_tokens = static_cast<int32_t>(f.integer("max_batch_tokens", 0, 1 << 20).value_or(c.max_batch_tokens));
+    c.draft_cost = static_cast<float>(f.number("draft_cost", 0.0, 0.99).value_or(c.draft_cost));
+    if (Status st = c.validate(); !st) value_error(param, st.message() + ".");
+  } catch (ApiError& e) {  // a nested field: name it as <param>.<field>
+    if (!e.param.empty() && e.param != param) {
+      const std::string q = "'" + e.param + "'";
+      if (size_t at = e.message.find(q); at != std::string::npos) e.message.replace(at, q.size(), "'" + param + "." + e.param + "'");
+      e.param = param + "." + e.param;
+    }
+    throw;
+  }
+  return c;
+}
 
 uint64_t random_seed() {
   static std::mutex mu;

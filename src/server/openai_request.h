@@ -65,6 +65,13 @@ ApiError from_event(const StreamEvent& ev);
 std::vector<int32_t> parse_tokenize_request(const nlohmann::json& body, const ApiContext& ctx);
 std::vector<int32_t> parse_detokenize_request(const nlohmann::json& body, const ApiContext& ctx);
 
+// A speculative-decoding configuration in vLLM's shape (--speculative-config, and a request's
+// "speculative" object): {"method": "ngram" | "suffix", "num_speculative_tokens": 5,
+// "prompt_lookup_min": 2, "prompt_lookup_max": 4, "suffix_max_depth": 32, "suffix_min_prob":
+// 0.1, "suffix_alpha": 1.0, "suffix_cache_tokens": 65536, "max_batch_tokens": 8, "draft_cost": 0.3}; fields not
+// given keep their defaults. Throws ApiError (param = `param`) on unknown fields or bad values.
+SpecConfig parse_spec_config(const nlohmann::json& v, const std::string& param);
+
 // A seed for a request that did not give one: fresh per call, so n > 1 choices and repeated
 // requests differ.
 uint64_t random_seed();

@@ -34,3 +34,15 @@ def client(server):
     c = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     yield c
     c.close()  # idle keep-alive connections would hold the server's shutdown for their timeout
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """One headless chromium for every browser test (web_pages.py)."""
+    from web_pages import CHROMIUM, sync_api
+    if CHROMIUM is None:
+        pytest.skip("Debian's chromium is not installed (make deps)")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        yield b
+        b.close()

@@ -29,13 +29,15 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *extra: str, model: str = MODEL, max_model_len: int = MAX_MODEL_LEN, kv_memory: str = "48MiB"):
+    def __init__(self, *extra: str, model: str = MODEL, max_model_len: int = MAX_MODEL_LEN, kv_memory: str = "48MiB",
+                 api_key: str | None = None):
         if not os.path.exists(KVSERVE):
             pytest.fail(f"{KVSERVE} is missing: run `make build`")
         if not os.path.exists(model):
             pytest.fail(f"{model} is missing: run `make models`")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # for /debug/kv behind --api-key
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-e2e-", suffix=".log", delete=False)
         cmd = [KVSERVE, "serve", "-m", model, "--port", str(self.port), "--threads", "2",
                "--kv-cache-memory", kv_memory, "--max-model-len", str(max_model_len), "--max-n", str(MAX_N), *extra]
@@ -69,7 +71,7 @@ class Server:
                 self.proc.wait()
 
     def debug_kv(self) -> dict:
-        return requests.get(self.url + "/debug/kv", timeout=5).json()
+        return requests.get(self.url + "/debug/kv", headers=self.headers, timeout=5).json()
 
     def wait_clean(self, timeout: float = 5) -> dict:
         """Every KV page back and the pool's integrity check passing; returns /debug/kv. Polls:

@@ -48,12 +48,15 @@ def golden():
         return json.load(f)
 
 
-def test_greedy_matches_the_numpy_oracle():
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 4, "max_batch_tokens": 0}],
+                         ids=["plain", "speculative"])
+def test_greedy_matches_the_numpy_oracle(spec):
     # Token ids in, token ids out: every golden prompt, one call, up to the first near-tie of
     # the oracle's top two (where float64 and the engine's rounding may pick differently).
+    # With speculative decoding (drafts verified in the batch) the same tokens.
     g = golden()
     prompts = [{"prompt_token_ids": p["tokens"]} for p in g["prompts"]]
-    with LLM(MODEL, kv_cache_memory="64MiB", max_model_len=1024, quiet=True) as big:
+    with LLM(MODEL, kv_cache_memory="64MiB", max_model_len=1024, quiet=True, speculative_config=spec) as big:
         outs = big.generate(prompts, SamplingParams(temperature=0, max_tokens=g["n_greedy"], ignore_eos=True), use_tqdm=False)
         assert big.kv_stats()["pages_in_use"] == 0
     compared = 0

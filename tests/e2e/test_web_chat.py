@@ -4,40 +4,12 @@ second turn shows cached prompt tokens; stop cancels the request on the server (
 back); a wrong API key shows the server's error, the right one works."""
 from __future__ import annotations
 
-import os
-import shutil
 import time
 
-import pytest
+from kvserve_server import MODEL_NAME, Server
+from web_pages import ask, last_stats, needs_chromium, screenshot, set_key, sync_api
 
-from kvserve_server import MODEL_NAME, ROOT, Server
-
-sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (make deps)")
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make deps)")
-SHOTS = os.path.join(ROOT, "build", "screenshots")
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
-        yield b
-        b.close()
-
-
-def ask(page, text: str, max_tokens: int, temperature: float = 0):
-    page.fill("#temperature", str(temperature))
-    page.fill("#max_tokens", str(max_tokens))
-    page.fill("#input", text)
-    page.click("#send")
-
-
-def last_stats(page, timeout_ms: int = 60_000):
-    page.wait_for_function(
-        "() => { const s = document.querySelectorAll('.assistant .stats'); return s.length && s[s.length - 1].textContent; }",
-        timeout=timeout_ms)
-    return page.locator(".assistant .stats").last
+pytestmark = needs_chromium
 
 
 def test_a_chat_round_trip_streams_the_apis_answer(server, client, browser):
@@ -56,8 +28,43 @@ def test_a_chat_round_trip_streams_the_apis_answer(server, client, browser):
     page.wait_for_function("() => document.querySelectorAll('.assistant .stats').length == 2 && "
                            "document.querySelectorAll('.assistant .stats')[1].textContent", timeout=60_000)
     assert int(page.locator(".assistant .stats").last.get_attribute("data-cached")) > 0
-    os.makedirs(SHOTS, exist_ok=True)
-    page.screenshot(path=os.path.join(SHOTS, "chat.png"))
+    screenshot(page, "chat.png")
+    page.close()
+
+
+def test_the_token_count_is_the_servers_tokenizer(server, browser):
+    # While typing, the page shows the conversation's size as POST /tokenize counts it (the chat
+    # template included), against the model's context.
+    import requests
+    page = browser.new_page()
+    page.goto(server.url + "/")
+    sync_api.expect(page.locator("#model")).to_contain_text(MODEL_NAME)
+    text = "How many tokens is this sentence, with the template around it?"
+    page.fill("#input", text)
+    page.dispatch_event("#input", "input")
+    page.wait_for_function("() => document.getElementById('tokens').textContent.includes('tokens of')", timeout=10_000)
+    want = requests.post(server.url + "/tokenize", timeout=10, json={
+        "messages": [{"role": "user", "content": text}], "add_generation_prompt": True}).json()
+    assert page.locator("#tokens").text_content() == f"{want['count']} tokens of {want['max_model_len']}"
+    assert want["count"] > len(text.split())  # the template's tokens are counted too
+    page.close()
+
+
+def test_the_kv_eviction_select_sends_the_policy_and_the_dashboard_is_linked(server, browser):
+    page = browser.new_page()
+    page.goto(server.url + "/")
+    sync_api.expect(page.locator("#model")).to_contain_text(MODEL_NAME)
+    page.select_option("#kv_policy", "sinks")
+    page.fill("#kv_budget", "128")
+    ask(page, "Say hello.", 6)
+    assert "KV sinks budget 128" in last_stats(page).text_content()
+    with page.context.expect_page() as opened:
+        page.click("#dashboard-link")  # a new tab
+    dash = opened.value
+    dash.wait_for_load_state()
+    assert dash.url == server.url + "/dashboard"
+    sync_api.expect(dash.locator("h1")).to_contain_text("KV dashboard")
+    dash.close()
     page.close()
 
 
@@ -88,12 +95,10 @@ def test_a_wrong_api_key_shows_the_error_and_the_right_one_works(browser):
         page = browser.new_page()
         page.goto(s.url + "/")
         sync_api.expect(page.locator("#model")).to_contain_text("API key")  # /v1/models answered 401
-        page.fill("#apikey", "sk-wrong")
-        page.dispatch_event("#apikey", "change")
+        set_key(page, "sk-wrong")
         ask(page, "hi", 4)
         assert "Incorrect API key" in last_stats(page).text_content()
-        page.fill("#apikey", "sk-right")
-        page.dispatch_event("#apikey", "change")
+        set_key(page, "sk-right")
         sync_api.expect(page.locator("#model")).to_contain_text(MODEL_NAME)
         ask(page, "hi", 4)
         page.wait_for_function("() => document.querySelectorAll('.assistant .stats')[1] && "

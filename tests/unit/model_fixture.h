@@ -8,6 +8,7 @@
 #include "gguf/gguf.h"
 #include "kernels/matmul.h"
 #include "model/llama.h"
+#include "tokenizer/tokenizer.h"
 
 namespace kvtest {
 
@@ -35,6 +36,16 @@ inline kv::LlamaModel* smollm2_model() {
     return std::move(*m);
   }();
   return model.get();
+}
+
+inline const kv::Tokenizer* smollm2_tokenizer() {
+  static std::unique_ptr<kv::Tokenizer> tok = []() -> std::unique_ptr<kv::Tokenizer> {
+    const kv::GgufFile* f = smollm2_file();
+    if (!f) return nullptr;
+    auto t = kv::Tokenizer::from_gguf(*f);
+    return t ? std::move(*t) : nullptr;
+  }();
+  return tok.get();
 }
 
 inline std::string gemma3_path() { return std::string(KV_SOURCE_DIR) + "/models/gemma-3-270m-Q4_K_M.gguf"; }

@@ -57,7 +57,7 @@ struct Fixture {
     EXPECT_TRUE(pool.allocate(need, &r->pages));
     r->pins.push_back(m.handle);
     r->n_cached = m.n_tokens;
-    cache.count_query(n, m.n_tokens);
+    cache.count_query(n, m.n_tokens, m.handle);
     return true;
   }
   // Finish or preemption: insert the full pages, unpin, release the block table.
@@ -169,6 +169,77 @@ TEST(PrefixCache, SplitsWhereSequencesDiverge) {
   EXPECT_EQ(d.n_cached, 0);
   f.finish(&d);
   EXPECT_EQ(f.cache.n_cached_pages(), 10);
+  f.check();
+}
+
+TEST(PrefixCache, ViewShowsRecentNodesWithTheirAncestorsHitsAndNamespaces) {
+  Fixture f(64);
+  f.t = 1;
+  FakeRequest a{"", cat(seq(0, 4 * kBs), {9})};
+  ASSERT_TRUE(f.admit(&a));
+  f.finish(&a);
+  f.t = 2;  // shares a's first two pages: a's edge splits there
+  const std::vector<int32_t> b_tokens = cat(seq(0, 2 * kBs), cat(seq(500, 2 * kBs), {9}));
+  FakeRequest b{"", b_tokens};
+  ASSERT_TRUE(f.admit(&b));
+  f.finish(&b);
+  f.t = 3;
+  FakeRequest c{"tenant", cat(seq(100, 2 * kBs), {9})};
+  ASSERT_TRUE(f.admit(&c));
+  f.finish(&c);
+  f.t = 4;  // b's prompt again: a hit through the shared node and b's branch, kept pinned
+  FakeRequest b2{"", b_tokens};
+  ASSERT_TRUE(f.admit(&b2));
+  EXPECT_EQ(b2.n_cached, 4 * kBs);
+
+  PrefixTreeView v = f.cache.view(64, 3);
+  EXPECT_EQ(v.now, 4u);
+  ASSERT_EQ(v.namespaces.size(), 2u);
+  const int32_t k_default = v.namespaces[0].empty() ? 0 : 1;
+  EXPECT_EQ(v.namespaces[1 - k_default], "tenant");
+  EXPECT_EQ(v.ns_pages[k_default], 6);
+  EXPECT_EQ(v.ns_nodes[k_default], 3);
+  EXPECT_EQ(v.ns_pages[1 - k_default], 2);
+  EXPECT_EQ(v.n_nodes, 4);
+  ASSERT_EQ(v.nodes.size(), 4u);
+  std::map<int32_t, const PrefixTreeView::Node*> by_id;
+  for (const auto& n : v.nodes) {
+    if (n.parent >= 0) {
+      EXPECT_TRUE(by_id.count(n.parent)) << "a parent comes before its children";
+    }
+    by_id[n.id] = &n;
+  }
+  auto find = [&](int32_t first_token) -> const PrefixTreeView::Node& {
+    for (const auto& n : v.nodes)
+      if (n.head[0] == first_token) return n;
+    ADD_FAILURE() << "no node starts with " << first_token;
+    return v.nodes[0];
+  };
+  const auto& shared = find(0);
+  EXPECT_EQ(shared.head, (std::vector<int32_t>{0, 1, 2}));
+  EXPECT_EQ(shared.parent, -1);
+  EXPECT_EQ(shared.n_pages, 2);
+  EXPECT_EQ(shared.hits, 2);  // b and b2
+  EXPECT_TRUE(shared.pinned);
+  const auto& a_branch = find(2 * kBs);
+  EXPECT_EQ(a_branch.parent, shared.id);
+  EXPECT_EQ(a_branch.depth_tokens, 2 * kBs);
+  EXPECT_EQ(a_branch.hits, 0);
+  EXPECT_FALSE(a_branch.pinned);
+  EXPECT_EQ(a_branch.last_access, 1u);
+  const auto& b_branch = find(500);
+  EXPECT_EQ(b_branch.hits, 1);
+  EXPECT_TRUE(b_branch.pinned);
+  EXPECT_EQ(find(100).ns, 1 - k_default);
+
+  // Bounded: the two most recent nodes are b2's path; nothing else comes along.
+  PrefixTreeView v2 = f.cache.view(2, 3);
+  ASSERT_EQ(v2.nodes.size(), 2u);
+  EXPECT_EQ(v2.nodes[0].head[0], 0);
+  EXPECT_EQ(v2.nodes[1].head[0], 500);
+  EXPECT_EQ(v2.nodes[1].parent, v2.nodes[0].id);
+  EXPECT_EQ(v2.n_nodes, 4);
+  f.finish(&b2);
   f.check();
 }
 
