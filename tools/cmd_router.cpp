@@ -3,6 +3,7 @@
 #include <pthread.h>
 #include <signal.h>
 
+#include <atomic>
 #include <cstdio>
 #include <optional>
 #include <thread>
@@ -27,6 +28,7 @@ struct RouterCliOptions {
   int max_n = 16;
   std::string max_body = "8MiB";
   std::string routing = "affinity";
+  double shutdown_timeout = 30;
   kv::RouterOptions ro;
 };
 
@@ -66,10 +68,25 @@ void run_router(RouterCliOptions o) {
   auto router = kv::Router::create(o.ro, ctx);
   if (!router) fail(router.message());
   if (!(*router)->bind(host, port)) fail("cannot listen on " + o.listen + " (address in use or invalid)");
+  // First SIGINT/SIGTERM: drain (503 to new requests, in-flight ones get --shutdown-timeout to
+  // finish, then end with an error event), exit 0. A second signal exits at once.
+  std::atomic<bool> run_returned{false};
   std::thread watcher([&] {
     int sig = 0;
     sigwait(&stop_signals, &sig);
-    if (sig == SIGINT || sig == SIGTERM) (*router)->stop();
+    if (run_returned.load()) return;
+    const char* name = sig == SIGINT ? "SIGINT" : "SIGTERM";
+    std::fprintf(stderr, "\n%s: draining: new requests get 503; %d in flight get up to %g s (--shutdown-timeout); a second signal exits now\n",
+                 name, (*router)->in_flight(), o.shutdown_timeout);
+    std::thread([stop_signals, name] {
+      int again = 0;
+      sigwait(&stop_signals, &again);
+      std::fprintf(stderr, "%s again: exiting now\n", again == SIGINT ? "SIGINT" : "SIGTERM");
+      std::_Exit(128 + again);
+    }).detach();
+    if ((*router)->drain(o.shutdown_timeout)) std::fprintf(stderr, "drained: every request finished\n");
+    else std::fprintf(stderr, "shutdown timeout: ended the requests still in flight\n");
+    (*router)->stop();
   });
   auto list = [](const std::vector<std::string>& v) {
     std::string s;
@@ -84,6 +101,7 @@ void run_router(RouterCliOptions o) {
                  list(o.ro.prefill).c_str(), list(o.ro.decode).c_str(), o.ro.prefill_min_tokens);
   std::fflush(stderr);
   (*router)->run();
+  run_returned.store(true);
   pthread_kill(watcher.native_handle(), SIGTERM);
   watcher.join();
   router->reset();
@@ -120,6 +138,9 @@ void add_router_command(CLI::App& app) {
   cmd->add_option("--max-model-len", o->max_model_len, "as the backends' (default: the model's context)")->check(CLI::Range(1, 1 << 24));
   cmd->add_option("--max-n", o->max_n, "as the backends'")->check(CLI::Range(1, 256))->capture_default_str();
   cmd->add_option("--max-body-size", o->max_body, "largest request body (413 above)")->capture_default_str();
+  cmd->add_option("--shutdown-timeout", o->shutdown_timeout,
+                  "seconds in-flight requests get to finish after SIGTERM/SIGINT (new ones get 503); a second signal exits at once")
+      ->check(CLI::Range(0.0, 86400.0))->capture_default_str();
   cmd->callback([o] { run_router(*o); });
 }
 

@@ -2,6 +2,7 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <deque>
@@ -82,6 +83,22 @@ void gave_no_answer(Router::Backend& b, int32_t index, std::vector<int32_t>& tri
   tried.push_back(index);
   retries.fetch_add(1);
 }
+
+ApiError draining_error() {
+  return ApiError{503, "The router is shutting down and takes no new requests; retry on another router or later.", "server_error", "",
+                  "server_shutting_down"};
+}
+
+ApiError stopped_error() {
+  return ApiError{503, "The router shut down before this request finished; it was cancelled.", "server_error", "", "server_shutting_down"};
+}
+
+// One client request in flight at the router (a stream: until its response ends).
+struct ClientInFlight {
+  std::atomic<int32_t>& n;
+  explicit ClientInFlight(std::atomic<int32_t>& n) : n(n) { n.fetch_add(1); }
+  ~ClientInFlight() { n.fetch_sub(1); }
+};
 
 ApiError unavailable(const char* what) {
   return ApiError{503, std::string("No ") + what + " instance is available; retry later.", "server_error", "", "service_unavailable"};
@@ -178,6 +195,26 @@ void Router::stop() {
   health_cv_.notify_all();
 }
 
+bool Router::drain(double timeout_s) {
+  draining_.store(true);
+  const auto until = [this](double s) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(static_cast<int64_t>(s * 1e6));
+    while (in_flight_.load() > 0 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  };
+  until(timeout_s);
+  if (in_flight_.load() == 0) return true;
+  // What is left ends now: streams write their error event and [DONE] within one poll (50 ms);
+  // non-streamed requests lose their upstream connection and answer 503. Give their handlers a
+  // moment to write that before the caller stops the HTTP server, which cuts open responses.
+  aborting_.store(true);
+  {
+    std::lock_guard<std::mutex> l(clients_mu_);
+    for (httplib::Client* c : clients_) c->stop();
+  }
+  until(5.0);
+  return false;
+}
+
 void Router::health_loop() {
   while (!stopping_.load()) {
     for (Pool* p : {serve_.get(), prefill_.get()})
@@ -213,8 +250,11 @@ void Router::routes() {
                   backends.push_back(json{{"url", b->url}, {"role", p->role}, {"up", b->up.load()}, {"in_flight", b->in_flight.load()}});
                   if (p == serve_.get()) any = any || b->up.load();
                 }
-              write_json(res, json{{"status", any ? "ok" : "unavailable"}, {"backends", backends}});
-              if (!any) res.status = 503;
+              const bool draining = draining_.load();
+              json out{{"status", draining ? "draining" : any ? "ok" : "unavailable"}, {"backends", backends}};
+              if (draining) out["in_flight"] = in_flight_.load();
+              write_json(res, out);
+              if (!any || draining) res.status = 503;
             }));
   svr_->Get("/metrics", safe_handler([this](const httplib::Request&, httplib::Response& res) {
               res.set_content(render_metrics(), "text/plain; version=0.0.4; charset=utf-8");
@@ -222,6 +262,11 @@ void Router::routes() {
 }
 
 void Router::handle_generate(const httplib::Request& req, httplib::Response& res, bool chat) {
+  auto guard = std::make_shared<ClientInFlight>(in_flight_);  // a stream's provider keeps it until its end
+  if (draining_.load()) {
+    res.set_header("Retry-After", "5");
+    throw draining_error();
+  }
   // Validate and tokenize exactly as the backends will: a bad request is answered here, and a
   // good one gets its prompt tokens for the affinity key.
   nlohmann::json body = parse_json_body(req.body, ctx_);
@@ -239,7 +284,7 @@ void Router::handle_generate(const httplib::Request& req, httplib::Response& res
     if (static_cast<int64_t>(ar.prompt.size()) >= opts_.prefill_min_tokens) prefill(key, path, req.body, auth);
     else n_prefill_skipped_.fetch_add(1);
   }
-  forward(*serve_, key, path, req.body, auth, ar.stream, res);
+  forward(*serve_, key, path, req.body, auth, ar.stream, res, guard);
 }
 
 void Router::prefill(uint64_t key, const std::string& path, const std::string& body, const std::string& auth) {
@@ -269,7 +314,7 @@ void Router::prefill(uint64_t key, const std::string& path, const std::string& b
 }
 
 void Router::forward(Pool& pool, uint64_t key, const std::string& path, const std::string& body, const std::string& auth, bool stream,
-                     httplib::Response& res) {
+                     httplib::Response& res, std::shared_ptr<void> in_flight) {
   std::vector<int32_t> tried;
   for (size_t attempt = 0; attempt < pool.backends.size(); ++attempt) {
     const RouteChoice c = choose_backend(pool.ring, key, pool.up(), pool.load(), opts_.load_factor, tried);
@@ -286,7 +331,17 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
       InFlight f(b);
       httplib::Client cli(b->host, b->port);
       set_timeouts(cli, opts_);
+      {
+        std::lock_guard<std::mutex> l(clients_mu_);
+        if (aborting_.load()) throw stopped_error();
+        clients_.push_back(&cli);
+      }
       auto r = cli.Post(path, upstream_headers(auth), body, "application/json");
+      {
+        std::lock_guard<std::mutex> l(clients_mu_);
+        clients_.erase(std::find(clients_.begin(), clients_.end(), &cli));
+      }
+      if (aborting_.load()) throw stopped_error();
       if (!r) {
         gave_no_answer(*b, c.backend, tried, n_retries_);
         continue;
@@ -362,6 +417,13 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
         [this, pipe, b](size_t, httplib::DataSink& sink) -> bool {
           std::unique_lock<std::mutex> l(pipe->mu);
           pipe->cv.wait_for(l, std::chrono::milliseconds(50), [&] { return pipe->done || !pipe->chunks.empty(); });
+          if (aborting_.load() && !pipe->done) {  // the drain timed out: say so, end the stream, cancel upstream
+            pipe->cancel.store(true);
+            const std::string e = sse_event(stopped_error().to_json()) + "data: [DONE]\n\n";
+            sink.write(e.data(), e.size());
+            sink.done();
+            return true;
+          }
           while (!pipe->chunks.empty()) {
             std::string ch = std::move(pipe->chunks.front());
             pipe->chunks.pop_front();
@@ -380,7 +442,10 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
           }
           return true;
         },
-        [pipe](bool) { pipe->cancel.store(true); });
+        [pipe, in_flight](bool) {
+          pipe->cancel.store(true);
+          (void)in_flight;  // held until the response ends
+        });
     return;
   }
   n_unavailable_.fetch_add(1);

@@ -18,8 +18,13 @@
 // once, and the request is retried on another backend while nothing has been sent to the
 // client. With no backend up the router answers 503 with Retry-After.
 //
-// Threading: construct, bind(), run() on one thread; stop() from any thread. Each streamed
-// request has one upstream thread; the destructor waits for them.
+// Shutdown (as the server's): drain() stops admitting (generation requests get 503 with
+// Retry-After, /health answers 503 "draining"), waits up to a timeout for the requests in flight,
+// then ends what is left: a stream gets an error event and [DONE], a non-streamed request a 503
+// (its upstream connection is closed, which cancels it on the backend); stop() after it.
+//
+// Threading: construct, bind(), run() on one thread; drain() and stop() from any thread. Each
+// streamed request has one upstream thread; the destructor waits for them.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -34,6 +39,7 @@
 #include "server/openai_request.h"
 
 namespace httplib {
+class Client;
 class Server;
 struct Request;
 struct Response;
@@ -69,6 +75,10 @@ class Router {
   bool bind(const std::string& host, int port);
   void run();   // serves until stop()
   void stop();  // any thread
+  // Stops admitting, waits up to timeout_s for in-flight requests, ends the rest; true if none
+  // was left to end. Call stop() after it.
+  bool drain(double timeout_s);
+  int32_t in_flight() const { return in_flight_.load(); }
 
   struct Backend;
   struct Pool;
@@ -79,7 +89,7 @@ class Router {
   void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat);
   void prefill(uint64_t key, const std::string& path, const std::string& body, const std::string& auth);
   void forward(Pool& pool, uint64_t key, const std::string& path, const std::string& body, const std::string& auth, bool stream,
-               httplib::Response& res);
+               httplib::Response& res, std::shared_ptr<void> in_flight);
   std::string render_metrics() const;
   static uint64_t round_robin_key(const Pool& pool, uint64_t turn);
   void health_loop();
@@ -90,6 +100,11 @@ class Router {
   std::unique_ptr<Pool> prefill_;  // empty unless P/D
   std::unique_ptr<httplib::Server> svr_;
   std::atomic<bool> stopping_{false};
+  std::atomic<bool> draining_{false};  // no new requests
+  std::atomic<bool> aborting_{false};  // drain timed out: end what is in flight
+  std::atomic<int32_t> in_flight_{0};  // client requests not yet answered (streams until their end)
+  std::mutex clients_mu_;
+  std::vector<httplib::Client*> clients_;  // non-streamed upstream requests, closed when aborting
   std::thread health_;
   std::mutex health_mu_;
   std::condition_variable health_cv_;

@@ -14,7 +14,7 @@ import time
 
 import requests
 
-from kvserve_server import Server
+from kvserve_server import Router, Server
 
 
 def wait_busy(s: Server, timeout: float = 15):
@@ -194,3 +194,55 @@ def test_oversized_headers_are_refused(server):
     r = requests.get(server.url + "/health", headers={"X-Big": "a" * 100_000}, timeout=10)
     assert 400 <= r.status_code < 500
     assert requests.get(server.url + "/health", timeout=5).status_code == 200
+
+
+def test_router_drains_on_sigterm_then_ends_what_is_left():
+    """The router drains as the server does: in-flight requests through it finish, new ones get
+    503 + Retry-After, /health says draining; after --shutdown-timeout a stream still open gets
+    an error event and [DONE], a non-streamed request a 503; the router exits 0 and the replica
+    gets every page back (the cut requests were cancelled upstream)."""
+    s = Server("--debug")
+    try:
+        for timeout, max_tokens in (("30", 40), ("1", 400)):
+            r = Router("--replica", s.url, "--shutdown-timeout", timeout)
+            got = {}
+
+            def stream():
+                resp = requests.post(r.url + "/v1/completions", stream=True, timeout=60,
+                                     json={"prompt": "Hi", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                                           "temperature": 0})
+                got["stream"] = sse_events(resp)
+
+            def plain():
+                resp = requests.post(r.url + "/v1/completions", timeout=60,
+                                     json={"prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
+                got["plain"] = (resp.status_code, resp.json())
+
+            threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
+            for t in threads:
+                t.start()
+            wait_busy(s)
+            r.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.1)
+            h = requests.get(r.url + "/health", timeout=5)
+            assert h.status_code == 503 and h.json()["status"] == "draining"
+            late = requests.post(r.url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=5)
+            assert late.status_code == 503 and late.headers.get("Retry-After")
+            assert late.json()["error"]["code"] == "server_shutting_down"
+            for t in threads:
+                t.join(timeout=60)
+            r.proc.wait(timeout=30)
+            assert r.proc.returncode == 0, r.output()
+            ev, (code, body) = got["stream"], got["plain"]
+            assert ev[-1] == "[DONE]"
+            if timeout == "30":  # both finish
+                assert [e["choices"][0]["finish_reason"] for e in ev[:-1] if e["choices"][0].get("finish_reason")] == ["length"]
+                assert code == 200 and body["usage"]["completion_tokens"] == 40
+                assert "drained" in r.output()
+            else:  # both cut at the timeout, long before 400 tokens
+                assert ev[-2]["error"]["code"] == "server_shutting_down"
+                assert code == 503 and body["error"]["code"] == "server_shutting_down"
+                assert "shutdown timeout" in r.output()
+            s.wait_clean(timeout=10)
+    finally:
+        s.stop()
