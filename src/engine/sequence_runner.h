@@ -32,6 +32,8 @@ class SequenceRunner {
   // Logits for every fed position (teacher forcing): runs chunks with one logit row per token.
   Status feed_all_logits(const int32_t* tokens, int64_t n, std::vector<float>* out /*[n][n_vocab]*/);
   const std::vector<float>& logits() const { return logits_; }
+  // Later feeds use chunks of c tokens (a long prefix in one chunk, then short ones).
+  void set_chunk(int32_t c) { chunk_ = c; }
   int64_t n_tokens() const { return table_.n_tokens; }
   const BlockTable& table() const { return table_; }
   void reset() {

@@ -431,7 +431,7 @@ void LlamaModel::quest_select_layer(const Batch& batch, const PagePool& pool, in
     thread_local std::vector<int32_t> scratch;
     ThreadPool::split(n_pairs, ith, nth, 1, &b, &e);
     for (int64_t wi = b; wi < e; ++wi) {
-      const int32_t si = static_cast<int32_t>(wi / hkv), h = static_cast<int32_t>(wi % hkv);
+      const int32_t si = static_cast<int32_t>(wi / hkv);
       if (!quest_on_[si]) continue;
       const BatchSeq& s = batch.seqs[si];
       quest_select(*s.quest, bs, s.pages, s.pos0 + s.n_tokens - 1, quest_bounds_[wi].data(), &quest_tables_[wi], &scratch);
