@@ -78,7 +78,7 @@ void run_router(RouterCliOptions o) {
     const char* name = sig == SIGINT ? "SIGINT" : "SIGTERM";
     std::fprintf(stderr, "\n%s: draining: new requests get 503; %d in flight get up to %g s (--shutdown-timeout); a second signal exits now\n",
                  name, (*router)->in_flight(), o.shutdown_timeout);
-    std::thread([stop_signals, name] {
+    std::thread([stop_signals] {
       int again = 0;
       sigwait(&stop_signals, &again);
       std::fprintf(stderr, "%s again: exiting now\n", again == SIGINT ? "SIGINT" : "SIGTERM");

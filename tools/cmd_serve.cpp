@@ -192,7 +192,7 @@ void run_serve(const ServeOptions& o) {
     const char* name = sig == SIGINT ? "SIGINT" : "SIGTERM";
     std::fprintf(stderr, "\n%s: draining: new requests get 503; %d in flight get up to %g s (--shutdown-timeout); a second signal exits now\n",
                  name, server.in_flight(), shutdown_timeout);
-    std::thread([stop_signals, name] {
+    std::thread([stop_signals] {
       int again = 0;
       sigwait(&stop_signals, &again);
       std::fprintf(stderr, "%s again: exiting now\n", again == SIGINT ? "SIGINT" : "SIGTERM");

@@ -64,8 +64,10 @@ void set_timeouts(httplib::Client& c, const RouterOptions& o) {
   c.set_keep_alive(false);
 }
 
+}  // namespace
+
 // One streamed upstream response, handed from its own thread to the client's connection thread.
-struct Pipe {
+struct Router::Pipe {
   std::mutex mu;
   std::condition_variable cv;
   int status = -1;  // -1: no answer yet; 0: no answer at all (connection failed)
@@ -75,6 +77,8 @@ struct Pipe {
   bool failed_midway = false;     // the backend went away after answering
   std::atomic<bool> cancel{false};  // the client went away, or the router stops
 };
+
+namespace {
 
 // A backend that did not answer: down until its health check passes; the request goes elsewhere.
 void gave_no_answer(Router::Backend& b, int32_t index, std::vector<int32_t>& tried, std::atomic<uint64_t>& retries) {
@@ -191,6 +195,10 @@ void Router::run() { svr_->listen_after_bind(); }
 
 void Router::stop() {
   stopping_.store(true);
+  {
+    std::lock_guard<std::mutex> l(clients_mu_);
+    for (auto [c, streamed] : clients_) c->stop();  // upstream requests end now, not at their timeout
+  }
   svr_->stop();
   health_cv_.notify_all();
 }
@@ -209,7 +217,8 @@ bool Router::drain(double timeout_s) {
   aborting_.store(true);
   {
     std::lock_guard<std::mutex> l(clients_mu_);
-    for (httplib::Client* c : clients_) c->stop();
+    for (auto [c, streamed] : clients_)
+      if (!streamed) c->stop();  // a stream's provider ends it and cancels its upstream itself
   }
   until(5.0);
   return false;
@@ -313,6 +322,50 @@ void Router::prefill(uint64_t key, const std::string& path, const std::string& b
   n_prefill_failed_.fetch_add(1);  // the decode instance computes the prompt itself
 }
 
+// A streamed request's upstream half, on its own thread: the backend's answer goes into the pipe.
+void Router::run_upstream(Backend* b, const std::string& path, const std::string& body, const std::string& auth, Pipe& pipe) {
+  InFlight f(b);
+  httplib::Client cli(b->host, b->port);
+  set_timeouts(cli, opts_);
+  {
+    std::lock_guard<std::mutex> l(clients_mu_);
+    clients_.emplace_back(&cli, true);  // stop() closes it
+  }
+  httplib::Request ureq;
+  ureq.method = "POST";
+  ureq.path = path;
+  ureq.headers = upstream_headers(auth);
+  ureq.body = body;
+  ureq.set_header("Content-Type", "application/json");
+  ureq.response_handler = [&](const httplib::Response& r) {
+    std::lock_guard<std::mutex> l(pipe.mu);
+    pipe.status = r.status;
+    pipe.content_type = r.get_header_value("Content-Type", 0);
+    pipe.cv.notify_all();
+    return !pipe.cancel.load() && !stopping_.load();
+  };
+  ureq.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+    std::lock_guard<std::mutex> l(pipe.mu);
+    pipe.chunks.emplace_back(data, n);
+    pipe.cv.notify_all();
+    return !pipe.cancel.load() && !stopping_.load();
+  };
+  httplib::Response ures;
+  httplib::Error err = httplib::Error::Success;
+  const bool ok = cli.send(ureq, ures, err);
+  {
+    std::lock_guard<std::mutex> l(clients_mu_);
+    clients_.erase(std::find(clients_.begin(), clients_.end(), std::pair{&cli, true}));
+  }
+  {
+    std::lock_guard<std::mutex> l(pipe.mu);
+    if (pipe.status < 0) pipe.status = 0;
+    if (!ok && !pipe.cancel.load()) pipe.failed_midway = true;
+    pipe.done = true;
+    pipe.cv.notify_all();
+  }
+}
+
 void Router::forward(Pool& pool, uint64_t key, const std::string& path, const std::string& body, const std::string& auth, bool stream,
                      httplib::Response& res, std::shared_ptr<void> in_flight) {
   std::vector<int32_t> tried;
@@ -334,12 +387,12 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
       {
         std::lock_guard<std::mutex> l(clients_mu_);
         if (aborting_.load()) throw stopped_error();
-        clients_.push_back(&cli);
+        clients_.emplace_back(&cli, false);
       }
       auto r = cli.Post(path, upstream_headers(auth), body, "application/json");
       {
         std::lock_guard<std::mutex> l(clients_mu_);
-        clients_.erase(std::find(clients_.begin(), clients_.end(), &cli));
+        clients_.erase(std::find(clients_.begin(), clients_.end(), std::pair{&cli, false}));
       }
       if (aborting_.load()) throw stopped_error();
       if (!r) {
@@ -358,39 +411,8 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
     auto pipe = std::make_shared<Pipe>();
     upstreams_.fetch_add(1);
     std::thread([this, pipe, b, path, body, auth] {
-      InFlight f(b);
-      httplib::Client cli(b->host, b->port);
-      set_timeouts(cli, opts_);
-      httplib::Request ureq;
-      ureq.method = "POST";
-      ureq.path = path;
-      ureq.headers = upstream_headers(auth);
-      ureq.body = body;
-      ureq.set_header("Content-Type", "application/json");
-      ureq.response_handler = [&](const httplib::Response& r) {
-        std::lock_guard<std::mutex> l(pipe->mu);
-        pipe->status = r.status;
-        pipe->content_type = r.get_header_value("Content-Type", 0);
-        pipe->cv.notify_all();
-        return !pipe->cancel.load() && !stopping_.load();
-      };
-      ureq.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
-        std::lock_guard<std::mutex> l(pipe->mu);
-        pipe->chunks.emplace_back(data, n);
-        pipe->cv.notify_all();
-        return !pipe->cancel.load() && !stopping_.load();
-      };
-      httplib::Response ures;
-      httplib::Error err = httplib::Error::Success;
-      const bool ok = cli.send(ureq, ures, err);
-      {
-        std::lock_guard<std::mutex> l(pipe->mu);
-        if (pipe->status < 0) pipe->status = 0;
-        if (!ok && !pipe->cancel.load()) pipe->failed_midway = true;
-        pipe->done = true;
-        pipe->cv.notify_all();
-      }
-      upstreams_.fetch_sub(1);
+      run_upstream(b, path, body, auth, *pipe);
+      upstreams_.fetch_sub(1);  // the last touch of the router: its destructor waits for this
     }).detach();
 
     std::unique_lock<std::mutex> l(pipe->mu);

@@ -32,6 +32,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -82,6 +83,7 @@ class Router {
 
   struct Backend;
   struct Pool;
+  struct Pipe;
 
  private:
   Router(RouterOptions opts, ApiContext ctx);
@@ -90,6 +92,7 @@ class Router {
   void prefill(uint64_t key, const std::string& path, const std::string& body, const std::string& auth);
   void forward(Pool& pool, uint64_t key, const std::string& path, const std::string& body, const std::string& auth, bool stream,
                httplib::Response& res, std::shared_ptr<void> in_flight);
+  void run_upstream(Backend* b, const std::string& path, const std::string& body, const std::string& auth, Pipe& pipe);
   std::string render_metrics() const;
   static uint64_t round_robin_key(const Pool& pool, uint64_t turn);
   void health_loop();
@@ -104,7 +107,7 @@ class Router {
   std::atomic<bool> aborting_{false};  // drain timed out: end what is in flight
   std::atomic<int32_t> in_flight_{0};  // client requests not yet answered (streams until their end)
   std::mutex clients_mu_;
-  std::vector<httplib::Client*> clients_;  // non-streamed upstream requests, closed when aborting
+  std::vector<std::pair<httplib::Client*, bool>> clients_;  // upstream requests in progress (streamed?): drain's abort and stop() close them
   std::thread health_;
   std::mutex health_mu_;
   std::condition_variable health_cv_;
