@@ -39,6 +39,17 @@ test: deps models text build
 	  exit $$rc
 	if [ -x scripts/run_fuzz.sh ]; then scripts/run_fuzz.sh; \
 	  elif [ -f scripts/run_fuzz.sh ]; then bash scripts/run_fuzz.sh; fi
+	SAN_QUICK=1 PYTHON=$(PYTHON) JOBS=$(JOBS) bash scripts/run_sanitizers.sh asan
+	SAN_QUICK=1 PYTHON=$(PYTHON) JOBS=$(JOBS) bash scripts/run_sanitizers.sh tsan
+
+# Sanitizers (docs/reliability.md): ASan + UBSan over every unit test and the e2e suite; TSan over
+# the engine's and the server's concurrency. Each has its own build tree (build-asan, build-tsan).
+# `make test` runs the bounded subsets (SAN_QUICK=1).
+.PHONY: test-asan test-tsan
+test-asan: deps models text
+	PYTHON=$(PYTHON) JOBS=$(JOBS) bash scripts/run_sanitizers.sh asan
+test-tsan: deps models
+	PYTHON=$(PYTHON) JOBS=$(JOBS) bash scripts/run_sanitizers.sh tsan
 
 # The Python package (docs/python.md) into the current interpreter, built by scikit-build-core from
 # pyproject.toml (`make build` also puts an importable copy in build/python).

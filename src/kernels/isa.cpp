@@ -1,5 +1,9 @@
 #include "kernels/isa.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -24,6 +28,14 @@ void warn_once(const char* what, const char* value, Isa used) {
 // -1 until first use; then an Isa. Relaxed: every thread computes the same answer.
 std::atomic<int> g_kernel_isa{-1};
 
+#if !defined(KV_SCALAR_ONLY) && (defined(__x86_64__) || defined(__i386__))
+// F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does not know "f16c".
+bool cpu_has_f16c() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+}
+#endif
+
 }  // namespace
 
 bool cpu_has(Isa isa) {
@@ -34,7 +46,7 @@ bool cpu_has(Isa isa) {
     case Isa::kScalar:
       return true;
     case Isa::kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
     case Isa::kAvx512:
       // Everything the *_avx512.cpp files are compiled for (CMakeLists.txt), so the compiler
       // may use any of it there.

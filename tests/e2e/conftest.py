@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve_server import Server
+from kvserve_server import SLOWDOWN, Server
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +31,7 @@ def pages_freed(request):
 @pytest.fixture(scope="session")
 def client(server):
     from openai import OpenAI
-    c = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    c = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60 * SLOWDOWN)
     yield c
     c.close()  # idle keep-alive connections would hold the server's shutdown for their timeout
 

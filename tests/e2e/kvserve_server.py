@@ -20,6 +20,8 @@ MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1"  # the file's stem: the default served name
 MAX_MODEL_LEN = 512
 MAX_N = 4
+# A sanitized server (scripts/run_sanitizers.sh) is several times slower: waits scale by this.
+SLOWDOWN = float(os.environ.get("KV_TEST_SLOWDOWN", "1"))
 
 
 def free_port() -> int:
@@ -42,7 +44,7 @@ class Server:
         cmd = [KVSERVE, "serve", "-m", model, "--port", str(self.port), "--threads", "2",
                "--kv-cache-memory", kv_memory, "--max-model-len", str(max_model_len), "--max-n", str(MAX_N), *extra]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 60
+        deadline = time.time() + 60 * SLOWDOWN
         while True:
             if self.proc.poll() is not None:
                 pytest.fail(f"kvserve exited with {self.proc.returncode}:\n{self.output()}")
@@ -65,7 +67,7 @@ class Server:
         if self.proc.poll() is None:
             self.proc.terminate()  # SIGTERM: graceful stop
             try:
-                self.proc.wait(timeout=15)
+                self.proc.wait(timeout=15 * SLOWDOWN)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -77,7 +79,7 @@ class Server:
         """Every KV page back and the pool's integrity check passing; returns /debug/kv. Polls:
         the page count is published at the end of the engine step that answered, which a fast
         client can overtake."""
-        deadline = time.time() + timeout
+        deadline = time.time() + timeout * SLOWDOWN
         while True:
             kv = self.debug_kv()
             if kv["pages_in_use"] == 0 and kv["integrity"]["ok"]:

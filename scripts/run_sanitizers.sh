@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The unit tests and the e2e suite under sanitizers (make test-asan / make test-tsan).
+#
+#   scripts/run_sanitizers.sh asan     # ASan + UBSan: every unit test, then tests/e2e against the
+#                                      # sanitized server (build-asan)
+#   scripts/run_sanitizers.sh tsan     # TSan: the engine's threaded unit tests, then the server's
+#                                      # and router's concurrency e2e tests (build-tsan)
+#   SAN_QUICK=1 scripts/run_sanitizers.sh asan|tsan
+#       the bounded runs `make test` (and so CI) does: a build with KV_SANITIZE_LIGHT (the
+#       compute kernels and the CLI's setup code uninstrumented; build-{asan,tsan}-quick), then
+#       e2e modules against that server only. About 4 minutes of build and 1-2 of tests each on
+#       2 cores.
+#
+# clang (Debian's clang, which setup_deps.sh installs for the fuzzers); -O1, asserts on, no
+# Python module or micro-benchmarks. A sanitizer report aborts the process: a unit test fails,
+# and a server that reports one (a leak included, at exit) exits non-zero, which the e2e
+# fixtures check.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+kind="${1:?usage: run_sanitizers.sh asan|tsan}"
+PYTHON="${PYTHON:-python3}"
+JOBS="${JOBS:-2}"
+QUICK="${SAN_QUICK:-}"
+CXX="${SAN_CXX:-clang++}"
+
+case "$kind" in
+  asan)
+    dir="$ROOT/build-asan"; san="address,undefined"
+    export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:detect_stack_use_after_return=1"
+    export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
+    gtest_filter='*'
+    if [[ -n "$QUICK" ]]; then
+      # The API end to end (streaming, n, logprobs, stop, seeds), ~95 malformed requests,
+      # shutdown, disconnects and limits (the router's drain included), /tokenize.
+      e2e=(tests/e2e/test_openai_api.py tests/e2e/test_bad_requests.py tests/e2e/test_shutdown.py
+           tests/e2e/test_tokenize_routes.py)
+    else
+      e2e=(tests/e2e --ignore=tests/e2e/test_python_api.py)  # the module would need an ASan Python
+    fi
+    ;;
+  tsan)
+    dir="$ROOT/build-tsan"; san="thread"
+    export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$ROOT/tests/tsan.supp"
+    # The engine with its thread pool (every forward splits matmuls and attention across it), the
+    # server's HTTP, engine and stream threads, and the tiers' writer threads.
+    gtest_filter='Engine.BatchInvariance*:Engine.Preemption*:Engine.SeededSampling*:Engine.StopString*:KvTierManager*:KvTierDiskStore*:ModelGolden.Mla*'
+    if [[ -n "$QUICK" ]]; then
+      e2e=(tests/e2e/test_openai_api.py tests/e2e/test_shutdown.py)
+    else
+      e2e=(tests/e2e/test_openai_api.py tests/e2e/test_shutdown.py tests/e2e/test_limits_and_auth.py
+           tests/e2e/test_kv_tiers.py tests/e2e/test_disaggregation.py tests/e2e/test_web_dashboard.py)
+    fi
+    ;;
+  *) echo "usage: run_sanitizers.sh asan|tsan" >&2; exit 2 ;;
+esac
+
+light=OFF; targets=(unit_tests kvserve)
+if [[ -n "$QUICK" ]]; then dir="$dir-quick"; light=ON; targets=(kvserve); fi
+echo "== $kind: building $dir (-fsanitize=$san, light $light)"
+mkdir -p "$dir"
+CXX="$CXX" cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DKV_SANITIZE="$san" -DKV_SANITIZE_LIGHT="$light" \
+      -DKV_PYTHON=OFF -DKV_BUILD_BENCH=OFF > "$dir/configure.log" 2>&1 \
+  || { cat "$dir/configure.log"; exit 1; }
+cmake --build "$dir" -j"$JOBS" --target "${targets[@]}"
+
+if [[ -z "$QUICK" ]]; then
+  echo "== $kind: unit tests (${gtest_filter})"
+  "$dir/unit_tests" --gtest_filter="$gtest_filter" --gtest_brief=1
+fi
+
+echo "== $kind: e2e against $dir/kvserve (${e2e[*]})"
+# Sanitized servers are several times slower: the fixtures' waits scale with KV_TEST_SLOWDOWN.
+KVSERVE_BIN="$dir/kvserve" KV_TEST_SLOWDOWN=4 "$PYTHON" -m pytest -q -p no:cacheprovider "${e2e[@]}"
+echo "$kind: clean"
