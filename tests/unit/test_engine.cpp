@@ -59,7 +59,9 @@ void run_until_idle(Engine& e) {
 void expect_drained(const Engine& e) {
   EXPECT_EQ(e.pages_in_use(), 0);
   EXPECT_EQ(e.pool().n_used(), e.pages_cached());
-  if (e.pool_g1()) EXPECT_EQ(e.pool_g1()->n_used(), e.window_pages_cached());
+  if (e.pool_g1()) {
+    EXPECT_EQ(e.pool_g1()->n_used(), e.window_pages_cached());
+  }
   Status st = e.check_integrity();
   EXPECT_TRUE(st.is_ok()) << st.message();
 }
@@ -156,7 +158,9 @@ TEST(Engine, SeededSamplingIsBatchInvariant) {
     const Outcome a = collect(*streams[i]), b = collect(*s);
     EXPECT_EQ(a.text, b.text) << kPrompts[i];
     EXPECT_FALSE(a.text.at(0).empty());
-    if (i == 0) EXPECT_NE(a.text.at(0), a.text.at(1));  // the two choices drew differently
+    if (i == 0) {
+      EXPECT_NE(a.text.at(0), a.text.at(1));  // the two choices drew differently
+    }
   }
 }
 
