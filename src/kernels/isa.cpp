@@ -28,15 +28,17 @@ void warn_once(const char* what, const char* value, Isa used) {
 // -1 until first use; then an Isa. Relaxed: every thread computes the same answer.
 std::atomic<int> g_kernel_isa{-1};
 
-#if !defined(KV_SCALAR_ONLY) && (defined(__x86_64__) || defined(__i386__))
-// F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does not know "f16c".
+}  // namespace
+
 bool cpu_has_f16c() {
+#if defined(__x86_64__) || defined(__i386__)
+  // CPUID leaf 1, ECX bit 29: clang's __builtin_cpu_supports does not know "f16c".
   unsigned a = 0, b = 0, c = 0, d = 0;
   return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
-}
+#else
+  return false;
 #endif
-
-}  // namespace
+}
 
 bool cpu_has(Isa isa) {
 #if defined(KV_SCALAR_ONLY) || !(defined(__x86_64__) || defined(__i386__))

@@ -13,6 +13,8 @@ enum class Isa { kScalar, kAvx2, kAvx512 };
 // Whether this CPU can run the kernels of `isa`. Always true for kScalar; false for the others
 // in a KV_SCALAR_ONLY build or off x86.
 bool cpu_has(Isa isa);
+// The CPU converts f16 <-> f32 in hardware (F16C; every AVX2 CPU has it).
+bool cpu_has_f16c();
 
 // The best ISA this CPU has, lowered by env KV_ISA=scalar|avx2|avx512. Asking for more than the
 // CPU has gives the best it has, and an unknown name is ignored; either prints one warning on

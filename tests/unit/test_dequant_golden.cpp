@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/isa.h"
 #include "gguf/gguf.h"
 #include "kernels/quant.h"
 
@@ -311,7 +312,7 @@ __attribute__((target("f16c"))) uint16_t hw_fp32_to_fp16(float f) {
 }
 
 TEST(Fp16, FromFp32MatchesF16cSweep) {
-  if (!__builtin_cpu_supports("f16c")) GTEST_SKIP() << "CPU without F16C";
+  if (!kv::cpu_has_f16c()) GTEST_SKIP() << "CPU without F16C";
   int64_t n = 0;
   // Stride 997 (prime) visits every exponent and many mantissa residues: ~4.3M cases.
   for (uint64_t u = 0; u <= 0xFFFFFFFFull; u += 997, ++n) {
