@@ -44,10 +44,12 @@ struct Router::Pool {
 namespace {
 
 // Counts a request in flight on a backend for as long as it lives.
+// Counts one request in flight while it lives: at a backend, or at the router (a stream's until
+// its response ends).
 struct InFlight {
-  Router::Backend* b;
-  explicit InFlight(Router::Backend* b) : b(b) { b->in_flight.fetch_add(1); }
-  ~InFlight() { b->in_flight.fetch_sub(1); }
+  std::atomic<int32_t>& n;
+  explicit InFlight(std::atomic<int32_t>& n) : n(n) { n.fetch_add(1); }
+  ~InFlight() { n.fetch_sub(1); }
 };
 
 httplib::Headers upstream_headers(const std::string& auth) {
@@ -96,13 +98,6 @@ ApiError draining_error() {
 ApiError stopped_error() {
   return ApiError{503, "The router shut down before this request finished; it was cancelled.", "server_error", "", "server_shutting_down"};
 }
-
-// One client request in flight at the router (a stream: until its response ends).
-struct ClientInFlight {
-  std::atomic<int32_t>& n;
-  explicit ClientInFlight(std::atomic<int32_t>& n) : n(n) { n.fetch_add(1); }
-  ~ClientInFlight() { n.fetch_sub(1); }
-};
 
 ApiError unavailable(const char* what) {
   return ApiError{503, std::string("No ") + what + " instance is available; retry later.", "server_error", "", "service_unavailable"};
@@ -271,7 +266,7 @@ void Router::routes() {
 }
 
 void Router::handle_generate(const httplib::Request& req, httplib::Response& res, bool chat) {
-  auto guard = std::make_shared<ClientInFlight>(in_flight_);  // a stream's provider keeps it until its end
+  auto guard = std::make_shared<InFlight>(in_flight_);  // a stream's provider keeps it until its end
   if (draining_.load()) {
     res.set_header("Retry-After", "5");
     throw draining_error();
@@ -303,7 +298,7 @@ void Router::prefill(uint64_t key, const std::string& path, const std::string& b
     const RouteChoice c = choose_backend(prefill_->ring, key, prefill_->up(), prefill_->load(), opts_.load_factor, tried);
     if (c.backend < 0) break;
     Backend& b = *prefill_->backends[c.backend];
-    InFlight f(&b);
+    InFlight f(b.in_flight);
     b.requests.fetch_add(1);
     httplib::Client cli(b.host, b.port);
     set_timeouts(cli, opts_);
@@ -324,7 +319,7 @@ void Router::prefill(uint64_t key, const std::string& path, const std::string& b
 
 // A streamed request's upstream half, on its own thread: the backend's answer goes into the pipe.
 void Router::run_upstream(Backend* b, const std::string& path, const std::string& body, const std::string& auth, Pipe& pipe) {
-  InFlight f(b);
+  InFlight f(b->in_flight);
   httplib::Client cli(b->host, b->port);
   set_timeouts(cli, opts_);
   {
@@ -381,7 +376,7 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
     b->requests.fetch_add(1);
 
     if (!stream) {
-      InFlight f(b);
+      InFlight f(b->in_flight);
       httplib::Client cli(b->host, b->port);
       set_timeouts(cli, opts_);
       {
