@@ -137,6 +137,7 @@ void run_bench_batch(const BenchOptions& o) {
   ec.n_threads = o.threads > 0 ? o.threads : kv::default_thread_count();
   ec.enable_prefix_caching = false;  // distinct random prompts: nothing to share
   ec.kv_policy = make_eviction(o.evo, o.kvo.block_size);  // --kv-eviction / --kv-sparse for every sequence
+  ec.kv_offload_dir = o.evo.offload_dir;
   ec.spec = parse_speculative_option(o.speculative_config);
   const kv::KvLayout layout = make_kv_layout(*lm.model, o.kvo);
   ec.kv_dtype = layout.dtype;
@@ -239,7 +240,8 @@ void run_bench(const BenchOptions& o) {
   std::vector<double> pp, tg;
   kv::SequenceRunner seq(*lm.model, *lm.pool, lm.pool_g1.get(), *lm.threads, o.chunk);
   const kv::EvictionConfig evc = make_eviction(o.evo, lm.pool->layout().block_size);
-  if (kv::Status st = seq.set_eviction(evc); !st) fail(st.message());
+  std::unique_ptr<kv::ColdStore> cold = make_cold_store(o.evo, *lm.pool);
+  if (kv::Status st = seq.set_eviction(evc, cold.get()); !st) fail(st.message());
   double kv_tokens_read = -1;  // per decode token under a policy (kept tokens, or Quest's pages)
   // Warm-up: touches every weight page and sizes the scratch buffers.
   if (kv::Status st = seq.feed(prompt.data(), std::min<int64_t>(o.chunk, static_cast<int64_t>(prompt.size()))); !st) fail(st.message());
@@ -252,6 +254,7 @@ void run_bench(const BenchOptions& o) {
     if (!o.json) std::fprintf(stderr, "repeat %d/%d: pp %.1f tok/s\n", r + 1, o.repeat, pp.back());
   }
   double context_prefill_s = 0;
+  kv::ColdStats cold_at_decode;  // the cold store's counters when decoding starts
   if (o.gen_tokens > 0) {
     // The context once; every repeat decodes from it and rolls back to it.
     if (o.context > 0) {
@@ -267,6 +270,7 @@ void run_bench(const BenchOptions& o) {
         std::fprintf(stderr, "KV policy %s: decode reads ~%.0f of %d context tokens\n", evc.describe(lm.pool->layout().block_size).c_str(),
                      kv_tokens_read, o.context);
     }
+    if (cold) cold_at_decode = cold->stats();
     for (int r = 0; r < o.repeat; ++r) {
       int32_t tok = prompt[0];
       auto t0 = clock::now();
@@ -275,11 +279,12 @@ void run_bench(const BenchOptions& o) {
         tok = kv::argmax(seq.logits().data(), cfg.n_vocab);
       }
       tg.push_back(o.gen_tokens / std::chrono::duration<double>(clock::now() - t0).count());
+      if (!o.json) std::fprintf(stderr, "repeat %d/%d: tg %.1f tok/s at context %d\n", r + 1, o.repeat, tg.back(), o.context);
+      if (r + 1 == o.repeat) break;  // no rollback after the last one
       // A hybrid model's sliding-window pages of the context may be gone: then prefill again.
       if (!seq.truncate(o.context))
         if (kv::Status st = seq.feed(prompt.data(), o.context, false); !st) fail(st.message());
       if (seq.n_tokens() != o.context) fail("truncate left " + std::to_string(seq.n_tokens()) + " tokens");
-      if (!o.json) std::fprintf(stderr, "repeat %d/%d: tg %.1f tok/s at context %d\n", r + 1, o.repeat, tg.back(), o.context);
     }
     seq.reset();
   }
@@ -300,6 +305,13 @@ void run_bench(const BenchOptions& o) {
   if (evc.active())
     j["kv_eviction"] = {{"policy", kv::eviction_policy_name(evc.policy)}, {"budget", evc.budget}, {"sparse_pages", evc.sparse_pages},
                         {"kv_tokens_read_per_token", kv_tokens_read}};
+  if (cold) {
+    j["kv_cold"] = cold_store_json(*cold, *lm.pool);
+    const kv::ColdStats c = cold->stats();  // decoding alone
+    j["kv_cold"]["decode_pages_in"] = c.pages_in - cold_at_decode.pages_in;
+    j["kv_cold"]["decode_prefetch_hits"] = c.prefetch_hits - cold_at_decode.prefetch_hits;
+    j["kv_cold"]["decode_fetch_seconds"] = c.fetch_seconds - cold_at_decode.fetch_seconds;
+  }
   if (!pp.empty()) {
     Stats p = stats(pp);
     j["prefill_tok_s"] = p.median;

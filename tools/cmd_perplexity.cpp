@@ -313,8 +313,10 @@ void run_perplexity(const PerplexityOptions& o) {
   if (o.ctx > cfg.n_ctx_train)
     fail("--ctx " + std::to_string(o.ctx) + " exceeds the model's context length " + std::to_string(cfg.n_ctx_train));
   const int64_t pool_tokens = int64_t(lm.pool->n_pages()) * layout.block_size;
-  if (pool_tokens < o.ctx)
-    fail("--kv-cache-memory " + o.kvo.memory + " holds " + std::to_string(pool_tokens) + " tokens, --ctx needs " + std::to_string(o.ctx));
+  // With cold pages the pool holds the budget, one slice of new positions and what Quest reads back.
+  const int64_t need_tokens = o.evo.offload_cold ? std::min<int64_t>(o.ctx, o.evo.budget + 2 * int64_t(o.batch)) : o.ctx;
+  if (pool_tokens < need_tokens)
+    fail("--kv-cache-memory " + o.kvo.memory + " holds " + std::to_string(pool_tokens) + " tokens, --ctx needs " + std::to_string(need_tokens));
 
   auto t_tok = clock::now();
   const std::vector<int32_t> tokens = lm.tokenizer->encode(text, true, false);
@@ -367,7 +369,8 @@ void run_perplexity(const PerplexityOptions& o) {
   const int64_t rows_cap = std::max<int64_t>(1, std::min<int64_t>(o.batch, kLogitBufferBytes / (nv * 4)));
   kv::SequenceRunner seq(*lm.model, *lm.pool, lm.pool_g1.get(), *lm.threads, o.batch);
   const kv::EvictionConfig evc = make_eviction(o.evo, layout.block_size);
-  if (kv::Status st = seq.set_eviction(evc); !st) fail(st.message());
+  std::unique_ptr<kv::ColdStore> cold = make_cold_store(o.evo, *lm.pool);
+  if (kv::Status st = seq.set_eviction(evc, cold.get()); !st) fail(st.message());
   if (evc.active()) std::fprintf(stderr, "perplexity: KV policy %s (the first half of each window is the prompt, the rest decoded)\n", evc.describe(layout.block_size).c_str());
   int64_t kept_sum = 0, evicted_sum = 0;
   const int nth = lm.threads->size();
@@ -468,6 +471,7 @@ void run_perplexity(const PerplexityOptions& o) {
                       {"recent_tokens", evc.evicts() ? evc.recent(layout.block_size) : 0}, {"obs_window", evc.obs_window},
                       {"sparse", evc.sparse() ? "quest" : "none"}, {"sparse_pages", evc.sparse_pages},
                       {"kept_tokens_per_window", double(kept_sum) / n_win}, {"evicted_tokens_per_window", double(evicted_sum) / n_win}};
+  if (cold) j["kv_cold"] = cold_store_json(*cold, *lm.pool);
   if (!o.kvo.layer_dtypes.empty()) j["kv_cache_dtype_layers"] = o.kvo.layer_dtypes;
   j["kv_cache_layout"] = kv_desc;  // the dtype per layer range, as the page pool holds it
   j["kv_bytes_per_token"] = kv_bytes_per_token;

@@ -99,6 +99,7 @@ void run_serve(const ServeOptions& o) {
   if (!max_body) fail("--max-body-size: " + max_body.message());
 
   ec.kv_policy = make_eviction(o.evo, o.kvo.block_size);
+  ec.kv_offload_dir = o.evo.offload_dir;
   if (ec.kv_policy.active() && mc.mla) fail("--kv-eviction / --kv-sparse are not supported for MLA models");
   kv::KvLayout layout = make_kv_layout(**model, o.kvo);
   ec.kv_dtype = layout.dtype;

@@ -36,7 +36,7 @@ void add_eviction_options(CLI::App* cmd, EvictionOptions* eo) {
                   "h2o (heavy hitters by accumulated attention), snapkv (the last queries vote)")
       ->check(CLI::IsMember({"none", "window", "sinks", "h2o", "snapkv"}))
       ->capture_default_str();
-  cmd->add_option("--kv-budget", eo->budget, "tokens of KV kept per sequence (whole pages; the global layers)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--kv-budget", eo->budget, "tokens of KV kept per sequence (whole pages; the global layers); with --kv-offload-cold, kept in RAM")->check(CLI::NonNegativeNumber);
   cmd->add_option("--kv-sink-tokens", eo->sink_tokens, "tokens kept from the start (sinks, h2o, snapkv)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
@@ -50,6 +50,26 @@ void add_eviction_options(CLI::App* cmd, EvictionOptions* eo) {
       ->capture_default_str();
   cmd->add_option("--kv-sparse-pages", eo->sparse_pages, "Quest: pages read per decode query beyond sink and recent pages")
       ->check(CLI::NonNegativeNumber);
+  cmd->add_flag("--kv-offload-cold", eo->offload_cold,
+                "hot and cold pages (with --kv-sparse quest): a sequence keeps --kv-budget tokens of KV in RAM, the least recently "
+                "read pages go to a spill file on disk and come back when Quest picks them");
+  cmd->add_option("--kv-offload-dir", eo->offload_dir, "directory of the cold-page spill file (default: --kv-disk-dir, else /tmp)");
+}
+
+std::unique_ptr<kv::ColdStore> make_cold_store(const EvictionOptions& eo, kv::PagePool& pool) {
+  if (!eo.offload_cold) return nullptr;
+  pool.enable_key_bounds();
+  auto c = kv::ColdStore::create(eo.offload_dir.empty() ? "/tmp" : eo.offload_dir, pool);
+  if (!c) fail(c.message());
+  return std::move(*c);
+}
+
+nlohmann::json cold_store_json(const kv::ColdStore& cold, const kv::PagePool& pool) {
+  const kv::ColdStats c = cold.stats();
+  return {{"pages_out", c.pages_out},         {"pages_in", c.pages_in},     {"prefetches", c.prefetches},
+          {"prefetch_hits", c.prefetch_hits}, {"errors", c.errors},         {"no_room", c.no_room},
+          {"fetch_seconds", c.fetch_seconds}, {"file_bytes", c.file_bytes}, {"ram_pool_pages", pool.n_pages()},
+          {"ram_pool_tokens", int64_t(pool.n_pages()) * pool.layout().block_size}};
 }
 
 kv::EvictionConfig make_eviction(const EvictionOptions& eo, int block_size) {
@@ -67,6 +87,7 @@ kv::EvictionConfig make_eviction(const EvictionOptions& eo, int block_size) {
   } else if (eo.sparse_pages > 0) {
     fail("--kv-sparse-pages needs --kv-sparse quest");
   }
+  c.offload_cold = eo.offload_cold;
   if (kv::Status st = c.validate(block_size); !st) fail(st.message());
   return c;
 }

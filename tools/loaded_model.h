@@ -3,10 +3,12 @@
 #pragma once
 #include "engine/speculative.h"
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "common/thread_pool.h"
 #include "gguf/gguf.h"
+#include "kv/cold_store.h"
 #include "kv/kv_eviction.h"
 #include "kv/page_pool.h"
 #include "model/llama.h"
@@ -32,10 +34,17 @@ struct EvictionOptions {
   int obs_window = 32;
   std::string sparse = "none";
   int sparse_pages = 0;
+  bool offload_cold = false;  // --kv-offload-cold
+  std::string offload_dir;    // --kv-offload-dir (empty: --kv-disk-dir where the command has it, else /tmp)
 };
 void add_eviction_options(CLI::App* cmd, EvictionOptions* eo);
 // The config the options ask for, validated at this block size (exits with a message).
 kv::EvictionConfig make_eviction(const EvictionOptions& eo, int block_size);
+// --kv-offload-cold for a command that runs a SequenceRunner on `pool`: the spill file (key
+// bounds enabled on the pool first); null when the option is off.
+std::unique_ptr<kv::ColdStore> make_cold_store(const EvictionOptions& eo, kv::PagePool& pool);
+// The cold store's counters and the RAM pool's size, for a command's JSON output.
+nlohmann::json cold_store_json(const kv::ColdStore& cold, const kv::PagePool& pool);
 
 // The KV layout the options ask for, validated (exits with a message when it is not valid).
 kv::KvLayout make_kv_layout(const kv::LlamaModel& model, const KvOptions& kvo, int group = 0);

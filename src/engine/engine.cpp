@@ -5,6 +5,7 @@
 
 #include "common/units.h"
 #include "engine/sampler.h"
+#include "kernels/attention.h"
 #include "kernels/ops.h"
 
 namespace kv {
@@ -61,6 +62,7 @@ struct Engine::Sequence {
   std::vector<float> scores;       // h2o / snapkv: attention mass per logical page
   int64_t evicted_tokens = 0;      // over the sequence's life (preemptions included)
   int64_t first_evicted_page = -1; // pages from here on are never published as a prefix
+  ColdTable cold;                  // --kv-offload-cold: which pages of the table are on disk
   // Lower tiers: a lookup in flight (the sequence is loading and is not admitted meanwhile).
   uint64_t tier_ticket = 0;
   bool tier_checked = false;       // looked (or decided not to look) below RAM
@@ -144,6 +146,12 @@ Engine::Engine(LlamaModel& model, const Tokenizer& tok, const EngineConfig& cfg)
       }
     }
   }
+  if (cfg.kv_policy.offload_cold && init_status_) {
+    const std::string dir = !cfg.kv_offload_dir.empty() ? cfg.kv_offload_dir : !cfg.tiers.disk_dir.empty() ? cfg.tiers.disk_dir : "/tmp";
+    auto c = ColdStore::create(dir, *pool_);
+    if (!c) init_status_ = c.status();
+    else cold_ = std::move(*c);
+  }
   metrics_.set_gauges(0, 0, pool_->n_pages(), 0);
 }
 
@@ -192,7 +200,10 @@ Rejection Engine::submit(Request req) {
                       std::to_string(n_prompt + p.max_tokens) + " tokens (" + std::to_string(n_prompt) + " in the messages, " +
                       std::to_string(p.max_tokens) + " in the completion). Please reduce the length of the messages or completion.",
                   n_prompt >= cfg_.max_model_len ? "messages" : "max_tokens");
-  const int64_t pages_one = BlockTable::pages_for(n_prompt + p.max_tokens, cfg_.block_size);
+  int64_t pages_one = BlockTable::pages_for(n_prompt + p.max_tokens, cfg_.block_size);
+  if (cold_ && !p.kv_policy_set)  // RAM holds the budget and what one step reads back
+    pages_one = std::min<int64_t>(pages_one, BlockTable::pages_for(cfg_.kv_policy.budget, cfg_.block_size) +
+                                                 cfg_.kv_policy.quest_pages_read(cfg_.block_size) + 2);
   if (pages_one > pool_->n_pages())
     return reject(400,
                   "The request needs " + std::to_string(pages_one) + " KV pages (" + std::to_string(n_prompt + p.max_tokens) +
@@ -249,6 +260,7 @@ void Engine::drain_incoming() {
     s->tokens = rs->req.prompt;
     s->n_prompt = static_cast<int32_t>(s->tokens.size());
     s->evict = rs->req.params.kv_policy_set ? rs->req.params.kv_policy : cfg_.kv_policy;
+    attach_cold(*s);
     switch (rs->req.params.spec_choice) {
       case RequestParams::Spec::kDefault: s->spec = cfg_.spec; break;
       case RequestParams::Spec::kOff: s->spec = SpecConfig{}; break;
@@ -399,7 +411,7 @@ bool Engine::schedule(Plan* plan) {
         free1 += cache_->n_evictable_window_pages();  // counts the pool: only when short
       room = std::min<int64_t>(room, (static_cast<int64_t>(s.table_g1.pages.size()) + free1) * bs - s.n_computed);
     }
-    int32_t n = static_cast<int32_t>(std::min<int64_t>({budget, s.to_compute(), room}));
+    int32_t n = static_cast<int32_t>(cold_cap(s, std::min<int64_t>({budget, s.to_compute(), room})));
     if (n <= 0 || !ensure_pages(s, n)) continue;
     plan->items.push_back({&s, n, n == s.to_compute()});
     budget -= n;
@@ -438,6 +450,7 @@ bool Engine::schedule(Plan* plan) {
 void Engine::annotate(Sequence& s, BatchSeq& b) {
   if (!s.evict.active()) return;
   if (s.evict.sparse()) b.quest = &s.evict;
+  if (s.cold.attached()) b.cold = &s.cold;
   if (!s.evict.wants_scores()) return;
   const int64_t n_pages = BlockTable::pages_for(b.pos0 + b.n_tokens, cfg_.block_size);
   if (static_cast<int64_t>(s.scores.size()) < n_pages) s.scores.resize(n_pages, 0.f);
@@ -454,10 +467,15 @@ void Engine::maybe_evict(Sequence& s, int32_t n_run) {
   if (out.empty()) return;
   s.evicted_tokens += int64_t(out.size()) * bs;
   metrics_.add_evicted_tokens(int64_t(out.size()) * bs);
-  if (s.first_evicted_page < 0 || out.front() < s.first_evicted_page) s.first_evicted_page = out.front();
+  cut_prefix(s, out.front());
+}
+
+void Engine::cut_prefix(Sequence& s, int64_t first_gone_page) {
+  if (s.first_evicted_page >= 0 && first_gone_page >= s.first_evicted_page) return;
+  s.first_evicted_page = first_gone_page;
   // The prefix this sequence still holds ends before its first evicted page: pin only that
   // (the evicted pages the cache holds become ordinary, evictable cached pages).
-  const int64_t keep = s.first_evicted_page * bs;
+  const int64_t keep = s.first_evicted_page * cfg_.block_size;
   if (cache_ && s.published > keep) {
     PrefixHandle h;
     if (keep > 0)
@@ -514,7 +532,7 @@ bool Engine::admit(Sequence& s, int64_t budget, int32_t* n_out) {
     s.pin = m.handle;
     s.published = m.n_tokens;
   }
-  const int32_t n = static_cast<int32_t>(std::min<int64_t>(budget, s.to_compute()));
+  const int32_t n = static_cast<int32_t>(cold_cap(s, std::min<int64_t>(budget, s.to_compute())));
   if (!ensure_pages(s, n)) {
     // Undo: the request waits with nothing held.
     if (cache_) cache_->unpin(s.pin);
@@ -537,6 +555,31 @@ bool Engine::admit(Sequence& s, int64_t budget, int32_t* n_out) {
   return true;
 }
 
+// ---- Hot and cold pages (kv/cold_store.h) ---------------------------------------------------
+
+void Engine::attach_cold(Sequence& s) {
+  if (!cold_ || !s.evict.offload_cold) return;
+  // A fetch that finds the pool full takes a page from the prefix cache's evictable ones.
+  s.cold.attach(cold_.get(), &s.table.pages, [this](int32_t n) { return cache_ && cache_->ensure_free(n); });
+}
+
+int64_t Engine::cold_cap(const Sequence& s, int64_t n) const {
+  // Past its budget a prompt runs in Quest tiles: a longer run would read (so hold) every page.
+  if (!s.cold.attached() || s.n_computed + n <= s.evict.budget) return n;
+  return std::min<int64_t>(n, std::max<int64_t>(kAttnQTile, s.evict.budget - s.n_computed));
+}
+
+void Engine::maybe_offload(Sequence& s) {
+  if (!s.cold.attached()) return;
+  s.cold.next_step();
+  if (s.cold.offload(s.evict, s.n_computed) == 0) return;
+  for (int64_t i = 0; i < static_cast<int64_t>(s.table.pages.size()); ++i)
+    if (s.table.pages[i] == kColdPage) {
+      cut_prefix(s, i);
+      break;
+    }
+}
+
 Engine::Sequence* Engine::fork(Sequence& parent, int32_t index) {
   SamplingParams sp = parent.rs->req.params.sampling;
   sp.seed = sp.seed + static_cast<uint64_t>(index) * 0x9E3779B97F4A7C15ull;
@@ -556,6 +599,8 @@ Engine::Sequence* Engine::fork(Sequence& parent, int32_t index) {
   c->scores = parent.scores;
   c->evicted_tokens = parent.evicted_tokens;
   c->first_evicted_page = parent.first_evicted_page;
+  attach_cold(*c);
+  if (c->cold.attached()) c->cold.copy_from(parent.cold);
   if (pool_g1_) {
     c->table_g1 = parent.table_g1;
     for (int32_t p : c->table_g1.pages)
@@ -652,6 +697,7 @@ void Engine::postprocess(Plan& plan, const float* logits) {
     s.table.n_tokens = s.n_computed;
     publish(s);
     maybe_evict(s, n_known);
+    maybe_offload(s);
     if (s.n_computed <= s.n_prompt) metrics_.add_prompt_tokens(std::min<int64_t>(it.n, s.n_prompt - (s.n_computed - it.n)));
     if (!it.logits) continue;
     const float* lg = logits + r * nv;
@@ -815,6 +861,7 @@ void Engine::release(Sequence& s) {
   // Recomputed after a preemption: the policy starts over on the whole token list.
   s.scores.clear();
   s.first_evicted_page = -1;
+  s.cold.release_all();
   s.table.release_all(*pool_);
   if (pool_g1_) s.table_g1.release_all(*pool_g1_);
 }
@@ -1044,6 +1091,10 @@ void Engine::publish_gauges() {
 
 MetricsSnapshot Engine::metrics() const {
   MetricsSnapshot m = metrics_.snapshot();
+  if (cold_) {
+    m.has_cold = true;
+    m.cold = cold_->stats();
+  }
   if (tiers_)
     for (TierSnapshot& t : tiers_->stats())
       m.tiers.push_back({t.s, Histogram(tier_load_buckets(), std::move(t.load_counts), t.load_sum, t.load_count)});
@@ -1096,6 +1147,14 @@ Status Engine::check_integrity() const {
     for (const auto& s : *q)
       for (int32_t p : s->table.pages)
         if (p >= 0) ++held[p];  // -1: evicted
+  if (cold_) {  // every slot reference of the spill file is a table's
+    int64_t refs = 0;
+    for (auto* q : {&running_, &waiting_})
+      for (const auto& s : *q)
+        if (Status st = s->cold.check(&refs); !st) return st;
+    if (refs != cold_->total_refs())
+      return Status::error("cold store: " + std::to_string(cold_->total_refs()) + " slot references, " + std::to_string(refs) + " held by tables");
+  }
   std::vector<int32_t> held1;
   if (pool_g1_) {  // sliding-window layers: every reference is a table entry or the cache's
     if (Status st = pool_g1_->check_integrity(); !st) return Status::error("sliding-window pool: " + st.message());

@@ -30,6 +30,7 @@
 #include "engine/speculative.h"
 #include "kv/page_pool.h"
 #include "kv/prefix_cache.h"
+#include "kv/cold_store.h"
 #include "kv/tier_manager.h"
 #include "model/llama.h"
 #include "tokenizer/tokenizer.h"
@@ -56,6 +57,9 @@ struct EngineConfig {
   EvictionConfig kv_policy;
   // KV tiers below RAM (kv/tier_manager.h): disk (L2) and Redis (L3). Need prefix caching.
   TierConfig tiers;
+  // Hot and cold pages (kv/cold_store.h), when kv_policy.offload_cold: the directory of the
+  // spill file (empty: tiers.disk_dir, else /tmp).
+  std::string kv_offload_dir;
   // What a preempted sequence's pages become. recompute: they stay in the RAM prefix cache
   // only, and what was evicted from it is recomputed. swap: they are also written to the tiers
   // at once, and resuming looks for them there.
@@ -162,6 +166,11 @@ class Engine {
   void slide(Sequence& s);
   std::unique_ptr<PrefixCache> cache_;  // after pool_: destroyed first, releasing into the pool
   std::unique_ptr<TierManager> tiers_;  // after cache_: destroyed before it
+  std::unique_ptr<ColdStore> cold_;     // --kv-offload-cold: pages of live sequences beyond their budget
+  void attach_cold(Sequence& s);        // s's cold table, when its policy offloads
+  void maybe_offload(Sequence& s);      // after a run: s's cold pages down to its budget
+  void cut_prefix(Sequence& s, int64_t first_gone_page);  // pages from there on are never published
+  int64_t cold_cap(const Sequence& s, int64_t n) const;   // a run's length within s's RAM budget
   Status init_status_;
   std::atomic<bool> tier_ready_{false};  // a lookup finished: step again
   std::unique_ptr<ThreadPool> threads_;

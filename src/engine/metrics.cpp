@@ -174,6 +174,21 @@ std::string render_prometheus(const MetricsSnapshot& m) {
     for (size_t i = 0; i < m.spec_accepted_per_pos.size(); ++i)
       out += std::string(name) + "{position=\"" + std::to_string(i) + "\"} " + std::to_string(m.spec_accepted_per_pos[i]) + "\n";
   }
+  if (m.has_cold) {
+    const ColdStats& c = m.cold;
+    gauge(out, "kvserve:kv_cold_pages", "KV pages of live sequences held in the cold spill file (L2) instead of RAM.", double(c.slots_used));
+    gauge(out, "kvserve:kv_cold_file_bytes", "Size of the cold-page spill file.", double(c.file_bytes));
+    counter(out, "kvserve:kv_cold_pages_out_total", "KV pages written to the cold spill file.", double(c.pages_out));
+    counter(out, "kvserve:kv_cold_pages_in_total", "Cold KV pages read back into RAM because Quest picked them.", double(c.pages_in));
+    counter(out, "kvserve:kv_cold_prefetches_total", "Cold KV pages read ahead (the runners-up of a Quest selection).", double(c.prefetches));
+    counter(out, "kvserve:kv_cold_prefetch_hits_total", "Cold-page fetches served from a page read ahead.", double(c.prefetch_hits));
+    counter(out, "kvserve:kv_cold_bytes_in_total", "Bytes read from the cold spill file.", double(c.bytes_in));
+    counter(out, "kvserve:kv_cold_bytes_out_total", "Bytes written to the cold spill file.", double(c.bytes_out));
+    counter(out, "kvserve:kv_cold_errors_total", "Cold-page reads or writes that failed (the page was dropped, as if evicted).", double(c.errors));
+    counter(out, "kvserve:kv_cold_no_room_total", "Cold-page fetches that found no free RAM page (the page was skipped for that step).",
+            double(c.no_room));
+    counter(out, "kvserve:kv_cold_fetch_seconds_total", "Seconds spent bringing cold pages back into RAM.", c.fetch_seconds);
+  }
   if (!m.tiers.empty()) {
     counter(out, "kvserve:kv_tier_loaded_pages_total", "KV pages copied from a lower tier (disk, Redis) into RAM.",
             double(m.tier_loaded_pages_total));

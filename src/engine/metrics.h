@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "kv/cold_store.h"
 #include "kv/page_store.h"
 
 namespace kv {
@@ -68,6 +69,9 @@ struct MetricsSnapshot {
   std::vector<Tier> tiers;
   int64_t tier_loaded_pages_total = 0;   // pages copied from a lower tier into the pool
   int64_t tier_load_timeouts_total = 0;  // lookups a request stopped waiting for
+  // Hot and cold pages of live sequences (kv/cold_store.h); has_cold: --kv-offload-cold is on.
+  bool has_cold = false;
+  ColdStats cold;
   uint64_t steps_total = 0;           // steps that ran a forward
   // Speculative decoding (vLLM's spec_decode_* names): drafts verified, their tokens, the
   // tokens accepted, and accepted tokens per draft position (index 0 = the first draft token).

@@ -1,5 +1,7 @@
 #include "engine/sequence_runner.h"
 
+#include "kernels/attention.h"
+
 #include <algorithm>
 #include <cstring>
 
@@ -56,6 +58,7 @@ bool SequenceRunner::truncate(int64_t n) {
       }
   }
   const size_t keep = static_cast<size_t>(BlockTable::pages_for(n, pool_.layout().block_size));
+  cold_.truncate(static_cast<int64_t>(keep));
   for (size_t i = keep; i < table_.pages.size(); ++i)
     if (table_.pages[i] >= 0) pool_.release(table_.pages[i]);
   table_.pages.resize(std::min(keep, table_.pages.size()));
@@ -69,12 +72,30 @@ bool SequenceRunner::truncate(int64_t n) {
   return true;
 }
 
-Status SequenceRunner::set_eviction(const EvictionConfig& cfg) {
+Status SequenceRunner::set_eviction(const EvictionConfig& cfg, ColdStore* cold) {
   if (Status st = cfg.validate(pool_.layout().block_size); !st) return st;
   if (cfg.active() && model_.config().mla) return Status::error("KV eviction and sparse reads are not supported for MLA models");
+  if (cfg.offload_cold && (!cold || &cold->pool() != &pool_)) return Status::error("cold pages need a cold store on the sequence's pool");
   evict_ = cfg;
   if (cfg.sparse()) pool_.enable_key_bounds();
+  cold_.release_all();
+  cold_ = ColdTable{};
+  if (cfg.offload_cold) cold_.attach(cold, &table_.pages);
   return Status::ok();
+}
+
+void SequenceRunner::advance(int64_t len) {
+  table_.n_tokens += len;
+  if (!cold_.attached()) return;
+  cold_.next_step();
+  cold_.offload(evict_, table_.n_tokens);
+}
+
+int64_t SequenceRunner::run_len(int64_t want) const {
+  int64_t len = std::min<int64_t>(chunk(), want);
+  if (cold_.attached() && table_.n_tokens + len > evict_.budget)
+    len = std::min<int64_t>(len, std::max<int64_t>(kAttnQTile, evict_.budget - table_.n_tokens));
+  return std::max<int64_t>(1, len);
 }
 
 // feed_end: the sequence length when the current feed() completes (SnapKV's observation
@@ -84,6 +105,7 @@ void SequenceRunner::annotate_batch(int64_t feed_end) {
   const int32_t bs = pool_.layout().block_size;
   for (BatchSeq& s : batch_.seqs) {
     if (evict_.sparse()) s.quest = &evict_;
+    if (cold_.attached()) s.cold = &cold_;
     if (!evict_.wants_scores()) continue;
     const int64_t n_pages = (s.pos0 + s.n_tokens + bs - 1) / bs;
     if (static_cast<int64_t>(scores_.size()) < n_pages) scores_.resize(n_pages, 0.f);
@@ -116,17 +138,20 @@ int32_t SequenceRunner::chunk() const {
 
 Status SequenceRunner::feed(const int32_t* tokens, int64_t n, bool want_logits) {
   if (n <= 0) return Status::ok();
-  const int32_t chunk_ = chunk();
-  if (Status st = reserve(n); !st) return st;
+  // Cold pages: pages are taken run by run, so the resident ones stay within the budget.
+  if (!cold_.attached())
+    if (Status st = reserve(n); !st) return st;
   logits_.resize(model_.config().n_vocab);
-  for (int64_t i = 0; i < n; i += chunk_) {
-    const int32_t len = static_cast<int32_t>(std::min<int64_t>(chunk_, n - i));
+  for (int64_t i = 0, len; i < n; i += len) {
+    len = run_len(n - i);
+    if (cold_.attached())
+      if (Status st = reserve(len); !st) return st;
     const bool last = i + len == n;
     batch_.clear();
-    batch_.add(table_.pages.data(), table_.n_tokens, tokens + i, len, last && want_logits);
+    batch_.add(table_.pages.data(), table_.n_tokens, tokens + i, static_cast<int32_t>(len), last && want_logits);
     annotate_batch(table_.n_tokens - i + n);
     if (Status st = forward(logits_.data()); !st) return st;
-    table_.n_tokens += len;
+    advance(len);
   }
   maybe_evict(/*prompt_end=*/n > 1);
   return Status::ok();
@@ -135,7 +160,8 @@ Status SequenceRunner::feed(const int32_t* tokens, int64_t n, bool want_logits) 
 Status SequenceRunner::feed_all_logits(const int32_t* tokens, int64_t n, std::vector<float>* out) {
   const int64_t nv = model_.config().n_vocab;
   out->assign(n * nv, 0.f);
-  if (Status st = reserve(n); !st) return st;
+  if (!cold_.attached())
+    if (Status st = reserve(n); !st) return st;
   const int32_t chunk_ = chunk();
   // One run per token so every position gets logits; runs of the same chunk share a forward.
   const int32_t bs = pool_.layout().block_size;
@@ -143,11 +169,13 @@ Status SequenceRunner::feed_all_logits(const int32_t* tokens, int64_t n, std::ve
     len = std::min<int64_t>(chunk_, n - i);
     // with eviction, chunks end at page boundaries: what decoding a token at a time evicts
     if (evict_.evicts()) len = std::min<int64_t>(len, bs - table_.n_tokens % bs);
+    if (cold_.attached())
+      if (Status st = reserve(len); !st) return st;
     batch_.clear();
     for (int32_t k = 0; k < len; ++k) batch_.add(table_.pages.data(), table_.n_tokens + k, tokens + i + k, 1, true);
     annotate_batch(table_.n_tokens + 1);  // decoding: every query since the last eviction votes
     if (Status st = forward(out->data() + i * nv); !st) return st;
-    table_.n_tokens += len;
+    advance(len);
     maybe_evict(false);
   }
   return Status::ok();

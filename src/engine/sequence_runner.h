@@ -8,6 +8,7 @@
 
 #include "common/status.h"
 #include "common/thread_pool.h"
+#include "kv/cold_store.h"
 #include "kv/kv_eviction.h"
 #include "kv/page_pool.h"
 #include "model/llama.h"
@@ -39,6 +40,7 @@ class SequenceRunner {
   void reset() {
     scores_.clear();
     evicted_tokens_ = 0;
+    cold_.release_all();
     table_.release_all(pool_);
     if (pool_g1_) table_g1_.release_all(*pool_g1_);
   }
@@ -55,13 +57,23 @@ class SequenceRunner {
   // Long-context policy (kv/kv_eviction.h) for this sequence, set before the first feed. The
   // runner scores pages as the policy asks and evicts when a page has just filled or a feed of
   // several tokens (a prompt) ends. Quest sparse reads enable the pool's key bounds.
-  Status set_eviction(const EvictionConfig& cfg);
+  // cfg.offload_cold: pages beyond the budget go to `cold` (made on the pool, whose key bounds
+  // must be on: call set_eviction first with offload_cold off, or enable them), and a prompt's
+  // tokens beyond the budget are fed in Quest-sized runs so the budget holds throughout.
+  Status set_eviction(const EvictionConfig& cfg, ColdStore* cold = nullptr);
   const EvictionConfig& eviction() const { return evict_; }
   int64_t evicted_tokens() const { return evicted_tokens_; }
   int64_t kept_tokens() const { return kv::kept_tokens(table_.pages, table_.n_tokens, pool_.layout().block_size); }
+  // Resident tokens of group 0 (= kept_tokens: cold pages are not resident) and cold pages.
+  int64_t cold_pages() const { return cold_.n_cold(); }
 
  private:
   Status reserve(int64_t n_new);
+  // After a forward of len tokens: positions advance; cold pages go down to the budget.
+  void advance(int64_t len);
+  // Tokens a run may take from position table_.n_tokens: chunk, or a Quest tile once a
+  // cold-page sequence is past its budget.
+  int64_t run_len(int64_t want) const;
   // Frees group 1's pages that no query from position pos0 on can see.
   void slide(int64_t pos0);
   Status forward(float* logits);
@@ -70,6 +82,7 @@ class SequenceRunner {
   void maybe_evict(bool prompt_end);
   EvictionConfig evict_;
   std::vector<float> scores_;  // per logical page (group 0)
+  ColdTable cold_;
   int64_t evicted_tokens_ = 0;
   LlamaModel& model_;
   PagePool& pool_;

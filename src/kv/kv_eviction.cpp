@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <numeric>
 
+#include "kv/cold_store.h"
+
 namespace kv {
 
 int64_t EvictionConfig::recent(int32_t block_size) const {
@@ -20,6 +22,13 @@ int64_t EvictionConfig::recent(int32_t block_size) const {
 Status EvictionConfig::validate(int32_t block_size) const {
   if (sink_tokens < 0 || recent_tokens < -1 || obs_window < 1 || sparse_pages < 0 || budget < 0)
     return Status::error("KV eviction: sink tokens, recent tokens, budget and sparse pages must be >= 0, the observation window >= 1");
+  if (offload_cold) {
+    if (!sparse() || evicts()) return Status::error("cold pages (--kv-offload-cold) need Quest sparse reads (--kv-sparse quest) and no eviction policy");
+    const int64_t fixed = (sink_pages(block_size) + (quest_recent(block_size) + block_size - 1) / block_size + 1) * block_size;
+    if (budget < fixed)
+      return Status::error("KV budget " + std::to_string(budget) + " leaves no room for cold pages: sink pages, the recent pages and the filling page take " +
+                           std::to_string(fixed) + " tokens at block size " + std::to_string(block_size) + " (--kv-budget is the RAM kept per sequence)");
+  }
   if (!evicts()) return Status::ok();
   if (budget <= 0) return Status::error(std::string("KV eviction policy ") + eviction_policy_name(policy) + " needs a budget (--kv-budget, tokens kept per sequence)");
   const int64_t fixed = (sink_pages(block_size) + recent_pages(block_size) + 1) * block_size;
@@ -33,6 +42,7 @@ std::string EvictionConfig::describe(int32_t block_size) const {
   std::string s = eviction_policy_name(policy);
   if (evicts()) s += " budget " + std::to_string(budget) + " sinks " + std::to_string(sinks()) + " recent " + std::to_string(recent(block_size));
   if (sparse()) s += std::string(evicts() ? ", " : "") + "quest " + std::to_string(sparse_pages) + " pages";
+  if (offload_cold) s += ", cold pages to disk beyond " + std::to_string(budget) + " tokens";
   return s;
 }
 
@@ -76,7 +86,9 @@ std::vector<int64_t> choose_evictions(const EvictionConfig& cfg, int32_t block_s
 }
 
 void quest_select(const EvictionConfig& cfg, int32_t block_size, const int32_t* pages, int64_t pos, const float* bound,
-                  std::vector<int32_t>* out, std::vector<int32_t>* scratch) {
+                  std::vector<int32_t>* out, std::vector<int32_t>* scratch, int32_t n_runners_up,
+                  std::vector<int32_t>* runners_up) {
+  if (runners_up) runners_up->clear();
   const int64_t n = pos / block_size + 1;
   out->assign(pages, pages + n);
   const int64_t first = cfg.sink_pages(block_size);
@@ -85,14 +97,18 @@ void quest_select(const EvictionConfig& cfg, int32_t block_size, const int32_t* 
   const int64_t recent_from = std::max<int64_t>(0, pos + 1 - cfg.quest_recent(block_size)) / block_size;
   scratch->clear();
   for (int64_t i = first; i < recent_from && i < n; ++i)
-    if (pages[i] >= 0) scratch->push_back(static_cast<int32_t>(i));
+    if (pages[i] >= 0 || pages[i] == kColdPage) scratch->push_back(static_cast<int32_t>(i));
   const int64_t k = cfg.sparse_pages;
   if (int64_t(scratch->size()) <= k) return;
   // the k highest bounds stay (ties: the later page), the rest are not read
-  std::nth_element(scratch->begin(), scratch->begin() + k, scratch->end(), [&](int32_t a, int32_t b) {
-    return bound[a] > bound[b] || (bound[a] == bound[b] && a > b);
-  });
+  auto higher = [&](int32_t a, int32_t b) { return bound[a] > bound[b] || (bound[a] == bound[b] && a > b); };
+  std::nth_element(scratch->begin(), scratch->begin() + k, scratch->end(), higher);
   for (size_t j = k; j < scratch->size(); ++j) (*out)[(*scratch)[j]] = -1;
+  if (runners_up && n_runners_up > 0) {
+    const int64_t m = std::min<int64_t>(n_runners_up, int64_t(scratch->size()) - k);
+    std::nth_element(scratch->begin() + k, scratch->begin() + k + m - 1, scratch->end(), higher);
+    runners_up->assign(scratch->begin() + k, scratch->begin() + k + m);
+  }
 }
 
 int32_t score_from(const EvictionConfig& cfg, int64_t n_known, int64_t pos0, int32_t n) {

@@ -22,7 +22,8 @@
 // Quest (sparse reads, no eviction): per (layer, page, KV head) the channel-wise min and max
 // of the page's keys (kept by PagePool); a decode query reads its sink and recent pages (by
 // default its own page and the 3 before it) plus the sparse_pages pages with the highest
-// upper bound Σ_d max(q_d·min_d, q_d·max_d).
+// upper bound Σ_d max(q_d·min_d, q_d·max_d). Cold pages (kColdPage entries, cold_store.h) are
+// candidates like resident ones, ranked by the summaries kept in RAM.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -48,6 +49,9 @@ struct EvictionConfig {
   // Quest sparse reads (independent of eviction): 0 = off, else pages read per decode query
   // beyond the sink and recent pages.
   int32_t sparse_pages = 0;
+  // Hot and cold pages (kv/cold_store.h, needs Quest and no eviction policy): pages beyond the
+  // budget go to the L2 spill file instead of leaving; Quest reads them back when it picks them.
+  bool offload_cold = false;
 
   bool evicts() const { return policy != EvictionPolicy::kNone; }
   bool wants_scores() const { return policy == EvictionPolicy::kH2O || policy == EvictionPolicy::kSnapKV; }
@@ -91,8 +95,11 @@ std::vector<int64_t> choose_evictions(const EvictionConfig& cfg, int32_t block_s
 // sink pages, recent pages (the page of pos included) and the k evictable pages with the
 // highest bound; bound[i] per logical page (ignored for -1 pages). Writes the mask as a copy
 // of pages with unselected entries set to -1 into out (resized to pos / block_size + 1).
+// runners_up (optional): the next n_runners_up candidates by bound after the selected ones
+// (what a cold-page prefetch reads ahead).
 void quest_select(const EvictionConfig& cfg, int32_t block_size, const int32_t* pages, int64_t pos, const float* bound,
-                  std::vector<int32_t>* out, std::vector<int32_t>* scratch);
+                  std::vector<int32_t>* out, std::vector<int32_t>* scratch, int32_t n_runners_up = 0,
+                  std::vector<int32_t>* runners_up = nullptr);
 
 // What the owner of a sequence (Engine, SequenceRunner) calls around a forward.
 // The first token of a run [pos0, pos0 + n) whose queries add to the page scores: SnapKV's

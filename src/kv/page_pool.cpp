@@ -89,6 +89,24 @@ int64_t KvLayout::page_bytes() const {
   return b;
 }
 
+void PagePool::read_page(int32_t page, uint8_t* dst) const {
+  for (int32_t l = 0; l < layout_.n_layer; ++l) {
+    const int64_t kb = layout_.k_layer_page_bytes(l), vb = layout_.v_layer_page_bytes(l);
+    std::memcpy(dst, k_data(l, page), kb);
+    if (vb > 0) std::memcpy(dst + kb, v_data(l, page), vb);
+    dst += kb + vb;
+  }
+}
+
+void PagePool::write_page(int32_t page, const uint8_t* src) {
+  for (int32_t l = 0; l < layout_.n_layer; ++l) {
+    const int64_t kb = layout_.k_layer_page_bytes(l), vb = layout_.v_layer_page_bytes(l);
+    std::memcpy(k_data(l, page), src, kb);
+    if (vb > 0) std::memcpy(v_data(l, page), src + kb, vb);
+    src += kb + vb;
+  }
+}
+
 uint32_t KvLayout::format_tag() const {
   std::vector<uint32_t> w = {kKvPageFormatVersion, static_cast<uint32_t>(n_layer), static_cast<uint32_t>(n_head_kv),
                              static_cast<uint32_t>(head_dim), static_cast<uint32_t>(block_size), static_cast<uint32_t>(v_from_k)};

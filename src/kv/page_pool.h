@@ -61,6 +61,10 @@ class PagePool {
   // Copies every layer's K and V of page src into page dst (copy-on-write of a shared page),
   // staging included. False (dst untouched) when src is staged and no staging slot is free.
   bool copy_page(int32_t src, int32_t dst);
+  // A page's K/V bytes of every layer, layer by layer (K then V), layout().page_bytes() in all:
+  // what the lower tiers and the cold-page spill file store.
+  void read_page(int32_t page, uint8_t* dst) const;
+  void write_page(int32_t page, const uint8_t* src);
 
   // Page contents: n_head_kv tiles for (layer, page).
   uint8_t* k_data(int32_t layer, int32_t page) { return k_base(layer) + int64_t(page) * layout_.k_layer_page_bytes(layer); }

@@ -88,13 +88,8 @@ void TierManager::store(const PageHash& h, const std::string& ns, const int32_t*
   w.tokens.assign(tokens, tokens + layout_.block_size);
   w.payload.resize(static_cast<size_t>(payload_bytes()));
   char* dst = w.payload.data();
-  for (int32_t l = 0; l < layout_.n_layer; ++l) {
-    const int64_t kb = layout_.k_layer_page_bytes(l), vb = layout_.v_layer_page_bytes(l);
-    std::memcpy(dst, pool_->k_data(l, page), kb);
-    dst += kb;
-    if (vb > 0) std::memcpy(dst, pool_->v_data(l, page), vb);
-    dst += vb;
-  }
+  pool_->read_page(page, reinterpret_cast<uint8_t*>(dst));
+  dst += layout_.page_bytes();
   if (key_bounds_) {
     const size_t bb = size_t(layout_.n_head_kv) * 2 * layout_.head_dim * 2;
     for (int32_t l = 0; l < layout_.n_layer; ++l, dst += bb) std::memcpy(dst, pool_->key_bounds(l, page), bb);
@@ -302,13 +297,8 @@ bool TierManager::install(const std::string& blob, PagePool& pool, int32_t page)
   const int64_t bb = int64_t(L.n_head_kv) * 2 * L.head_dim * 2;
   if (int64_t(h.payload_bytes) != kv_bytes + (has_bounds ? int64_t(L.n_layer) * bb : 0)) return false;
   written_.insert(h.hash);  // it came from below: no need to write it back
-  for (int32_t l = 0; l < L.n_layer; ++l) {
-    const int64_t kb = L.k_layer_page_bytes(l), vb = L.v_layer_page_bytes(l);
-    std::memcpy(pool.k_data(l, page), src, kb);
-    src += kb;
-    if (vb > 0) std::memcpy(pool.v_data(l, page), src, vb);
-    src += vb;
-  }
+  pool.write_page(page, reinterpret_cast<const uint8_t*>(src));
+  src += kv_bytes;
   if (pool.has_key_bounds())
     for (int32_t l = 0; l < L.n_layer; ++l, src += bb) std::memcpy(pool.key_bounds(l, page), src, bb);
   return true;

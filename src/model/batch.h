@@ -8,6 +8,10 @@
 #include "kv/kv_eviction.h"
 
 namespace kv {
+class ColdTable;
+}
+
+namespace kv {
 
 // KV layer groups a model may have (global full-attention layers; sliding-window layers).
 inline constexpr int kMaxKvGroups = 2;
@@ -27,6 +31,10 @@ struct BatchSeq {
   // Quest sparse reads (kv/kv_eviction.h, sparse_pages > 0): a run of ≤ kAttnQTile tokens reads
   // only the pages quest_select picks, per group-0 layer and KV head. Needs the pool's key bounds.
   const EvictionConfig* quest = nullptr;
+  // Cold pages (kv/cold_store.h): group 0's table may hold kColdPage entries; the model fetches
+  // the ones a Quest selection picks (every one, for a run that does not read sparsely) and
+  // stamps the pages each selection reads. Null: the table has no cold entries.
+  ColdTable* cold = nullptr;
   int32_t n_logits = 1;            // with want_logits: rows for the run's last n_logits tokens
                                    // (speculative verification), in position order
 };

@@ -1,5 +1,7 @@
 #include "model/llama.h"
 
+#include "kv/cold_store.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -8,6 +10,7 @@
 
 #include "gguf/gguf.h"
 #include "kernels/attention.h"
+#include "kv/cold_store.h"
 #include "kernels/ops.h"
 #include "kernels/quant.h"
 
@@ -378,8 +381,12 @@ bool LlamaModel::prepare_quest(const Batch& batch) {
   for (size_t i = 0; i < batch.seqs.size(); ++i) {
     const BatchSeq& s = batch.seqs[i];
     if (s.quest && s.quest->sparse() && s.n_tokens <= kAttnQTile) quest_on_[i] = any = true;
+    else if (s.cold) s.cold->fetch_all();  // a run that reads every page (what cannot come back is skipped)
   }
-  if (any && quest_tables_.size() < batch.seqs.size() * cfg_.n_head_kv) quest_tables_.resize(batch.seqs.size() * cfg_.n_head_kv);
+  if (any && quest_tables_.size() < batch.seqs.size() * cfg_.n_head_kv) {
+    quest_tables_.resize(batch.seqs.size() * cfg_.n_head_kv);
+    quest_runners_.resize(quest_tables_.size());
+  }
   return any;
 }
 
@@ -422,8 +429,8 @@ void LlamaModel::quest_select_layer(const Batch& batch, const PagePool& pool, in
       const float* q[kAttnQTile * kAttnMaxGroup];  // the run's query rows of this KV head's group
       for (int r = 0; r < n_rows; ++r) q[r] = qkv_.data() + (s.offset + r / n_group) * n_qkv + int64_t(ck.h * n_group + r % n_group) * HD;
       for (int64_t i = ck.i0; i < ck.i1; ++i) {
-        if (pages[i] < 0) continue;
-        const uint16_t* mn = pool.key_bounds(li, pages[i]) + int64_t(ck.h) * 2 * HD;
+        if (pages[i] < 0 && !(pages[i] == kColdPage && s.cold)) continue;
+        const uint16_t* mn = (pages[i] >= 0 ? pool.key_bounds(li, pages[i]) : s.cold->key_bounds(i, li)) + int64_t(ck.h) * 2 * HD;
         bound[i] = key_bound(q, n_rows, mn, mn + HD, static_cast<int>(HD));
       }
     }
@@ -434,9 +441,32 @@ void LlamaModel::quest_select_layer(const Batch& batch, const PagePool& pool, in
       const int32_t si = static_cast<int32_t>(wi / hkv);
       if (!quest_on_[si]) continue;
       const BatchSeq& s = batch.seqs[si];
-      quest_select(*s.quest, bs, s.pages, s.pos0 + s.n_tokens - 1, quest_bounds_[wi].data(), &quest_tables_[wi], &scratch);
+      // with cold pages, the runners-up (a quarter of the selection) are read ahead
+      quest_select(*s.quest, bs, s.pages, s.pos0 + s.n_tokens - 1, quest_bounds_[wi].data(), &quest_tables_[wi], &scratch,
+                   s.cold ? std::max(1, s.quest->sparse_pages / 4) : 0, &quest_runners_[wi]);
     }
   });
+  resolve_cold(batch, li);
+}
+
+// Engine thread, after a layer's selections: every cold page a selection picked is made
+// resident (the table entry and the sequence's block table get its pool page), the pages read
+// are stamped, and the runners-up still cold are prefetched for the next step.
+void LlamaModel::resolve_cold(const Batch& batch, int li) {
+  (void)li;
+  const int hkv = cfg_.n_head_kv;
+  for (size_t si = 0; si < batch.seqs.size(); ++si) {
+    const BatchSeq& s = batch.seqs[si];
+    if (!quest_on_[si] || !s.cold) continue;
+    for (int h = 0; h < hkv; ++h) {
+      std::vector<int32_t>& t = quest_tables_[si * hkv + h];
+      for (int64_t i = 0; i < int64_t(t.size()); ++i) {
+        if (t[i] == kColdPage) t[i] = s.cold->fetch(i);  // -1 when it could not come back: skipped
+        if (t[i] >= 0) s.cold->touch(i);
+      }
+      for (int32_t i : quest_runners_[si * hkv + h]) s.cold->prefetch(i);
+    }
+  }
 }
 
 Status LlamaModel::forward(const Batch& batch, PagePool& pool, ThreadPool& tp, float* logits) {

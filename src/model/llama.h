@@ -137,9 +137,11 @@ class LlamaModel {
   std::vector<std::vector<int32_t>> quest_tables_;  // [seq × n_head_kv + head]: pages to read
   std::vector<std::vector<float>> quest_bounds_;    // [seq × n_head_kv + head]: each page's bound
   std::vector<uint8_t> quest_on_;                   // per batch seq
+  std::vector<std::vector<int32_t>> quest_runners_; // [seq × n_head_kv + head]: cold-page prefetch candidates
   bool prepare_scores(const Batch& batch, int n_threads, int32_t block_size);
   void finish_scores();
   bool prepare_quest(const Batch& batch);
+  void resolve_cold(const Batch& batch, int li);  // after a layer's selection: cold picks made resident
   void quest_select_layer(const Batch& batch, const PagePool& pool, int li, ThreadPool& tp);
 };
 

@@ -88,7 +88,38 @@ def test_bad_server_flags_fail_fast():
     from kvserve_server import KVSERVE, MODEL
     for flags, msg in [(["--kv-eviction", "h2o"], "needs a budget"),
                        (["--kv-sparse", "quest"], "--kv-sparse-pages"),
-                       (["--kv-eviction", "sinks", "--kv-budget", "8"], "leaves no room")]:
+                       (["--kv-eviction", "sinks", "--kv-budget", "8"], "leaves no room"),
+                       (["--kv-offload-cold", "--kv-budget", "512"], "need Quest sparse reads"),
+                       (["--kv-sparse", "quest", "--kv-sparse-pages", "2", "--kv-offload-cold", "--kv-budget", "32"],
+                        "leaves no room for cold pages"),
+                       (["--kv-sparse", "quest", "--kv-sparse-pages", "2", "--kv-offload-cold", "--kv-budget", "512",
+                         "--kv-offload-dir", "/nonexistent/dir"], "cannot create a spill file")]:
         p = subprocess.run([KVSERVE, "serve", "-m", MODEL, *flags], capture_output=True, text=True, timeout=60)
         assert p.returncode != 0
         assert msg in p.stderr, p.stderr
+
+
+def test_cold_pages_go_to_disk_and_come_back(tmp_path, request):
+    """--kv-offload-cold: a 300-token prompt on a 96-token RAM budget streams its answer; the
+    metrics show pages written to the spill file and read back; at the end no page and no slot
+    of the spill file is held."""
+    s = Server("--debug", "--kv-sparse", "quest", "--kv-sparse-pages", "2", "--kv-offload-cold", "--kv-budget", "96",
+               "--kv-offload-dir", str(tmp_path))
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none")
+        chunks = list(client.completions.create(model=MODEL_NAME, prompt=LONG, max_tokens=40, temperature=0, n=2, stream=True,
+                                                stream_options={"include_usage": True}))
+        usage = chunks[-1].usage
+        assert usage.completion_tokens == 80
+        ev = usage.model_extra["kv_eviction"]
+        assert "cold pages to disk beyond 96 tokens" in ev["policy"], ev
+        assert ev["tokens_evicted"] == 0 and ev["tokens_kept"] <= 2 * 96
+        s.wait_clean()
+        m = s.metrics()
+        assert m["kvserve:kv_cold_pages_out_total"] > 0 and m["kvserve:kv_cold_pages_in_total"] > 0, m
+        assert m["kvserve:kv_cold_errors_total"] == 0
+        assert m["kvserve:kv_cold_pages"] == 0
+        assert list(tmp_path.iterdir()) == []  # the spill file is unlinked: nothing outlives the server
+    finally:
+        s.stop()
+    assert s.proc.returncode == 0

@@ -1,0 +1,182 @@
+// Hot and cold pages of live sequences (--kv-offload-cold): a long sequence keeps only its hot
+// pages in RAM; the others live in a spill file on the L2 disk, their Quest key summaries stay
+// in RAM, and a page the summaries pick is read back before the attention that needs it.
+//
+// The buffer-pool idea of the design notes, with Quest (kv_eviction.h) as the access oracle:
+//   - Budget: after every run the sequence's resident pages of group 0 (the global layers)
+//     fall to --kv-budget tokens. The pages that go down are the least recently read ones
+//     (every Quest selection of every layer and KV head stamps the pages it reads), never a sink
+//     page, a page of the recent area or the filling page.
+//   - Cold entry: the block table holds kColdPage; ColdTable maps the logical page to its slot
+//     in the ColdStore. The kernels skip negative entries, so a cold page is never read in place.
+//   - Reads: Quest ranks cold pages by their RAM summaries like resident ones; before a layer's
+//     attention the model asks the ColdTable to make every page the selection picked resident
+//     (ColdTable::fetch: a free pool page, filled from the slot and checked). The attention then
+//     reads exactly the pages it would read with everything in RAM: the logits are identical.
+//   - Prefetch: the pages ranked just below the selection (the runners-up) are read into RAM
+//     buffers by the store's loader thread, one step ahead, so that when the query drifts onto
+//     them the fetch is a memcpy instead of a read.
+//   - Clean pages: a page's bytes never change once it is full, so a page read back keeps its
+//     slot and going down again costs no write.
+//   - Runs that do not read sparsely (a prompt chunk longer than the Quest tile) read every page:
+//     ColdTable::fetch_all first (the engine keeps such chunks within the budget: a prompt's
+//     tokens beyond it are computed in Quest-sized runs).
+//
+// The spill file is created unlinked (O_TMPFILE, or mkstemp + unlink), so nothing outlives the
+// process. Its pages go through the OS page cache: RAM the kernel may reclaim, not RAM the
+// process holds.
+//
+// Threading: everything but stats() and the loader is engine-thread only.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "common/status.h"
+#include "kv/kv_eviction.h"
+#include "kv/page_pool.h"
+
+namespace kv {
+
+inline constexpr int32_t kColdPage = -2;  // block-table entry: the page lives in the cold store
+
+struct ColdStats {
+  int64_t pages_out = 0;       // pages written to the spill file
+  int64_t pages_in = 0;        // pages read back (fetches)
+  int64_t prefetch_hits = 0;   // fetches served from a prefetched buffer
+  int64_t prefetches = 0;      // runners-up read ahead
+  int64_t bytes_out = 0, bytes_in = 0;
+  int64_t errors = 0;          // I/O failures and checksum mismatches (the page is then dropped)
+  int64_t no_room = 0;         // fetches that found no free pool page (the page was skipped once)
+  int64_t slots_used = 0;      // pages held in the spill file now
+  int64_t file_bytes = 0;      // the spill file's size
+  double fetch_seconds = 0;    // time spent in fetches (reads and copies)
+};
+
+class ColdStore {
+ public:
+  // dir: where the spill file is made. The pool is group 0's (pages and key bounds).
+  static Result<std::unique_ptr<ColdStore>> create(const std::string& dir, PagePool& pool);
+  ~ColdStore();
+  ColdStore(const ColdStore&) = delete;
+  ColdStore& operator=(const ColdStore&) = delete;
+
+  PagePool& pool() { return pool_; }
+  // Writes pool page `page` (every layer's K/V) to a new slot with one reference and keeps its
+  // key bounds in RAM. -1 when the write failed (counted).
+  int32_t put(int32_t page);
+  // Fills pool page `page` from the slot (K/V and key bounds). False when the read failed or
+  // the bytes do not match the checksum written with them (counted).
+  bool get(int32_t slot, int32_t page);
+  // Reads the slot ahead into RAM (the loader thread), for a get() soon.
+  void prefetch(int32_t slot);
+  const uint16_t* key_bounds(int32_t slot, int32_t layer) const {
+    return bounds_.data() + (int64_t(slot) * n_layer_ + layer) * bounds_per_layer_;
+  }
+  void retain(int32_t slot) { ++refs_[slot]; }
+  void release(int32_t slot);
+  int64_t slots_used() const { return slots_used_; }
+  int64_t total_refs() const;  // references held on all slots (integrity checks)
+  int64_t slot_bytes() const { return slot_bytes_; }
+  ColdStats stats() const;
+  void add_no_room() { no_room_.fetch_add(1, std::memory_order_relaxed); }
+
+ private:
+  ColdStore(PagePool& pool, int fd);
+  void loader_loop();
+  bool read_slot(int32_t slot, uint8_t* dst);  // pread of the whole slot
+  void copy_in(const uint8_t* src, int32_t slot, int32_t page);
+
+  PagePool& pool_;
+  int fd_;
+  int32_t n_layer_;
+  int64_t bounds_per_layer_;  // halves per (slot, layer): n_head_kv × 2 × head_dim
+  int64_t slot_bytes_;
+  std::vector<int32_t> refs_;        // per slot (0: free)
+  std::vector<uint64_t> checksum_;   // per slot: XXH3-64 of its bytes
+  std::vector<uint32_t> gen_;        // per slot: bumped at each put (stale prefetches are dropped)
+  std::vector<uint16_t> bounds_;     // per slot, per layer: the page's key bounds
+  std::vector<int32_t> free_slots_;
+  int32_t n_slots_ = 0;              // high-water mark
+  int64_t slots_used_ = 0;
+  std::vector<uint8_t> buf_;         // engine thread's I/O buffer
+
+  // Prefetch: requests to the loader; finished buffers by slot (with the slot's generation).
+  struct Ready { uint32_t gen; std::vector<uint8_t> bytes; };
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<int32_t, uint32_t>> want_;
+  std::unordered_map<int32_t, Ready> ready_;
+  static constexpr size_t kMaxReady = 256;
+  bool stop_ = false;
+  std::thread loader_;
+
+  std::atomic<int64_t> pages_out_{0}, pages_in_{0}, prefetch_hits_{0}, prefetches_{0}, bytes_out_{0}, bytes_in_{0}, errors_{0},
+      no_room_{0}, fetch_ns_{0};
+  std::atomic<int64_t> slots_used_pub_{0}, file_bytes_{0};
+};
+
+// One sequence's cold pages: its group-0 block table's cold entries and their slots, and when
+// each page was last read. Engine-thread only.
+class ColdTable {
+ public:
+  // pages: the owner's group-0 block table (kept in step with it: entries may turn cold or
+  // resident, never move). reclaim(n): frees n pool pages if it can (e.g. from the prefix
+  // cache); may be empty.
+  void attach(ColdStore* store, std::vector<int32_t>* pages, std::function<bool(int32_t)> reclaim = {}) {
+    store_ = store;
+    pages_ = pages;
+    reclaim_ = std::move(reclaim);
+  }
+  bool attached() const { return store_ != nullptr; }
+  int64_t n_cold() const { return n_cold_; }
+  const uint16_t* key_bounds(int64_t logical, int32_t layer) const { return store_->key_bounds(slot_[logical], layer); }
+
+  // Makes logical page i resident: its pool page, or -1 (no free page, or the read failed: then
+  // the page is dropped for good and the entry becomes -1, as if evicted).
+  int32_t fetch(int64_t i);
+  // Every cold page resident (a run that reads the whole table). False if some could not be.
+  bool fetch_all();
+  void prefetch(int64_t i) {
+    if (i < int64_t(slot_.size()) && slot_[i] >= 0 && (*pages_)[i] == kColdPage) store_->prefetch(slot_[i]);
+  }
+  // A Quest selection read page i in this step.
+  void touch(int64_t i) {
+    if (i >= int64_t(last_read_.size())) last_read_.resize(i + 1, -1);
+    last_read_[i] = step_;
+  }
+  void next_step() { ++step_; }
+  // After a run with n_tokens positions written: the least recently read resident pages go
+  // down until the resident tokens fit cfg.budget (the filling page counts as full). Sink pages,
+  // the recent area of the next Quest query and the tail are never moved. Returns the pages moved.
+  int64_t offload(const EvictionConfig& cfg, int64_t n_tokens);
+  // Gives every slot back (the table's pool pages are the owner's to release).
+  void release_all();
+  // The owner cut its table to n_pages entries: the slots past it go back.
+  void truncate(int64_t n_pages);
+  // A fork: the child's table is a copy of the parent's; it shares the parent's slots.
+  void copy_from(const ColdTable& parent);
+  // Every cold entry has a slot and n_cold() counts them; slot references held (added to *refs).
+  Status check(int64_t* refs) const;
+  // Resident tokens of group 0 (the filling page counts its written slots).
+  int64_t resident_tokens(int64_t n_tokens, int32_t block_size) const;
+
+ private:
+  ColdStore* store_ = nullptr;
+  std::vector<int32_t>* pages_ = nullptr;
+  std::function<bool(int32_t)> reclaim_;
+  std::vector<int32_t> slot_;        // per logical page: its slot, or -1
+  std::vector<int64_t> last_read_;   // per logical page: the step a selection last read it (-1 never)
+  int64_t step_ = 0;
+  int64_t n_cold_ = 0;
+};
+
+}  // namespace kv
