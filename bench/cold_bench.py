@@ -133,8 +133,9 @@ def main() -> None:
         axes[0].bar(names, [recs[n]["decode_tok_s"] for n in names], color=["#888", "#4a8", "#48c"][: len(names)])
         axes[0].set_ylabel("decode tok/s")
         axes[0].set_title(f"decode at {args.context} tokens")
-        if cfg in args.ppl_configs:
-            axes[1].bar(names, [recs[n]["ppl"] for n in names], color=["#888", "#4a8", "#48c"][: len(names)])
+        pn = [n for n in names if "ppl" in recs[n]]
+        if pn:
+            axes[1].bar(pn, [recs[n]["ppl"] for n in pn], color=["#888", "#48c"][: len(pn)])
             axes[1].set_ylabel("perplexity")
             axes[1].set_title(f"PPL, {args.context}-token window")
         fig.suptitle(f"{args.model.stem}: cold pages, {args.budget} tokens of KV in RAM", fontsize=10)
