@@ -238,9 +238,9 @@ void run_bench(const BenchOptions& o) {
   }
   using clock = std::chrono::steady_clock;
   std::vector<double> pp, tg;
+  std::unique_ptr<kv::ColdStore> cold = make_cold_store(o.evo, *lm.pool);  // outlives seq, which holds its slots
   kv::SequenceRunner seq(*lm.model, *lm.pool, lm.pool_g1.get(), *lm.threads, o.chunk);
   const kv::EvictionConfig evc = make_eviction(o.evo, lm.pool->layout().block_size);
-  std::unique_ptr<kv::ColdStore> cold = make_cold_store(o.evo, *lm.pool);
   if (kv::Status st = seq.set_eviction(evc, cold.get()); !st) fail(st.message());
   double kv_tokens_read = -1;  // per decode token under a policy (kept tokens, or Quest's pages)
   // Warm-up: touches every weight page and sizes the scratch buffers.

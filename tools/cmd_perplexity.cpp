@@ -367,9 +367,9 @@ void run_perplexity(const PerplexityOptions& o) {
                static_cast<long long>(n_scored), add_bos ? ", BOS first" : "");
 
   const int64_t rows_cap = std::max<int64_t>(1, std::min<int64_t>(o.batch, kLogitBufferBytes / (nv * 4)));
+  std::unique_ptr<kv::ColdStore> cold = make_cold_store(o.evo, *lm.pool);  // outlives seq, which holds its slots
   kv::SequenceRunner seq(*lm.model, *lm.pool, lm.pool_g1.get(), *lm.threads, o.batch);
   const kv::EvictionConfig evc = make_eviction(o.evo, layout.block_size);
-  std::unique_ptr<kv::ColdStore> cold = make_cold_store(o.evo, *lm.pool);
   if (kv::Status st = seq.set_eviction(evc, cold.get()); !st) fail(st.message());
   if (evc.active()) std::fprintf(stderr, "perplexity: KV policy %s (the first half of each window is the prompt, the rest decoded)\n", evc.describe(layout.block_size).c_str());
   int64_t kept_sum = 0, evicted_sum = 0;

@@ -57,8 +57,11 @@ bool SequenceRunner::truncate(int64_t n) {
         return false;
       }
   }
+  if (!cold_.truncate(n)) {  // the partly kept page was cold and could not come back
+    reset();
+    return false;
+  }
   const size_t keep = static_cast<size_t>(BlockTable::pages_for(n, pool_.layout().block_size));
-  cold_.truncate(static_cast<int64_t>(keep));
   for (size_t i = keep; i < table_.pages.size(); ++i)
     if (table_.pages[i] >= 0) pool_.release(table_.pages[i]);
   table_.pages.resize(std::min(keep, table_.pages.size()));

@@ -51,7 +51,8 @@ class SequenceRunner {
   // slots read back to f16, so they may differ by one quantization round trip). The pages
   // must be this sequence's alone (refcount 1), as they are for a SequenceRunner.
   // Hybrid models: false (and the sequence reset to empty) when the sliding-window pages the
-  // position n needs were already freed; the caller must feed the tokens again.
+  // position n needs were already freed; the caller must feed the tokens again. The same when
+  // a cold page (cold_store.h) the position n needs cannot be read back.
   bool truncate(int64_t n);
 
   // Long-context policy (kv/kv_eviction.h) for this sequence, set before the first feed. The

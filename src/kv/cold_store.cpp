@@ -67,6 +67,7 @@ ColdStore::ColdStore(PagePool& pool, int fd) : pool_(pool), fd_(fd) {
   bounds_per_layer_ = int64_t(L.n_head_kv) * 2 * L.head_dim;
   slot_bytes_ = L.page_bytes();
   buf_.resize(static_cast<size_t>(slot_bytes_));
+  max_ready_ = static_cast<size_t>(std::clamp<int64_t>((int64_t(64) << 20) / std::max<int64_t>(1, slot_bytes_), 4, 256));
   loader_ = std::thread([this] { loader_loop(); });
 }
 
@@ -152,9 +153,15 @@ bool ColdStore::get(int32_t slot, int32_t page) {
 void ColdStore::prefetch(int32_t slot) {
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (ready_.count(slot) || ready_.size() + want_.size() >= kMaxReady) return;
+    if (ready_.count(slot) || want_.size() >= max_ready_) return;
     for (const auto& w : want_)
       if (w.first == slot) return;
+    while (!ready_.empty() && ready_.size() + want_.size() >= max_ready_) {  // the oldest untaken buffer goes
+      auto oldest = ready_.begin();
+      for (auto it = ready_.begin(); it != ready_.end(); ++it)
+        if (it->second.tick < oldest->second.tick) oldest = it;
+      ready_.erase(oldest);
+    }
     want_.emplace_back(slot, gen_[slot]);
   }
   cv_.notify_one();
@@ -178,7 +185,7 @@ void ColdStore::loader_loop() {
     prefetches_.fetch_add(1, std::memory_order_relaxed);
     bytes_in_.fetch_add(slot_bytes_, std::memory_order_relaxed);
     std::lock_guard<std::mutex> lk(mu_);
-    ready_[w.first] = Ready{w.second, std::move(bytes)};
+    ready_[w.first] = Ready{w.second, ++tick_, std::move(bytes)};
     bytes = {};
   }
 }
@@ -190,6 +197,7 @@ void ColdStore::release(int32_t slot) {
   slots_used_pub_.store(slots_used_, std::memory_order_relaxed);
   std::lock_guard<std::mutex> lk(mu_);
   ready_.erase(slot);
+  for (auto it = want_.begin(); it != want_.end();) it = it->first == slot ? want_.erase(it) : std::next(it);
 }
 
 int64_t ColdStore::total_refs() const {
@@ -295,8 +303,18 @@ void ColdTable::release_all() {
   n_cold_ = 0;
 }
 
-void ColdTable::truncate(int64_t n_pages) {
-  if (!store_) return;
+bool ColdTable::truncate(int64_t n_tokens) {
+  if (!store_) return true;
+  const int32_t bs = store_->pool().layout().block_size;
+  const int64_t n_pages = (n_tokens + bs - 1) / bs;
+  if (n_tokens % bs != 0 && n_tokens / bs < int64_t(slot_.size())) {  // the partly kept page
+    const int64_t i = n_tokens / bs;
+    if (i < int64_t(pages_->size()) && (*pages_)[i] == kColdPage && fetch(i) < 0) return false;
+    if (slot_[i] >= 0) {
+      store_->release(slot_[i]);
+      slot_[i] = -1;
+    }
+  }
   for (int64_t i = n_pages; i < int64_t(slot_.size()); ++i)
     if (slot_[i] >= 0) {
       if (i < int64_t(pages_->size()) && (*pages_)[i] == kColdPage) --n_cold_;
@@ -304,6 +322,7 @@ void ColdTable::truncate(int64_t n_pages) {
     }
   if (int64_t(slot_.size()) > n_pages) slot_.resize(n_pages);
   if (int64_t(last_read_.size()) > n_pages) last_read_.resize(n_pages);
+  return true;
 }
 
 Status ColdTable::check(int64_t* refs) const {

@@ -12,7 +12,8 @@
 //   - Reads: Quest ranks cold pages by their RAM summaries like resident ones; before a layer's
 //     attention the model asks the ColdTable to make every page the selection picked resident
 //     (ColdTable::fetch: a free pool page, filled from the slot and checked). The attention then
-//     reads exactly the pages it would read with everything in RAM: the logits are identical.
+//     reads exactly the pages it would read with everything in RAM: the logits are identical
+//     (as long as every fetch finds a free pool page: kvserve:kv_cold_no_room_total stays 0).
 //   - Prefetch: the pages ranked just below the selection (the runners-up) are read into RAM
 //     buffers by the store's loader thread, one step ahead, so that when the query drifts onto
 //     them the fetch is a memcpy instead of a read.
@@ -110,12 +111,15 @@ class ColdStore {
   std::vector<uint8_t> buf_;         // engine thread's I/O buffer
 
   // Prefetch: requests to the loader; finished buffers by slot (with the slot's generation).
-  struct Ready { uint32_t gen; std::vector<uint8_t> bytes; };
+  // Buffers never taken (a runner-up Quest did not pick after all) are dropped oldest first
+  // when max_ready_ (at most 64 MiB of buffers) is reached.
+  struct Ready { uint32_t gen; uint64_t tick; std::vector<uint8_t> bytes; };
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::pair<int32_t, uint32_t>> want_;
   std::unordered_map<int32_t, Ready> ready_;
-  static constexpr size_t kMaxReady = 256;
+  size_t max_ready_ = 0;
+  uint64_t tick_ = 0;
   bool stop_ = false;
   std::thread loader_;
 
@@ -160,8 +164,11 @@ class ColdTable {
   int64_t offload(const EvictionConfig& cfg, int64_t n_tokens);
   // Gives every slot back (the table's pool pages are the owner's to release).
   void release_all();
-  // The owner cut its table to n_pages entries: the slots past it go back.
-  void truncate(int64_t n_pages);
+  // The owner rolls its table back to n_tokens positions (before it drops the pages past
+  // them): slots past the kept pages go back, and a partly kept page, which will be written
+  // again, is made resident and loses its slot (its bytes change). False when that page could
+  // not come back: the owner must start over.
+  bool truncate(int64_t n_tokens);
   // A fork: the child's table is a copy of the parent's; it shares the parent's slots.
   void copy_from(const ColdTable& parent);
   // Every cold entry has a slot and n_cold() counts them; slot references held (added to *refs).

@@ -106,8 +106,8 @@ TEST(ColdPages, StoreRoundTripAndChecksum) {
 
 // SmolLM2, one sequence of 1,000 tokens with a 256-token RAM budget: every logit equals the
 // all-in-RAM run's (prompt beyond the budget and teacher-forced decoding), the resident tokens
-// are back within the budget after every forward, pages come back from disk, and everything is
-// given back at the end.
+// are back within the budget after every forward, pages come back from disk, a rollback into a
+// cold page works, and everything is given back at the end.
 TEST(ColdPages, SequenceRunnerLogitsEqualAllInRam) {
   LlamaModel* m = kvtest::smollm2_model();
   ASSERT_TRUE(m);
@@ -138,9 +138,22 @@ TEST(ColdPages, SequenceRunnerLogitsEqualAllInRam) {
       all.insert(all.end(), out.begin(), out.end());
       if (offload) EXPECT_LE(seq.kept_tokens(), 256) << "at " << i;
     }
+    // Roll back into a cold page (it will be written again: it must come back and lose its
+    // slot), then feed 100 tokens from there in the same runs.
+    const int64_t cut = 16 * 20 + 5;
+    if (offload) {
+      EXPECT_GT(seq.cold_pages(), 30);
+      EXPECT_EQ(seq.table().pages[20], kColdPage);
+    }
+    EXPECT_TRUE(seq.truncate(cut));
+    if (!offload) seq.set_chunk(8);
+    EXPECT_TRUE(seq.feed(toks.data() + cut, 100).is_ok());
+    all.insert(all.end(), seq.logits().begin(), seq.logits().end());
+    if (!offload) seq.set_chunk(64);
+    EXPECT_TRUE(seq.feed_all_logits(toks.data() + cut + 100, 20, &out).is_ok());
+    all.insert(all.end(), out.begin(), out.end());
     if (offload) {
       EXPECT_LE(seq.kept_tokens(), 256);
-      EXPECT_GT(seq.cold_pages(), 30);
       *stats = cold->stats();
     }
     seq.reset();
