@@ -255,10 +255,6 @@ bool ColdTable::fetch_all() {
   return ok;
 }
 
-int64_t ColdTable::resident_tokens(int64_t n_tokens, int32_t block_size) const {
-  return kept_tokens(*pages_, n_tokens, block_size);
-}
-
 int64_t ColdTable::offload(const EvictionConfig& cfg, int64_t n_tokens) {
   std::vector<int32_t>& pages = *pages_;
   const int32_t bs = store_->pool().layout().block_size;

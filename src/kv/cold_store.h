@@ -173,8 +173,6 @@ class ColdTable {
   void copy_from(const ColdTable& parent);
   // Every cold entry has a slot and n_cold() counts them; slot references held (added to *refs).
   Status check(int64_t* refs) const;
-  // Resident tokens of group 0 (the filling page counts its written slots).
-  int64_t resident_tokens(int64_t n_tokens, int32_t block_size) const;
 
  private:
   ColdStore* store_ = nullptr;

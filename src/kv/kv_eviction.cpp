@@ -39,7 +39,7 @@ Status EvictionConfig::validate(int32_t block_size) const {
 }
 
 std::string EvictionConfig::describe(int32_t block_size) const {
-  std::string s = eviction_policy_name(policy);
+  std::string s = evicts() || !sparse() ? eviction_policy_name(policy) : "";  // Quest alone: "quest 4 pages"
   if (evicts()) s += " budget " + std::to_string(budget) + " sinks " + std::to_string(sinks()) + " recent " + std::to_string(recent(block_size));
   if (sparse()) s += std::string(evicts() ? ", " : "") + "quest " + std::to_string(sparse_pages) + " pages";
   if (offload_cold) s += ", cold pages to disk beyond " + std::to_string(budget) + " tokens";

@@ -446,14 +446,13 @@ void LlamaModel::quest_select_layer(const Batch& batch, const PagePool& pool, in
                    s.cold ? std::max(1, s.quest->sparse_pages / 4) : 0, &quest_runners_[wi]);
     }
   });
-  resolve_cold(batch, li);
+  resolve_cold(batch);
 }
 
 // Engine thread, after a layer's selections: every cold page a selection picked is made
 // resident (the table entry and the sequence's block table get its pool page), the pages read
 // are stamped, and the runners-up still cold are prefetched for the next step.
-void LlamaModel::resolve_cold(const Batch& batch, int li) {
-  (void)li;
+void LlamaModel::resolve_cold(const Batch& batch) {
   const int hkv = cfg_.n_head_kv;
   for (size_t si = 0; si < batch.seqs.size(); ++si) {
     const BatchSeq& s = batch.seqs[si];

@@ -141,7 +141,7 @@ class LlamaModel {
   bool prepare_scores(const Batch& batch, int n_threads, int32_t block_size);
   void finish_scores();
   bool prepare_quest(const Batch& batch);
-  void resolve_cold(const Batch& batch, int li);  // after a layer's selection: cold picks made resident
+  void resolve_cold(const Batch& batch);  // after a layer's selection: cold picks made resident
   void quest_select_layer(const Batch& batch, const PagePool& pool, int li, ThreadPool& tp);
 };
 

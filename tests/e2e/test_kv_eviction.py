@@ -112,7 +112,7 @@ def test_cold_pages_go_to_disk_and_come_back(tmp_path, request):
         usage = chunks[-1].usage
         assert usage.completion_tokens == 80
         ev = usage.model_extra["kv_eviction"]
-        assert "cold pages to disk beyond 96 tokens" in ev["policy"], ev
+        assert ev["policy"] == "quest 2 pages, cold pages to disk beyond 96 tokens", ev
         assert ev["tokens_evicted"] == 0 and ev["tokens_kept"] <= 2 * 96
         s.wait_clean()
         m = s.metrics()
