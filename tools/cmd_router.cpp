@@ -27,7 +27,7 @@ struct RouterCliOptions {
   int max_model_len = 0;
   int max_n = 16;
   std::string max_body = "8MiB";
-  std::string routing = "affinity";
+  std::string routing = "cache-aware";
   double shutdown_timeout = 30;
   kv::RouterOptions ro;
 };
@@ -57,7 +57,9 @@ void run_router(RouterCliOptions o) {
   auto max_body = kv::parse_memory_size(o.max_body);
   if (!max_body) fail("--max-body-size: " + max_body.message());
   o.ro.max_body_bytes = static_cast<size_t>(*max_body);
-  o.ro.round_robin = o.routing == "round-robin";
+  o.ro.routing = o.routing == "round-robin" ? kv::RouterOptions::Routing::kRoundRobin
+                 : o.routing == "ring"      ? kv::RouterOptions::Routing::kRing
+                                            : kv::RouterOptions::Routing::kCacheAware;
 
   const size_t colon = o.listen.rfind(':');
   if (colon == std::string::npos) fail("--listen " + o.listen + ": expected HOST:PORT");
@@ -95,7 +97,11 @@ void run_router(RouterCliOptions o) {
   };
   if (!o.ro.replicas.empty())
     std::fprintf(stderr, "router at http://%s: %zu replicas (%s), %s\n", o.listen.c_str(), o.ro.replicas.size(), list(o.ro.replicas).c_str(),
-                 o.ro.round_robin ? "round-robin" : ("prefix affinity on the first " + std::to_string(o.ro.affinity_tokens) + " tokens").c_str());
+                 o.routing == "round-robin"
+                     ? "round-robin"
+                     : ("prefix affinity (" + std::string(o.routing == "ring" ? "consistent-hash ring" : "cache-aware") + ") on the first " +
+                        std::to_string(o.ro.affinity_tokens) + " tokens")
+                           .c_str());
   else
     std::fprintf(stderr, "router at http://%s: prefill %s; decode %s; prompts of %d+ tokens are prefilled\n", o.listen.c_str(),
                  list(o.ro.prefill).c_str(), list(o.ro.decode).c_str(), o.ro.prefill_min_tokens);
@@ -126,8 +132,10 @@ void add_router_command(CLI::App& app) {
                   "bounded-load hashing: a backend takes a request only while it has fewer than this × the average requests in flight")
       ->check(CLI::Range(1.0, 100.0))
       ->capture_default_str();
-  cmd->add_option("--routing", o->routing, "affinity (by prompt prefix), or round-robin (a baseline)")
-      ->check(CLI::IsMember({"affinity", "round-robin"}))
+  cmd->add_option("--routing", o->routing,
+                  "cache-aware (a new prefix goes to the least loaded replica, which keeps it; alias: affinity), ring (consistent "
+                  "hashing: stateless, routers behind a load balancer agree), or round-robin (a baseline)")
+      ->check(CLI::IsMember({"cache-aware", "affinity", "ring", "round-robin"}))
       ->capture_default_str();
   cmd->add_option("--prefill-min-tokens", o->ro.prefill_min_tokens, "shorter prompts skip the prefill instance")
       ->check(CLI::Range(0, 1 << 24))

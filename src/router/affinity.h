@@ -6,9 +6,15 @@
 // or chat history has the same key. Keys sit on a consistent-hash ring (virtual nodes per
 // backend): a backend that goes down hands only its own share to the next backends on the
 // ring, and gets the same share back when it returns.
+//
+// Cache-aware routing (PrefixMap, the router's default) remembers instead: a key seen for the
+// first time goes to the least loaded backend, and from then on to that backend. A few heavy
+// prefixes (tenants' system prompts) then split evenly, which a hash does only on average.
 #pragma once
 #include <cstdint>
+#include <list>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -34,7 +40,8 @@ class HashRing {
 struct RouteChoice {
   int32_t backend = -1;  // -1: no backend is up
   bool owner = false;    // the ring's first choice for the key (an affinity hit)
-  enum class Why { kOwner, kOwnerDown, kOwnerBusy, kNone } why = Why::kNone;
+  // kNew: a key the router had not seen (PrefixMap only): it went to the least loaded backend.
+  enum class Why { kOwner, kOwnerDown, kOwnerBusy, kNew, kNone } why = Why::kNone;
 };
 
 // Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018): the key's first
@@ -45,5 +52,33 @@ struct RouteChoice {
 // (tried already) count as down.
 RouteChoice choose_backend(const HashRing& ring, uint64_t key, const std::vector<bool>& up, const std::vector<int32_t>& load,
                            double load_factor, const std::vector<int32_t>& exclude = {});
+
+// Where each key went, for cache-aware routing (SGLang's idea, keyed on the affinity key rather
+// than a radix tree of every prompt): a remembered key goes to its backend while that backend
+// is live and under the bounded-load capacity of choose_backend. A busy owner's request goes to
+// the least loaded other backend, and the key stays with its owner. A new key, or one whose
+// owner is down (or excluded: tried already), goes to the least loaded live backend (ties: the
+// one that owns fewest keys, then the key's ring order) and is remembered there. At most
+// `capacity` keys, least recently used forgotten first. Not thread-safe: the router locks it.
+class PrefixMap {
+ public:
+  PrefixMap(int32_t n_backends, size_t capacity = size_t(1) << 16);
+  RouteChoice choose(const HashRing& ring, uint64_t key, const std::vector<bool>& up, const std::vector<int32_t>& load,
+                     double load_factor, const std::vector<int32_t>& exclude = {});
+  size_t size() const { return where_.size(); }
+  int32_t keys_on(int32_t backend) const { return keys_on_[backend]; }
+
+ private:
+  void assign(uint64_t key, int32_t backend);
+
+  size_t capacity_;
+  std::vector<int32_t> keys_on_;                   // keys remembered per backend
+  std::list<uint64_t> lru_;                        // most recently used first
+  struct Entry {
+    int32_t backend;
+    std::list<uint64_t>::iterator at;
+  };
+  std::unordered_map<uint64_t, Entry> where_;
+};
 
 }  // namespace kv

@@ -28,6 +28,8 @@ struct Router::Pool {
   const char* role = "replica";
   std::vector<std::unique_ptr<Backend>> backends;
   HashRing ring;
+  std::mutex map_mu;
+  std::unique_ptr<PrefixMap> map;  // cache-aware routing's memory of where each key went
   bool empty() const { return backends.empty(); }
   std::vector<bool> up() const {
     std::vector<bool> v;
@@ -158,6 +160,7 @@ Router::Router(RouterOptions opts, ApiContext ctx)
       p.backends.push_back(std::move(b));
     }
     p.ring = HashRing(static_cast<int32_t>(p.backends.size()));
+    p.map = std::make_unique<PrefixMap>(static_cast<int32_t>(p.backends.size()));
   };
   if (opts_.replicas.empty()) {
     fill(*serve_, opts_.decode, "decode");
@@ -282,7 +285,7 @@ void Router::handle_generate(const httplib::Request& req, httplib::Response& res
   if (!auth.empty()) ns = std::to_string(XXH3_64bits(auth.data(), auth.size())) + "/" + ns;
   uint64_t key = affinity_key(ns, ar.prompt.data(), static_cast<int64_t>(ar.prompt.size()), opts_.block_size,
                               std::max(1, opts_.affinity_tokens / opts_.block_size));
-  if (opts_.round_robin) key = round_robin_key(*serve_, rr_.fetch_add(1));
+  if (opts_.routing == RouterOptions::Routing::kRoundRobin) key = round_robin_key(*serve_, rr_.fetch_add(1));
   const std::string path = chat ? "/v1/chat/completions" : "/v1/completions";
   if (!prefill_->empty()) {
     if (static_cast<int64_t>(ar.prompt.size()) >= opts_.prefill_min_tokens) prefill(key, path, req.body, auth);
@@ -291,11 +294,18 @@ void Router::handle_generate(const httplib::Request& req, httplib::Response& res
   forward(*serve_, key, path, req.body, auth, ar.stream, res, guard);
 }
 
+RouteChoice Router::choose(Pool& pool, uint64_t key, const std::vector<int32_t>& tried) {
+  if (opts_.routing != RouterOptions::Routing::kCacheAware)  // ring, and round-robin's keys
+    return choose_backend(pool.ring, key, pool.up(), pool.load(), opts_.load_factor, tried);
+  std::lock_guard<std::mutex> l(pool.map_mu);
+  return pool.map->choose(pool.ring, key, pool.up(), pool.load(), opts_.load_factor, tried);
+}
+
 void Router::prefill(uint64_t key, const std::string& path, const std::string& body, const std::string& auth) {
   // The prefill instance forces one token, one choice, no stream: the body goes as it is.
   std::vector<int32_t> tried;
   for (size_t attempt = 0; attempt < prefill_->backends.size(); ++attempt) {
-    const RouteChoice c = choose_backend(prefill_->ring, key, prefill_->up(), prefill_->load(), opts_.load_factor, tried);
+    const RouteChoice c = choose(*prefill_, key, tried);
     if (c.backend < 0) break;
     Backend& b = *prefill_->backends[c.backend];
     InFlight f(b.in_flight);
@@ -365,11 +375,12 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
                      httplib::Response& res, std::shared_ptr<void> in_flight) {
   std::vector<int32_t> tried;
   for (size_t attempt = 0; attempt < pool.backends.size(); ++attempt) {
-    const RouteChoice c = choose_backend(pool.ring, key, pool.up(), pool.load(), opts_.load_factor, tried);
+    const RouteChoice c = choose(pool, key, tried);
     if (c.backend < 0) break;
     if (attempt == 0) {
       if (c.why == RouteChoice::Why::kOwner) n_owner_.fetch_add(1);
       else if (c.why == RouteChoice::Why::kOwnerBusy) n_owner_busy_.fetch_add(1);
+      else if (c.why == RouteChoice::Why::kNew) n_new_.fetch_add(1);
       else n_owner_down_.fetch_add(1);
     }
     Backend* b = pool.backends[c.backend].get();
@@ -494,8 +505,10 @@ std::string Router::render_metrics() const {
   for (const Pool* p : {serve_.get(), prefill_.get()})
     for (const auto& b : p->backends) line("router_in_flight", "backend=\"" + b->url + "\",role=\"" + p->role + "\"", b->in_flight.load());
   help("router_affinity_total", "counter",
-       "Where requests went: owner = the backend its prefix hashes to (an affinity hit), owner_down / owner_busy = elsewhere.");
+       "Where requests went: owner = the backend that has its prefix (an affinity hit); new = a prefix not seen before (cache-aware "
+       "routing: the least loaded backend); owner_down / owner_busy = elsewhere.");
   line("router_affinity_total", "result=\"owner\"", double(n_owner_.load()));
+  line("router_affinity_total", "result=\"new\"", double(n_new_.load()));
   line("router_affinity_total", "result=\"owner_down\"", double(n_owner_down_.load()));
   line("router_affinity_total", "result=\"owner_busy\"", double(n_owner_busy_.load()));
   help("router_retries_total", "counter", "Requests sent again to another backend after one did not answer.");

@@ -3,9 +3,11 @@
 //
 //   replicas:  each request goes to the replica that holds its prefix: the router tokenizes the
 //              prompt (the model's own tokenizer and chat template, the same parser as the
-//              server) and puts its first full KV pages on a consistent-hash ring
-//              (affinity.h); a replica that is down or far busier than the others loses the
-//              request to the next one.
+//              server) and keys it on its first full KV pages (affinity.h). Cache-aware routing
+//              (the default) sends a new key to the least loaded replica and remembers it;
+//              `ring` routing puts keys on a consistent-hash ring instead (no state: routers
+//              behind a load balancer agree). A replica that is down or far busier than the
+//              others loses the request to another.
 //   prefill + decode: a prompt of at least prefill_min_tokens goes first to a prefill instance
 //              (`serve --role prefill`), which stores its pages in the shared KV tier and
 //              answers one token; then the unchanged request goes to a decode instance, which
@@ -56,7 +58,8 @@ struct RouterOptions {
   int32_t affinity_tokens = 128;      // prompt tokens (whole pages) that make the affinity key
   double load_factor = 1.25;          // bounded loads: a backend takes at most this × the average in flight
   int32_t prefill_min_tokens = 64;    // shorter prompts go straight to a decode instance
-  bool round_robin = false;           // ignore prefixes: the next live backend in turn (a baseline)
+  enum class Routing { kCacheAware, kRing, kRoundRobin };
+  Routing routing = Routing::kCacheAware;  // round-robin ignores prefixes (a baseline)
   double health_interval_s = 1.0;
   double connect_timeout_s = 2.0;
   double read_timeout_s = 600.0;      // longest silence from a backend mid-request
@@ -95,6 +98,7 @@ class Router {
   void run_upstream(Backend* b, const std::string& path, const std::string& body, const std::string& auth, Pipe& pipe);
   std::string render_metrics() const;
   static uint64_t round_robin_key(const Pool& pool, uint64_t turn);
+  RouteChoice choose(Pool& pool, uint64_t key, const std::vector<int32_t>& tried);
   void health_loop();
 
   RouterOptions opts_;
@@ -115,7 +119,7 @@ class Router {
   std::atomic<uint64_t> rr_{0};        // round-robin turn
 
   // Counters for /metrics.
-  std::atomic<uint64_t> n_owner_{0}, n_owner_down_{0}, n_owner_busy_{0};
+  std::atomic<uint64_t> n_owner_{0}, n_owner_down_{0}, n_owner_busy_{0}, n_new_{0};
   std::atomic<uint64_t> n_retries_{0}, n_unavailable_{0};
   std::atomic<uint64_t> n_prefill_ok_{0}, n_prefill_failed_{0}, n_prefill_skipped_{0};
 };

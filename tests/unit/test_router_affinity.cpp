@@ -118,6 +118,105 @@ TEST(RouterAffinity, TheOwnerLosesRequestsOnlyAboveItsBoundedLoad) {
   EXPECT_EQ(choose_backend(ring, k, {true, true}, {0, 0}, 1.25, {owner}).backend, other);
 }
 
+TEST(RouterCacheAware, NewPrefixesSplitEvenlyAndStayWhereTheyWent) {
+  // Eight tenants on two backends, seen one at a time with nothing in flight: 4 and 4, where a
+  // hash may split them 2 / 6. Later requests go where each tenant went first.
+  HashRing ring(2);
+  PrefixMap map(2);
+  const std::vector<bool> up{true, true};
+  std::map<uint64_t, int32_t> first;
+  for (uint64_t t = 1; t <= 8; ++t) {
+    const RouteChoice c = map.choose(ring, t * 0x9E3779B97F4A7C15ull, up, {0, 0}, 1.25);
+    EXPECT_EQ(c.why, RouteChoice::Why::kNew);
+    EXPECT_FALSE(c.owner);
+    first[t] = c.backend;
+  }
+  EXPECT_EQ(map.keys_on(0), 4);
+  EXPECT_EQ(map.keys_on(1), 4);
+  EXPECT_EQ(map.size(), 8u);
+  std::mt19937 rng(4);
+  for (int i = 0; i < 200; ++i) {
+    const uint64_t t = 1 + rng() % 8;
+    const RouteChoice c = map.choose(ring, t * 0x9E3779B97F4A7C15ull, up, {1, 1}, 1.25);
+    EXPECT_EQ(c.backend, first[t]);
+    EXPECT_TRUE(c.owner);
+    EXPECT_EQ(c.why, RouteChoice::Why::kOwner);
+  }
+  // A new key goes to the least loaded backend, whatever the key counts.
+  EXPECT_EQ(map.choose(ring, 999, up, {3, 1}, 1.25).backend, 1);
+  EXPECT_EQ(map.choose(ring, 1000, up, {1, 3}, 1.25).backend, 0);
+}
+
+TEST(RouterCacheAware, ABusyOwnerLendsOneRequestADownOwnerLosesTheKey) {
+  HashRing ring(2);
+  PrefixMap map(2);
+  const uint64_t k = 77;
+  const int32_t owner = map.choose(ring, k, {true, true}, {0, 0}, 1.25).backend;
+  const int32_t other = 1 - owner;
+  std::vector<int32_t> busy(2);
+  busy[owner] = 6;
+  busy[other] = 2;  // capacity ceil(1.25 × 9 / 2) = 6: the owner is full
+  RouteChoice c = map.choose(ring, k, {true, true}, busy, 1.25);
+  EXPECT_EQ(c.backend, other);
+  EXPECT_EQ(c.why, RouteChoice::Why::kOwnerBusy);
+  // The key stayed with its owner.
+  c = map.choose(ring, k, {true, true}, {0, 0}, 1.25);
+  EXPECT_EQ(c.backend, owner);
+  EXPECT_EQ(c.why, RouteChoice::Why::kOwner);
+  // Down (or tried already): the key moves, and stays moved when the owner is back.
+  std::vector<bool> up(2, true);
+  up[owner] = false;
+  c = map.choose(ring, k, up, {0, 0}, 1.25);
+  EXPECT_EQ(c.backend, other);
+  EXPECT_EQ(c.why, RouteChoice::Why::kOwnerDown);
+  EXPECT_EQ(map.keys_on(owner), 0);
+  EXPECT_EQ(map.keys_on(other), 1);
+  c = map.choose(ring, k, {true, true}, {0, 0}, 1.25);
+  EXPECT_EQ(c.backend, other);
+  EXPECT_TRUE(c.owner);
+  c = map.choose(ring, k, {true, true}, {0, 0}, 1.25, {other});
+  EXPECT_EQ(c.backend, owner);
+  EXPECT_EQ(c.why, RouteChoice::Why::kOwnerDown);
+  // Nobody up, or everybody tried: -1, and nothing is remembered for a new key.
+  EXPECT_EQ(map.choose(ring, 5, {false, false}, {0, 0}, 1.25).backend, -1);
+  EXPECT_EQ(map.choose(ring, 5, {true, true}, {0, 0}, 1.25, {0, 1}).backend, -1);
+  EXPECT_EQ(map.size(), 1u);
+  // One live backend takes everything, whatever its load.
+  EXPECT_EQ(map.choose(ring, k, {true, false}, {50, 0}, 1.25).backend, 0);
+}
+
+TEST(RouterCacheAware, ForgetsTheLeastRecentlyUsedKeyWhenFull) {
+  HashRing ring(3);
+  PrefixMap map(3, 4);
+  const std::vector<bool> up{true, true, true};
+  const std::vector<int32_t> idle{0, 0, 0};
+  std::map<uint64_t, int32_t> at;
+  for (uint64_t k = 1; k <= 4; ++k) at[k] = map.choose(ring, k, up, idle, 1.25).backend;
+  EXPECT_EQ(map.choose(ring, 1, up, idle, 1.25).why, RouteChoice::Why::kOwner);  // 1 is now the most recent
+  EXPECT_EQ(map.choose(ring, 5, up, idle, 1.25).why, RouteChoice::Why::kNew);    // forgets 2
+  EXPECT_EQ(map.size(), 4u);
+  EXPECT_EQ(map.keys_on(0) + map.keys_on(1) + map.keys_on(2), 4);
+  EXPECT_EQ(map.choose(ring, 2, up, idle, 1.25).why, RouteChoice::Why::kNew);    // forgets 3
+  for (uint64_t k : {1, 4}) {
+    const RouteChoice c = map.choose(ring, k, up, idle, 1.25);
+    EXPECT_EQ(c.why, RouteChoice::Why::kOwner) << k;
+    EXPECT_EQ(c.backend, at[k]) << k;
+  }
+  EXPECT_EQ(map.choose(ring, 3, up, idle, 1.25).why, RouteChoice::Why::kNew);
+  // Random traffic keeps the counts equal to what is remembered.
+  PrefixMap m(3, 50);
+  std::mt19937_64 rng(11);
+  for (int i = 0; i < 5000; ++i) {
+    std::vector<bool> u{rng() % 8 != 0, rng() % 8 != 0, true};
+    std::vector<int32_t> load{int32_t(rng() % 5), int32_t(rng() % 5), int32_t(rng() % 5)};
+    const RouteChoice c = m.choose(ring, rng() % 120, u, load, 1.25);
+    ASSERT_GE(c.backend, 0);
+    ASSERT_TRUE(u[c.backend]);
+    ASSERT_LE(m.size(), 50u);
+    ASSERT_EQ(size_t(m.keys_on(0) + m.keys_on(1) + m.keys_on(2)), m.size());
+  }
+}
+
 TEST(RouterAffinity, BackendUrls) {
   auto a = parse_backend_url("http://127.0.0.1:8081");
   ASSERT_TRUE(a);
