@@ -132,6 +132,11 @@ void add_router_command(CLI::App& app) {
                   "bounded-load hashing: a backend takes a request only while it has fewer than this × the average requests in flight")
       ->check(CLI::Range(1.0, 100.0))
       ->capture_default_str();
+  cmd->add_option("--balance-threshold", o->ro.balance_abs,
+                  "cache-aware: a prefix's replica keeps its requests unless it is over --load-factor and this many requests ahead of "
+                  "the least loaded (a request sent elsewhere recomputes its prefix there)")
+      ->check(CLI::Range(0, 1 << 20))
+      ->capture_default_str();
   cmd->add_option("--routing", o->routing,
                   "cache-aware (a new prefix goes to the least loaded replica, which keeps it; alias: affinity), ring (consistent "
                   "hashing: stateless, routers behind a load balancer agree), or round-robin (a baseline)")

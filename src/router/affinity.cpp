@@ -111,15 +111,22 @@ void PrefixMap::assign(uint64_t key, int32_t backend) {
 }
 
 RouteChoice PrefixMap::choose(const HashRing& ring, uint64_t key, const std::vector<bool>& up, const std::vector<int32_t>& load,
-                              double load_factor, const std::vector<int32_t>& exclude) {
+                              double load_factor, int32_t balance_abs, const std::vector<int32_t>& exclude) {
   RouteChoice c;
   const std::vector<bool> live = live_backends(up, exclude);
   int64_t n_live = 0;
   const int64_t capacity = bounded_capacity(load, live, load_factor, &n_live);
   if (n_live == 0) return c;
+  int32_t min_load = 0;
+  bool first = true;
+  for (size_t b = 0; b < live.size(); ++b)
+    if (live[b]) {
+      min_load = first ? load[b] : std::min(min_load, load[b]);
+      first = false;
+    }
   auto known = where_.find(key);
   const int32_t owner = known == where_.end() ? -1 : known->second.backend;
-  if (owner >= 0 && live[owner] && load[owner] < capacity) {
+  if (owner >= 0 && live[owner] && (load[owner] < capacity || load[owner] - min_load < balance_abs)) {
     lru_.splice(lru_.begin(), lru_, known->second.at);
     c.backend = owner;
     c.owner = true;

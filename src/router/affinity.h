@@ -55,7 +55,10 @@ RouteChoice choose_backend(const HashRing& ring, uint64_t key, const std::vector
 
 // Where each key went, for cache-aware routing (SGLang's idea, keyed on the affinity key rather
 // than a radix tree of every prompt): a remembered key goes to its backend while that backend
-// is live and under the bounded-load capacity of choose_backend. A busy owner's request goes to
+// is live and not busy. Busy = over the bounded-load capacity of choose_backend *and* at least
+// `balance_abs` requests ahead of the least loaded live backend: a request sent elsewhere
+// recomputes its whole prefix there (and evicts that backend's own prefixes to hold it), while
+// one more request at its owner mostly joins a running batch. A busy owner's request goes to
 // the least loaded other backend, and the key stays with its owner. A new key, or one whose
 // owner is down (or excluded: tried already), goes to the least loaded live backend (ties: the
 // one that owns fewest keys, then the key's ring order) and is remembered there. At most
@@ -64,7 +67,7 @@ class PrefixMap {
  public:
   PrefixMap(int32_t n_backends, size_t capacity = size_t(1) << 16);
   RouteChoice choose(const HashRing& ring, uint64_t key, const std::vector<bool>& up, const std::vector<int32_t>& load,
-                     double load_factor, const std::vector<int32_t>& exclude = {});
+                     double load_factor, int32_t balance_abs, const std::vector<int32_t>& exclude = {});
   size_t size() const { return where_.size(); }
   int32_t keys_on(int32_t backend) const { return keys_on_[backend]; }
 

@@ -298,7 +298,7 @@ RouteChoice Router::choose(Pool& pool, uint64_t key, const std::vector<int32_t>&
   if (opts_.routing != RouterOptions::Routing::kCacheAware)  // ring, and round-robin's keys
     return choose_backend(pool.ring, key, pool.up(), pool.load(), opts_.load_factor, tried);
   std::lock_guard<std::mutex> l(pool.map_mu);
-  return pool.map->choose(pool.ring, key, pool.up(), pool.load(), opts_.load_factor, tried);
+  return pool.map->choose(pool.ring, key, pool.up(), pool.load(), opts_.load_factor, opts_.balance_abs, tried);
 }
 
 void Router::prefill(uint64_t key, const std::string& path, const std::string& body, const std::string& auth) {

@@ -57,6 +57,7 @@ struct RouterOptions {
   int32_t block_size = 16;            // the backends' KV page size
   int32_t affinity_tokens = 128;      // prompt tokens (whole pages) that make the affinity key
   double load_factor = 1.25;          // bounded loads: a backend takes at most this × the average in flight
+  int32_t balance_abs = 8;            // cache-aware: ... and the owner of a prefix keeps it until it is this many requests ahead of the least loaded
   int32_t prefill_min_tokens = 64;    // shorter prompts go straight to a decode instance
   enum class Routing { kCacheAware, kRing, kRoundRobin };
   Routing routing = Routing::kCacheAware;  // round-robin ignores prefixes (a baseline)

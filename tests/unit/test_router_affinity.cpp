@@ -126,7 +126,7 @@ TEST(RouterCacheAware, NewPrefixesSplitEvenlyAndStayWhereTheyWent) {
   const std::vector<bool> up{true, true};
   std::map<uint64_t, int32_t> first;
   for (uint64_t t = 1; t <= 8; ++t) {
-    const RouteChoice c = map.choose(ring, t * 0x9E3779B97F4A7C15ull, up, {0, 0}, 1.25);
+    const RouteChoice c = map.choose(ring, t * 0x9E3779B97F4A7C15ull, up, {0, 0}, 1.25, 0);
     EXPECT_EQ(c.why, RouteChoice::Why::kNew);
     EXPECT_FALSE(c.owner);
     first[t] = c.backend;
@@ -137,52 +137,78 @@ TEST(RouterCacheAware, NewPrefixesSplitEvenlyAndStayWhereTheyWent) {
   std::mt19937 rng(4);
   for (int i = 0; i < 200; ++i) {
     const uint64_t t = 1 + rng() % 8;
-    const RouteChoice c = map.choose(ring, t * 0x9E3779B97F4A7C15ull, up, {1, 1}, 1.25);
+    const RouteChoice c = map.choose(ring, t * 0x9E3779B97F4A7C15ull, up, {1, 1}, 1.25, 0);
     EXPECT_EQ(c.backend, first[t]);
     EXPECT_TRUE(c.owner);
     EXPECT_EQ(c.why, RouteChoice::Why::kOwner);
   }
   // A new key goes to the least loaded backend, whatever the key counts.
-  EXPECT_EQ(map.choose(ring, 999, up, {3, 1}, 1.25).backend, 1);
-  EXPECT_EQ(map.choose(ring, 1000, up, {1, 3}, 1.25).backend, 0);
+  EXPECT_EQ(map.choose(ring, 999, up, {3, 1}, 1.25, 0).backend, 1);
+  EXPECT_EQ(map.choose(ring, 1000, up, {1, 3}, 1.25, 0).backend, 0);
 }
 
 TEST(RouterCacheAware, ABusyOwnerLendsOneRequestADownOwnerLosesTheKey) {
   HashRing ring(2);
   PrefixMap map(2);
   const uint64_t k = 77;
-  const int32_t owner = map.choose(ring, k, {true, true}, {0, 0}, 1.25).backend;
+  const int32_t owner = map.choose(ring, k, {true, true}, {0, 0}, 1.25, 0).backend;
   const int32_t other = 1 - owner;
   std::vector<int32_t> busy(2);
   busy[owner] = 6;
   busy[other] = 2;  // capacity ceil(1.25 × 9 / 2) = 6: the owner is full
-  RouteChoice c = map.choose(ring, k, {true, true}, busy, 1.25);
+  RouteChoice c = map.choose(ring, k, {true, true}, busy, 1.25, 0);
   EXPECT_EQ(c.backend, other);
   EXPECT_EQ(c.why, RouteChoice::Why::kOwnerBusy);
   // The key stayed with its owner.
-  c = map.choose(ring, k, {true, true}, {0, 0}, 1.25);
+  c = map.choose(ring, k, {true, true}, {0, 0}, 1.25, 0);
   EXPECT_EQ(c.backend, owner);
   EXPECT_EQ(c.why, RouteChoice::Why::kOwner);
   // Down (or tried already): the key moves, and stays moved when the owner is back.
   std::vector<bool> up(2, true);
   up[owner] = false;
-  c = map.choose(ring, k, up, {0, 0}, 1.25);
+  c = map.choose(ring, k, up, {0, 0}, 1.25, 0);
   EXPECT_EQ(c.backend, other);
   EXPECT_EQ(c.why, RouteChoice::Why::kOwnerDown);
   EXPECT_EQ(map.keys_on(owner), 0);
   EXPECT_EQ(map.keys_on(other), 1);
-  c = map.choose(ring, k, {true, true}, {0, 0}, 1.25);
+  c = map.choose(ring, k, {true, true}, {0, 0}, 1.25, 0);
   EXPECT_EQ(c.backend, other);
   EXPECT_TRUE(c.owner);
-  c = map.choose(ring, k, {true, true}, {0, 0}, 1.25, {other});
+  c = map.choose(ring, k, {true, true}, {0, 0}, 1.25, 0, {other});
   EXPECT_EQ(c.backend, owner);
   EXPECT_EQ(c.why, RouteChoice::Why::kOwnerDown);
   // Nobody up, or everybody tried: -1, and nothing is remembered for a new key.
-  EXPECT_EQ(map.choose(ring, 5, {false, false}, {0, 0}, 1.25).backend, -1);
-  EXPECT_EQ(map.choose(ring, 5, {true, true}, {0, 0}, 1.25, {0, 1}).backend, -1);
+  EXPECT_EQ(map.choose(ring, 5, {false, false}, {0, 0}, 1.25, 0).backend, -1);
+  EXPECT_EQ(map.choose(ring, 5, {true, true}, {0, 0}, 1.25, 0, {0, 1}).backend, -1);
   EXPECT_EQ(map.size(), 1u);
   // One live backend takes everything, whatever its load.
-  EXPECT_EQ(map.choose(ring, k, {true, false}, {50, 0}, 1.25).backend, 0);
+  EXPECT_EQ(map.choose(ring, k, {true, false}, {50, 0}, 1.25, 0).backend, 0);
+}
+
+TEST(RouterCacheAware, TheOwnerKeepsItsPrefixUntilItIsFarAhead) {
+  // balance_abs 4: over capacity is not enough, the owner must also be 4 requests ahead of the
+  // least loaded backend before one of its requests goes elsewhere.
+  HashRing ring(2);
+  PrefixMap map(2);
+  const uint64_t k = 5;
+  const int32_t owner = map.choose(ring, k, {true, true}, {0, 0}, 1.25, 4).backend;
+  auto pick = [&](int32_t lo, int32_t lt) {
+    std::vector<int32_t> load(2);
+    load[owner] = lo;
+    load[1 - owner] = lt;
+    return map.choose(ring, k, {true, true}, load, 1.25, 4);
+  };
+  // capacity = ceil(1.25 × (in flight + 1) / 2)
+  EXPECT_EQ(pick(5, 2).backend, owner);  // capacity 5: over it, but only 3 ahead
+  EXPECT_EQ(pick(5, 2).why, RouteChoice::Why::kOwner);
+  EXPECT_EQ(pick(6, 2).backend, 1 - owner);  // capacity 6: over it and 4 ahead
+  EXPECT_EQ(pick(6, 2).why, RouteChoice::Why::kOwnerBusy);
+  EXPECT_EQ(pick(9, 6).backend, owner);  // capacity 10: under it
+  EXPECT_EQ(pick(20, 2).backend, 1 - owner);
+  // Without the threshold (0): bounded loads alone, as the ring's.
+  EXPECT_EQ(map.choose(ring, k, {true, true}, owner == 0 ? std::vector<int32_t>{5, 2} : std::vector<int32_t>{2, 5}, 1.25, 0).why,
+            RouteChoice::Why::kOwnerBusy);
+  EXPECT_EQ(pick(20, 10).why, RouteChoice::Why::kOwnerBusy);
 }
 
 TEST(RouterCacheAware, ForgetsTheLeastRecentlyUsedKeyWhenFull) {
@@ -191,25 +217,25 @@ TEST(RouterCacheAware, ForgetsTheLeastRecentlyUsedKeyWhenFull) {
   const std::vector<bool> up{true, true, true};
   const std::vector<int32_t> idle{0, 0, 0};
   std::map<uint64_t, int32_t> at;
-  for (uint64_t k = 1; k <= 4; ++k) at[k] = map.choose(ring, k, up, idle, 1.25).backend;
-  EXPECT_EQ(map.choose(ring, 1, up, idle, 1.25).why, RouteChoice::Why::kOwner);  // 1 is now the most recent
-  EXPECT_EQ(map.choose(ring, 5, up, idle, 1.25).why, RouteChoice::Why::kNew);    // forgets 2
+  for (uint64_t k = 1; k <= 4; ++k) at[k] = map.choose(ring, k, up, idle, 1.25, 0).backend;
+  EXPECT_EQ(map.choose(ring, 1, up, idle, 1.25, 0).why, RouteChoice::Why::kOwner);  // 1 is now the most recent
+  EXPECT_EQ(map.choose(ring, 5, up, idle, 1.25, 0).why, RouteChoice::Why::kNew);    // forgets 2
   EXPECT_EQ(map.size(), 4u);
   EXPECT_EQ(map.keys_on(0) + map.keys_on(1) + map.keys_on(2), 4);
-  EXPECT_EQ(map.choose(ring, 2, up, idle, 1.25).why, RouteChoice::Why::kNew);    // forgets 3
+  EXPECT_EQ(map.choose(ring, 2, up, idle, 1.25, 0).why, RouteChoice::Why::kNew);    // forgets 3
   for (uint64_t k : {1, 4}) {
-    const RouteChoice c = map.choose(ring, k, up, idle, 1.25);
+    const RouteChoice c = map.choose(ring, k, up, idle, 1.25, 0);
     EXPECT_EQ(c.why, RouteChoice::Why::kOwner) << k;
     EXPECT_EQ(c.backend, at[k]) << k;
   }
-  EXPECT_EQ(map.choose(ring, 3, up, idle, 1.25).why, RouteChoice::Why::kNew);
+  EXPECT_EQ(map.choose(ring, 3, up, idle, 1.25, 0).why, RouteChoice::Why::kNew);
   // Random traffic keeps the counts equal to what is remembered.
   PrefixMap m(3, 50);
   std::mt19937_64 rng(11);
   for (int i = 0; i < 5000; ++i) {
     std::vector<bool> u{rng() % 8 != 0, rng() % 8 != 0, true};
     std::vector<int32_t> load{int32_t(rng() % 5), int32_t(rng() % 5), int32_t(rng() % 5)};
-    const RouteChoice c = m.choose(ring, rng() % 120, u, load, 1.25);
+    const RouteChoice c = m.choose(ring, rng() % 120, u, load, 1.25, 0);
     ASSERT_GE(c.backend, 0);
     ASSERT_TRUE(u[c.backend]);
     ASSERT_LE(m.size(), 50u);
