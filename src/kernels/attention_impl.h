@@ -2,8 +2,8 @@
 // attention_avx2.cpp and attention_avx512.cpp, each defining KV_ISA_NS (scalar, avx2, avx512)
 // and compiled with that ISA's flags. Not an ordinary header: no include guard, and nothing
 // else may include it. The preprocessor picks the path that the including file's flags allow:
-// AVX-512 intrinsics (__AVX512F__ && __AVX512BW__), else the portable loops with AVX2 + FMA
-// + F16C blocks where those are on, else the portable loops alone (the baseline, SSE2).
+// AVX-512 intrinsics (__AVX512F__ && __AVX512BW__), else the same structure on AVX2 + FMA +
+// F16C intrinsics (8-lane halves), else the portable loops (the baseline, SSE2).
 // Everything here is in namespace kv::KV_ISA_NS (see isa_kernels.h for the ODR rules).
 #ifndef KV_ISA_NS
 #error "attention_impl.h is included by attention_{scalar,avx2,avx512}.cpp only"
@@ -409,6 +409,395 @@ void group_rows(const PageRef* pg, int n_pg, int bs, int hd, int dv, int32_t win
   }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+// The AVX-512 path's structure on 8-lane vectors: a 16-key chunk (or 16 value channels) is two
+// halves, lanes [0, 8) and [8, 16); a 16-bit key mask becomes a lane mask per half.
+
+// e^x for 8 lanes: the polynomial of exp16.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));  // 2^n stays a normal float below
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.7f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+inline float hmax8(__m256 v) {
+  __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_max_ss(a, _mm_movehdup_ps(a)));
+}
+// Lanes whose bit of `bits` (lane i: bit i) is set: all ones, the others zero.
+inline __m256 lane_mask(uint32_t bits) {
+  const __m256i lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits & 0xFF)), lanes), lanes));
+}
+// The low 16 bits of 8 u32 lanes as halves → 8 floats.
+inline __m256 half_lo16(__m256i x) {
+  const __m256i p = _mm256_packus_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0xFFFF)), _mm256_setzero_si256());
+  return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(p, 0x08)));
+}
+
+struct V16 {
+  __m256 lo, hi;  // lanes [0, 8), [8, 16)
+};
+
+// 8 bytes of fp8 → 8 floats (e4m3 comes out 2^-8 too small; the caller's scale has the 256).
+inline __m256 fp8x8(__m128i b, bool e4m3) {
+  const __m128i w = _mm_cvtepu8_epi16(b);
+  __m128i h;
+  if (e4m3)
+    h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8), _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7));
+  else
+    h = _mm_slli_epi16(w, 8);
+  return _mm256_cvtph_ps(h);
+}
+inline __m256 u8x8(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
+// 8 bytes of nibbles → 16 values: the low nibbles then the high nibbles.
+inline V16 nib8x16(const uint8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  return {u8x8(_mm_and_si128(b, m)), u8x8(_mm_and_si128(_mm_srli_epi16(b, 4), m))};
+}
+
+// 8 consecutive values of an unquantized or fp8/int8 run at element i.
+template <KvElem E>
+inline __m256 load8(const uint8_t* base, int64_t i) {
+  if constexpr (E == KvElem::kF32) return _mm256_loadu_ps(reinterpret_cast<const float*>(base) + i);
+  if constexpr (E == KvElem::kF16)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(base) + i)));
+  if constexpr (E == KvElem::kBF16)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(base) + i))), 16));
+  if constexpr (E == KvElem::kFp8E4M3 || E == KvElem::kFp8E5M2)
+    return fp8x8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(base + i)), E == KvElem::kFp8E4M3);
+  if constexpr (E == KvElem::kInt8) return u8x8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(base + i)));
+  return _mm256_setzero_ps();
+}
+// One value of an unquantized run (a partial chunk's lanes, read one by one).
+template <KvElem E>
+inline float load1(const uint8_t* base, int64_t i) {
+  if constexpr (E == KvElem::kF32) return reinterpret_cast<const float*>(base)[i];
+  if constexpr (E == KvElem::kF16) return fp16_to_fp32(reinterpret_cast<const uint16_t*>(base)[i]);
+  if constexpr (E == KvElem::kBF16) {
+    const uint32_t b = uint32_t(reinterpret_cast<const uint16_t*>(base)[i]) << 16;
+    float f;
+    std::memcpy(&f, &b, 4);
+    return f;
+  }
+  return 0.f;  // quantized tiles have whole chunks (kv_tile_shape_error)
+}
+
+// K: channel d, keys [c·16, c·16 + 16) of a channel-major tile; `n` < 16 keys exist in the
+// last chunk of a page whose block size is not a multiple of 16 (unquantized only): those are
+// read one by one and the rest is zero, so no load passes the tile's end.
+template <KvElem E>
+inline V16 load_k(const uint8_t* kt, int bs, int d, int c) {
+  if constexpr (E == KvElem::kInt4) return nib8x16(kt + int64_t(d) * (bs / 2) + c * 8);
+  const int64_t i = int64_t(d) * bs + c * 16;
+  return {load8<E>(kt, i), load8<E>(kt, i + 8)};
+}
+template <KvElem E>
+inline V16 load_k_part(const uint8_t* kt, int bs, int d, int c, int n) {
+  alignas(32) float t[16] = {};
+  const int64_t i = int64_t(d) * bs + c * 16;
+  for (int j = 0; j < n; ++j) t[j] = load1<E>(kt, i + j);
+  return {_mm256_load_ps(t), _mm256_load_ps(t + 8)};
+}
+// V: token j, channels [cc·16, cc·16 + 16) of a token-major tile (G: int4 group size).
+template <KvElem E>
+inline V16 load_v(const uint8_t* vt, int hd, int G, int j, int cc) {
+  if constexpr (E == KvElem::kInt4) {
+    const int ch = cc * 16, g = ch / G;
+    const uint8_t* p = vt + int64_t(j) * (hd / 2) + g * (G / 2);
+    if (G == 16) return nib8x16(p);
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i x = (ch % G) == 0 ? _mm_and_si128(b, _mm_set1_epi8(0x0F))
+                                    : _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+    return {u8x8(x), u8x8(_mm_srli_si128(x, 8))};
+  }
+  const int64_t i = int64_t(j) * hd + cc * 16;
+  return {load8<E>(vt, i), load8<E>(vt, i + 8)};
+}
+
+constexpr int64_t values_bytes(KvElem e, int64_t n) {
+  return e == KvElem::kF32 ? 4 * n : (e == KvElem::kF16 || e == KvElem::kBF16) ? 2 * n : e == KvElem::kInt4 ? n / 2 : n;
+}
+
+// Scores of one page for rows [r0, r0 + NR) into s[r][off, off + n_chunks·16): q·k, 16 keys
+// per chunk in two halves, one FMA per channel, row and half (each score sums its channels in
+// order). Int and fp8 keys: scales folded into the query, zero points one constant per row,
+// as in the AVX-512 path.
+template <KvElem E, int NR>
+inline void page_scores(const uint8_t* kt, int bs, int hd, int n_keys, const Rows& rows, int r0,
+                        float (*s)[kGroupKeys], int off) {
+  constexpr bool kInt = E == KvElem::kInt8 || E == KvElem::kInt4;
+  constexpr bool kFp8 = E == KvElem::kFp8E4M3 || E == KvElem::kFp8E5M2;
+  const int64_t n = int64_t(bs) * hd;
+  const int n_chunks = (n_keys + 15) / 16;
+  alignas(32) float qe[(kInt || kFp8) ? NR : 1][kAttnMaxHeadDim];
+  float cadd[NR] = {};
+  if constexpr (kInt || kFp8) {
+    const uint16_t* meta = reinterpret_cast<const uint16_t*>(kt + values_bytes(E, n));
+    alignas(32) float ks[kAttnMaxHeadDim], kz[kAttnMaxHeadDim];
+    if constexpr (kFp8) {
+      float ts;
+      std::memcpy(&ts, meta, 4);
+      const __m256 tv = _mm256_set1_ps(E == KvElem::kFp8E4M3 ? ts * 256.f : ts);
+      for (int d = 0; d < hd; d += 8) {
+        _mm256_store_ps(ks + d, tv);
+        _mm256_store_ps(kz + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 2 + d))));
+      }
+    } else {
+      for (int d = 0; d < hd; d += 8) {  // {scale, min} per channel
+        const __m256i pr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 2 * d));
+        _mm256_store_ps(ks + d, half_lo16(pr));
+        _mm256_store_ps(kz + d, half_lo16(_mm256_srli_epi32(pr, 16)));
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const float* q = rows.qs[r0 + r];
+      __m256 c = _mm256_setzero_ps();
+      for (int d = 0; d < hd; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        _mm256_store_ps(qe[r] + d, _mm256_mul_ps(qv, _mm256_load_ps(ks + d)));
+        c = _mm256_fmadd_ps(qv, _mm256_load_ps(kz + d), c);
+      }
+      cadd[r] = hsum8(c);
+    }
+  }
+  auto qrow = [&](int r) -> const float* {
+    if constexpr (kInt || kFp8) return qe[r];
+    return rows.qs[r0 + r];
+  };
+  auto chunk = [&](int c, auto full) {
+    __m256 alo[NR], ahi[NR];
+    for (int r = 0; r < NR; ++r) alo[r] = ahi[r] = _mm256_setzero_ps();
+    for (int d = 0; d < hd; ++d) {
+      V16 k;
+      if constexpr (decltype(full)::value) k = load_k<E>(kt, bs, d, c);
+      else k = load_k_part<E>(kt, bs, d, c, bs - c * 16);
+      for (int r = 0; r < NR; ++r) {
+        const __m256 qd = _mm256_broadcast_ss(qrow(r) + d);
+        alo[r] = _mm256_fmadd_ps(qd, k.lo, alo[r]);
+        ahi[r] = _mm256_fmadd_ps(qd, k.hi, ahi[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m256 ca = _mm256_set1_ps(cadd[r]);
+      _mm256_store_ps(s[r] + off + c * 16, _mm256_add_ps(alo[r], ca));
+      _mm256_store_ps(s[r] + off + c * 16 + 8, _mm256_add_ps(ahi[r], ca));
+    }
+  };
+  for (int c = 0; c < n_chunks; ++c) {
+    if (bs - c * 16 >= 16) chunk(c, std::true_type{});
+    else chunk(c, std::false_type{});
+  }
+}
+
+// A group of n_pg pages against NR rows: the AVX-512 path's group_rows (scores, one
+// online-softmax update per row for the group, value weights, Σ p·v with the accumulators in
+// registers across the group's pages), on halves.
+template <KvElem E, KvElem EV, int NR>
+void group_rows(const PageRef* pg, int n_pg, int bs, int hd, int dv, int32_t window, Rows& rows, int r0) {
+  constexpr bool kIntV = EV == KvElem::kInt8 || EV == KvElem::kInt4;
+  constexpr bool kFp8V = EV == KvElem::kFp8E4M3 || EV == KvElem::kFp8E5M2;
+  const int64_t n = int64_t(bs) * hd;
+  const int cpp = (bs + 15) / 16;
+  int lo[kGroupPages][NR], hi[kGroupPages][NR];
+  int j_end[kGroupPages];
+  bool any = false, full = bs % 16 == 0;
+  for (int i = 0; i < n_pg; ++i) {
+    j_end[i] = 0;
+    for (int r = 0; r < NR; ++r) {
+      visible(rows.pos[r0 + r], pg[i].key0, pg[i].n_keys, window, &lo[i][r], &hi[i][r]);
+      if (hi[i][r] > lo[i][r]) j_end[i] = std::max(j_end[i], hi[i][r]);
+      full &= lo[i][r] == 0 && hi[i][r] == bs;
+    }
+    any |= j_end[i] > 0;
+  }
+  if (!any) return;
+
+  // 1. scores, page i at s[r][i·cpp·16, ...)
+  alignas(32) float s[NR][kGroupKeys];
+  for (int i = 0; i < n_pg; ++i)
+    if (j_end[i] > 0) {
+      if (kv_elem_staged(E) && pg[i].f16) page_scores<KvElem::kF16, NR>(pg[i].kt, bs, hd, pg[i].n_keys, rows, r0, s, i * cpp * 16);
+      else page_scores<E, NR>(pg[i].kt, bs, hd, pg[i].n_keys, rows, r0, s, i * cpp * 16);
+    }
+
+  // 2. one online-softmax update per row for the group; s becomes p (0 where the row sees no key)
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+  float corr[NR];
+  for (int r = 0; r < NR; ++r) {
+    const int row = r0 + r;
+    uint32_t vm[kGroupKeys / 16];
+    __m256 mxv = neg_inf;
+    for (int i = 0; i < n_pg; ++i)
+      for (int c = 0; c < cpp; ++c) {
+        const int j0 = c * 16, k = i * cpp + c;
+        if (full) {
+          vm[k] = 0xFFFF;
+          mxv = _mm256_max_ps(mxv, _mm256_max_ps(_mm256_load_ps(s[r] + k * 16), _mm256_load_ps(s[r] + k * 16 + 8)));
+          continue;
+        }
+        const int a = std::clamp(lo[i][r] - j0, 0, 16), b = std::clamp(hi[i][r] - j0, 0, 16);
+        vm[k] = ((1u << b) - 1) & ~((1u << a) - 1);
+        if (vm[k]) {
+          mxv = _mm256_max_ps(mxv, _mm256_blendv_ps(neg_inf, _mm256_load_ps(s[r] + k * 16), lane_mask(vm[k])));
+          mxv = _mm256_max_ps(mxv, _mm256_blendv_ps(neg_inf, _mm256_load_ps(s[r] + k * 16 + 8), lane_mask(vm[k] >> 8)));
+        }
+      }
+    const float mx = hmax8(mxv);
+    if (mx == kNegInf) {  // the row sees none of the group's keys
+      corr[r] = 1.f;
+      for (int k = 0; k < n_pg * cpp * 16; k += 8) _mm256_store_ps(s[r] + k, _mm256_setzero_ps());
+      continue;
+    }
+    const float m_old = rows.m[row], m_new = std::max(m_old, mx);
+    corr[r] = m_new == m_old ? 1.f : std::exp(m_old - m_new);
+    const __m256 mv = _mm256_set1_ps(m_new);
+    __m256 sum = _mm256_setzero_ps();
+    for (int k = 0; k < n_pg * cpp; ++k)
+      for (int h = 0; h < 2; ++h) {
+        float* sp = s[r] + k * 16 + h * 8;
+        const uint32_t bits = vm[k] >> (8 * h) & 0xFF;
+        __m256 p = _mm256_setzero_ps();
+        if (bits == 0xFF) p = exp8(_mm256_sub_ps(_mm256_load_ps(sp), mv));
+        else if (bits) p = _mm256_and_ps(lane_mask(bits), exp8(_mm256_sub_ps(_mm256_load_ps(sp), mv)));
+        _mm256_store_ps(sp, p);
+        sum = _mm256_add_ps(sum, p);
+      }
+    rows.l[row] = rows.l[row] * corr[r] + hsum8(sum);
+    rows.m[row] = m_new;
+    if (rows.lse) {
+      for (int i = 0; i < n_pg; ++i) {
+        __m256 ps = _mm256_setzero_ps();
+        for (int k = i * cpp * 16; k < (i + 1) * cpp * 16; k += 8) ps = _mm256_add_ps(ps, _mm256_load_ps(s[r] + k));
+        const float t = hsum8(ps);
+        if (t > 0.f) rows.lse[row * rows.lse_stride + pg[i].key0 / bs - rows.lse_page0] = m_new + std::log(t);
+      }
+    }
+  }
+
+  // 3. value weights (see the AVX-512 path): fp8 p·(tile scale); int pw = p·scale and
+  // zr = Σ_j p·min per page.
+  const int G = kIntV ? kv_v_group(EV, hd) : hd;
+  constexpr int kMaxG = kIntV ? kAttnMaxHeadDim / 16 : 1;
+  alignas(32) float pw[kMaxG][kIntV ? NR : 1][kIntV ? kGroupKeys : 1];
+  float zr[kIntV ? kGroupPages : 1][NR][kMaxG];
+  for (int i = 0; i < n_pg; ++i) {
+    if (j_end[i] == 0) continue;
+    const int off = i * cpp * 16, n_vec = (j_end[i] + 15) / 16 * 2;  // 8-lane vectors of weights
+    const uint8_t* vt = pg[i].vt;
+    if (kv_elem_staged(EV) && pg[i].f16) {
+      if constexpr (kIntV)
+        for (int r = 0; r < NR; ++r)
+          for (int g = 0; g < hd / G; ++g) {
+            zr[i][r][g] = 0.f;
+            for (int v = 0; v < n_vec; ++v) _mm256_store_ps(pw[g][r] + off + v * 8, _mm256_load_ps(s[r] + off + v * 8));
+          }
+      continue;
+    }
+    if constexpr (kFp8V) {
+      float ts;
+      std::memcpy(&ts, vt + n, 4);
+      const __m256 tv = _mm256_set1_ps(EV == KvElem::kFp8E4M3 ? ts * 256.f : ts);
+      for (int r = 0; r < NR; ++r)
+        for (int v = 0; v < n_vec; ++v)
+          _mm256_store_ps(s[r] + off + v * 8, _mm256_mul_ps(_mm256_load_ps(s[r] + off + v * 8), tv));
+    }
+    if constexpr (kIntV) {
+      const int ng = hd / G;
+      const uint16_t* meta = reinterpret_cast<const uint16_t*>(vt + values_bytes(EV, n));
+      alignas(32) float vs[kAttnMaxBlockSize], vz[kAttnMaxBlockSize];
+      for (int g = 0; g < ng; ++g) {
+        if (ng == 1) {
+          for (int v = 0; v < n_vec; ++v) {
+            const __m256i pr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 2 * v * 8));
+            _mm256_store_ps(vs + v * 8, half_lo16(pr));
+            _mm256_store_ps(vz + v * 8, half_lo16(_mm256_srli_epi32(pr, 16)));
+          }
+        } else {
+          for (int j = 0; j < n_vec * 8; ++j) {
+            vs[j] = j < bs ? _cvtsh_ss(meta[2 * (j * ng + g)]) : 0.f;
+            vz[j] = j < bs ? _cvtsh_ss(meta[2 * (j * ng + g) + 1]) : 0.f;
+          }
+        }
+        for (int r = 0; r < NR; ++r) {
+          __m256 z = _mm256_setzero_ps();
+          for (int v = 0; v < n_vec; ++v) {
+            const __m256 p = _mm256_load_ps(s[r] + off + v * 8);
+            _mm256_store_ps(pw[g][r] + off + v * 8, _mm256_mul_ps(p, _mm256_load_ps(vs + v * 8)));
+            z = _mm256_fmadd_ps(p, _mm256_load_ps(vz + v * 8), z);
+          }
+          zr[i][r][g] = hsum8(z);
+        }
+      }
+    }
+  }
+
+  // 4. acc = corr·acc + Σ_pages Σ_j p·v, 16 channels (two halves) at a time
+  for (int cc = 0; cc < dv / 16; ++cc) {
+    const int g = kIntV ? cc * 16 / G : 0;
+    auto w = [&](int r, int j) -> const float* {
+      if constexpr (kIntV) return pw[g][r] + j;
+      return s[r] + j;
+    };
+    __m256 alo[NR], ahi[NR];
+    for (int r = 0; r < NR; ++r) {
+      const __m256 c = _mm256_set1_ps(corr[r]);
+      alo[r] = _mm256_mul_ps(_mm256_loadu_ps(rows.acc[r0 + r] + cc * 16), c);
+      ahi[r] = _mm256_mul_ps(_mm256_loadu_ps(rows.acc[r0 + r] + cc * 16 + 8), c);
+    }
+    auto page_pv = [&](const uint8_t* vt, int off, int je, auto ev) {
+      constexpr KvElem T = decltype(ev)::value;
+      for (int j = 0; j < je; ++j) {
+        const V16 v = load_v<T>(vt, hd, G, j, cc);
+        for (int r = 0; r < NR; ++r) {
+          const __m256 wv = _mm256_broadcast_ss(w(r, off + j));
+          alo[r] = _mm256_fmadd_ps(wv, v.lo, alo[r]);
+          ahi[r] = _mm256_fmadd_ps(wv, v.hi, ahi[r]);
+        }
+      }
+    };
+    for (int i = 0; i < n_pg; ++i) {
+      const int off = i * cpp * 16, je = j_end[i];
+      if (kv_elem_staged(EV) && pg[i].f16) page_pv(pg[i].vt, off, je, std::integral_constant<KvElem, KvElem::kF16>{});
+      else page_pv(pg[i].vt, off, je, std::integral_constant<KvElem, EV>{});
+      if constexpr (kIntV)
+        if (je > 0)
+          for (int r = 0; r < NR; ++r) {
+            const __m256 z = _mm256_set1_ps(zr[i][r][g]);
+            alo[r] = _mm256_add_ps(alo[r], z);
+            ahi[r] = _mm256_add_ps(ahi[r], z);
+          }
+    }
+    for (int r = 0; r < NR; ++r) {
+      _mm256_storeu_ps(rows.acc[r0 + r] + cc * 16, alo[r]);
+      _mm256_storeu_ps(rows.acc[r0 + r] + cc * 16 + 8, ahi[r]);
+    }
+  }
+}
+#endif
+
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+
 template <KvElem E, KvElem EV>
 void group_all_rows(const PageRef* pg, int n_pg, int bs, int hd, int dv, int32_t window, Rows& rows, int r_begin,
                     int r_end) {
@@ -471,49 +860,11 @@ void page_dispatch(KvElem e, const PageRef* pg, int n_pg, int bs, int hd, int v_
 
 // f16 → f32 for n values (K tiles are [hd][bs], V tiles [bs][hd]: both convert in place order).
 inline void f16_to_f32(const uint16_t* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(__F16C__) && defined(__AVX__)
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-#endif
-  for (; i < n; ++i) dst[i] = fp16_to_fp32(src[i]);
+  for (int64_t i = 0; i < n; ++i) dst[i] = fp16_to_fp32(src[i]);
 }
-
-#if defined(__AVX2__) && defined(__FMA__)
-// e^x for 8 lanes: the polynomial of the AVX-512 path's exp16.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));  // 2^n stays a normal float below
-  x = _mm256_min_ps(x, _mm256_set1_ps(88.7f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-#endif
 
 // s[j] = q · k_j for j in [lo, hi); kt is the page's keys channel-major [hd][bs].
 inline void scores(const float* q, const float* kt, int bs, int hd, int lo, int hi, float* s) {
-#if defined(__AVX2__) && defined(__FMA__)
-  if (bs == 16) {  // the default page: the 16 scores stay in two registers across the channels
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    for (int i = 0; i < hd; ++i) {
-      const __m256 qi = _mm256_broadcast_ss(q + i);
-      a0 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(kt + i * 16), a0);
-      a1 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(kt + i * 16 + 8), a1);
-    }
-    _mm256_storeu_ps(s, a0);
-    _mm256_storeu_ps(s + 8, a1);
-    return;
-  }
-#endif
   for (int j = lo; j < hi; ++j) s[j] = 0.f;
   for (int i = 0; i < hd; ++i) {
     const float qi = q[i];
@@ -524,17 +875,12 @@ inline void scores(const float* q, const float* kt, int bs, int hd, int lo, int 
 
 // s[j] = e^(s[j] - m) for j in [lo, hi) (s has room for kAttnMaxBlockSize values).
 inline void exp_minus(float* s, int lo, int hi, float m) {
-  int j = lo;
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256 mv = _mm256_set1_ps(m);
-  for (; j + 8 <= hi; j += 8) _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)));
-#endif
-  for (; j < hi; ++j) s[j] = std::exp(s[j] - m);
+  for (int j = lo; j < hi; ++j) s[j] = std::exp(s[j] - m);
 }
 
-// Loops shaped for the compiler's vectorizer (AVX2 + FMA in attention_avx2.cpp, SSE2 in the
-// baseline build): keys channel-major so the scores of a page are one vector FMA per channel, values
-// token-major so the accumulator update is one per key. Each score still sums its channels in
+// Loops shaped for the compiler's vectorizer (SSE2: the baseline build): keys channel-major so
+// the scores of a page are one vector FMA per channel, values token-major so the accumulator
+// update is one per key. Each score still sums its channels in
 // order, as a scalar dot product would.
 void page_dispatch(KvElem e, const PageRef* pg, int n_pg, int bs, int hd, int v_from_k, int32_t window, Rows& rows,
                    int r_begin, int r_end) {

@@ -90,7 +90,8 @@ TEST(ModelPaging, SplitDecodeAgreesWithPrefillForEveryDtype) {
     // chunks of 8 past 512 keys reach the split path (runs of ≤ kAttnQTile tokens); the first
     // 496 tokens go in one chunk (short chunks before the split are BlockSizesAndChunksAgree's)
     const auto a = run(*m, tp, 16, 8, d, toks, {}, 496), b = run(*m, tp, 16, 512, d, toks);
-    if (d == KvDtype::kF32) EXPECT_LT(max_abs_diff(a, b), 2e-3);
+    // f32: summation order only (measured: AVX-512 < 2e-3, AVX2 3.6e-3, scalar 2.8e-3 on logits of O(10))
+    if (d == KvDtype::kF32) EXPECT_LT(max_abs_diff(a, b), 5e-3);
     else EXPECT_LT(kl(b, a), bound) << kv_dtype_name(d);
   }
   // no split (≤ 512 positions): chunking changes nothing, quantized pages included
