@@ -26,8 +26,16 @@ the next check (at most 16) in one batched pass with the causal mask: the same a
 same scores as one token at a time (test_simulation_decodes_like_one_token_at_a_time), ~4x faster.
 
 The oracle runs in subprocesses (one BLAS thread each, two in parallel) that write JSON; the
-module fixture runs them once.
+module fixture runs them once (~75 s on 2 cores). Its output is also committed as a golden,
+tests/data/golden/eviction_oracle.json, under a fingerprint of everything it depends on (the
+text, the model file, the cases, this file's oracle code, tests/reference/llama_ref.py and
+tokenizer_ref.py): the fixture uses the golden when the fingerprint matches and runs the oracle
+otherwise. Regenerate it with
+
+  python3 tests/py/test_eviction_reference.py write-golden
 """
+import hashlib
+import inspect
 import json
 import math
 import os
@@ -278,39 +286,94 @@ def oracle(text_path, out_path, names):
         json.dump(out, f)
 
 
-# ---------------------------------------------------------------- fixtures
+# ---------------------------------------------------------------- the oracle's golden
 
-@pytest.fixture(scope="module")
-def small_text(tmp_path_factory):
-    assert os.path.exists(TEXT), f"{TEXT} is missing: run `make text`"
-    with open(TEXT, encoding="utf-8") as f:
-        text = f.read(SMALL_CHARS)
-    path = tmp_path_factory.mktemp("evict") / "small.txt"
-    path.write_text(text + "\n", encoding="utf-8")
-    return path
+GOLDEN = os.path.join(ROOT, "tests", "data", "golden", "eviction_oracle.json")
+SIM_GROUPS = [["none", "window", "sinks", "sinks_s20_r40", "window_b16", "h2o_s0_r16"],
+              ["h2o", "snapkv", "snapkv_w8_r40", "h2o_b120", "one_at_a_time"]]  # about equal cost
 
 
-@pytest.fixture(scope="module")
-def sim(small_text):
-    """The simulation of every case, in two processes with one BLAS thread each (OpenBLAS threads
+def small_text_of(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read(SMALL_CHARS) + "\n"
+
+
+def fingerprint(text):
+    """SHA-256 over everything the oracle's output depends on."""
+    h = hashlib.sha256()
+    h.update(text.encode("utf-8"))
+    with open(MODEL, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    h.update(repr((CASES, CTX, N_WIN, BLOCK, SIM_GROUPS)).encode())
+    for fn in (policy_pages, simulate_window, window_tokens, one_at_a_time_check, oracle):
+        h.update(inspect.getsource(fn).encode())
+    for name in ("llama_ref.py", "tokenizer_ref.py"):
+        with open(os.path.join(ROOT, "tests", "reference", name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def run_oracle(text_path, workdir):
+    """Every case's simulation, in two processes with one BLAS thread each (OpenBLAS threads
     spinning against busy cores make the float64 forward 10x slower, see test_cli_perplexity)."""
-    names = ["none", *CASES]
-    # Two groups of about equal cost (h2o/snapkv keep the attention probabilities).
-    groups = [["none", "window", "sinks", "sinks_s20_r40", "window_b16", "h2o_s0_r16"],
-              ["h2o", "snapkv", "snapkv_w8_r40", "h2o_b120", "one_at_a_time"]]
-    assert sorted(sum(groups, [])) == sorted(names + ["one_at_a_time"])
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     procs = []
-    for i, g in enumerate(groups):
-        out = small_text.parent / f"sim{i}.json"
-        p = subprocess.Popen([sys.executable, __file__, "oracle", str(small_text), str(out), ",".join(g)],
+    for i, g in enumerate(SIM_GROUPS):
+        out = os.path.join(workdir, f"sim{i}.json")
+        p = subprocess.Popen([sys.executable, __file__, "oracle", str(text_path), out, ",".join(g)],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         procs.append((p, out))
     errs = [p.communicate(timeout=600)[1] for p, _ in procs]
     res = {}
     for (p, out), err in zip(procs, errs):
         assert p.returncode == 0, err[-3000:]
-        res.update(json.loads(out.read_text()))
+        with open(out) as f:
+            res.update(json.load(f))
+    return res
+
+
+def write_golden():
+    import tempfile
+    text = small_text_of(TEXT)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "small.txt")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        res = run_oracle(path, d)
+    with open(GOLDEN, "w") as f:
+        json.dump({"fingerprint": fingerprint(text), "made_by": "tests/py/test_eviction_reference.py write-golden",
+                   "oracle": res}, f)
+    print(f"wrote {GOLDEN}")
+
+
+# ---------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def small_text(tmp_path_factory):
+    assert os.path.exists(TEXT), f"{TEXT} is missing: run `make text`"
+    path = tmp_path_factory.mktemp("evict") / "small.txt"
+    path.write_text(small_text_of(TEXT), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def sim(small_text):
+    """The simulation of every case: the committed golden when its fingerprint matches, else the
+    oracle itself."""
+    names = ["none", *CASES]
+    assert sorted(sum(SIM_GROUPS, [])) == sorted(names + ["one_at_a_time"])
+    res = None
+    if os.path.exists(GOLDEN):
+        with open(GOLDEN) as f:
+            g = json.load(f)
+        if g.get("fingerprint") == fingerprint(small_text.read_text(encoding="utf-8")):
+            res = g["oracle"]
+        else:
+            print(f"{GOLDEN} is stale (its inputs changed): running the oracle; refresh it with "
+                  "`python3 tests/py/test_eviction_reference.py write-golden`")
+    if res is None:
+        res = run_oracle(small_text, str(small_text.parent))
     for name in names:
         res[name]["nll"] = np.asarray(res[name]["nll"])
         res[name]["ppl"] = float(np.exp(res[name]["nll"].mean()))
@@ -393,3 +456,5 @@ def test_budget_too_small_is_a_clear_error(small_text):
 
 if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "oracle":
     oracle(sys.argv[2], sys.argv[3], sys.argv[4].split(","))
+elif __name__ == "__main__" and sys.argv[1:] == ["write-golden"]:
+    write_golden()
