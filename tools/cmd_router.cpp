@@ -57,6 +57,12 @@ void run_router(RouterCliOptions o) {
   auto max_body = kv::parse_memory_size(o.max_body);
   if (!max_body) fail("--max-body-size: " + max_body.message());
   o.ro.max_body_bytes = static_cast<size_t>(*max_body);
+  // "affinity" is the ring's name from before cache-aware routing: a deployment that asked for it
+  // keeps the stateless ring (several routers behind a load balancer agree only on the ring).
+  if (o.routing == "affinity") {
+    std::fprintf(stderr, "--routing affinity is the old name of --routing ring (the default is now cache-aware)\n");
+    o.routing = "ring";
+  }
   o.ro.routing = o.routing == "round-robin" ? kv::RouterOptions::Routing::kRoundRobin
                  : o.routing == "ring"      ? kv::RouterOptions::Routing::kRing
                                             : kv::RouterOptions::Routing::kCacheAware;
@@ -138,8 +144,8 @@ void add_router_command(CLI::App& app) {
       ->check(CLI::Range(0, 1 << 20))
       ->capture_default_str();
   cmd->add_option("--routing", o->routing,
-                  "cache-aware (a new prefix goes to the least loaded replica, which keeps it; alias: affinity), ring (consistent "
-                  "hashing: stateless, routers behind a load balancer agree), or round-robin (a baseline)")
+                  "cache-aware (a new prefix goes to the least loaded replica, which keeps it), ring (consistent hashing: "
+                  "stateless, routers behind a load balancer agree; its old name affinity still works), or round-robin (a baseline)")
       ->check(CLI::IsMember({"cache-aware", "affinity", "ring", "round-robin"}))
       ->capture_default_str();
   cmd->add_option("--prefill-min-tokens", o->ro.prefill_min_tokens, "shorter prompts skip the prefill instance")

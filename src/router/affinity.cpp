@@ -140,6 +140,7 @@ RouteChoice PrefixMap::choose(const HashRing& ring, uint64_t key, const std::vec
     if (c.backend < 0 || load[b] < load[c.backend] || (load[b] == load[c.backend] && keys_on_[b] < keys_on_[c.backend])) c.backend = b;
   }
   if (owner >= 0 && live[owner]) {  // busy: this request goes elsewhere, the key stays
+    lru_.splice(lru_.begin(), lru_, known->second.at);
     c.why = RouteChoice::Why::kOwnerBusy;
     if (c.backend < 0) c.backend = owner;  // the only live backend (cannot be over capacity then)
     return c;

@@ -35,10 +35,12 @@ otherwise. Regenerate it with
   python3 tests/py/test_eviction_reference.py write-golden
 """
 import hashlib
+import importlib.metadata
 import inspect
 import json
 import math
 import os
+import warnings
 import subprocess
 import sys
 import time
@@ -299,14 +301,16 @@ def small_text_of(path):
 
 
 def fingerprint(text):
-    """SHA-256 over everything the oracle's output depends on."""
+    """SHA-256 over everything the oracle's output depends on, the versions of the unpinned
+    packages it computes with included."""
     h = hashlib.sha256()
     h.update(text.encode("utf-8"))
     with open(MODEL, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     h.update(repr((CASES, CTX, N_WIN, BLOCK, SIM_GROUPS)).encode())
-    for fn in (policy_pages, simulate_window, window_tokens, one_at_a_time_check, oracle):
+    h.update(repr([(p, importlib.metadata.version(p)) for p in ("numpy", "gguf", "tokenizers")]).encode())
+    for fn in (flag_value, policy_pages, simulate_window, window_tokens, one_at_a_time_check, oracle):
         h.update(inspect.getsource(fn).encode())
     for name in ("llama_ref.py", "tokenizer_ref.py"):
         with open(os.path.join(ROOT, "tests", "reference", name), "rb") as f:
@@ -370,8 +374,8 @@ def sim(small_text):
         if g.get("fingerprint") == fingerprint(small_text.read_text(encoding="utf-8")):
             res = g["oracle"]
         else:
-            print(f"{GOLDEN} is stale (its inputs changed): running the oracle; refresh it with "
-                  "`python3 tests/py/test_eviction_reference.py write-golden`")
+            warnings.warn(f"{GOLDEN} is stale (its inputs changed): running the oracle (~75 s); refresh it with "
+                          "`python3 tests/py/test_eviction_reference.py write-golden`")
     if res is None:
         res = run_oracle(small_text, str(small_text.parent))
     for name in names:

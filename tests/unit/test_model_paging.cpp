@@ -8,6 +8,7 @@
 #include <cstdio>
 
 #include "engine/sequence_runner.h"
+#include "kernels/isa.h"
 #include "model_fixture.h"
 
 using namespace kv;
@@ -90,8 +91,10 @@ TEST(ModelPaging, SplitDecodeAgreesWithPrefillForEveryDtype) {
     // chunks of 8 past 512 keys reach the split path (runs of ≤ kAttnQTile tokens); the first
     // 496 tokens go in one chunk (short chunks before the split are BlockSizesAndChunksAgree's)
     const auto a = run(*m, tp, 16, 8, d, toks, {}, 496), b = run(*m, tp, 16, 512, d, toks);
-    // f32: summation order only (measured: AVX-512 < 2e-3, AVX2 3.6e-3, scalar 2.8e-3 on logits of O(10))
-    if (d == KvDtype::kF32) EXPECT_LT(max_abs_diff(a, b), 5e-3);
+    // f32: summation order only, on logits of O(10). Measured: AVX-512 below 2e-3, AVX2 3.6e-3
+    // (8-lane halves), scalar 2.8e-3.
+    const double f32_bound = kernel_isa() == Isa::kAvx512 ? 2e-3 : 5e-3;
+    if (d == KvDtype::kF32) EXPECT_LT(max_abs_diff(a, b), f32_bound);
     else EXPECT_LT(kl(b, a), bound) << kv_dtype_name(d);
   }
   // no split (≤ 512 positions): chunking changes nothing, quantized pages included
@@ -118,8 +121,9 @@ TEST(ModelPaging, QuantizedKvStaysCloseToF32) {
     const double k = kl(base, x);
     std::printf("[ kv %-8s ] KL vs f32 %.3g\n", kv_dtype_name(d), k);
     EXPECT_LT(k, bound) << kv_dtype_name(d);
-    if (bound <= 1e-3)  // pseudo-random tokens give a flat distribution: top-1 only for the near-lossless
+    if (bound <= 1e-3) {  // pseudo-random tokens give a flat distribution: top-1 only for the near-lossless
       EXPECT_EQ(std::max_element(x.begin(), x.end()) - x.begin(), top) << kv_dtype_name(d);
+    }
   }
   const auto x = run(*m, tp, 16, 64, KvDtype::kInt4, toks, mixed);
   std::printf("[ kv int4+f16 layers 0-1 ] KL vs f32 %.3g\n", kl(base, x));
