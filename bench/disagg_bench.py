@@ -51,7 +51,8 @@ starts cold; the mode order rotates per repeat.
   first token on, so the router's affinity key, the first 128 tokens, differs per tenant). Closed
   loop: --users U (8) users, each picking a tenant at random per request (seeded per user and
   repeat: the same sequence in both modes) and asking a short distinct question (chat
-  completion, streamed, max_tokens 16, temperature 0, ignore_eos). Users start spread over the
+  completion, streamed, max_tokens 16, temperature --rr-temperature (0.7) with a per-request seed,
+  ignore_eos). Users start spread over the
   first half of the warm-up.
   KV per replica: --replica-kv-frac (0.6) of all tenants' cacheable system-prompt tokens (whole
   16-token pages of the template-rendered prefix, counted with the local tokenizer) + room for
@@ -717,7 +718,7 @@ def replica_kv_bytes(args, tenants: list[dict]) -> tuple[str, dict]:
 def rr_body(args, tenant: dict, u: int, k: int, q: str) -> dict:
     return {"messages": [{"role": "system", "content": tenant["system"]},
                          {"role": "user", "content": f"(user {u}, question {k}) {q}"}],
-            "max_tokens": args.rr_max_tokens, "temperature": 0, "ignore_eos": True,
+            "max_tokens": args.rr_max_tokens, "temperature": args.rr_temperature, "seed": 1000 * u + k, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
 
 
@@ -1150,6 +1151,7 @@ def main() -> int:
     g_rr.add_argument("--users", type=int, default=8, help="closed-loop users")
     g_rr.add_argument("--rr-modes", default=",".join(RR_MODES), help=f"comma list of the router's --routing modes to run: {RR_MODES}")
     g_rr.add_argument("--rr-max-tokens", type=int, default=16)
+    g_rr.add_argument("--rr-temperature", type=float, default=0.7, help="sampling temperature of the users' requests")
     g_rr.add_argument("--replica-threads", type=int, default=1)
     g_rr.add_argument("--replica-kv-frac", type=float, default=0.6,
                       help="share of all tenants' cacheable system-prompt tokens one replica's KV holds")
