@@ -126,6 +126,9 @@ void run_serve(const ServeOptions& o) {
   const kv::ServerRole role = o.role == "prefill" ? kv::ServerRole::kPrefill : o.role == "decode" ? kv::ServerRole::kDecode : kv::ServerRole::kBoth;
   if (role != kv::ServerRole::kBoth && ec.tiers.redis.empty())
     fail(std::string("--role ") + o.role + " hands prompt pages over through a shared KV tier: give --kv-redis redis://HOST:PORT");
+  // The prompt's partly filled last page goes through the tier too: decode computes one token.
+  if (role != kv::ServerRole::kBoth)
+    ec.tier_prompt_tails = role == kv::ServerRole::kPrefill ? kv::EngineConfig::PromptTails::kStore : kv::EngineConfig::PromptTails::kFetch;
   if (role == kv::ServerRole::kPrefill) {
     ec.tiers.write_through = true;  // a page goes down as soon as it is full, before the answer
     ec.tiers.max_pending_bytes = std::max<int64_t>(ec.tiers.max_pending_bytes, int64_t(1) << 30);

@@ -72,6 +72,8 @@ struct Engine::Sequence {
   bool swapped = false;
   int64_t tier_fetch_ram = 0;      // RAM pages when the last lookup started
   int64_t tier_miss_at = -1;       // RAM pages when a lookup last came back short (-1: none)
+  bool tier_tail_asked = false;    // the lookup in flight asks for the prompt's tail too
+  std::string tail_blob;           // the prompt's tail page, found below RAM; installed by admit()
   // Speculative decoding (engine/speculative.h): the request's or the server's configuration,
   // and this step's draft with the run that verifies it ([last token, draft...]).
   SpecConfig spec;
@@ -513,6 +515,7 @@ std::list<std::unique_ptr<Engine::Sequence>>::iterator Engine::pick_waiting() {
 
 bool Engine::admit(Sequence& s, int64_t budget, int32_t* n_out) {
   PrefixMatch m;
+  int64_t tail_tokens = 0;  // the prompt tail's tokens installed from a lower tier
   if (cache_ && s.n_computed == 0 && s.table.pages.empty()) {
     // A scored policy (h2o, snapkv) computes at least the prompt's last obs_window tokens
     // itself: their queries are what votes at the prompt's end, and a cached page has none.
@@ -531,6 +534,7 @@ bool Engine::admit(Sequence& s, int64_t budget, int32_t* n_out) {
     }
     s.pin = m.handle;
     s.published = m.n_tokens;
+    if (!s.tail_blob.empty() && install_prompt_tail(s, m.n_tokens)) tail_tokens = s.n_computed - m.n_tokens;
   }
   const int32_t n = static_cast<int32_t>(cold_cap(s, std::min<int64_t>(budget, s.to_compute())));
   if (!ensure_pages(s, n)) {
@@ -544,12 +548,16 @@ bool Engine::admit(Sequence& s, int64_t budget, int32_t* n_out) {
     return false;
   }
   // Admitted: a resumed sequence looks below RAM again only after a swap-mode preemption.
+  if (!s.tail_blob.empty()) {
+    s.tail_blob.clear();
+    if (tail_tokens > 0) metrics_.add_tier_tail(true);
+  }
   s.tier_checked = true;
   s.swapped = false;
   s.tier_miss_at = -1;
   if (cache_ && s.rs->cached_tokens < 0) {
     cache_->count_query(static_cast<int64_t>(s.tokens.size()), m.n_tokens, m.handle);
-    s.rs->cached_tokens = static_cast<int32_t>(std::min<int64_t>(m.n_tokens, s.n_prompt));
+    s.rs->cached_tokens = static_cast<int32_t>(std::min<int64_t>(m.n_tokens + tail_tokens, s.n_prompt));
   }
   *n_out = n;
   return true;
@@ -767,6 +775,9 @@ void Engine::postprocess(Plan& plan, const float* logits) {
     }
     e->last_token_time = now;
     if (d.n_rows > 1) settle_draft(*e, static_cast<int32_t>(d.out.size()) - 1);
+    // A prefill instance's prompt tail is queued before the client hears of the end: it answers
+    // once what it queued is written.
+    if (reason && cfg_.tier_prompt_tails == EngineConfig::PromptTails::kStore) store_prompt_tail(*e);
     if (reason) e->rs->req.stream->push(StreamEvent{StreamEvent::kFinish, e->index, "", {}, reason, "", 0, {}, {}});
     if (reason) e->n_prompt = -1;  // marks finished; removed from running below
   }
@@ -892,7 +903,11 @@ void Engine::lookup_tiers() {
     if (s.evict.wants_scores()) n_match = std::max<int64_t>(0, n_match - s.evict.obs_window);
     const int64_t max_pages = n_match > 0 ? (n_match - 1) / bs : 0;
     const int64_t ram = cache_->match_length(ns, s.tokens.data(), n_match) / bs;
-    if (max_pages - ram < cfg_.tiers.min_pages) continue;
+    // A decode instance asks for the prompt's tail page too (one more page, after the full ones).
+    std::vector<int32_t> toks;
+    const bool tail = cfg_.tier_prompt_tails == EngineConfig::PromptTails::kFetch && !s.swapped && prompt_tail(s, &toks) > 0;
+    if (!tail) toks.assign(s.tokens.begin(), s.tokens.begin() + max_pages * bs);
+    if (max_pages + (tail ? 1 : 0) - ram < cfg_.tiers.min_pages) continue;
     if (s.tier_miss_at >= 0 && ram >= s.tier_miss_at) continue;  // swapped: nothing new to find
     // Swapped: load only when the pool could take the whole sequence back; loading earlier would
     // evict pages the running sequences need, and they would evict these again (thrashing).
@@ -901,7 +916,7 @@ void Engine::lookup_tiers() {
       const int64_t avail = int64_t(pool_->n_free()) + cache_->n_evictable_pages() - ram;
       if (avail < BlockTable::pages_for(static_cast<int64_t>(s.tokens.size()) + 1, bs) - ram) continue;
     }
-    std::vector<PageHash> hashes = cache_->hash_pages(ns, s.tokens.data(), max_pages * bs);
+    std::vector<PageHash> hashes = cache_->hash_pages(ns, toks.data(), static_cast<int64_t>(toks.size()));
     if (!tiers_->may_contain(hashes[ram])) {
       s.tier_miss_at = ram;
       continue;
@@ -910,7 +925,8 @@ void Engine::lookup_tiers() {
     hashes.erase(hashes.begin(), hashes.begin() + ram);
     const double timeout = cfg_.tier_timeout_s + cfg_.tier_timeout_per_page_s * double(hashes.size());
     s.tier_deadline = now + std::chrono::microseconds(static_cast<int64_t>(timeout * 1e6));
-    s.tier_ticket = tiers_->fetch(ns, std::move(hashes), std::vector<int32_t>(s.tokens.begin(), s.tokens.begin() + max_pages * bs), ram);
+    s.tier_tail_asked = tail;
+    s.tier_ticket = tiers_->fetch(ns, std::move(hashes), std::move(toks), ram);
   }
 }
 
@@ -918,12 +934,21 @@ void Engine::install_tier_pages() {
   tier_ready_.store(false);
   const int32_t bs = cfg_.block_size;
   for (TierManager::Loaded& L : tiers_->poll()) {
-    const int64_t n_found = static_cast<int64_t>(L.blobs.size());
     for (auto& s : waiting_)
       if (s->tier_ticket == L.ticket) {
         s->tier_ticket = 0;  // admissible again
-        if (n_found < L.n_asked) s->tier_miss_at = L.first_page;  // (swapped) look again only if RAM loses more
+        if (s->tier_tail_asked) {  // the last page asked for is the prompt's tail: the sequence's own
+          s->tier_tail_asked = false;
+          if (static_cast<int64_t>(L.blobs.size()) == L.n_asked) {
+            s->tail_blob = std::move(L.blobs.back());
+            L.blobs.pop_back();
+          }
+          --L.n_asked;
+          L.tokens.resize(static_cast<size_t>((L.first_page + L.n_asked) * bs));
+        }
+        if (static_cast<int64_t>(L.blobs.size()) < L.n_asked) s->tier_miss_at = L.first_page;  // (swapped) look again only if RAM loses more
       }
+    const int64_t n_found = static_cast<int64_t>(L.blobs.size());
     if (n_found == 0) continue;
     const int64_t end_pages = L.first_page + n_found;
     // The RAM part of the prefix must still be there (it may have been evicted meanwhile, or
@@ -958,6 +983,48 @@ void Engine::swap_out(Sequence& s) {
   s.tier_checked = false;  // until resumed, it looks for them below RAM when RAM lets them go
   s.swapped = true;
   s.tier_miss_at = -1;
+}
+
+int32_t Engine::prompt_tail(const Sequence& s, std::vector<int32_t>* tokens) const {
+  const int32_t bs = cfg_.block_size;
+  if (!tiers_ || staged_kv_ || pool_g1_ || s.evict.active() || s.n_prompt < 2) return 0;
+  const int64_t full = (s.n_prompt - 1) / bs;  // full pages before it: the cache never matches the tail's page
+  const int32_t t = static_cast<int32_t>(s.n_prompt - full * bs);
+  if (t < 2) return 0;  // the last token is computed anyway
+  tokens->assign(s.tokens.begin(), s.tokens.begin() + s.n_prompt);
+  tokens->resize(static_cast<size_t>((full + 1) * bs), -1);
+  return t;
+}
+
+void Engine::store_prompt_tail(Sequence& s) {
+  std::vector<int32_t> toks;
+  if (s.index != 0 || s.n_computed < s.n_prompt || s.first_evicted_page >= 0 || prompt_tail(s, &toks) == 0) return;
+  const int32_t bs = cfg_.block_size;
+  const int64_t last = static_cast<int64_t>(toks.size()) / bs - 1;
+  if (last >= static_cast<int64_t>(s.table.pages.size()) || s.table.pages[last] < 0) return;
+  const std::string& ns = s.rs->req.params.cache_namespace;
+  const std::vector<PageHash> hashes = cache_->hash_pages(ns, toks.data(), static_cast<int64_t>(toks.size()));
+  tiers_->store(hashes.back(), ns, toks.data() + last * bs, s.table.pages[last]);
+  metrics_.add_tier_tail(false);
+}
+
+bool Engine::install_prompt_tail(Sequence& s, int64_t n_matched) {
+  std::vector<int32_t> toks;
+  const int32_t t = prompt_tail(s, &toks);
+  const int32_t bs = cfg_.block_size;
+  // Only right after every full page before it: the tail's slots are positions n_prompt - t...
+  if (t == 0 || n_matched != s.n_prompt - t || n_matched % bs != 0) return false;
+  if (!pool_->can_allocate(1) && !cache_->ensure_free(1)) return false;
+  std::vector<int32_t> page;
+  pool_->allocate(1, &page);
+  if (!tiers_->install(s.tail_blob, *pool_, page[0])) {
+    pool_->release(page[0]);
+    return false;
+  }
+  s.table.pages.push_back(page[0]);
+  // ...and the last token is computed here: its logits give the first decoded token.
+  s.n_computed = s.table.n_tokens = s.n_prompt - 1;
+  return true;
 }
 
 void Engine::flush_tiers() {

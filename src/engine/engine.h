@@ -68,6 +68,13 @@ struct EngineConfig {
   // page, then computes instead (the lookup's pages still land in the cache when they come).
   double tier_timeout_s = 1.0;
   double tier_timeout_per_page_s = 0.002;
+  // Prompt tails (prefill/decode disaggregation, docs/disaggregation.md). The tier keeps full
+  // pages; a prompt's last, partly filled page would be recomputed by whoever decodes it. A
+  // prefill instance (kStore) writes that page too when its request ends, keyed by the chain
+  // hash of the page with its unused slots set to -1 (never a full page's); a decode instance
+  // (kFetch) asks for it beside the full pages and computes only the prompt's last token.
+  // Unquantized (unstaged) KV layouts only: a quantized layout keeps a filling page elsewhere.
+  enum class PromptTails { kOff, kStore, kFetch } tier_prompt_tails = PromptTails::kOff;
   // Speculative decoding of requests that do not choose (engine/speculative.h); off by default.
   SpecConfig spec;
 };
@@ -148,6 +155,12 @@ class Engine {
   void lookup_tiers();        // starts lower-tier lookups for waiting requests (RAM misses)
   void install_tier_pages();  // pages the lookups found: into the pool and the prefix cache
   void swap_out(Sequence& s); // preemption in swap mode: the full pages go to the tiers
+  // Prompt tails (EngineConfig::tier_prompt_tails): the prompt's tokens through its last page,
+  // that page's unused slots -1; returns the tail's length t (tokens [n_prompt - t, n_prompt)),
+  // 0 when the sequence has none worth moving (t < 2, or a policy or layout that rules it out).
+  int32_t prompt_tail(const Sequence& s, std::vector<int32_t>* tokens) const;
+  void store_prompt_tail(Sequence& s);       // prefill side, as its request ends
+  bool install_prompt_tail(Sequence& s, int64_t n_matched);  // decode side, in admit()
   // Speculative decoding: s.draft for this step (at most k_cap tokens, none when s cannot
   // speculate); then, after the verification forward, the accepted prefix's bookkeeping.
   int32_t make_draft(Sequence& s, int32_t k_cap);

@@ -69,6 +69,10 @@ struct MetricsSnapshot {
   std::vector<Tier> tiers;
   int64_t tier_loaded_pages_total = 0;   // pages copied from a lower tier into the pool
   int64_t tier_load_timeouts_total = 0;  // lookups a request stopped waiting for
+  // Prompt tails (P/D): the partly filled last page of a prompt, stored by a prefill instance
+  // and installed by a decode instance (engine.h, EngineConfig::tier_prompt_tails).
+  int64_t tier_tails_stored_total = 0;
+  int64_t tier_tails_loaded_total = 0;
   // Hot and cold pages of live sequences (kv/cold_store.h); has_cold: --kv-offload-cold is on.
   bool has_cold = false;
   ColdStats cold;
@@ -96,6 +100,7 @@ class Metrics {
   void add_evicted_tokens(int64_t n);
   void add_tier_loaded_pages(int64_t n);
   void add_tier_load_timeout();
+  void add_tier_tail(bool loaded);  // a prompt tail stored (false) or installed (true)
   void observe_kv_kept(int64_t tokens);
   void add_prompt_tokens(int64_t n);
   void add_generation_tokens(int64_t n);

@@ -97,12 +97,17 @@ def test_prefill_and_decode_give_the_output_of_one_instance(redis):
         dec = role_server("decode", redis)
         assert requests.get(pre.url + "/health").json()["role"] == "prefill"
         router = Router("--prefill", pre.url, "--decode", dec.url, max_model_len=MAX_LEN)
+        tails = 0
         for i, p in enumerate(prompts):
             text, n_prompt, cached = complete(router.url, p, stream=(i == 1))
             assert text == expected[i], i
-            # The decode instance found every full page the prefill instance stored; it computed
-            # only the tail page (at most a page of 16 tokens).
-            assert cached >= n_prompt - 16 and cached > 0, (i, n_prompt, cached)
+            # The decode instance found every full page the prefill instance stored and the prompt's
+            # partly filled last page: it computed only the prompt's last token.
+            assert cached == n_prompt - 1, (i, n_prompt, cached)
+            tails += (n_prompt - 1) % 16 != 0  # a tail of 2 tokens or more (1: the last token alone)
+        assert tails >= 2
+        assert dec.metrics()['kvserve:kv_tier_prompt_tails_total{result="loaded"}'] == tails
+        assert pre.metrics()['kvserve:kv_tier_prompt_tails_total{result="stored"}'] == tails
         # A prefill instance answers one token, whatever was asked, once its pages are stored.
         r = requests.post(pre.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": doc(20000, 1500), "max_tokens": 50,
                                                              "temperature": 0})
