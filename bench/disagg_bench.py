@@ -532,16 +532,19 @@ def pd_config(args, cfg: str, rep: int, events: list[dict], tmp: Path, checks: l
             procs.append(srv)
             front, watched = srv, {"colocated": srv}
         else:
-            redis = tb.Redis(args.redis_server, tmp / f"redis_{rep}", logs / f"pd_redis_{rep}.log").start()
+            pin = (lambda cpu: ["taskset", "-c", str(cpu)]) if args.pd_pin else (lambda cpu: [])
+            redis = tb.Redis(args.redis_server, tmp / f"redis_{rep}", logs / f"pd_redis_{rep}.log")
+            redis.cmd = pin(0) + redis.cmd
+            redis.start()
             url = f"redis://127.0.0.1:{redis.port}"
             pp, dp, rp = free_port(), free_port(), free_port()
-            pre = Proc("prefill", serve_cmd(args, pp, 1, args.kv_cache_memory, args.max_model_len,
+            pre = Proc("prefill", pin(0) + serve_cmd(args, pp, 1, args.kv_cache_memory, args.max_model_len,
                                             ["--role", "prefill", "--kv-redis", url]), pp, logs / f"pd_prefill_{rep}.log")
             procs.append(pre.start(args.startup_timeout))
-            dec = Proc("decode", serve_cmd(args, dp, 1, args.kv_cache_memory, args.max_model_len,
+            dec = Proc("decode", pin(1) + serve_cmd(args, dp, 1, args.kv_cache_memory, args.max_model_len,
                                            ["--role", "decode", "--kv-redis", url]), dp, logs / f"pd_decode_{rep}.log")
             procs.append(dec.start(args.startup_timeout))
-            rt = Proc("router", router_cmd(args, rp, args.max_model_len,
+            rt = Proc("router", pin(0) + router_cmd(args, rp, args.max_model_len,
                                            ["--prefill", pre.url, "--decode", dec.url,
                                             "--prefill-min-tokens", str(args.prefill_min_tokens)]), rp, logs / f"pd_router_{rep}.log")
             procs.append(rt.start(args.startup_timeout))
@@ -555,7 +558,13 @@ def pd_config(args, cfg: str, rep: int, events: list[dict], tmp: Path, checks: l
         warm(front, args, f"{cfg}-{rep}")
         log(f"  rep {rep + 1} {cfg}: {sum(e['kind'] == 'short' for e in events)} short + "
             f"{sum(e['kind'] == 'long' for e in events)} long requests over {args.warmup + args.duration + args.tail:.0f} s")
-        ol = open_loop(front, events, args, watched)
+        mask = os.sched_getaffinity(0)
+        if args.pd_pin and cfg != "colocated":
+            os.sched_setaffinity(0, {0})  # the load generator's threads start after this: they inherit it
+        try:
+            ol = open_loop(front, events, args, watched)
+        finally:
+            os.sched_setaffinity(0, mask)
         res = pd_stats(cfg, rep, events, ol, args, watched)
         if redis is not None:
             try:
@@ -1143,6 +1152,9 @@ def main() -> int:
     g_pd.add_argument("--long-interval", type=float, default=15.0, help="seconds between long documents")
     g_pd.add_argument("--long-tokens", type=int, default=4096, help="tokens per document")
     g_pd.add_argument("--long-max-tokens", type=int, default=16)
+    g_pd.add_argument("--pd-pin", action="store_true",
+                      help="P/D as on two machines: the decode instance alone on CPU 1; the prefill instance, Redis, the "
+                           "router and the load generator on CPU 0 (taskset / sched_setaffinity). Colocated is unpinned")
     g_pd.add_argument("--prefill-min-tokens", type=int, default=256,
                       help="router: shorter prompts skip the prefill instance (the chat turns are ~60-90 tokens)")
     g_rr = ap.add_argument_group("part replicas")

@@ -72,7 +72,6 @@ struct Engine::Sequence {
   bool swapped = false;
   int64_t tier_fetch_ram = 0;      // RAM pages when the last lookup started
   int64_t tier_miss_at = -1;       // RAM pages when a lookup last came back short (-1: none)
-  bool tier_tail_asked = false;    // the lookup in flight asks for the prompt's tail too
   std::string tail_blob;           // the prompt's tail page, found below RAM; installed by admit()
   // Speculative decoding (engine/speculative.h): the request's or the server's configuration,
   // and this step's draft with the run that verifies it ([last token, draft...]).
@@ -925,8 +924,8 @@ void Engine::lookup_tiers() {
     hashes.erase(hashes.begin(), hashes.begin() + ram);
     const double timeout = cfg_.tier_timeout_s + cfg_.tier_timeout_per_page_s * double(hashes.size());
     s.tier_deadline = now + std::chrono::microseconds(static_cast<int64_t>(timeout * 1e6));
-    s.tier_tail_asked = tail;
     s.tier_ticket = tiers_->fetch(ns, std::move(hashes), std::move(toks), ram);
+    if (tail) tail_tickets_.insert(s.tier_ticket);
   }
 }
 
@@ -934,18 +933,21 @@ void Engine::install_tier_pages() {
   tier_ready_.store(false);
   const int32_t bs = cfg_.block_size;
   for (TierManager::Loaded& L : tiers_->poll()) {
+    // The last page asked for may be a prompt's tail: the sequence's own, never the cache's
+    // (dropped if the sequence stopped waiting for it).
+    std::string tail_blob;
+    if (tail_tickets_.erase(L.ticket) > 0) {
+      if (static_cast<int64_t>(L.blobs.size()) == L.n_asked) {
+        tail_blob = std::move(L.blobs.back());
+        L.blobs.pop_back();
+      }
+      --L.n_asked;
+      L.tokens.resize(static_cast<size_t>((L.first_page + L.n_asked) * bs));
+    }
     for (auto& s : waiting_)
       if (s->tier_ticket == L.ticket) {
         s->tier_ticket = 0;  // admissible again
-        if (s->tier_tail_asked) {  // the last page asked for is the prompt's tail: the sequence's own
-          s->tier_tail_asked = false;
-          if (static_cast<int64_t>(L.blobs.size()) == L.n_asked) {
-            s->tail_blob = std::move(L.blobs.back());
-            L.blobs.pop_back();
-          }
-          --L.n_asked;
-          L.tokens.resize(static_cast<size_t>((L.first_page + L.n_asked) * bs));
-        }
+        s->tail_blob = std::move(tail_blob);
         if (static_cast<int64_t>(L.blobs.size()) < L.n_asked) s->tier_miss_at = L.first_page;  // (swapped) look again only if RAM loses more
       }
     const int64_t n_found = static_cast<int64_t>(L.blobs.size());

@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <unordered_set>
 #include <vector>
 
 #include "common/status.h"
@@ -160,6 +161,7 @@ class Engine {
   // 0 when the sequence has none worth moving (t < 2, or a policy or layout that rules it out).
   int32_t prompt_tail(const Sequence& s, std::vector<int32_t>* tokens) const;
   void store_prompt_tail(Sequence& s);       // prefill side, as its request ends
+  std::unordered_set<uint64_t> tail_tickets_;  // tier lookups whose last page is a prompt tail
   bool install_prompt_tail(Sequence& s, int64_t n_matched);  // decode side, in admit()
   // Speculative decoding: s.draft for this step (at most k_cap tokens, none when s cannot
   // speculate); then, after the verification forward, the accepted prefix's bookkeeping.
