@@ -37,9 +37,7 @@ test: deps models text build
 	$(PYTHON) -m pytest -q --durations=12 tests/py tests/e2e; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest: no tests collected in tests/py tests/e2e"; rc=0; fi; \
 	  exit $$rc
-	if [ -x scripts/run_fuzz.sh ]; then scripts/run_fuzz.sh; \
-	  elif [ -f scripts/run_fuzz.sh ]; then bash scripts/run_fuzz.sh; fi
-	SAN_QUICK=1 PYTHON=$(PYTHON) JOBS=$(JOBS) bash scripts/run_sanitizers.sh asan
+	SAN_QUICK=1 SAN_FUZZ=1 PYTHON=$(PYTHON) JOBS=$(JOBS) bash scripts/run_sanitizers.sh asan
 	SAN_QUICK=1 PYTHON=$(PYTHON) JOBS=$(JOBS) bash scripts/run_sanitizers.sh tsan
 
 # Sanitizers (docs/reliability.md): ASan + UBSan over every unit test and the e2e suite; TSan over

@@ -5,6 +5,10 @@
 #   scripts/run_fuzz.sh                       # GGUF 30 s, tokenizer/template/request 15 s each
 #   FUZZ_SECONDS=300 TEXT_FUZZ_SECONDS=600 scripts/run_fuzz.sh
 #   FUZZ_TARGETS="request" scripts/run_fuzz.sh
+#   FUZZ_BIN_DIR=build-asan-quick scripts/run_fuzz.sh
+#                                             # runs fuzz_gguf / fuzz_text already built there (a
+#                                             # CMake tree with -DKV_FUZZ=ON: `make test` builds
+#                                             # them with its ASan tree instead of compiling twice)
 #
 # Targets:
 #   gguf       tests/fuzz/fuzz_gguf.cpp: the GGUF reader (seeds: corpus_gguf/, make_seeds.py)
@@ -26,6 +30,7 @@ OUT="${FUZZ_OUT:-$ROOT/build-fuzz}"
 GGUF_SECONDS="${FUZZ_SECONDS:-30}"
 TEXT_SECONDS="${TEXT_FUZZ_SECONDS:-15}"
 TARGETS="${FUZZ_TARGETS:-gguf tokenizer template request}"
+BIN_DIR="${FUZZ_BIN_DIR:-}"
 CXX="${FUZZ_CXX:-clang++}"
 FLAGS=(-std=c++20 -O1 -g -fno-omit-frame-pointer -fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined -Isrc)
 
@@ -72,31 +77,39 @@ export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1"
 for t in $TARGETS; do
   case "$t" in
     gguf)
-      compile tests/fuzz/fuzz_gguf.cpp src/gguf/gguf.cpp src/kernels/ggml_types.cpp > "$OUT/objs"
-      mapfile -t objs < "$OUT/objs"
-      link "$OUT/fuzz_gguf" "${objs[@]}"
+      bin="$BIN_DIR/fuzz_gguf"
+      if [[ -z "$BIN_DIR" ]]; then
+        compile tests/fuzz/fuzz_gguf.cpp src/gguf/gguf.cpp src/kernels/ggml_types.cpp > "$OUT/objs"
+        mapfile -t objs < "$OUT/objs"
+        bin="$OUT/fuzz_gguf"
+        link "$bin" "${objs[@]}"
+      fi
       mkdir -p "$OUT/corpus_gguf"
       echo "fuzzing the GGUF reader for ${GGUF_SECONDS}s"
       # A hostile input of at most 64 KiB may cost a few MB of metadata, never hundreds.
-      "$OUT/fuzz_gguf" "$OUT/corpus_gguf" tests/fuzz/corpus_gguf \
+      "$bin" "$OUT/corpus_gguf" tests/fuzz/corpus_gguf \
         -max_len=65536 -max_total_time="$GGUF_SECONDS" -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=256 \
         -artifact_prefix="$OUT/artifacts/" -print_final_stats=1
       ;;
     tokenizer|template|request)
-      compile tests/fuzz/fuzz_text.cpp src/tokenizer/*.cpp src/gguf/gguf.cpp src/kernels/ggml_types.cpp \
-              src/server/openai_request.cpp src/kv/eviction_policy.cpp src/engine/spec_config.cpp src/common/*.cpp > "$OUT/objs"
-      mapfile -t objs < "$OUT/objs"
-      link "$OUT/fuzz_text" "${objs[@]}"
+      bin="$BIN_DIR/fuzz_text"
+      if [[ -z "$BIN_DIR" ]]; then
+        compile tests/fuzz/fuzz_text.cpp src/tokenizer/*.cpp src/gguf/gguf.cpp src/kernels/ggml_types.cpp \
+                src/server/openai_request.cpp src/kv/eviction_policy.cpp src/engine/spec_config.cpp src/common/*.cpp > "$OUT/objs"
+        mapfile -t objs < "$OUT/objs"
+        bin="$OUT/fuzz_text"
+        link "$bin" "${objs[@]}"
+      fi
       mkdir -p "$OUT/corpus_$t"
       echo "fuzzing the $t target for ${TEXT_SECONDS}s"
       # Each input is at most 8 KiB; a template that loops or recurses without bound hits the
       # 10 s timeout or the 2 GiB RSS limit, and fails the run.
-      KV_FUZZ_TARGET="$t" "$OUT/fuzz_text" "$OUT/corpus_$t" "tests/fuzz/corpus_$t" \
+      KV_FUZZ_TARGET="$t" "$bin" "$OUT/corpus_$t" "tests/fuzz/corpus_$t" \
         -max_len=8192 -max_total_time="$TEXT_SECONDS" -timeout=10 -rss_limit_mb=2048 \
         -artifact_prefix="$OUT/artifacts/" -print_final_stats=1
       ;;
     *) echo "unknown fuzz target $t" >&2; exit 2 ;;
   esac
 done
-mv "$OUT/.headers.new" "$OUT/.headers"
+if [[ -z "$BIN_DIR" ]]; then mv "$OUT/.headers.new" "$OUT/.headers"; else rm -f "$OUT/.headers.new"; fi
 echo "fuzz runs clean"

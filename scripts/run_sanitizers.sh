@@ -59,14 +59,22 @@ case "$kind" in
   *) echo "usage: run_sanitizers.sh asan|tsan" >&2; exit 2 ;;
 esac
 
-light=OFF; targets=(unit_tests kvserve)
+light=OFF; targets=(unit_tests kvserve); fuzz=OFF
 if [[ -n "$QUICK" ]]; then dir="$dir-quick"; light=ON; targets=(kvserve); fi
-echo "== $kind: building $dir (-fsanitize=$san, light $light)"
+# SAN_FUZZ=1 (make test, with asan): the libFuzzer targets are built in the same tree (the library
+# gets libFuzzer's coverage instrumentation too) and run_fuzz.sh runs them before the e2e tests,
+# instead of compiling the same sources a second time.
+if [[ -n "${SAN_FUZZ:-}" && "$kind" == asan ]]; then fuzz=ON; targets+=(fuzz_gguf fuzz_text); fi
+echo "== $kind: building $dir (-fsanitize=$san, light $light, fuzz targets $fuzz)"
 mkdir -p "$dir"
 CXX="$CXX" cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DKV_SANITIZE="$san" -DKV_SANITIZE_LIGHT="$light" \
-      -DKV_PYTHON=OFF -DKV_BUILD_BENCH=OFF > "$dir/configure.log" 2>&1 \
+      -DKV_FUZZ="$fuzz" -DKV_PYTHON=OFF -DKV_BUILD_BENCH=OFF > "$dir/configure.log" 2>&1 \
   || { cat "$dir/configure.log"; exit 1; }
 cmake --build "$dir" -j"$JOBS" --target "${targets[@]}"
+if [[ "$fuzz" == ON ]]; then
+  echo "== $kind: fuzzing with the targets of $dir"
+  FUZZ_BIN_DIR="$dir" bash scripts/run_fuzz.sh
+fi
 
 if [[ -z "$QUICK" ]]; then
   echo "== $kind: unit tests (${gtest_filter})"
