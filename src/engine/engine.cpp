@@ -547,9 +547,9 @@ bool Engine::admit(Sequence& s, int64_t budget, int32_t* n_out) {
     return false;
   }
   // Admitted: a resumed sequence looks below RAM again only after a swap-mode preemption.
-  if (!s.tail_blob.empty()) {
+  if (!s.tail_blob.empty()) {  // unused: the full pages before it were evicted again meanwhile
     s.tail_blob.clear();
-    if (tail_tokens > 0) metrics_.add_tier_tail(true);
+    metrics_.add_tier_tail(tail_tokens > 0 ? TailEvent::kLoaded : TailEvent::kUnused);
   }
   s.tier_checked = true;
   s.swapped = false;
@@ -902,11 +902,7 @@ void Engine::lookup_tiers() {
     if (s.evict.wants_scores()) n_match = std::max<int64_t>(0, n_match - s.evict.obs_window);
     const int64_t max_pages = n_match > 0 ? (n_match - 1) / bs : 0;
     const int64_t ram = cache_->match_length(ns, s.tokens.data(), n_match) / bs;
-    // A decode instance asks for the prompt's tail page too (one more page, after the full ones).
-    std::vector<int32_t> toks;
-    const bool tail = cfg_.tier_prompt_tails == EngineConfig::PromptTails::kFetch && !s.swapped && prompt_tail(s, &toks) > 0;
-    if (!tail) toks.assign(s.tokens.begin(), s.tokens.begin() + max_pages * bs);
-    if (max_pages + (tail ? 1 : 0) - ram < cfg_.tiers.min_pages) continue;
+    if (max_pages - ram < cfg_.tiers.min_pages) continue;
     if (s.tier_miss_at >= 0 && ram >= s.tier_miss_at) continue;  // swapped: nothing new to find
     // Swapped: load only when the pool could take the whole sequence back; loading earlier would
     // evict pages the running sequences need, and they would evict these again (thrashing).
@@ -915,6 +911,10 @@ void Engine::lookup_tiers() {
       const int64_t avail = int64_t(pool_->n_free()) + cache_->n_evictable_pages() - ram;
       if (avail < BlockTable::pages_for(static_cast<int64_t>(s.tokens.size()) + 1, bs) - ram) continue;
     }
+    // A decode instance asks for the prompt's tail page too (one more page, after the full ones).
+    std::vector<int32_t> toks;
+    const int32_t t = cfg_.tier_prompt_tails == EngineConfig::PromptTails::kFetch && !s.swapped ? prompt_tail(s, &toks) : 0;
+    if (t == 0) toks.assign(s.tokens.begin(), s.tokens.begin() + max_pages * bs);
     std::vector<PageHash> hashes = cache_->hash_pages(ns, toks.data(), static_cast<int64_t>(toks.size()));
     if (!tiers_->may_contain(hashes[ram])) {
       s.tier_miss_at = ram;
@@ -924,8 +924,9 @@ void Engine::lookup_tiers() {
     hashes.erase(hashes.begin(), hashes.begin() + ram);
     const double timeout = cfg_.tier_timeout_s + cfg_.tier_timeout_per_page_s * double(hashes.size());
     s.tier_deadline = now + std::chrono::microseconds(static_cast<int64_t>(timeout * 1e6));
-    s.tier_ticket = tiers_->fetch(ns, std::move(hashes), std::move(toks), ram);
-    if (tail) tail_tickets_.insert(s.tier_ticket);
+    // (A tail of block_size tokens is the prompt's last full page, stored as any other: kept.)
+    s.tier_ticket = tiers_->fetch(ns, std::move(hashes), std::move(toks), ram, t > 0 && t < bs);
+    if (t > 0) tail_tickets_.insert(s.tier_ticket);
   }
 }
 
@@ -1000,14 +1001,16 @@ int32_t Engine::prompt_tail(const Sequence& s, std::vector<int32_t>* tokens) con
 
 void Engine::store_prompt_tail(Sequence& s) {
   std::vector<int32_t> toks;
-  if (s.index != 0 || s.n_computed < s.n_prompt || s.first_evicted_page >= 0 || prompt_tail(s, &toks) == 0) return;
   const int32_t bs = cfg_.block_size;
+  // A tail of block_size tokens is a full page: write-through has stored it already.
+  if (s.index != 0 || s.n_computed < s.n_prompt || s.first_evicted_page >= 0) return;
+  if (const int32_t t = prompt_tail(s, &toks); t == 0 || t == bs) return;
   const int64_t last = static_cast<int64_t>(toks.size()) / bs - 1;
   if (last >= static_cast<int64_t>(s.table.pages.size()) || s.table.pages[last] < 0) return;
   const std::string& ns = s.rs->req.params.cache_namespace;
   const std::vector<PageHash> hashes = cache_->hash_pages(ns, toks.data(), static_cast<int64_t>(toks.size()));
-  tiers_->store(hashes.back(), ns, toks.data() + last * bs, s.table.pages[last]);
-  metrics_.add_tier_tail(false);
+  metrics_.add_tier_tail(tiers_->store_tail(hashes.back(), ns, toks.data() + last * bs, s.table.pages[last]) ? TailEvent::kStored
+                                                                                                              : TailEvent::kDropped);
 }
 
 bool Engine::install_prompt_tail(Sequence& s, int64_t n_matched) {

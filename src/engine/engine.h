@@ -71,9 +71,11 @@ struct EngineConfig {
   double tier_timeout_per_page_s = 0.002;
   // Prompt tails (prefill/decode disaggregation, docs/disaggregation.md). The tier keeps full
   // pages; a prompt's last, partly filled page would be recomputed by whoever decodes it. A
-  // prefill instance (kStore) writes that page too when its request ends, keyed by the chain
-  // hash of the page with its unused slots set to -1 (never a full page's); a decode instance
-  // (kFetch) asks for it beside the full pages and computes only the prompt's last token.
+  // prefill instance (kStore) writes that page too when its request ends, to the shared store
+  // alone (TierManager::store_tail), keyed by the chain hash of the page with its unused slots
+  // set to -1 (no full page has it); a decode instance (kFetch) asks for it in the lookup of the
+  // full pages (not on its own), reads it once (it is removed) and computes only the prompt's
+  // last token. A prompt that ends on a page boundary has a full last page, stored as any page.
   // Unquantized (unstaged) KV layouts only: a quantized layout keeps a filling page elsewhere.
   enum class PromptTails { kOff, kStore, kFetch } tier_prompt_tails = PromptTails::kOff;
   // Speculative decoding of requests that do not choose (engine/speculative.h); off by default.

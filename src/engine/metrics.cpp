@@ -71,9 +71,9 @@ void Metrics::add_tier_load_timeout() {
   std::lock_guard<std::mutex> l(mu_);
   ++m_.tier_load_timeouts_total;
 }
-void Metrics::add_tier_tail(bool loaded) {
+void Metrics::add_tier_tail(TailEvent e) {
   std::lock_guard<std::mutex> l(mu_);
-  ++(loaded ? m_.tier_tails_loaded_total : m_.tier_tails_stored_total);
+  ++m_.tier_tails_total[static_cast<int>(e)];
 }
 void Metrics::add_evicted_tokens(int64_t n) { std::lock_guard<std::mutex> l(mu_); m_.kv_evicted_tokens_total += n; }
 void Metrics::observe_kv_kept(int64_t tokens) { std::lock_guard<std::mutex> l(mu_); m_.kv_kept_tokens.observe(double(tokens)); }
@@ -198,11 +198,15 @@ std::string render_prometheus(const MetricsSnapshot& m) {
             double(m.tier_loaded_pages_total));
     counter(out, "kvserve:kv_tier_load_timeouts_total", "Lower-tier lookups a request stopped waiting for (it computed instead).",
             double(m.tier_load_timeouts_total));
-    out += "# HELP kvserve:kv_tier_prompt_tails_total Prompt tails (the partly filled last page of a prompt) a prefill instance "
-           "stored, and a decode instance installed instead of recomputing them.\n"
+    out += "# HELP kvserve:kv_tier_prompt_tails_total Prompt tails (a prompt's partly filled last page): stored or dropped by a "
+           "prefill instance; loaded (installed instead of recomputed) or unused by a decode instance.\n"
            "# TYPE kvserve:kv_tier_prompt_tails_total counter\n";
-    out += "kvserve:kv_tier_prompt_tails_total{result=\"stored\"} " + std::to_string(m.tier_tails_stored_total) + "\n";
-    out += "kvserve:kv_tier_prompt_tails_total{result=\"loaded\"} " + std::to_string(m.tier_tails_loaded_total) + "\n";
+    for (TailEvent e : {TailEvent::kStored, TailEvent::kDropped, TailEvent::kLoaded, TailEvent::kUnused}) {
+      char buf[128];
+      std::snprintf(buf, sizeof buf, "kvserve:kv_tier_prompt_tails_total{result=\"%s\"} %lld\n", tail_event_name(e),
+                    static_cast<long long>(m.tier_tails_total[static_cast<int>(e)]));
+      out += buf;
+    }
     struct Series {
       const char* name;
       const char* type;

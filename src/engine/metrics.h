@@ -37,6 +37,15 @@ enum class StepPhase { kSchedule, kMatmul, kAttention, kLogits, kSample, kPostpr
 const char* step_phase_name(StepPhase p);
 inline constexpr int kNumStepPhases = static_cast<int>(StepPhase::kCount);
 
+// Prompt tails (engine.h, EngineConfig::tier_prompt_tails): the prefill side stored one (or
+// dropped it: the write queue was full); the decode side installed one, or found it but could not
+// use it (the full pages before it were gone by admission).
+enum class TailEvent { kStored, kDropped, kLoaded, kUnused };
+inline const char* tail_event_name(TailEvent e) {
+  static const char* const names[] = {"stored", "dropped", "loaded", "unused"};
+  return names[static_cast<int>(e)];
+}
+
 struct MetricsSnapshot {
   int64_t num_requests_running = 0;
   int64_t num_requests_waiting = 0;
@@ -71,8 +80,7 @@ struct MetricsSnapshot {
   int64_t tier_load_timeouts_total = 0;  // lookups a request stopped waiting for
   // Prompt tails (P/D): the partly filled last page of a prompt, stored by a prefill instance
   // and installed by a decode instance (engine.h, EngineConfig::tier_prompt_tails).
-  int64_t tier_tails_stored_total = 0;
-  int64_t tier_tails_loaded_total = 0;
+  int64_t tier_tails_total[4] = {};  // by TailEvent
   // Hot and cold pages of live sequences (kv/cold_store.h); has_cold: --kv-offload-cold is on.
   bool has_cold = false;
   ColdStats cold;
@@ -100,7 +108,7 @@ class Metrics {
   void add_evicted_tokens(int64_t n);
   void add_tier_loaded_pages(int64_t n);
   void add_tier_load_timeout();
-  void add_tier_tail(bool loaded);  // a prompt tail stored (false) or installed (true)
+  void add_tier_tail(TailEvent e);
   void observe_kv_kept(int64_t tokens);
   void add_prompt_tokens(int64_t n);
   void add_generation_tokens(int64_t n);

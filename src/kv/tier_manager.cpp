@@ -82,6 +82,22 @@ void TierManager::store(const PageHash& h, const std::string& ns, const int32_t*
   // Already below: the disk's index says so exactly; with Redis, remember what this process wrote.
   const bool disk_only = disk_ && stores_.size() == 1;
   if (disk_only ? disk_->may_contain(h) : written_.count(h) > 0) return;
+  if (!disk_only) {
+    if (written_.size() >= kWrittenCap) written_.clear();
+    written_.insert(h);
+  }
+  queue_write(page_write(h, ns, tokens, page));
+}
+
+bool TierManager::store_tail(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page) {
+  const int32_t shared = static_cast<int32_t>(stores_.size()) - 1;  // L3 (Redis) is the last store
+  if (!pool_ || shared < 0 || stores_[shared].get() == disk_) return false;
+  Write w = page_write(h, ns, tokens, page);
+  w.only_store = shared;
+  return queue_write(std::move(w));
+}
+
+TierManager::Write TierManager::page_write(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page) const {
   Write w;
   w.hash = h;
   w.ns_tag = namespace_tag(ns);
@@ -94,14 +110,10 @@ void TierManager::store(const PageHash& h, const std::string& ns, const int32_t*
     const size_t bb = size_t(layout_.n_head_kv) * 2 * layout_.head_dim * 2;
     for (int32_t l = 0; l < layout_.n_layer; ++l, dst += bb) std::memcpy(dst, pool_->key_bounds(l, page), bb);
   }
-  if (!disk_only) {
-    if (written_.size() >= kWrittenCap) written_.clear();
-    written_.insert(h);
-  }
-  queue_write(std::move(w));
+  return w;
 }
 
-void TierManager::queue_write(Write w) {
+bool TierManager::queue_write(Write w) {
   const int64_t bytes = static_cast<int64_t>(w.payload.size() + w.blob.size());
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -111,13 +123,14 @@ void TierManager::queue_write(Write w) {
       // written_ is the engine thread's: only its own writes (store()) were added there; a
       // promotion (only_store >= 0) is queued by the loader thread, which must not touch it.
       if (w.only_store < 0) written_.erase(w.hash);
-      return;
+      return false;
     }
     pending_bytes_ += bytes;
     w.seq = ++queued_seq_;
     writes_.push_back(std::move(w));
   }
   cv_.notify_all();
+  return true;
 }
 
 void TierManager::writer_loop() {
@@ -196,12 +209,13 @@ bool TierManager::wait_written(uint64_t mark, double timeout_s) {
 
 // ---- up -----------------------------------------------------------------------------------
 
-uint64_t TierManager::fetch(const std::string& ns, std::vector<PageHash> hashes, std::vector<int32_t> tokens, int64_t first_page) {
+uint64_t TierManager::fetch(const std::string& ns, std::vector<PageHash> hashes, std::vector<int32_t> tokens, int64_t first_page,
+                            bool last_is_tail) {
   uint64_t t;
   {
     std::lock_guard<std::mutex> l(mu_);
     t = next_ticket_++;
-    fetches_.push_back(Fetch{t, ns, std::move(hashes), std::move(tokens), first_page});
+    fetches_.push_back(Fetch{t, ns, std::move(hashes), std::move(tokens), first_page, last_is_tail});
   }
   cv_.notify_all();
   return t;
@@ -247,8 +261,10 @@ void TierManager::loader_loop() {
           ++corrupt;
           break;
         }
+        const bool tail = f.last_is_tail && pos + 1 == f.hashes.size();
+        if (tail) stores_[i]->remove(id.ns_tag, f.hashes[pos]);  // read once
         // A page found below L2 is written to L2 as well (promotion).
-        if (i > 0 && disk_) {
+        if (i > 0 && disk_ && !tail) {
           Write w;
           w.hash = f.hashes[pos];
           w.ns_tag = id.ns_tag;

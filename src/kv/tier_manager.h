@@ -81,12 +81,19 @@ class TierManager : public PageListener {
   void page_evicted(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page) override;
   // Queues a write of one pool page (e.g. a preempted sequence's pages, swap mode).
   void store(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page);
+  // A prompt's partly filled last page for another instance (prefill/decode disaggregation): read
+  // once, so it goes to the shared store (Redis) alone, never to a local disk. False when it was
+  // not queued (no shared store, or the queue is full).
+  bool store_tail(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page);
   // Whether some store may hold h (disk: its index; Redis: always).
   bool may_contain(const PageHash& h) const;
 
   // A lookup of pages [first_page, first_page + hashes.size()) of a prompt: their hashes, and
   // the prompt's tokens from position 0 through the last of those pages. Returns a ticket (> 0).
-  uint64_t fetch(const std::string& ns, std::vector<PageHash> hashes, std::vector<int32_t> tokens, int64_t first_page);
+  // last_is_tail: the last page is a store_tail() page: found, it is removed from its store
+  // (read once) and not copied into the disk tier.
+  uint64_t fetch(const std::string& ns, std::vector<PageHash> hashes, std::vector<int32_t> tokens, int64_t first_page,
+                 bool last_is_tail = false);
   struct Loaded {
     uint64_t ticket = 0;
     std::string ns;
@@ -129,10 +136,12 @@ class TierManager : public PageListener {
     std::vector<PageHash> hashes;
     std::vector<int32_t> tokens;
     int64_t first_page;
+    bool last_is_tail = false;
   };
   void writer_loop();
   void loader_loop();
-  void queue_write(Write w);
+  Write page_write(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page) const;
+  bool queue_write(Write w);  // false: dropped (the queue is full)
   PageIdentity identity(uint64_t ns_tag) const;
   int64_t payload_bytes() const;
 

@@ -97,17 +97,22 @@ def test_prefill_and_decode_give_the_output_of_one_instance(redis):
         dec = role_server("decode", redis)
         assert requests.get(pre.url + "/health").json()["role"] == "prefill"
         router = Router("--prefill", pre.url, "--decode", dec.url, max_model_len=MAX_LEN)
-        tails = 0
+        tails = full_tails = 0
         for i, p in enumerate(prompts):
             text, n_prompt, cached = complete(router.url, p, stream=(i == 1))
             assert text == expected[i], i
             # The decode instance found every full page the prefill instance stored and the prompt's
             # partly filled last page: it computed only the prompt's last token.
             assert cached == n_prompt - 1, (i, n_prompt, cached)
-            tails += (n_prompt - 1) % 16 != 0  # a tail of 2 tokens or more (1: the last token alone)
-        assert tails >= 2
-        assert dec.metrics()['kvserve:kv_tier_prompt_tails_total{result="loaded"}'] == tails
-        assert pre.metrics()['kvserve:kv_tier_prompt_tails_total{result="stored"}'] == tails
+            t = n_prompt - (n_prompt - 1) // 16 * 16  # the last page's tokens (1: the last token alone)
+            tails += 2 <= t < 16
+            full_tails += t == 16  # a full last page: stored as any page (write-through), installed as a tail
+        assert tails >= 2 and full_tails >= 1
+        m_dec, m_pre = dec.metrics(), pre.metrics()
+        assert m_dec['kvserve:kv_tier_prompt_tails_total{result="loaded"}'] == tails + full_tails
+        assert m_dec['kvserve:kv_tier_prompt_tails_total{result="unused"}'] == 0
+        assert m_pre['kvserve:kv_tier_prompt_tails_total{result="stored"}'] == tails
+        assert m_pre['kvserve:kv_tier_prompt_tails_total{result="dropped"}'] == 0
         # A prefill instance answers one token, whatever was asked, once its pages are stored.
         r = requests.post(pre.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": doc(20000, 1500), "max_tokens": 50,
                                                              "temperature": 0})

@@ -1333,6 +1333,63 @@ TEST_F(KvTierRedis, TierManagerL3AndPromotion) {
   EXPECT_EQ(c2.integer({"EXISTS", key}), 0);
 }
 
+// Prompt tails (P/D): store_tail writes to Redis alone (not to the prefill side's disk); a lookup
+// whose last page is the tail finds it beside the full pages, removes it from Redis (read once)
+// and does not copy it into the decode side's disk, while the full pages are promoted as usual.
+TEST_F(KvTierRedis, PromptTailGoesToRedisAloneAndIsReadOnce) {
+  const KvLayout L = layout_of(KvDtype::kF16);
+  const int32_t bs = L.block_size;
+  PagePool pool(L, 4, 4), pool2(L, 4, 4);
+  for (int32_t p = 0; p < 3; ++p) fill_page(pool, p, 700 + p);
+  auto tokens = tokens_for(3 * bs, 9);
+  std::fill(tokens.begin() + 2 * bs + 5, tokens.end(), -1);  // page 2: a tail of 5 tokens
+  const std::string ns = "tenant";
+  TmpDir d1("tail-prefill"), d2("tail-decode");
+  TierConfig cfg;
+  cfg.disk_dir = d1.path;
+  cfg.redis = {server_.addr()};
+  cfg.write_through = true;
+  auto pre = make_tiers(cfg, L);
+  ASSERT_TRUE(pre);
+  pre->set_pool(&pool);
+  for (int32_t p = 0; p < 2; ++p) pre->page_cached(hash_of(p), ns, tokens.data() + p * bs, p);
+  const uint64_t before = pre->write_mark();
+  ASSERT_TRUE(pre->store_tail(hash_of(2), ns, tokens.data() + 2 * bs, 2));
+  EXPECT_GT(pre->write_mark(), before);  // the prefill side's answer waits for it
+  pre->flush();
+  EXPECT_EQ(pre->disk()->n_pages(), 2);  // the tail is not on the prefill side's disk
+  Client c(server_.port());
+  EXPECT_EQ(c.integer({"DBSIZE"}), 3);
+
+  cfg.disk_dir = d2.path;
+  cfg.write_through = false;
+  auto dec = make_tiers(cfg, L);
+  ASSERT_TRUE(dec);
+  dec->set_pool(&pool2);
+  auto got = wait_loaded(*dec, dec->fetch(ns, {hash_of(0), hash_of(1), hash_of(2)}, tokens, 0, /*last_is_tail=*/true));
+  ASSERT_TRUE(got.has_value());
+  ASSERT_EQ(got->blobs.size(), 3u);
+  for (int32_t p = 0; p < 3; ++p) {
+    ASSERT_TRUE(dec->install(got->blobs[p], pool2, p));
+    expect_same_page(pool, p, pool2, p);
+  }
+  dec->flush();
+  EXPECT_EQ(dec->disk()->n_pages(), 2);     // full pages promoted, the tail not
+  EXPECT_EQ(c.integer({"DBSIZE"}), 2);       // the tail was read once and removed
+  // Asked for again (a retry), the tail is a miss; the full pages still hit.
+  auto again = wait_loaded(*dec, dec->fetch(ns, {hash_of(0), hash_of(1), hash_of(2)}, tokens, 0, true));
+  ASSERT_TRUE(again.has_value());
+  EXPECT_EQ(again->blobs.size(), 2u);
+
+  // Without a shared store there is nowhere to put a tail.
+  TierConfig disk_only;
+  disk_only.disk_dir = d1.path;
+  auto local = make_tiers(disk_only, L);
+  ASSERT_TRUE(local);
+  local->set_pool(&pool);
+  EXPECT_FALSE(local->store_tail(hash_of(2), ns, tokens.data() + 2 * bs, 2));
+}
+
 // Promotions that do not fit the pending budget are dropped (counted), the lookup still hits.
 TEST_F(KvTierRedis, TierManagerPromotionOverBudgetIsDropped) {
   const KvLayout L = layout_of(KvDtype::kF16);
