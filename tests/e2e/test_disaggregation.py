@@ -21,7 +21,7 @@ import pytest
 import requests
 from openai import OpenAI
 
-from kvserve_server import KVSERVE, MODEL, MODEL_NAME, Redis, Router, Server, free_port
+from kvserve_server import KVSERVE, MODEL, MODEL_NAME, SLOWDOWN, Redis, Router, Server, free_port
 
 MAX_LEN = 2048
 BASE = open(os.path.join(os.path.dirname(__file__), "..", "..", "data", "text", "emma.txt"), encoding="utf-8").read()
@@ -32,7 +32,7 @@ def doc(offset: int, chars: int = 3000) -> str:
 
 
 def client(url: str) -> OpenAI:
-    return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120 * SLOWDOWN)
 
 
 def complete(url: str, prompt: str, max_tokens: int = 12, stream: bool = False):
@@ -161,7 +161,7 @@ def test_prefill_instance_killed_mid_load_fails_no_request(redis):
             futs = [ex.submit(complete, router.url, p, 6, i % 2 == 0) for i, p in enumerate(prompts)]
             time.sleep(1.0)
             pre.proc.send_signal(signal.SIGKILL)
-            got = [f.result(timeout=300)[0] for f in futs]
+            got = [f.result(timeout=300 * SLOWDOWN)[0] for f in futs]
         assert got == expected
         m = router.metrics()
         assert m['kvserve:router_prefills_total{result="failed"}'] >= 1, m

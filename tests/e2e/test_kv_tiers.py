@@ -25,7 +25,7 @@ import requests
 import xxhash
 from openai import OpenAI
 
-from kvserve_server import MODEL_NAME, Redis, Server, free_port
+from kvserve_server import MODEL_NAME, SLOWDOWN, Redis, Server, free_port
 
 MAX_LEN = 2048
 # ~1100 tokens of distinct text per salt / seed, so nothing is shared by accident.
@@ -41,7 +41,7 @@ def tier_server(*extra: str, kv_memory: str = "48MiB") -> Server:
 
 
 def ask(server: Server, prompt: str, max_tokens: int = 12, api_key: str = "unused", **extra):
-    c = OpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+    c = OpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0, timeout=120 * SLOWDOWN)
     try:
         r = c.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                  extra_body=extra or None)
@@ -78,7 +78,7 @@ def disk_dir():
 
 
 def wait_written(server: Server, tier_name: str, at_least: int, timeout: float = 20):
-    deadline = time.time() + timeout
+    deadline = time.time() + timeout * SLOWDOWN
     while tier(server, "kv_tier_pages_written_total", tier_name) < at_least:
         if time.time() > deadline:
             pytest.fail(f"{tier_name}: fewer than {at_least} pages written: {server.metrics()}")
@@ -197,7 +197,7 @@ def test_redis_down_or_frozen_fails_no_request_and_hits_resume(redis):
         t0 = time.time()
         text, _, cached = ask(b, p)
         assert text == cold and cached == 0
-        assert time.time() - t0 < 30
+        assert time.time() - t0 < 30 * SLOWDOWN  # (sanitized builds: KV_TEST_SLOWDOWN)
         redis.proc.send_signal(signal.SIGCONT)
         # Dead: killed and restarted empty on the same port.
         redis.stop()

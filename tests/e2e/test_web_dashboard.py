@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from kvserve_server import MODEL_NAME, Server
+from kvserve_server import MODEL_NAME, SLOWDOWN, Server
 from web_pages import ask, last_stats, needs_chromium, screenshot, set_key, sync_api
 
 KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
@@ -257,7 +257,7 @@ def test_64_concurrent_streams_the_dashboard_keeps_up_and_the_chat_page_answers(
             # Several fresh snapshots within a few seconds (at most one per engine step: nothing
             # changes inside a step, and a step of 64 sequences is slow on 2 cores).
             t0 = time.time()
-            watchers[0].wait_for(lambda e: e["seq"] >= first["seq"] + 3, 5, "3 more snapshots under load")
+            watchers[0].wait_for(lambda e: e["seq"] >= first["seq"] + 3, 5 * SLOWDOWN, "3 more snapshots under load")
             rate = 3 / (time.time() - t0)
             page.wait_for_function("() => Number(document.getElementById('count-running').textContent) > 0", timeout=5_000)
             screenshot(page, "dashboard.png")
