@@ -32,6 +32,7 @@ build: deps
 # A hung test fails after CTEST_TIMEOUT seconds instead of eating the CI budget.
 # pytest exits 5 when it collects no test: not a failure while tests/py is still empty.
 # tests/e2e starts the real server (build/kvserve serve) on the default model.
+# SAN_FUZZ=1: the bounded ASan tree also builds the libFuzzer targets, and scripts/run_fuzz.sh runs them.
 test: deps models text build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j$(JOBS) --timeout $(CTEST_TIMEOUT)
 	$(PYTHON) -m pytest -q --durations=12 tests/py tests/e2e; rc=$$?; \
