@@ -994,8 +994,10 @@ int32_t Engine::prompt_tail(const Sequence& s, std::vector<int32_t>* tokens) con
   const int64_t full = (s.n_prompt - 1) / bs;  // full pages before it: the cache never matches the tail's page
   const int32_t t = static_cast<int32_t>(s.n_prompt - full * bs);
   if (t < 2) return 0;  // the last token is computed anyway
-  tokens->assign(s.tokens.begin(), s.tokens.begin() + s.n_prompt);
-  tokens->resize(static_cast<size_t>((full + 1) * bs), -1);
+  if (tokens) {
+    tokens->assign(s.tokens.begin(), s.tokens.begin() + s.n_prompt);
+    tokens->resize(static_cast<size_t>((full + 1) * bs), -1);
+  }
   return t;
 }
 
@@ -1014,8 +1016,7 @@ void Engine::store_prompt_tail(Sequence& s) {
 }
 
 bool Engine::install_prompt_tail(Sequence& s, int64_t n_matched) {
-  std::vector<int32_t> toks;
-  const int32_t t = prompt_tail(s, &toks);
+  const int32_t t = prompt_tail(s);
   const int32_t bs = cfg_.block_size;
   // Only right after every full page before it: the tail's slots are positions n_prompt - t...
   if (t == 0 || n_matched != s.n_prompt - t || n_matched % bs != 0) return false;

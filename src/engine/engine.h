@@ -158,12 +158,11 @@ class Engine {
   void lookup_tiers();        // starts lower-tier lookups for waiting requests (RAM misses)
   void install_tier_pages();  // pages the lookups found: into the pool and the prefix cache
   void swap_out(Sequence& s); // preemption in swap mode: the full pages go to the tiers
-  // Prompt tails (EngineConfig::tier_prompt_tails): the prompt's tokens through its last page,
-  // that page's unused slots -1; returns the tail's length t (tokens [n_prompt - t, n_prompt)),
-  // 0 when the sequence has none worth moving (t < 2, or a policy or layout that rules it out).
-  int32_t prompt_tail(const Sequence& s, std::vector<int32_t>* tokens) const;
-  void store_prompt_tail(Sequence& s);       // prefill side, as its request ends
-  std::unordered_set<uint64_t> tail_tickets_;  // tier lookups whose last page is a prompt tail
+  // Prompt tails (EngineConfig::tier_prompt_tails): the tail's length t (tokens [n_prompt - t,
+  // n_prompt)), 0 when the sequence has none worth moving (t < 2, or a policy or layout that
+  // rules it out); with tokens, the prompt's tokens through its last page, unused slots -1.
+  int32_t prompt_tail(const Sequence& s, std::vector<int32_t>* tokens = nullptr) const;
+  void store_prompt_tail(Sequence& s);                       // prefill side, as its request ends
   bool install_prompt_tail(Sequence& s, int64_t n_matched);  // decode side, in admit()
   // Speculative decoding: s.draft for this step (at most k_cap tokens, none when s cannot
   // speculate); then, after the verification forward, the accepted prefix's bookkeeping.
@@ -183,6 +182,7 @@ class Engine {
   void slide(Sequence& s);
   std::unique_ptr<PrefixCache> cache_;  // after pool_: destroyed first, releasing into the pool
   std::unique_ptr<TierManager> tiers_;  // after cache_: destroyed before it
+  std::unordered_set<uint64_t> tail_tickets_;  // tier lookups whose last page is a prompt tail
   std::unique_ptr<ColdStore> cold_;     // --kv-offload-cold: pages of live sequences beyond their budget
   void attach_cold(Sequence& s);        // s's cold table, when its policy offloads
   void maybe_offload(Sequence& s);      // after a run: s's cold pages down to its budget
