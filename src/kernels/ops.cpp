@@ -104,8 +104,9 @@ int64_t collect_ge(const float* x, int64_t n, float t, int32_t* idx, double* mas
 
 int64_t first_gt(const float* x, int64_t from, int64_t n, float t) { return kernels().first_gt(x, from, n, t); }
 
-float key_bound(const float* const* q, int n_rows, const uint16_t* mn, const uint16_t* mx, int hd) {
-  return kernels().key_bound(q, n_rows, mn, mx, hd);
+void key_bound_pages(const float* const* q, int n_rows, int n_heads, const uint16_t* const* b, int64_t n, int hd,
+                     float* out) {
+  kernels().key_bound_pages(q, n_rows, n_heads, b, n, hd, out);
 }
 
 }  // namespace kv

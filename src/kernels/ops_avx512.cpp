@@ -210,10 +210,9 @@ int64_t first_gt(const float* x, int64_t from, int64_t n, float t) {
 }
 
 float key_bound(const float* const* q, int n_rows, const uint16_t* mn, const uint16_t* mx, int hd) {
-  if (hd % 16 != 0) return key_bound_ref(q, n_rows, mn, mx, hd);
-  constexpr int kMaxChunks = 16;  // head_dim ≤ 256
+  constexpr int kMaxChunks = 16;  // head_dim ≤ 256 (key_bound_pages checks)
   __m512 lo[kMaxChunks], hi[kMaxChunks];
-  const int nc = std::min(hd / 16, kMaxChunks);
+  const int nc = hd / 16;
   for (int c = 0; c < nc; ++c) {
     lo[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + 16 * c)));
     hi[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mx + 16 * c)));
@@ -231,7 +230,17 @@ float key_bound(const float* const* q, int n_rows, const uint16_t* mn, const uin
   return best;
 }
 
+void key_bound_pages(const float* const* q, int n_rows, int n_heads, const uint16_t* const* b, int64_t n, int hd,
+                     float* out) {
+  if (hd % 16 != 0 || hd > 256) return key_bound_pages_ref(q, n_rows, n_heads, b, n, hd, out);
+  for (int64_t i = 0; i < n; ++i)
+    for (int h = 0; h < n_heads; ++h) {
+      const uint16_t* mn = b[i] + int64_t(h) * 2 * hd;
+      out[i * n_heads + h] = key_bound(q + int64_t(h) * n_rows, n_rows, mn, mn + hd, hd);
+    }
+}
+
 const OpsKernels kOps = {rms_norm, rope_portable, silu_mul, gelu_mul, softmax, add_inplace_portable, max_value,
-                         exp_scaled, collect_ge, first_gt, key_bound};
+                         exp_scaled, collect_ge, first_gt, key_bound_pages};
 
 }  // namespace kv::avx512

@@ -110,14 +110,21 @@ int64_t first_gt_ref(const float* x, int64_t from, int64_t n, float t) {
   return n;
 }
 
-float key_bound_ref(const float* const* q, int n_rows, const uint16_t* mn, const uint16_t* mx, int hd) {
-  double best = -std::numeric_limits<double>::infinity();
-  for (int r = 0; r < n_rows; ++r) {
-    double sum = 0;
-    for (int d = 0; d < hd; ++d) sum += std::max(double(q[r][d]) * fp16_to_fp32(mn[d]), double(q[r][d]) * fp16_to_fp32(mx[d]));
-    best = std::max(best, sum);
-  }
-  return static_cast<float>(best);
+void key_bound_pages_ref(const float* const* q, int n_rows, int n_heads, const uint16_t* const* b, int64_t n, int hd,
+                         float* out) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int h = 0; h < n_heads; ++h) {
+      const uint16_t *mn = b[i] + int64_t(h) * 2 * hd, *mx = mn + hd;
+      const float* const* qh = q + int64_t(h) * n_rows;
+      double best = -std::numeric_limits<double>::infinity();
+      for (int r = 0; r < n_rows; ++r) {
+        double sum = 0;
+        for (int d = 0; d < hd; ++d)
+          sum += std::max(double(qh[r][d]) * fp16_to_fp32(mn[d]), double(qh[r][d]) * fp16_to_fp32(mx[d]));
+        best = std::max(best, sum);
+      }
+      out[i * n_heads + h] = static_cast<float>(best);
+    }
 }
 
 }  // namespace kv

@@ -398,11 +398,10 @@ void LlamaModel::quest_select_layer(const Batch& batch, const PagePool& pool, in
   const int64_t HD = c.head_dim, n_qkv = int64_t(c.n_head + 2 * c.n_head_kv) * HD;
   const int32_t bs = pool.layout().block_size;
   const int n_group = c.n_group(), hkv = c.n_head_kv;
-  // Work: bounds in chunks of kChunk pages per (sequence, KV head), spread over the threads
-  // (a decode batch has few (sequence, head) pairs, often fewer than threads ×2), then one
-  // selection per pair.
+  // Work: bounds in chunks of kChunk pages per sequence (all KV heads of a page at once: their
+  // bounds are contiguous), spread over the threads, then one selection per (sequence, head).
   constexpr int64_t kChunk = 64;
-  struct Chunk { int32_t si, h; int64_t i0, i1; };
+  struct Chunk { int32_t si; int64_t i0, i1; };
   thread_local std::vector<Chunk> chunks;  // the engine thread's
   chunks.clear();
   if (quest_bounds_.size() < quest_tables_.size()) quest_bounds_.resize(quest_tables_.size());
@@ -410,10 +409,8 @@ void LlamaModel::quest_select_layer(const Batch& batch, const PagePool& pool, in
     if (!quest_on_[si]) continue;
     const BatchSeq& s = batch.seqs[si];
     const int64_t n_pg = (s.pos0 + s.n_tokens - 1) / bs + 1;
-    for (int32_t h = 0; h < hkv; ++h) {
-      quest_bounds_[size_t(si) * hkv + h].assign(n_pg, 0.f);
-      for (int64_t i0 = 0; i0 < n_pg; i0 += kChunk) chunks.push_back({si, h, i0, std::min(n_pg, i0 + kChunk)});
-    }
+    for (int32_t h = 0; h < hkv; ++h) quest_bounds_[size_t(si) * hkv + h].assign(n_pg, 0.f);
+    for (int64_t i0 = 0; i0 < n_pg; i0 += kChunk) chunks.push_back({si, i0, std::min(n_pg, i0 + kChunk)});
   }
   const std::vector<Chunk>& work = chunks;
   const int64_t n_pairs = int64_t(batch.seqs.size()) * hkv;
@@ -424,14 +421,26 @@ void LlamaModel::quest_select_layer(const Batch& batch, const PagePool& pool, in
       const Chunk& ck = work[wi];
       const BatchSeq& s = batch.seqs[ck.si];
       const int32_t* pages = s.pages;
-      float* bound = quest_bounds_[size_t(ck.si) * hkv + ck.h].data();
       const int n_rows = s.n_tokens * n_group;
-      const float* q[kAttnQTile * kAttnMaxGroup];  // the run's query rows of this KV head's group
-      for (int r = 0; r < n_rows; ++r) q[r] = qkv_.data() + (s.offset + r / n_group) * n_qkv + int64_t(ck.h * n_group + r % n_group) * HD;
+      // the run's query rows, KV head by KV head (each head's group of query heads)
+      thread_local std::vector<const float*> q;
+      thread_local std::vector<float> out;  // [page][head]
+      q.resize(size_t(hkv) * n_rows);
+      out.resize(size_t(kChunk) * hkv);
+      for (int h = 0; h < hkv; ++h)
+        for (int r = 0; r < n_rows; ++r)
+          q[h * n_rows + r] = qkv_.data() + (s.offset + r / n_group) * n_qkv + int64_t(h * n_group + r % n_group) * HD;
+      const uint16_t* kb[kChunk];  // the chunk's pages that have keys, then one kernel call
+      int64_t at[kChunk], n = 0;
       for (int64_t i = ck.i0; i < ck.i1; ++i) {
         if (pages[i] < 0 && !(pages[i] == kColdPage && s.cold)) continue;
-        const uint16_t* mn = (pages[i] >= 0 ? pool.key_bounds(li, pages[i]) : s.cold->key_bounds(i, li)) + int64_t(ck.h) * 2 * HD;
-        bound[i] = key_bound(q, n_rows, mn, mn + HD, static_cast<int>(HD));
+        kb[n] = pages[i] >= 0 ? pool.key_bounds(li, pages[i]) : s.cold->key_bounds(i, li);
+        at[n++] = i;
+      }
+      key_bound_pages(q.data(), n_rows, hkv, kb, n, static_cast<int>(HD), out.data());
+      for (int h = 0; h < hkv; ++h) {
+        float* bound = quest_bounds_[size_t(ck.si) * hkv + h].data();
+        for (int64_t j = 0; j < n; ++j) bound[at[j]] = out[j * hkv + h];
       }
     }
     tp.barrier();
