@@ -797,7 +797,7 @@ std::vector<std::pair<std::string, Value>> builtin_globals(Interp& in) {
                                         },
                                         "raise_exception"));
   g.emplace_back("namespace", Value::function(
-                                  [](CallArgs& a) -> Value {
+                                  [&in](CallArgs& a) -> Value {
                                     Object o;
                                     if (!a.pos.empty()) {
                                       if (!a.pos[0].is_object()) fail("TypeError", "namespace() expects a mapping");
@@ -809,7 +809,7 @@ std::vector<std::pair<std::string, Value>> builtin_globals(Interp& in) {
                                                               "attributes on a namespace, but got '" + k + "'.");
                                       o.emplace_back(k, v);
                                     }
-                                    return Value::make_namespace(std::move(o));
+                                    return in.make_namespace(std::move(o));
                                   },
                                   "namespace"));
   g.emplace_back("dict", Value::function(

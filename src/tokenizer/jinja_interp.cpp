@@ -76,7 +76,26 @@ void Interp::append(std::string& out, const std::string& s) {
   out += s;
 }
 
+Value Interp::make_namespace(Object o) {
+  Value v = Value::make_namespace(std::move(o));
+  namespaces_.push_back(v);
+  return v;
+}
+
+void Interp::release_namespaces() {
+  std::vector<Value> all = std::move(namespaces_);
+  namespaces_.clear();
+  for (const Value& ns : all) ns.ns_obj().clear();
+}
+
 std::string Interp::render(const std::vector<std::pair<std::string, Value>>& globals) {
+  struct Release {
+    Interp& in;
+    ~Release() {
+      in.scopes_.clear();
+      in.release_namespaces();
+    }
+  } release{*this};
   scopes_.clear();
   scopes_.emplace_back();
   for (auto& [k, v] : builtin_globals(*this)) scopes_[0][k] = v;

@@ -26,6 +26,9 @@ struct Limits {
 class Interp {
  public:
   Interp(const Template& t, Limits limits);
+  ~Interp() { release_namespaces(); }
+  Interp(const Interp&) = delete;
+  Interp& operator=(const Interp&) = delete;
   // Renders with `globals` (messages, bos_token, ...) on top of the built-in globals.
   std::string render(const std::vector<std::pair<std::string, Value>>& globals);
   size_t error_pos() const { return cur_pos_; }  // node being evaluated when an Error was thrown
@@ -38,6 +41,9 @@ class Interp {
   // Charges a freshly built value against the budgets: strings by bytes, lists by elements.
   const Value& charge(const Value& v);
   void step(int64_t n = 1);
+  // namespace(): the only mutable value, so the only way to build a reference cycle (`set ns.x = ns`,
+  // `set ns.x = [ns]`). Every namespace a render creates is registered and emptied when the render ends.
+  Value make_namespace(Object o);
 
  private:
   enum class Flow { kNormal, kBreak, kContinue };
@@ -57,6 +63,7 @@ class Interp {
   Value lookup(const std::string& name) const;
   Value make_macro(const Node& n);
   void append(std::string& out, const std::string& s);
+  void release_namespaces();
 
   const Template& t_;
   Limits limits_;
@@ -64,6 +71,7 @@ class Interp {
   int64_t steps_ = 0;
   int depth_ = 0;
   size_t cur_pos_ = 0;
+  std::vector<Value> namespaces_;  // created by this render; emptied at its end to break cycles
 };
 
 // Builtins (jinja_builtins.cpp).

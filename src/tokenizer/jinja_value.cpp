@@ -288,6 +288,24 @@ std::string to_repr(const Value& v) {
   }
 }
 
+namespace {
+// The containers being printed, innermost last: Python's Py_ReprEnter. A container met again inside
+// itself (only possible through a namespace, the one mutable value) prints as "[...]" / "{...}" /
+// "<Namespace {...}>" as jinja2 prints it, instead of recursing forever.
+thread_local std::vector<size_t> g_printing;
+struct Printing {
+  bool cycle;
+  explicit Printing(size_t id) : cycle(std::find(g_printing.begin(), g_printing.end(), id) != g_printing.end()) {
+    if (!cycle) g_printing.push_back(id);
+  }
+  ~Printing() {
+    if (!cycle) g_printing.pop_back();
+  }
+  Printing(const Printing&) = delete;
+  Printing& operator=(const Printing&) = delete;
+};
+}  // namespace
+
 std::string to_str(const Value& v) {
   switch (v.kind()) {
     case Value::Kind::kUndefined: return "";
@@ -297,6 +315,8 @@ std::string to_str(const Value& v) {
     case Value::Kind::kFloat: return format_float(v.as_double());
     case Value::Kind::kString: return v.str();
     case Value::Kind::kArray: {
+      Printing guard(v.identity());
+      if (guard.cycle) return v.is_tuple() ? "(...)" : "[...]";
       std::string out = v.is_tuple() ? "(" : "[";
       const Array& a = v.arr();
       for (size_t i = 0; i < a.size(); ++i) {
@@ -309,6 +329,8 @@ std::string to_str(const Value& v) {
     }
     case Value::Kind::kObject:
     case Value::Kind::kNamespace: {
+      Printing guard(v.identity());
+      if (guard.cycle) return v.is_namespace() ? "<Namespace {...}>" : "{...}";
       std::string out = v.is_namespace() ? "<Namespace {" : "{";
       bool first = true;
       for (const auto& [k, x] : v.obj()) {

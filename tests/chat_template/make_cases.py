@@ -435,6 +435,12 @@ FEATURES = [
     ("err_undefined_attr", "{{ missing.attr }}", {}),
     ("err_str_plus_int", "{{ 'a' + 1 }}", {}),
     ("err_div_zero", "{{ 1 / 0 }}", {}),
+    # Reference cycles through a namespace print as jinja2 prints them (Python's recursive repr).
+    ("ns_cycle_self", "{% set ns = namespace(n=0) %}{% set ns.self = ns %}{{ ns }}|{{ ns.self.self.n }}", {}),
+    ("ns_cycle_list", "{% set ns = namespace(n=0) %}{% set ns.self = [ns] %}{{ ns }}|{{ ns.self[0].self | length }}", {}),
+    ("ns_cycle_dict", "{% set ns = namespace(n=0) %}{% set ns.self = {'a': ns} %}{{ ns.self | string }}", {}),
+    ("ns_cycle_pair", "{% set a = namespace(n=1) %}{% set b = namespace(a=a) %}{% set a.b = b %}{{ b }}", {}),
+    ("ns_cycle_tojson", "{% set ns = namespace(n=0) %}{% set ns.self = [ns] %}{{ ns.self | tojson }}", {}),
 ]
 
 

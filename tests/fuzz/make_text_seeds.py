@@ -29,6 +29,9 @@ TEMPLATES = [
     "{% macro f(x) %}{{ x * 2 }}{% endmacro %}{{ f(3) }}{{ 'a' ~ 'b' }}{{ [1,2,3] | join(',') }}{{ {'a': 1} | tojson }}",
     "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}",
     "{% for i in range(10) %}{% for j in range(10) %}{{ i * j }}{% endfor %}{% endfor %}",
+    # Reference cycles through a namespace (the fuzzer found `set ns.n = ns` leaking).
+    "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns %}{% endfor %}{{ messages | length }}",
+    "{% set a = namespace(l=[]) %}{% set b = namespace(a=a) %}{% set a.l = [b, a] %}{{ a.l[0].a.l | length }}",
 ]
 BODIES = [
     {"prompt": "hi", "max_tokens": 4},

@@ -223,6 +223,36 @@ TEST(ChatTemplate, HostileTemplatesAreBounded) {
   EXPECT_FALSE(ChatTemplate::parse(deep_neg));
 }
 
+// A namespace is the one mutable value, so the one way to build a reference cycle. The render frees every
+// namespace it made, cycles included, whether it succeeds or throws (under ASan, LeakSanitizer checks;
+// the fuzzer found `set ns.n = ns` leaking). How a cycle prints is in the golden features/ns_cycle_* cases.
+TEST(ChatTemplate, NamespaceCyclesAreFreed) {
+  const std::pair<const char*, const char*> ok[] = {
+      {"{% set ns = namespace(n=0) %}{% set ns.self = ns %}{{ ns.self.self.n }}", "0"},
+      {"{% set ns = namespace(n=1) %}{% set ns.l = [ns, ns] %}{{ ns.l[1].l[0].n }}", "1"},
+      {"{% set a = namespace(n=2) %}{% set b = namespace(a=a) %}{% set a.b = b %}{{ a.b.a.b.a.n }}", "2"},
+      {"{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns %}{% endfor %}x", "x"},
+  };
+  for (const auto& [src, want] : ok) {
+    auto t = ChatTemplate::parse(src);
+    ASSERT_TRUE(t) << src << ": " << t.message();
+    auto r = t->render({{"user", "x"}}, false, "", "");
+    ASSERT_TRUE(r) << src << ": " << r.message();
+    EXPECT_EQ(*r, want) << src;
+  }
+  // Renders that fail after building a cycle free it too.
+  const char* failing[] = {
+      "{% set ns = namespace(n=0) %}{% set ns.self = ns %}{{ raise_exception('stop') }}",
+      "{% set ns = namespace(n=0) %}{% set ns.self = ns %}{{ ns.self.missing.x }}",
+      "{% set ns = namespace(n=0) %}{% set ns.self = [ns] %}{{ ns.self | tojson }}",
+  };
+  for (const char* src : failing) {
+    auto t = ChatTemplate::parse(src);
+    ASSERT_TRUE(t) << src << ": " << t.message();
+    EXPECT_FALSE(t->render({{"user", "x"}}, false, "", "")) << src;
+  }
+}
+
 TEST(ChatTemplate, ExtraVariablesAndDefaults) {
   auto t = ChatTemplate::parse("{{ tools is none }}|{{ documents is none }}|{{ date_string | default('none') }}|"
                                "{{ enable_thinking }}|{{ tools | length if tools else 0 }}");
