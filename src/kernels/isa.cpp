@@ -4,6 +4,11 @@
 #include <cpuid.h>
 #endif
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -37,6 +42,23 @@ bool cpu_has_f16c() {
   return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
 #else
   return false;
+#endif
+}
+
+bool cpu_has_amx() {
+#if defined(KV_SCALAR_ONLY) || !defined(__x86_64__) || !defined(__linux__)
+  return false;
+#else
+  static const bool has = [] {
+    if (!cpu_has(Isa::kAvx512)) return false;
+    // CPUID leaf 7: EDX bit 24 AMX-TILE, bit 25 AMX-INT8.
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || (d & (1u << 24)) == 0 || (d & (1u << 25)) == 0) return false;
+    // The tile data state is off by default for a process; ask for it (Linux 5.16+).
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return has;
 #endif
 }
 

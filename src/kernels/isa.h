@@ -15,6 +15,10 @@ enum class Isa { kScalar, kAvx2, kAvx512 };
 bool cpu_has(Isa isa);
 // The CPU converts f16 <-> f32 in hardware (F16C; every AVX2 CPU has it).
 bool cpu_has_f16c();
+// Intel AMX with int8 (Sapphire Rapids and later) on an AVX-512 CPU, and Linux granted this
+// process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once here). The batched matmul
+// uses it (kernels/matmul_amx_avx512.cpp); KV_AMX=0 turns it off.
+bool cpu_has_amx();
 
 // The best ISA this CPU has, lowered by env KV_ISA=scalar|avx2|avx512. Asking for more than the
 // CPU has gives the best it has, and an unknown name is ignored; either prints one warning on

@@ -6,6 +6,7 @@
 #include "kernels/matmul.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -228,6 +229,20 @@ constexpr int64_t kPrivateQuantRows = 2;
 
 ActQuant act_quant() { return g_act_quant; }
 void set_act_quant(ActQuant q) { g_act_quant = q; }
+
+namespace {
+bool initial_amx() {
+  const char* e = std::getenv("KV_AMX");
+  return !(e && std::strcmp(e, "0") == 0) && cpu_has_amx();
+}
+std::atomic<bool> g_amx{initial_amx()};
+}  // namespace
+
+bool amx_enabled() { return g_amx.load(std::memory_order_relaxed); }
+bool set_amx_for_testing(bool on) {
+  g_amx.store(on && cpu_has_amx(), std::memory_order_relaxed);
+  return amx_enabled();
+}
 
 Result<PackedMatrix> PackedMatrix::pack(const std::vector<RawMatrix>& parts, Isa isa) {
   using R = Result<PackedMatrix>;

@@ -123,6 +123,13 @@ enum class ActQuant { kQ8, kQ8x2 };
 ActQuant act_quant();
 void set_act_quant(ActQuant);
 
+// Whether AVX-512 matmuls of at least kAmxMinRows rows run on Intel AMX tiles
+// (matmul_amx_avx512.cpp): cpu_has_amx() and not KV_AMX=0. Bit-identical to the VNNI kernel.
+bool amx_enabled();
+// Tests and benchmarks: turn the AMX path off (false) or back on where the CPU has it; returns
+// whether it is now on. Must not race with running matmuls.
+bool set_amx_for_testing(bool on);
+
 // Scalar reference on the unpacked matrix: dequantize W with dequantize_row_ref and
 // accumulate in double (no activation quantization: it is the exact answer).
 void matmul_ref(const RawMatrix& w, const float* x, int64_t n_rows, float* y);
@@ -210,6 +217,10 @@ void quantize_rows_avx2(const float* x, int64_t r0, int64_t r1, const QAct& a);
 void q_gemm_avx2(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1,
                  float* y);
 float dot_f32_avx2(const float* x, const float* w, int64_t n);
+// AMX tiles for batches (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K; false for Q6_K, which stays on VNNI).
+// Called by q_gemm_avx512 for n_rows >= kAmxMinRows when amx_enabled().
+constexpr int64_t kAmxMinRows = 4;
+bool q_gemm_amx(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1, float* y);
 
 }  // namespace matmul_detail
 

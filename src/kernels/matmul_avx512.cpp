@@ -263,6 +263,7 @@ void run_any(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64
 
 void q_gemm_avx512(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1,
                    float* y) {
+  if (n_rows >= kAmxMinRows && amx_enabled() && q_gemm_amx(w, a, n_rows, g0, g1, y)) return;
   switch (w.fmt) {
     case QFmt::kQ4_0: run_any<QFmt::kQ4_0>(w, a, n_rows, g0, g1, y); break;
     case QFmt::kQ4_1: run_any<QFmt::kQ4_1>(w, a, n_rows, g0, g1, y); break;

@@ -336,6 +336,35 @@ TEST_F(MatmulTest, BatchInvariance) {
   }
 }
 
+// The AMX kernel (batches of >= kAmxMinRows rows on CPUs with AMX-INT8) against the VNNI kernel,
+// bit for bit: tile remainders, partial last groups, both activation modes, one and two threads.
+TEST_F(MatmulTest, AmxEqualsVnniBitForBit) {
+  if (!cpu_has_amx()) GTEST_SKIP() << "no AMX-INT8 (or Linux did not grant the tile state)";
+  std::mt19937 rng(2024);
+  for (ActQuant mode : {ActQuant::kQ8x2, ActQuant::kQ8})
+    for (GgmlType type : {GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q5_0, GgmlType::Q4_K, GgmlType::Q6_K}) {
+      set_act_quant(mode);
+      const int64_t n_in = type_block_elems(type) == 256 ? 768 : 608, n_out = 77;
+      auto w = random_weights(type, n_in, n_out, rng);
+      auto p = PackedMatrix::pack(RawMatrix{type, w.data(), n_in, n_out}, Isa::kAvx512);
+      ASSERT_TRUE(p.is_ok());
+      for (int64_t n_rows : {4, 7, 16, 17, 31, 32, 33, 100}) {
+        std::vector<float> x = random_x(n_rows * n_in, rng);
+        std::vector<float> amx(static_cast<size_t>(n_rows * n_out)), vnni(amx.size());
+        for (ThreadPool* pool : {&pool1_, &pool2_}) {
+          ASSERT_TRUE(set_amx_for_testing(true));
+          matmul(*p, x.data(), n_rows, amx.data(), *pool);
+          set_amx_for_testing(false);
+          matmul(*p, x.data(), n_rows, vnni.data(), *pool);
+          EXPECT_EQ(0, std::memcmp(amx.data(), vnni.data(), amx.size() * 4))
+              << type_name(type) << " rows=" << n_rows << (mode == ActQuant::kQ8 ? " single-level" : "")
+              << " threads=" << pool->size();
+        }
+      }
+    }
+  set_amx_for_testing(true);
+}
+
 TEST_F(MatmulTest, FusedPartsEqualSeparate) {
   std::mt19937 rng(7);
   const int64_t n_in = 576;
