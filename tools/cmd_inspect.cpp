@@ -17,6 +17,7 @@
 #include "commands.h"
 #include "kernels/isa.h"
 #include "kernels/kv_tile.h"
+#include "kernels/matmul.h"
 #include "common/units.h"
 #include "gguf/gguf.h"
 
@@ -259,8 +260,9 @@ void print_text(const Json& j) {
   const Json& k = j["kernels"];
   std::string cpu;
   for (const auto& x : k["cpu"]) cpu += (cpu.empty() ? "" : ", ") + x.get<std::string>();
-  std::printf("kernels         %s (this CPU runs: %s; KV_ISA=scalar|avx2|avx512 lowers the choice)\n",
-              show(k["isa"]).c_str(), cpu.c_str());
+  std::printf("kernels         %s (this CPU runs: %s; KV_ISA=scalar|avx2|avx512 lowers the choice)%s\n",
+              show(k["isa"]).c_str(), cpu.c_str(),
+              k["amx"].get<bool>() ? "; batched matmuls on AMX tiles (KV_AMX=0 turns that off)" : "");
 }
 
 // The kernel ISA the other commands would use here, and every one this CPU can run.
@@ -268,7 +270,8 @@ Json kernels_description() {
   Json cpu = Json::array();
   for (kv::Isa isa : {kv::Isa::kScalar, kv::Isa::kAvx2, kv::Isa::kAvx512})
     if (kv::cpu_has(isa)) cpu.push_back(kv::isa_name(isa));
-  return {{"isa", kv::isa_name(kv::detect_isa())}, {"cpu", cpu}};
+  const kv::Isa isa = kv::detect_isa();
+  return {{"isa", kv::isa_name(isa)}, {"cpu", cpu}, {"amx", isa == kv::Isa::kAvx512 && kv::amx_enabled()}};
 }
 
 [[noreturn]] void fail_cli(const std::string& msg) {

@@ -231,16 +231,22 @@ ActQuant act_quant() { return g_act_quant; }
 void set_act_quant(ActQuant q) { g_act_quant = q; }
 
 namespace {
-bool initial_amx() {
-  const char* e = std::getenv("KV_AMX");
-  return !(e && std::strcmp(e, "0") == 0) && cpu_has_amx();
-}
-std::atomic<bool> g_amx{initial_amx()};
+// -1 until the first matmul asks (not at static initialisation: the CPU-feature queries must not
+// run before libgcc's own constructor); then 0 or 1. Relaxed: every thread computes the same.
+std::atomic<int> g_amx{-1};
 }  // namespace
 
-bool amx_enabled() { return g_amx.load(std::memory_order_relaxed); }
+bool amx_enabled() {
+  int v = g_amx.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* e = std::getenv("KV_AMX");
+    v = !(e && std::strcmp(e, "0") == 0) && cpu_has_amx() ? 1 : 0;
+    g_amx.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
 bool set_amx_for_testing(bool on) {
-  g_amx.store(on && cpu_has_amx(), std::memory_order_relaxed);
+  g_amx.store(on && cpu_has_amx() ? 1 : 0, std::memory_order_relaxed);
   return amx_enabled();
 }
 

@@ -44,6 +44,26 @@ def test_inspect_names_the_kernels():
         assert "warning" not in r.stderr
 
 
+def cpuinfo_flags():
+    with open("/proc/cpuinfo") as f:
+        line = next((l for l in f if l.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def test_inspect_says_whether_batched_matmuls_use_amx():
+    # The oracle is the kernel's own CPU report: AMX-INT8 tiles on an AVX-512 VNNI CPU.
+    flags = cpuinfo_flags()
+    has = {"amx_tile", "amx_int8", "avx512_vnni"} <= flags
+    r = run("inspect", "-m", MODEL, "--json")
+    assert json.loads(r.stdout)["kernels"]["amx"] == has
+    env = dict(os.environ, KV_AMX="0")
+    r = subprocess.run([KVSERVE, "inspect", "-m", MODEL, "--json"], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["kernels"]["amx"] is False
+    if has:  # below AVX-512 the matmul runs the AVX2 kernel, which has no AMX path
+        assert json.loads(run("inspect", "-m", MODEL, "--json", isa="avx2").stdout)["kernels"]["amx"] is False
+
+
 def test_forcing_an_isa_the_cpu_lacks_falls_back_with_a_warning():
     cpu = cpu_isas()
     for want in ["avx512", "sse9"]:
@@ -93,4 +113,4 @@ def test_runs_on_a_cpu_without_avx():
     r = subprocess.run(["qemu-x86_64", "-cpu", "qemu64", KVSERVE, "inspect", "-m", MODEL, "--json"],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["kernels"] == {"isa": "scalar", "cpu": ["scalar"]}
+    assert json.loads(r.stdout)["kernels"] == {"isa": "scalar", "cpu": ["scalar"], "amx": False}
