@@ -50,10 +50,19 @@ def cpuinfo_flags():
     return set(line.split(":", 1)[-1].split())
 
 
+def linux_grants_amx():
+    """arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) from this process: Linux 5.16+ grants it."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    sys_arch_prctl, req_xcomp_perm, xtiledata = 158, 0x1023, 18  # x86-64
+    return libc.syscall(sys_arch_prctl, req_xcomp_perm, xtiledata) == 0
+
+
 def test_inspect_says_whether_batched_matmuls_use_amx():
-    # The oracle is the kernel's own CPU report: AMX-INT8 tiles on an AVX-512 VNNI CPU.
+    # The oracle is the kernel's own CPU report (AMX-INT8 tiles on an AVX-512 VNNI CPU) and
+    # whether Linux lets a process use the tile state.
     flags = cpuinfo_flags()
-    has = {"amx_tile", "amx_int8", "avx512_vnni"} <= flags
+    has = {"amx_tile", "amx_int8", "avx512_vnni"} <= flags and linux_grants_amx()
     r = run("inspect", "-m", MODEL, "--json")
     assert json.loads(r.stdout)["kernels"]["amx"] == has
     env = dict(os.environ, KV_AMX="0")
