@@ -44,6 +44,7 @@ def llama_once(a, llama_bench):
         cmd += ["-fa", a.flash_attn]
     if a.llama_kv_type:
         cmd += ["-ctk", a.llama_kv_type, "-ctv", a.llama_kv_type]
+    cmd += a.llama_arg
     pp = tg = None
     for row in run_json(cmd):
         if row["n_prompt"] > 0 and row["n_gen"] == 0:
@@ -71,6 +72,9 @@ def main():
     ap.add_argument("--kv-dtype", default=None, help="kvserve --kv-cache-dtype")
     ap.add_argument("--flash-attn", default=None, help="llama-bench -fa (on|off|auto)")
     ap.add_argument("--llama-kv-type", default=None, help="llama-bench -ctk/-ctv (f16, q8_0)")
+    ap.add_argument("--llama-arg", action="append", default=[],
+                    help="extra llama-bench argument (repeatable), e.g. --llama-arg=--repack --llama-arg=0 where "
+                         "llama.cpp's AMX path crashes (Intel AMX hosts, README)")
     ap.add_argument("--out", default="bench/out/peer_compare")
     a = ap.parse_args()
 
