@@ -21,7 +21,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <vector>
 
 #include "common/huge_alloc.h"
 #include "kernels/matmul.h"
@@ -282,6 +281,9 @@ void run_any(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64
 }  // namespace
 
 bool q_gemm_amx(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1, float* y) {
+  // Other code in the process (another library's AMX kernels) may have loaded its own tile
+  // shapes since this thread's last call: load ours again at the first tile of every call.
+  tl_tile_rows = 0;
   switch (w.fmt) {
     case QFmt::kQ4_0: run_any<QFmt::kQ4_0>(w, a, n_rows, g0, g1, y); return true;
     case QFmt::kQ4_1: run_any<QFmt::kQ4_1>(w, a, n_rows, g0, g1, y); return true;
