@@ -248,7 +248,8 @@ void register_all() {
     }
     std::string name = std::string("BM_Model/") + type_name(type);
     auto* b = benchmark::RegisterBenchmark(name.c_str(), BM_Model, type);
-    for (int64_t rows : {1, 512})
+    // 2-28 rows: a decode step with speculative drafts, a narrow batch, AMX's tile remainders.
+    for (int64_t rows : {1, 2, 4, 6, 8, 12, 16, 20, 28, 64, 512})
       for (int64_t th : {1, 2}) b->Args({rows, th});
     // Medians of repetitions: these shared VMs are noisy.
     b->ArgNames({"rows", "threads"})->UseRealTime()->MinTime(0.5)->Repetitions(3)->ReportAggregatesOnly(true)

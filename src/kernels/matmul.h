@@ -218,8 +218,11 @@ void q_gemm_avx2(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, i
                  float* y);
 float dot_f32_avx2(const float* x, const float* w, int64_t n);
 // AMX tiles for batches (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K; false for Q6_K, which stays on VNNI).
-// Called by q_gemm_avx512 for n_rows >= kAmxMinRows when amx_enabled().
-constexpr int64_t kAmxMinRows = 4;
+// Called by q_gemm_avx512 when amx_enabled(), for batches of at least kAmxMinRows rows: their
+// whole 16-row tiles, and the remainder too when it has at least kAmxMinTailRows rows (a tile
+// pass costs about the same for 4 rows as for 16; fewer rows run on VNNI).
+constexpr int64_t kAmxMinRows = 16;
+constexpr int64_t kAmxMinTailRows = 12;
 bool q_gemm_amx(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1, float* y);
 
 }  // namespace matmul_detail

@@ -261,9 +261,9 @@ void run_any(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64
 
 }  // namespace
 
-void q_gemm_avx512(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1,
-                   float* y) {
-  if (n_rows >= kAmxMinRows && amx_enabled() && q_gemm_amx(w, a, n_rows, g0, g1, y)) return;
+namespace {
+
+void q_gemm_vnni(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1, float* y) {
   switch (w.fmt) {
     case QFmt::kQ4_0: run_any<QFmt::kQ4_0>(w, a, n_rows, g0, g1, y); break;
     case QFmt::kQ4_1: run_any<QFmt::kQ4_1>(w, a, n_rows, g0, g1, y); break;
@@ -272,6 +272,35 @@ void q_gemm_avx512(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0,
     case QFmt::kQ4_K: run_any<QFmt::kQ4_K>(w, a, n_rows, g0, g1, y); break;
     case QFmt::kQ6_K: run_any<QFmt::kQ6_K>(w, a, n_rows, g0, g1, y); break;
   }
+}
+
+// Rows [r0, ...) of a as a QAct of their own.
+QAct rows_from(const QAct& a, int64_t r0) {
+  QAct v = a;
+  v.q += r0 * a.n_in;
+  if (v.q2) v.q2 += r0 * a.n_in;
+  v.d += r0 * a.nb;
+  v.s += r0 * a.nb;
+  v.s128 += r0 * a.nb;
+  if (v.s16) v.s16 += r0 * (a.n_in / 16);
+  return v;
+}
+
+}  // namespace
+
+void q_gemm_avx512(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1,
+                   float* y) {
+  if (n_rows >= kAmxMinRows && amx_enabled()) {
+    // AMX for whole 16-row tiles and for a long remainder; a short remainder costs less on VNNI
+    // than a tile pass over the whole group (bench_matmul BM_Model, docs/ARCHITECTURE.md).
+    const int64_t rem = n_rows % 16;
+    const int64_t amx_rows = rem >= kAmxMinTailRows ? n_rows : n_rows - rem;
+    if (q_gemm_amx(w, a, amx_rows, g0, g1, y)) {
+      if (amx_rows < n_rows) q_gemm_vnni(w, rows_from(a, amx_rows), n_rows - amx_rows, g0, g1, y + amx_rows * w.n_out);
+      return;
+    }
+  }
+  q_gemm_vnni(w, a, n_rows, g0, g1, y);
 }
 
 void quantize_rows_avx512(const float* x, int64_t r0, int64_t r1, const QAct& a) {

@@ -348,7 +348,7 @@ TEST_F(MatmulTest, AmxEqualsVnniBitForBit) {
       auto w = random_weights(type, n_in, n_out, rng);
       auto p = PackedMatrix::pack(RawMatrix{type, w.data(), n_in, n_out}, Isa::kAvx512);
       ASSERT_TRUE(p.is_ok());
-      for (int64_t n_rows : {4, 7, 16, 17, 31, 32, 33, 100}) {
+      for (int64_t n_rows : {4, 7, 16, 17, 28, 31, 32, 33, 100}) {
         std::vector<float> x = random_x(n_rows * n_in, rng);
         std::vector<float> amx(static_cast<size_t>(n_rows * n_out)), vnni(amx.size());
         for (ThreadPool* pool : {&pool1_, &pool2_}) {
