@@ -292,14 +292,14 @@ namespace {
 // The containers being printed, innermost last: Python's Py_ReprEnter. A container met again inside
 // itself (only possible through a namespace, the one mutable value) prints as "[...]" / "{...}" /
 // "<Namespace {...}>" as jinja2 prints it, instead of recursing forever.
-thread_local std::vector<size_t> g_printing;
+thread_local std::vector<size_t> tl_printing;
 struct Printing {
   bool cycle;
-  explicit Printing(size_t id) : cycle(std::find(g_printing.begin(), g_printing.end(), id) != g_printing.end()) {
-    if (!cycle) g_printing.push_back(id);
+  explicit Printing(size_t id) : cycle(std::find(tl_printing.begin(), tl_printing.end(), id) != tl_printing.end()) {
+    if (!cycle) tl_printing.push_back(id);
   }
   ~Printing() {
-    if (!cycle) g_printing.pop_back();
+    if (!cycle) tl_printing.pop_back();
   }
   Printing(const Printing&) = delete;
   Printing& operator=(const Printing&) = delete;
