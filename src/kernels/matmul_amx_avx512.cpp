@@ -15,7 +15,9 @@
 // runs. Compiled with the AVX-512 set plus -mamx-tile -mamx-int8 (CMakeLists.txt); called only
 // when cpu_has_amx() said yes, which also asked Linux for the tile state (arch_prctl).
 // GCC 12 warns about the undefined-register idiom inside its own AVX-512 intrinsics.
+#if !defined(__clang__)  // a GCC-only group (clang warns that it does not know it)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 

@@ -6,7 +6,9 @@
 // loaded and unpacked, serves R rows. Integer block sums are exact, so how they are split
 // between registers does not matter; the float steps per block follow matmul.h exactly.
 // GCC 12 warns about the undefined-register idiom inside its own AVX-512 intrinsics.
+#if !defined(__clang__)  // a GCC-only group (clang warns that it does not know it)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 

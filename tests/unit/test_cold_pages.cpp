@@ -136,7 +136,9 @@ TEST(ColdPages, SequenceRunnerLogitsEqualAllInRam) {
     for (int32_t i = n_prompt; i < n_prompt + n_decode; i += 20) {  // 20 positions a forward
       EXPECT_TRUE(seq.feed_all_logits(toks.data() + i, 20, &out).is_ok());
       all.insert(all.end(), out.begin(), out.end());
-      if (offload) EXPECT_LE(seq.kept_tokens(), 256) << "at " << i;
+      if (offload) {
+        EXPECT_LE(seq.kept_tokens(), 256) << "at " << i;
+      }
     }
     // Roll back into a cold page (it will be written again: it must come back and lose its
     // slot), then feed 100 tokens from there in the same runs.
@@ -159,7 +161,9 @@ TEST(ColdPages, SequenceRunnerLogitsEqualAllInRam) {
     seq.reset();
     EXPECT_EQ(pool.n_used(), 0);
     EXPECT_TRUE(pool.check_integrity().is_ok());
-    if (cold) EXPECT_EQ(cold->slots_used(), 0);
+    if (cold) {
+      EXPECT_EQ(cold->slots_used(), 0);
+    }
     return all;
   };
   std::vector<float> p_ram, p_cold;
