@@ -259,8 +259,8 @@ void run(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g
     if (full > 0) {
       configure(16);
       for (int k = 0; k < (two ? 2 : 1); ++k)
-        for (int64_t r0 = 0; r0 < full; r0 += 16)
-          rows16_group<F, T>(w, a, r0, g + k, strip + k * w.nb * kStripBlock, y);
+        for (int64_t r0 = 0; r0 < full; r0 += 16)  // (Q8_0 reads its records directly: no strip)
+          rows16_group<F, T>(w, a, r0, g + k, F == QFmt::kQ8_0 ? nullptr : strip + k * w.nb * kStripBlock, y);
     }
     if (full < n_rows) {  // the last rows, fewer than 16
       configure(static_cast<int>(n_rows - full));
