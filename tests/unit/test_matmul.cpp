@@ -523,7 +523,7 @@ TEST_F(MatmulTest, GemmaTensors) {
 }
 
 TEST_F(MatmulTest, PackRejectsBadInput) {
-  std::vector<uint8_t> w(20 * 4);
+  std::vector<uint8_t> w(1024);  // room for every matrix below that packs (16 rows of Q8_0: 544 bytes)
   EXPECT_FALSE(PackedMatrix::pack(std::vector<RawMatrix>{}, Isa::kScalar).is_ok());
   EXPECT_FALSE(PackedMatrix::pack(RawMatrix{GgmlType::Q4_1, w.data(), 48, 2}, Isa::kScalar).is_ok());
   EXPECT_FALSE(PackedMatrix::pack({RawMatrix{GgmlType::Q4_1, w.data(), 32, 2}, RawMatrix{GgmlType::Q8_0, w.data(), 32, 1}},
