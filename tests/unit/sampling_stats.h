@@ -23,11 +23,15 @@ inline std::vector<double> reference_probs(const std::vector<float>& logits, con
   std::vector<double> l(logits.begin(), logits.end());
   std::map<int32_t, int> gen;
   for (size_t i = n_prompt; i < history.size(); ++i) ++gen[history[i]];
-  for (auto [id, c] : gen) l[id] = static_cast<float>(logits[id] - (p.presence_penalty + p.frequency_penalty * c));
+  // Ids outside the vocabulary are ignored, as Sampler ignores them (the tests put one in).
+  auto in_vocab = [n](int32_t id) { return id >= 0 && id < n; };
+  for (auto [id, c] : gen)
+    if (in_vocab(id)) l[id] = static_cast<float>(logits[id] - (p.presence_penalty + p.frequency_penalty * c));
   if (p.repetition_penalty != 1.f) {
     std::map<int32_t, int> seen;
     for (int32_t t : history) seen[t] = 1;
     for (auto [id, c] : seen) {
+      if (!in_vocab(id)) continue;
       const float v = static_cast<float>(l[id]);
       l[id] = v > 0 ? v / p.repetition_penalty : v * p.repetition_penalty;
     }
