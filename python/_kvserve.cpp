@@ -317,6 +317,7 @@ class PyEngine {
     d["cached_tokens"] = u.cached_tokens;
     d["kv_tokens_kept"] = u.kv_tokens_kept;
     d["kv_tokens_evicted"] = u.kv_tokens_evicted;
+    d["kv_tokens_reindexed"] = u.kv_tokens_reindexed;
     d["with_logprobs"] = it.ar.logprobs;
     py::list choices;
     for (size_t j = 0; j < it.choices.size(); ++j) {

@@ -22,6 +22,7 @@ struct GenerateOptions {
   bool no_special = false;
   kv::SamplingParams sp;
   KvOptions kvo;
+  EvictionOptions evo;
   std::string speculative_config;
 };
 
@@ -93,9 +94,13 @@ void run_generate(const GenerateOptions& o) {
   const int64_t ctx = o.ctx > 0 ? o.ctx : cfg.n_ctx_train;
   if (static_cast<int64_t>(toks.size()) >= ctx)
     fail("prompt is " + std::to_string(toks.size()) + " tokens, the context is " + std::to_string(ctx) + " (use a shorter prompt or --ctx)");
-  const int64_t max_new = std::min<int64_t>(o.n_predict, ctx - static_cast<int64_t>(toks.size()));
-
   kv::SequenceRunner seq(*lm.model, *lm.pool, lm.pool_g1.get(), *lm.threads, o.chunk);
+  const kv::EvictionConfig evc = make_eviction(o.evo, lm.pool->layout().block_size);
+  if (kv::Status st = seq.set_eviction(evc); !st) fail(st.message());
+  // An evicting policy whose budget is below the context goes on past it (re-indexing).
+  const bool past_context = evc.evicts() && evc.budget < ctx;
+  if (past_context) seq.set_max_positions(ctx);
+  const int64_t max_new = past_context ? o.n_predict : std::min<int64_t>(o.n_predict, ctx - static_cast<int64_t>(toks.size()));
   kv::Sampler sampler(o.sp);
   kv::IncrementalDetokenizer detok(*lm.tokenizer);
   std::vector<int32_t> history = toks;
@@ -122,6 +127,9 @@ void run_generate(const GenerateOptions& o) {
   double pf = std::chrono::duration<double>(t1 - t0).count(), dc = std::chrono::duration<double>(t2 - t1).count();
   std::fprintf(stderr, "prompt: %zu tokens in %.3f s (%.1f tok/s); generated: %lld tokens in %.3f s (%.1f tok/s)\n", toks.size(), pf,
                toks.size() / pf, static_cast<long long>(n_gen), dc, n_gen > 0 ? n_gen / dc : 0.0);
+  if (evc.active())
+    std::fprintf(stderr, "KV policy %s: %lld tokens kept, %lld evicted, %lld positions re-indexed\n", evc.describe(lm.pool->layout().block_size).c_str(),
+                 static_cast<long long>(seq.kept_tokens()), static_cast<long long>(seq.evicted_tokens()), static_cast<long long>(seq.reindexed_tokens()));
   seq.reset();
   if (kv::Status st = lm.pool->check_integrity(); !st || lm.pool->n_used() != 0) fail("KV pool integrity: " + st.message());
 }
@@ -142,6 +150,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("-t,--threads", o->threads, "threads (default: all cores)")->check(CLI::Range(1, 256));
   cmd->add_option("--chunk", o->chunk, "prefill chunk size in tokens")->check(CLI::Range(1, 1 << 16))->capture_default_str();
   cmd->add_option("--ctx", o->ctx, "context length (default: the model's)")->check(CLI::NonNegativeNumber);
+  add_eviction_options(cmd, &o->evo);  // --kv-eviction sinks --kv-budget N: past --ctx with re-indexing
   cmd->add_flag("--no-special", o->no_special, "treat special-token text in the prompt as plain text");
   cmd->add_option("--speculative-config", o->speculative_config,
                   "speculative decoding (runs through the engine), vLLM's JSON: '{\"method\": \"ngram\"|\"suffix\", \"num_speculative_tokens\": 5}'");

@@ -65,6 +65,7 @@ struct PerplexityOptions {
   int batch = 512;
   int threads = 0;
   int top_k = 64;
+  int max_model_len = 0;  // 0: no limit on positions
   bool json = false;
   std::string save_logits, kld_base;
   KvOptions kvo;
@@ -371,8 +372,10 @@ void run_perplexity(const PerplexityOptions& o) {
   kv::SequenceRunner seq(*lm.model, *lm.pool, lm.pool_g1.get(), *lm.threads, o.batch);
   const kv::EvictionConfig evc = make_eviction(o.evo, layout.block_size);
   if (kv::Status st = seq.set_eviction(evc, cold.get()); !st) fail(st.message());
+  seq.set_max_positions(o.max_model_len);
+  if (o.max_model_len > 0 && first > o.max_model_len) fail("--max-model-len " + std::to_string(o.max_model_len) + " is below the window's prompt half (" + std::to_string(first) + " tokens)");
   if (evc.active()) std::fprintf(stderr, "perplexity: KV policy %s (the first half of each window is the prompt, the rest decoded)\n", evc.describe(layout.block_size).c_str());
-  int64_t kept_sum = 0, evicted_sum = 0;
+  int64_t kept_sum = 0, evicted_sum = 0, reindexed_sum = 0;
   const int nth = lm.threads->size();
   std::vector<float> logits;                                  // [rows][n_vocab]
   std::vector<std::vector<float>> scratch(nth, std::vector<float>(nv));
@@ -429,6 +432,7 @@ void run_perplexity(const PerplexityOptions& o) {
     tot.n += n_scored;
     kept_sum += seq.kept_tokens();
     evicted_sum += seq.evicted_tokens();
+    reindexed_sum += seq.reindexed_tokens();
     if (!o.save_logits.empty() && !save_out.write(reinterpret_cast<const char*>(save_block.data()), static_cast<std::streamsize>(save_block.size())))
       fail("--save-logits: write error on " + save_tmp);
 
@@ -470,7 +474,8 @@ void run_perplexity(const PerplexityOptions& o) {
   j["kv_eviction"] = {{"policy", kv::eviction_policy_name(evc.policy)}, {"budget", evc.budget}, {"sink_tokens", evc.sinks()},
                       {"recent_tokens", evc.evicts() ? evc.recent(layout.block_size) : 0}, {"obs_window", evc.obs_window},
                       {"sparse", evc.sparse() ? "quest" : "none"}, {"sparse_pages", evc.sparse_pages},
-                      {"kept_tokens_per_window", double(kept_sum) / n_win}, {"evicted_tokens_per_window", double(evicted_sum) / n_win}};
+                      {"kept_tokens_per_window", double(kept_sum) / n_win}, {"evicted_tokens_per_window", double(evicted_sum) / n_win},
+                      {"max_model_len", o.max_model_len}, {"reindexed_tokens_per_window", double(reindexed_sum) / n_win}};
   if (cold) j["kv_cold"] = cold_store_json(*cold, *lm.pool);
   if (!o.kvo.layer_dtypes.empty()) j["kv_cache_dtype_layers"] = o.kvo.layer_dtypes;
   j["kv_cache_layout"] = kv_desc;  // the dtype per layer range, as the page pool holds it
@@ -548,6 +553,10 @@ void add_perplexity_command(CLI::App& app) {
   cmd->add_option("--save-logits", o->save_logits, "save this run's top-K log-probs per scored token (the base for --kld-base)");
   cmd->add_option("--save-top-k", o->top_k, "K for --save-logits")->check(CLI::Range(1, 4096))->capture_default_str();
   cmd->add_option("--kld-base", o->kld_base, "compare with a --save-logits file: KL divergence, top-1 agreement, PPL difference");
+  cmd->add_option("--max-model-len", o->max_model_len,
+                  "positions the model may use (default: no limit); past them an evicting --kv-eviction re-indexes the kept "
+                  "pages (StreamingLLM), else the run fails")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_flag("--json", o->json, "one JSON object on stdout (progress stays on stderr)");
   add_kv_options(cmd, &o->kvo);  // --kv-cache-memory, --block-size, --kv-cache-dtype, --kv-cache-dtype-layers
   add_eviction_options(cmd, &o->evo);  // --kv-eviction, --kv-budget, --kv-sparse quest, ...

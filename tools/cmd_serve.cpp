@@ -172,6 +172,7 @@ void run_serve(const ServeOptions& o) {
   }
 
   kv::ApiContext ctx = kv::make_api_context(**tok, chat ? &*chat : nullptr, o.model, o.served_model_name, ec.max_model_len, ec.max_n);
+  ctx.default_policy_evicts = ec.kv_policy.evicts();
 
   kv::ServerOptions so;
   so.api_keys = o.api_keys;

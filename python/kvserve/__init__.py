@@ -137,6 +137,7 @@ class RequestOutput:
     # kvserve's KV policy outcome (SamplingParams.kv_eviction), summed over the choices.
     kv_tokens_kept: int = 0
     kv_tokens_evicted: int = 0
+    kv_tokens_reindexed: int = 0  # positions given back by re-indexing past max_model_len
 
 
 class Tokenizer:
@@ -314,7 +315,7 @@ class LLM:
                 request_id=str(self._next_id), prompt=prompt, prompt_token_ids=list(r["prompt_token_ids"]),
                 outputs=[self._completion(c, sp) for c in r["choices"]], finished=True,
                 num_cached_tokens=r["cached_tokens"], kv_tokens_kept=r["kv_tokens_kept"],
-                kv_tokens_evicted=r["kv_tokens_evicted"]))
+                kv_tokens_evicted=r["kv_tokens_evicted"], kv_tokens_reindexed=r["kv_tokens_reindexed"]))
             self._next_id += 1
         return outs
 

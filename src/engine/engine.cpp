@@ -7,6 +7,7 @@
 #include "engine/sampler.h"
 #include "kernels/attention.h"
 #include "kernels/ops.h"
+#include "kv/kv_reindex.h"
 
 namespace kv {
 
@@ -35,7 +36,7 @@ struct RequestState {
   int32_t n_unfinished = 0;
   int32_t completion_tokens = 0;
   int32_t cached_tokens = -1;  // prompt tokens found in the prefix cache at first admission
-  int64_t kv_tokens_kept = 0, kv_tokens_evicted = 0;  // KV policy outcome, summed over finished choices
+  int64_t kv_tokens_kept = 0, kv_tokens_evicted = 0, kv_tokens_reindexed = 0;  // KV policy outcome, summed over finished choices
   bool forked = false;      // n > 1: children created after the prompt's prefill
   bool first_token = false;
 };
@@ -62,6 +63,7 @@ struct Engine::Sequence {
   std::vector<float> scores;       // h2o / snapkv: attention mass per logical page
   int64_t evicted_tokens = 0;      // over the sequence's life (preemptions included)
   int64_t first_evicted_page = -1; // pages from here on are never published as a prefix
+  int64_t reindexed = 0;           // positions given back by re-indexing (kv/kv_reindex.h)
   ColdTable cold;                  // --kv-offload-cold: which pages of the table are on disk
   // Lower tiers: a lookup in flight (the sequence is loading and is not admitted meanwhile).
   uint64_t tier_ticket = 0;
@@ -195,13 +197,17 @@ Rejection Engine::submit(Request req) {
     if (p.kv_policy.sparse() && !pool_->has_key_bounds())
       return reject(400, "Quest sparse reads need the server started with --kv-sparse quest (the pages' key bounds are kept only then).", "kv_eviction");
   }
-  if (n_prompt + p.max_tokens > cfg_.max_model_len)
+  // An evicting policy whose budget is below max_model_len may go past it (re-indexing); the
+  // prompt must still fit, since it is computed whole before it is compressed.
+  const EvictionConfig& ev = p.kv_policy_set ? p.kv_policy : cfg_.kv_policy;
+  const bool past_context = ev.evicts() && ev.budget < cfg_.max_model_len && n_prompt < cfg_.max_model_len;
+  if (n_prompt + p.max_tokens > cfg_.max_model_len && !past_context)
     return reject(400,
                   "This model's maximum context length is " + std::to_string(cfg_.max_model_len) + " tokens. However, you requested " +
                       std::to_string(n_prompt + p.max_tokens) + " tokens (" + std::to_string(n_prompt) + " in the messages, " +
                       std::to_string(p.max_tokens) + " in the completion). Please reduce the length of the messages or completion.",
                   n_prompt >= cfg_.max_model_len ? "messages" : "max_tokens");
-  int64_t pages_one = BlockTable::pages_for(n_prompt + p.max_tokens, cfg_.block_size);
+  int64_t pages_one = BlockTable::pages_for(std::min<int64_t>(n_prompt + p.max_tokens, cfg_.max_model_len), cfg_.block_size);
   if (cold_ && !p.kv_policy_set)  // RAM holds the budget and what one step reads back
     pages_one = std::min<int64_t>(pages_one, BlockTable::pages_for(cfg_.kv_policy.budget, cfg_.block_size) +
                                                  cfg_.kv_policy.quest_pages_read(cfg_.block_size) + 2);
@@ -330,10 +336,59 @@ void Engine::preempt(Sequence& s) {
   // Recompute later: the full pages go to the prefix cache (so resuming is mostly a hit),
   // the rest is freed; the tokens (prompt + generated) stay.
   if (tiers_ && cfg_.preemption == EngineConfig::Preemption::kSwap) swap_out(s);
+  // Past max_model_len the whole token list cannot be recomputed: the tokens of evicted pages
+  // go (as a re-index would drop them), and the kept ones are recomputed at their new positions.
+  ReindexPlan plan;
+  const bool drop = goes_past_context(s) && static_cast<int64_t>(s.tokens.size()) > cfg_.max_model_len;
+  if (drop) plan = plan_reindex(s.table.pages, s.n_computed, cfg_.block_size);
   release(s);
+  if (drop && !plan.empty()) {
+    s.n_prompt -= static_cast<int32_t>(reindex_tokens(plan, cfg_.block_size, s.n_prompt, &s.tokens));
+    s.sampler.history_dropped(static_cast<size_t>(plan.dropped()), static_cast<size_t>(s.n_prompt));
+    s.reindexed += plan.dropped();
+    metrics_.add_reindexed_tokens(plan.dropped());
+  }
   s.n_computed = 0;
   metrics_.add_preemption();
   dash_.timelines().preempted(s.rs->req.id, dash_.since_epoch(Clock::now()));
+}
+
+bool Engine::goes_past_context(const Sequence& s) const {
+  return s.evict.evicts() && s.evict.budget < cfg_.max_model_len;
+}
+
+bool Engine::reindex(Sequence& s) {
+  const int32_t bs = cfg_.block_size;
+  const ReindexPlan plan = plan_reindex(s.table.pages, s.n_computed, bs);
+  if (plan.empty() || plan.n_after >= cfg_.max_model_len) return false;  // not with submit's checks
+  // Copies of shared moved pages (forks; recent prompt pages the prefix cache also holds) first.
+  auto shared = [&](const std::vector<int32_t>& t, const PagePool& p) {
+    int32_t n = 0;
+    for (size_t i = 0; i < plan.kept.size(); ++i) {
+      const int64_t j = plan.kept[i];
+      n += j != int64_t(i) && j < int64_t(t.size()) && t[j] >= 0 && p.refcount(t[j]) > 1;
+    }
+    return n;
+  };
+  if (const int32_t n = shared(s.table.pages, *pool_); n > 0 && !pool_->can_allocate(n) && !(cache_ && cache_->ensure_free(n)))
+    return false;
+  if (pool_g1_)
+    if (const int32_t n = shared(s.table_g1.pages, *pool_g1_); n > 0 && !pool_g1_->can_allocate(n) && !(cache_ && cache_->ensure_free_window(n)))
+      return false;
+  if (!unshare_moved(plan, *pool_, &s.table.pages)) return false;
+  if (pool_g1_ && !unshare_moved(plan, *pool_g1_, &s.table_g1.pages)) return false;
+  move_pages(plan, *pool_, &s.table.pages, [&](int32_t page, int32_t n, int64_t d) { model_.shift_keys(*pool_, 0, page, n, d); });
+  if (pool_g1_) {
+    move_pages(plan, *pool_g1_, &s.table_g1.pages, [&](int32_t page, int32_t n, int64_t d) { model_.shift_keys(*pool_g1_, 1, page, n, d); });
+    s.table_g1.n_tokens = plan.n_after;
+  }
+  reindex_pages_of(plan, &s.scores);
+  s.n_prompt -= static_cast<int32_t>(reindex_tokens(plan, bs, s.n_prompt, &s.tokens));
+  s.sampler.history_dropped(static_cast<size_t>(plan.dropped()), static_cast<size_t>(s.n_prompt));
+  s.n_computed = s.table.n_tokens = plan.n_after;
+  s.reindexed += plan.dropped();
+  metrics_.add_reindexed_tokens(plan.dropped());
+  return true;
 }
 
 bool Engine::schedule(Plan* plan) {
@@ -378,6 +433,7 @@ bool Engine::schedule(Plan* plan) {
   for (auto it = running_.begin(); it != running_.end() && budget > 0;) {
     Sequence& s = **it;
     if (s.to_compute() != 1) { ++it; continue; }
+    if (s.n_computed >= cfg_.max_model_len && !reindex(s)) { ++it; continue; }  // room for a copy next step
     bool ok = ensure_pages(s, 1);
     while (!ok) {
       auto victim = std::prev(running_.end());
@@ -606,6 +662,7 @@ Engine::Sequence* Engine::fork(Sequence& parent, int32_t index) {
   c->scores = parent.scores;
   c->evicted_tokens = parent.evicted_tokens;
   c->first_evicted_page = parent.first_evicted_page;
+  c->reindexed = parent.reindexed;
   attach_cold(*c);
   if (c->cold.attached()) c->cold.copy_from(parent.cold);
   if (pool_g1_) {
@@ -750,7 +807,8 @@ void Engine::postprocess(Plan& plan, const float* logits) {
         ev.eog_logprobs.swap(ev.logprobs);  // the end-of-generation token is not part of the text
       } else {
         e->held += e->detok.push(tok);
-        const bool at_limit = e->n_generated >= p.max_tokens || static_cast<int64_t>(e->tokens.size()) >= cfg_.max_model_len;
+        const bool at_limit = e->n_generated >= p.max_tokens ||
+                              (!goes_past_context(*e) && static_cast<int64_t>(e->tokens.size()) >= cfg_.max_model_len);
         if (at_limit) e->held += e->detok.flush();
         size_t cut = std::string::npos;
         for (const auto& st : p.stop) {
@@ -786,7 +844,7 @@ void Engine::postprocess(Plan& plan, const float* logits) {
     if (s.n_prompt == -1) {
       if (suffix_cache_ && s.spec.method == SpecConfig::Method::kSuffix) {  // its output feeds later drafts
         const size_t n_prompt = s.rs->req.prompt.size();
-        if (s.tokens.size() > n_prompt)
+        if (s.tokens.size() > n_prompt && s.reindexed == 0)  // a re-indexed list lost tokens
           suffix_cache_->add_output(s.rs->req.params.cache_namespace, s.tokens.data() + n_prompt,
                                     static_cast<int64_t>(s.tokens.size() - n_prompt));
       }
@@ -1054,13 +1112,14 @@ void Engine::maybe_finish_request(Sequence& s) {
     u.kv_policy = ev.describe(cfg_.block_size);
     u.kv_tokens_kept = rs.kv_tokens_kept;
     u.kv_tokens_evicted = rs.kv_tokens_evicted;
+    u.kv_tokens_reindexed = rs.kv_tokens_reindexed;
   }
   // Metrics first: a client that sees its response must also see it counted.
   metrics_.add_finished(aborted);
   metrics_.observe_e2e(seconds(rs.req.arrival, Clock::now()));
   finishing_.emplace_back(rs.req.stream, u);  // done at the end of the step, after the gauges
   const bool at_length = rs.completion_tokens >= int64_t(rs.req.params.max_tokens) * rs.req.params.n ||
-                         static_cast<int64_t>(s.tokens.size()) >= cfg_.max_model_len;
+                         (!goes_past_context(s) && static_cast<int64_t>(s.tokens.size()) >= cfg_.max_model_len);
   dash_.timelines().finished(rs.req.id, rs.req.params.cache_namespace, rs.req.arrival, dash_.since_epoch(Clock::now()),
                              aborted ? "abort" : at_length ? "length" : "stop", u.prompt_tokens, u.completion_tokens, u.cached_tokens);
 }
@@ -1075,6 +1134,7 @@ void Engine::record_kv_outcome(Sequence& s) {
   const int64_t kept = kept_tokens(s.table.pages, s.n_computed, cfg_.block_size);
   s.rs->kv_tokens_kept += kept;
   s.rs->kv_tokens_evicted += s.evicted_tokens;
+  s.rs->kv_tokens_reindexed += s.reindexed;
   if (s.evict.evicts()) metrics_.observe_kv_kept(kept);
 }
 
@@ -1214,6 +1274,13 @@ Status Engine::check_integrity() const {
   std::unique_lock<std::mutex> l(state_mu_);
   inspectors_.fetch_sub(1);
   if (Status st = pool_->check_integrity(); !st) return st;
+  // Positions stay below max_model_len (past it, sequences re-index: kv/kv_reindex.h), and a
+  // sequence's token list is what its pages cover plus at most the one token not computed yet.
+  for (auto* q : {&running_, &waiting_})
+    for (const auto& s : *q)
+      if (s->n_computed > cfg_.max_model_len || static_cast<int64_t>(s->tokens.size()) > cfg_.max_model_len + 1)
+        return Status::error("sequence " + std::to_string(s->id) + ": " + std::to_string(s->n_computed) + " positions computed, " +
+                             std::to_string(s->tokens.size()) + " tokens, past max_model_len " + std::to_string(cfg_.max_model_len));
   // Every page reference is held by a sequence's table entry or by the prefix cache.
   std::vector<int32_t> held(pool_->n_pages(), 0);
   for (auto* q : {&running_, &waiting_})

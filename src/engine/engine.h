@@ -141,6 +141,11 @@ class Engine {
   bool schedule(Plan* plan);
   bool ensure_pages(Sequence& s, int64_t n_new);
   void preempt(Sequence& s);
+  // StreamingLLM re-indexing (kv/kv_reindex.h) of a sequence whose next position is
+  // max_model_len: false when a shared page found no room for its copy (try again next step).
+  bool reindex(Sequence& s);
+  // Whether s may go past max_model_len: an evicting policy whose budget is below it.
+  bool goes_past_context(const Sequence& s) const;
   void postprocess(Plan& plan, const float* logits);
   void sample_all(int32_t n_vocab);  // draws_[i].token (and logprobs) for every draw, on the pool
   void finish(Sequence& s, const char* reason);

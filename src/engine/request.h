@@ -68,6 +68,7 @@ struct Usage {
   std::string kv_policy = "none";
   int64_t kv_tokens_kept = 0;     // at the end, in kept pages
   int64_t kv_tokens_evicted = 0;  // evicted over the request's life
+  int64_t kv_tokens_reindexed = 0;  // positions given back by re-indexing past max_model_len
 };
 
 // One waiter for many streams (the Python API's generate(): one thread reads every request of

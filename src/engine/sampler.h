@@ -60,6 +60,13 @@ class Sampler {
   int32_t sample(float* logits, int32_t n_vocab, const std::vector<int32_t>& history, size_t n_prompt = 0,
                  SamplerScratch* scratch = nullptr);
   const SamplingParams& params() const { return p_; }
+  // The history lost n_dropped of its already counted tokens (StreamingLLM re-indexing drops
+  // evicted tokens from a sequence's list) and its prompt is now n_prompt long: the penalty
+  // counts keep every token seen, and counting goes on from the shorter history.
+  void history_dropped(size_t n_dropped, size_t n_prompt) {
+    n_seen_ = n_seen_ > n_dropped ? n_seen_ - n_dropped : 0;
+    n_prompt_seen_ = n_prompt;
+  }
 
  private:
   double next_uniform();  // [0, 1)

@@ -1,6 +1,7 @@
 #include "engine/sequence_runner.h"
 
 #include "kernels/attention.h"
+#include "kv/kv_reindex.h"
 
 #include <algorithm>
 #include <cstring>
@@ -125,6 +126,30 @@ void SequenceRunner::maybe_evict(bool prompt_end) {
   evicted_tokens_ += int64_t(out.size()) * pool_.layout().block_size;
 }
 
+Status SequenceRunner::fit_positions(int64_t len) {
+  if (max_pos_ <= 0 || table_.n_tokens + len <= max_pos_) return Status::ok();
+  auto too_long = [&](const std::string& why) {
+    return Status::error("the sequence would pass the model's " + std::to_string(max_pos_) + " positions (max_model_len): " + why);
+  };
+  if (!evict_.evicts()) return too_long("going on past them needs an evicting KV policy (--kv-eviction)");
+  const int32_t bs = pool_.layout().block_size;
+  const ReindexPlan plan = plan_reindex(table_.pages, table_.n_tokens, bs);
+  if (plan.n_after + len > max_pos_)
+    return too_long("re-indexing frees only " + std::to_string(plan.dropped()) + " (the KV budget must leave room below them)");
+  // A runner's pages are its own (refcount 1): nothing to copy.
+  if (!unshare_moved(plan, pool_, &table_.pages) || (pool_g1_ && !unshare_moved(plan, *pool_g1_, &table_g1_.pages)))
+    return Status::error("re-indexing: no page for a copy");
+  move_pages(plan, pool_, &table_.pages, [&](int32_t page, int32_t n, int64_t d) { model_.shift_keys(pool_, 0, page, n, d); });
+  if (pool_g1_) {
+    move_pages(plan, *pool_g1_, &table_g1_.pages, [&](int32_t page, int32_t n, int64_t d) { model_.shift_keys(*pool_g1_, 1, page, n, d); });
+    table_g1_.n_tokens = plan.n_after;
+  }
+  reindex_pages_of(plan, &scores_);
+  table_.n_tokens = plan.n_after;
+  reindexed_ += plan.dropped();
+  return Status::ok();
+}
+
 int32_t SequenceRunner::chunk() const {
   // A quantized layer holds one staging slot per page a forward fills, until its attention ran.
   int32_t c = chunk_;
@@ -141,6 +166,8 @@ int32_t SequenceRunner::chunk() const {
 
 Status SequenceRunner::feed(const int32_t* tokens, int64_t n, bool want_logits) {
   if (n <= 0) return Status::ok();
+  // A prompt is fed whole (then compressed): only its start may re-index, not its middle.
+  if (Status st = fit_positions(n); !st) return st;
   // Cold pages: pages are taken run by run, so the resident ones stay within the budget.
   if (!cold_.attached())
     if (Status st = reserve(n); !st) return st;
@@ -163,7 +190,9 @@ Status SequenceRunner::feed(const int32_t* tokens, int64_t n, bool want_logits) 
 Status SequenceRunner::feed_all_logits(const int32_t* tokens, int64_t n, std::vector<float>* out) {
   const int64_t nv = model_.config().n_vocab;
   out->assign(n * nv, 0.f);
-  if (!cold_.attached())
+  // Pages run by run when cold pages keep RAM at the budget or re-indexing may move the table.
+  const bool per_run = cold_.attached() || max_pos_ > 0;
+  if (!per_run)
     if (Status st = reserve(n); !st) return st;
   const int32_t chunk_ = chunk();
   // One run per token so every position gets logits; runs of the same chunk share a forward.
@@ -172,7 +201,12 @@ Status SequenceRunner::feed_all_logits(const int32_t* tokens, int64_t n, std::ve
     len = std::min<int64_t>(chunk_, n - i);
     // with eviction, chunks end at page boundaries: what decoding a token at a time evicts
     if (evict_.evicts()) len = std::min<int64_t>(len, bs - table_.n_tokens % bs);
-    if (cold_.attached())
+    if (max_pos_ > 0) {
+      if (table_.n_tokens >= max_pos_)
+        if (Status st = fit_positions(1); !st) return st;
+      len = std::min<int64_t>(len, max_pos_ - table_.n_tokens);
+    }
+    if (per_run)
       if (Status st = reserve(len); !st) return st;
     batch_.clear();
     for (int32_t k = 0; k < len; ++k) batch_.add(table_.pages.data(), table_.n_tokens + k, tokens + i + k, 1, true);

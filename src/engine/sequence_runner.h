@@ -39,6 +39,7 @@ class SequenceRunner {
   const BlockTable& table() const { return table_; }
   void reset() {
     scores_.clear();
+    reindexed_ = 0;
     evicted_tokens_ = 0;
     cold_.release_all();
     table_.release_all(pool_);
@@ -63,6 +64,13 @@ class SequenceRunner {
   // tokens beyond the budget are fed in Quest-sized runs so the budget holds throughout.
   Status set_eviction(const EvictionConfig& cfg, ColdStore* cold = nullptr);
   const EvictionConfig& eviction() const { return evict_; }
+  // The positions the model may use (max_model_len; 0: no limit). With an evicting policy a
+  // sequence goes on past them: when its next position would be n, the holes eviction left are
+  // closed and the kept keys re-rotated (StreamingLLM's re-indexing, kv/kv_reindex.h). Without
+  // one, a feed past them fails.
+  void set_max_positions(int64_t n) { max_pos_ = n; }
+  // Positions given back by re-indexing over the sequence's life.
+  int64_t reindexed_tokens() const { return reindexed_; }
   int64_t evicted_tokens() const { return evicted_tokens_; }
   int64_t kept_tokens() const { return kv::kept_tokens(table_.pages, table_.n_tokens, pool_.layout().block_size); }
   // Resident tokens of group 0 (= kept_tokens: cold pages are not resident) and cold pages.
@@ -81,7 +89,11 @@ class SequenceRunner {
   // Sets the batch's score / sparse fields for runs of this sequence; then evicts if due.
   void annotate_batch(int64_t feed_end);
   void maybe_evict(bool prompt_end);
+  // Closes the table's holes before a run of len tokens would pass max_pos_ (see set_max_positions).
+  Status fit_positions(int64_t len);
   EvictionConfig evict_;
+  int64_t max_pos_ = 0;
+  int64_t reindexed_ = 0;
   std::vector<float> scores_;  // per logical page (group 0)
   ColdTable cold_;
   int64_t evicted_tokens_ = 0;

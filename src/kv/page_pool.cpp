@@ -350,6 +350,44 @@ bool PagePool::write_token(int32_t layer, int32_t page, int32_t slot, const floa
   return true;
 }
 
+void PagePool::transform_keys_impl(int32_t layer, int32_t page, int32_t n_slots, void (*call)(void*, float*, int32_t),
+                                   void* fn) {
+  const int bs = layout_.block_size, hd = layout_.head_dim, nh = layout_.n_head_kv;
+  assert(page >= 0 && page < n_pages_ && n_slots >= 0 && n_slots <= bs);
+  if (n_slots == 0) return;
+  const KvElem e = layout_.dtype_of(layer);
+  const int32_t s = stage_of(layer, page);
+  // Where the keys live: the staging tile (f16) of a filling page of a staged layer, else the page.
+  const bool in_stage = s >= 0;
+  const KvElem te = in_stage ? KvElem::kF16 : e;
+  const int64_t tile_bytes = in_stage ? kv_stage_tile_bytes(bs, hd) : kv_k_tile_bytes(e, bs, hd);
+  uint8_t* base = in_stage ? stage_k(layer, s) : k_data(layer, page);
+  // A quantized page is requantized whole: read every slot (n_slots must be the whole page).
+  const bool requant = !in_stage && kv_elem_staged(e);
+  const int n = requant ? bs : n_slots;
+  std::vector<float> keys(size_t(nh) * n * hd);  // [head][slot][hd]
+  std::vector<uint16_t> stage;
+  for (int32_t h = 0; h < nh; ++h) {
+    float* kh = keys.data() + size_t(h) * n * hd;
+    kv_read_k(base + h * tile_bytes, te, bs, hd, n, kh);
+    call(fn, kh, h);
+    if (requant) {
+      stage.assign(size_t(bs) * hd, 0);
+      for (int j = 0; j < bs; ++j) kv_write_k(reinterpret_cast<uint8_t*>(stage.data()), KvElem::kF16, bs, hd, j, kh + size_t(j) * hd);
+      kv_quantize_k(stage.data(), e, bs, hd, base + h * tile_bytes);
+    } else {
+      for (int j = 0; j < n; ++j) kv_write_k(base + h * tile_bytes, te, bs, hd, j, kh + size_t(j) * hd);
+    }
+  }
+  if (key_bounds_.empty()) return;
+  std::vector<float> row(size_t(nh) * hd);  // one token, every head: update_key_bounds' shape
+  for (int j = 0; j < n_slots; ++j) {
+    for (int32_t h = 0; h < nh; ++h)
+      std::copy_n(keys.data() + (size_t(h) * n + j) * hd, hd, row.data() + size_t(h) * hd);
+    update_key_bounds(layer, page, j, row.data());
+  }
+}
+
 PagedKvView PagePool::view(int32_t layer) const {
   PagePool& self = const_cast<PagePool&>(*this);
   PagedKvView v;

@@ -98,6 +98,15 @@ class PagePool {
   // Frees the staging of the layer's pages that write_token filled (call after the layer's
   // attention has read them).
   void release_filled(int32_t layer);
+  // Rewrites the keys of slots [0, n_slots) of (layer, page) in place: fn(keys, head) gets one
+  // KV head's keys as floats, token-major [n_slots][head_dim], and changes them; they go back
+  // in the page's format (a quantized page is read, changed and quantized again: one more
+  // quantization round trip; a filling page's f16 staging tile is changed instead), and the
+  // Quest key bounds follow. StreamingLLM's re-indexing re-rotates cached keys this way.
+  template <class Fn>
+  void transform_keys(int32_t layer, int32_t page, int32_t n_slots, Fn&& fn) {
+    transform_keys_impl(layer, page, n_slots, [](void* f, float* k, int32_t h) { (*static_cast<Fn*>(f))(k, h); }, &fn);
+  }
   // Quest key summaries: per (layer, page, KV head) the channel-wise min then max of the keys
   // written into the page ([2][head_dim] f16, from the keys as written, before any
   // quantization; min rounded down and max up, so the bounds stay bounds), kept by write_token
@@ -122,6 +131,7 @@ class PagePool {
 
  private:
   void release_stages(int32_t page);
+  void transform_keys_impl(int32_t layer, int32_t page, int32_t n_slots, void (*call)(void*, float*, int32_t), void* fn);
 
   KvLayout layout_;
   int32_t n_pages_;

@@ -3,6 +3,7 @@
 #include "kv/cold_store.h"
 
 #include <algorithm>
+#include <cassert>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -474,6 +475,19 @@ void LlamaModel::resolve_cold(const Batch& batch) {
       }
       for (int32_t i : quest_runners_[si * hkv + h]) s.cold->prefetch(i);
     }
+  }
+}
+
+void LlamaModel::shift_keys(PagePool& pool, int g, int32_t page, int32_t n_slots, int64_t delta) const {
+  const ModelConfig& c = cfg_;
+  assert(!c.mla);
+  const std::vector<int32_t>& layers = groups_[g].layers;
+  for (size_t li = 0; li < layers.size(); ++li) {
+    const int32_t il = layers[li];
+    const float base = (!c.layer_swa.empty() && c.layer_swa[il]) ? c.rope_base_swa : c.rope_base;
+    pool.transform_keys(static_cast<int32_t>(li), page, n_slots, [&](float* k, int32_t) {
+      for (int32_t j = 0; j < n_slots; ++j) rope(k + int64_t(j) * c.head_dim, 1, c.head_dim, c.n_rot, -delta, base, c.rope_scale, c.rope_style);
+    });
   }
 }
 

@@ -53,6 +53,12 @@ class LlamaModel {
   // prefix cache's chain hash, so pages are never shared across different models.
   uint64_t fingerprint() const { return fingerprint_; }
 
+  // StreamingLLM's re-indexing (kv/kv_reindex.h): keys are cached after RoPE, and rotations
+  // compose, so the keys in slots [0, n_slots) of `page` become those of positions `delta`
+  // earlier by one more rotation, by -delta, in every layer of group g with that layer's RoPE
+  // base. Not for MLA (refused before any eviction).
+  void shift_keys(PagePool& pool, int g, int32_t page, int32_t n_slots, int64_t delta) const;
+
   // Runs the batch. logits: [batch.n_logit_rows()][n_vocab], rows in batch.seqs order.
   // The pool's layout must equal kv_layout(...) for some block size and dtype.
   Status forward(const Batch& batch, PagePool& pool, ThreadPool& tp, float* logits);

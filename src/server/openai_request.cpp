@@ -232,18 +232,22 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
   }
 }
 
-// max_tokens: given, or `dflt` when absent. Over max_model_len is refused here with the reason;
-// prompt + max_tokens over max_model_len is refused by Engine::submit.
-int32_t parse_max_tokens(const Fields& f, const char* name, const ApiContext& ctx, int64_t dflt) {
+// max_tokens: given, or `dflt` when absent. Over max_model_len is refused here with the reason,
+// unless the request's KV policy evicts (it may then go past max_model_len, re-indexing);
+// prompt + max_tokens over max_model_len is refused by Engine::submit when it may not.
+int32_t parse_max_tokens(const Fields& f, const char* name, const ApiContext& ctx, int64_t dflt, const RequestParams& p) {
   const json* v = f.get(name);
   if (!v) return static_cast<int32_t>(std::clamp<int64_t>(dflt, 1, ctx.max_model_len));
   if (!v->is_number_integer()) type_error(name, "an integer", *v);
   // nlohmann stores 0 and other non-negative literals as unsigned: 0 must be caught there too.
   if (v->is_number_unsigned() ? v->get<uint64_t>() == 0 : v->get<int64_t>() < 1)
     value_error(name, std::to_string(v->get<int64_t>()) + " is below the minimum of 1.");
-  if (v->is_number_unsigned() ? v->get<uint64_t>() > static_cast<uint64_t>(ctx.max_model_len) : v->get<int64_t>() > ctx.max_model_len)
-    value_error(name, v->dump() + " is more than this model's maximum context length of " + std::to_string(ctx.max_model_len) +
-                          " tokens (max_model_len), which the prompt and the completion share.");
+  const bool past_context = p.kv_policy_set ? p.kv_policy.evicts() : ctx.default_policy_evicts;
+  const int64_t cap = past_context ? std::numeric_limits<int32_t>::max() : ctx.max_model_len;
+  if (v->is_number_unsigned() ? v->get<uint64_t>() > static_cast<uint64_t>(cap) : v->get<int64_t>() > cap)
+    value_error(name, past_context ? v->dump() + " is more than " + std::to_string(cap) + "."
+                                   : v->dump() + " is more than this model's maximum context length of " + std::to_string(ctx.max_model_len) +
+                                         " tokens (max_model_len), which the prompt and the completion share.");
   return static_cast<int32_t>(v->get<int64_t>());
 }
 
@@ -488,7 +492,7 @@ ApiRequest parse_completion_request(const json& body, const ApiContext& ctx) {
     r.logprobs = true;
   }
   r.prompt = parse_prompt(f, ctx);
-  r.params.max_tokens = parse_max_tokens(f, "max_tokens", ctx, 16);  // OpenAI's default for completions
+  r.params.max_tokens = parse_max_tokens(f, "max_tokens", ctx, 16, r.params);  // OpenAI's default for completions
   return r;
 }
 
@@ -526,7 +530,7 @@ ApiRequest parse_chat_request(const json& body, const ApiContext& ctx) {
   // max_completion_tokens is OpenAI's current name; max_tokens the deprecated one.
   const int64_t room = static_cast<int64_t>(ctx.max_model_len) - static_cast<int64_t>(r.prompt.size());
   const char* name = f.get("max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
-  r.params.max_tokens = parse_max_tokens(f, name, ctx, room);
+  r.params.max_tokens = parse_max_tokens(f, name, ctx, room, r.params);
   return r;
 }
 

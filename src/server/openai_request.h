@@ -30,6 +30,9 @@ struct ApiContext {
   int32_t max_stop = 16;      // stop strings per request (OpenAI allows 4)
   int32_t max_logprobs = 20;  // logprobs / top_logprobs upper bound, as OpenAI
   int32_t max_nesting = 64;   // JSON nesting depth accepted in a body
+  // The server's default KV policy evicts: requests may ask for more than max_model_len tokens
+  // (the engine re-indexes past it, kv/kv_reindex.h), as may a request that sets such a policy.
+  bool default_policy_evicts = false;
 };
 
 // What the HTTP layer needs beyond the engine's Request.

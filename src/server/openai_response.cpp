@@ -70,7 +70,8 @@ json usage_json(const Usage& u) {
             {"total_tokens", u.prompt_tokens + u.completion_tokens},
             {"prompt_tokens_details", {{"cached_tokens", u.cached_tokens}}}};
   if (u.kv_policy != "none")  // a long-context KV policy ran: what it kept and evicted
-    j["kv_eviction"] = {{"policy", u.kv_policy}, {"tokens_kept", u.kv_tokens_kept}, {"tokens_evicted", u.kv_tokens_evicted}};
+    j["kv_eviction"] = {{"policy", u.kv_policy}, {"tokens_kept", u.kv_tokens_kept}, {"tokens_evicted", u.kv_tokens_evicted},
+                        {"positions_reindexed", u.kv_tokens_reindexed}};
   return j;
 }
 

@@ -123,3 +123,60 @@ def test_cold_pages_go_to_disk_and_come_back(tmp_path, request):
     finally:
         s.stop()
     assert s.proc.returncode == 0
+
+
+# ~40 tokens; with max_model_len 256 and 400 new tokens the sequence passes the limit twice
+STORY = ("The history of the city begins with a small fishing village on the river. Over the centuries it grew into "
+         "a busy port, and its merchants traded wool, salt and timber with towns along the coast.")
+
+
+def test_past_max_model_len_reindexes_like_generate():
+    """A request with an evicting policy goes on past max_model_len (StreamingLLM re-indexing): the
+    server's text is `kvserve generate`'s (the single-sequence path that test_reindex_reference.py
+    checks against a float64 oracle), usage and /metrics count the positions given back, forked
+    choices (shared pages, copied before their keys are re-rotated) finish too, and every page
+    comes back. Without an evicting policy the request is refused as before."""
+    import subprocess
+    from kvserve_server import KVSERVE, MODEL, ROOT
+    s = Server("--debug", "--block-size", "16", max_model_len=256)
+    try:
+        url = s.url + "/v1/completions"
+        body = {"model": MODEL_NAME, "prompt": STORY, "max_tokens": 400, "temperature": 0,
+                "kv_eviction": {"policy": "sinks", "budget": 128}}
+        before = s.metrics()
+        r = requests.post(url, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        r = r.json()
+        assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 400
+        ev = r["usage"]["kv_eviction"]
+        # past 256 positions twice: each re-index closes the evicted pages (whole pages)
+        assert ev["positions_reindexed"] >= 2 * 128 and ev["positions_reindexed"] % 16 == 0, ev
+        assert ev["tokens_kept"] <= 128
+        after = s.metrics()
+        assert after["kvserve:kv_reindexed_tokens_total"] - before.get("kvserve:kv_reindexed_tokens_total", 0) == ev["positions_reindexed"]
+        g = subprocess.run([KVSERVE, "generate", "-m", MODEL, "-p", STORY, "-n", "400", "--ctx", "256", "--temp", "0",
+                            "--block-size", "16", "--kv-eviction", "sinks", "--kv-budget", "128", "--threads", "2"],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert g.returncode == 0, g.stderr[-2000:]
+        assert g.stdout[:-1] == r["choices"][0]["text"]
+        assert f"{ev['positions_reindexed']} positions re-indexed" in g.stderr, g.stderr[-500:]
+        # n = 2, sampled and streamed: the choices share the prompt's pages until re-indexing copies them
+        chunks = list(openai.OpenAI(base_url=s.url + "/v1", api_key="x").completions.create(
+            model=MODEL_NAME, prompt=STORY, max_tokens=300, temperature=0.8, seed=7, n=2, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "kv_eviction": {"policy": "h2o", "budget": 128}}))
+        finish = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason}
+        assert finish == {0: "length", 1: "length"}
+        assert chunks[-1].usage.completion_tokens == 600
+        assert chunks[-1].usage.model_extra["kv_eviction"]["positions_reindexed"] > 0
+        s.wait_clean()
+        # no evicting policy: max_model_len holds
+        r = requests.post(url, json={**body, "kv_eviction": {"policy": "none"}}, timeout=60)
+        assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"], r.text
+        r = requests.post(url, json={**body, "max_tokens": 100, "kv_eviction": {"policy": "none"}}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 256 - 40
+        # a budget that cannot leave room below max_model_len
+        r = requests.post(url, json={**body, "kv_eviction": {"policy": "sinks", "budget": 300}}, timeout=60)
+        assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"], r.text
+        s.wait_clean()
+    finally:
+        s.stop()

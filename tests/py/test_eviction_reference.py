@@ -318,17 +318,18 @@ def fingerprint(text):
     return h.hexdigest()
 
 
-def run_oracle(text_path, workdir):
-    """Every case's simulation, in two processes with one BLAS thread each (OpenBLAS threads
-    spinning against busy cores make the float64 forward 10x slower, see test_cli_perplexity)."""
+def run_oracle_groups(script, text_path, workdir, groups, prefix):
+    """Runs `script oracle TEXT OUT NAMES` once per group of case names, in parallel processes with
+    one BLAS thread each (OpenBLAS threads spinning against busy cores make the float64 forward
+    10x slower, see test_cli_perplexity); returns their merged JSON."""
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     procs = []
-    for i, g in enumerate(SIM_GROUPS):
-        out = os.path.join(workdir, f"sim{i}.json")
-        p = subprocess.Popen([sys.executable, __file__, "oracle", str(text_path), out, ",".join(g)],
+    for i, g in enumerate(groups):
+        out = os.path.join(workdir, f"{prefix}{i}.json")
+        p = subprocess.Popen([sys.executable, script, "oracle", str(text_path), out, ",".join(g)],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         procs.append((p, out))
-    errs = [p.communicate(timeout=600)[1] for p, _ in procs]
+    errs = [p.communicate(timeout=900)[1] for p, _ in procs]
     res = {}
     for (p, out), err in zip(procs, errs):
         assert p.returncode == 0, err[-3000:]
@@ -337,18 +338,39 @@ def run_oracle(text_path, workdir):
     return res
 
 
-def write_golden():
+def run_oracle(text_path, workdir):
+    """Every case's simulation."""
+    return run_oracle_groups(__file__, text_path, workdir, SIM_GROUPS, "sim")
+
+
+def write_golden_file(golden, fingerprint_of, run, made_by):
+    """Runs the oracle (run(text_path, workdir)) on the small text and commits its output to
+    `golden` under fingerprint_of(text)."""
     import tempfile
     text = small_text_of(TEXT)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "small.txt")
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
-        res = run_oracle(path, d)
-    with open(GOLDEN, "w") as f:
-        json.dump({"fingerprint": fingerprint(text), "made_by": "tests/py/test_eviction_reference.py write-golden",
-                   "oracle": res}, f)
-    print(f"wrote {GOLDEN}")
+        res = run(path, d)
+    with open(golden, "w") as f:
+        json.dump({"fingerprint": fingerprint_of(text), "made_by": made_by, "oracle": res}, f)
+    print(f"wrote {golden}")
+
+
+def write_golden():
+    write_golden_file(GOLDEN, fingerprint, run_oracle, "tests/py/test_eviction_reference.py write-golden")
+
+
+def golden_or_oracle(golden, fingerprint_of, run, small_text, refresh):
+    """The committed golden when its fingerprint matches the inputs, else the oracle itself."""
+    if os.path.exists(golden):
+        with open(golden) as f:
+            g = json.load(f)
+        if g.get("fingerprint") == fingerprint_of(small_text.read_text(encoding="utf-8")):
+            return g["oracle"]
+        warnings.warn(f"{golden} is stale (its inputs changed): running the oracle; refresh it with `{refresh}`")
+    return run(small_text, str(small_text.parent))
 
 
 # ---------------------------------------------------------------- fixtures
@@ -367,17 +389,8 @@ def sim(small_text):
     oracle itself."""
     names = ["none", *CASES]
     assert sorted(sum(SIM_GROUPS, [])) == sorted(names + ["one_at_a_time"])
-    res = None
-    if os.path.exists(GOLDEN):
-        with open(GOLDEN) as f:
-            g = json.load(f)
-        if g.get("fingerprint") == fingerprint(small_text.read_text(encoding="utf-8")):
-            res = g["oracle"]
-        else:
-            warnings.warn(f"{GOLDEN} is stale (its inputs changed): running the oracle (~75 s); refresh it with "
-                          "`python3 tests/py/test_eviction_reference.py write-golden`")
-    if res is None:
-        res = run_oracle(small_text, str(small_text.parent))
+    res = golden_or_oracle(GOLDEN, fingerprint, run_oracle, small_text,
+                           "python3 tests/py/test_eviction_reference.py write-golden  (~75 s)")
     for name in names:
         res[name]["nll"] = np.asarray(res[name]["nll"])
         res[name]["ppl"] = float(np.exp(res[name]["nll"].mean()))

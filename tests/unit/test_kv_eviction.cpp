@@ -5,11 +5,14 @@
 
 #include <numeric>
 #include <random>
+#include <tuple>
 
 #include "engine/engine.h"
 #include "engine/sequence_runner.h"
+#include "kernels/ops.h"
 #include "kernels/quant.h"
 #include "kv/kv_eviction.h"
+#include "kv/kv_reindex.h"
 #include "gguf/gguf.h"
 #include "model_fixture.h"
 #include "tokenizer/tokenizer.h"
@@ -342,4 +345,183 @@ TEST(KvEviction, PagesComputedAfterAnEvictionAreNeverCached) {
     EXPECT_EQ(e.pages_cached(), evict ? 9 : 13) << (evict ? "sinks" : "none");
     EXPECT_EQ(e.pool().n_used(), e.pages_cached());
   }
+}
+
+// StreamingLLM re-indexing (kv/kv_reindex.h): the plan closes the holes, moved pages are shifted
+// by the distance they moved, shared ones are copied first, dropped ones (group 1) released.
+TEST(KvReindex, PlanMovesKeptPagesDownAndShiftsTheirKeys) {
+  KvLayout l;
+  l.n_layer = 1;
+  l.n_head_kv = 1;
+  l.head_dim = 8;
+  l.block_size = 16;
+  l.dtype = KvDtype::kF16;
+  PagePool pool(l, 16);
+  std::vector<int32_t> t;
+  ASSERT_TRUE(pool.allocate(6, &t));
+  // pages 1 and 2 evicted; 70 positions: page 4 is the filling one (6 slots), page 5 is empty
+  pool.release(t[1]);
+  pool.release(t[2]);
+  const std::vector<int32_t> orig = t;
+  t[1] = t[2] = -1;
+  const ReindexPlan plan = plan_reindex(t, 70, 16);
+  EXPECT_EQ(plan.kept, (std::vector<int64_t>{0, 3, 4, 5}));
+  EXPECT_EQ(plan.n_after, 38);
+  EXPECT_EQ(plan.dropped(), 32);
+  // page 3 is shared (a fork): it is copied before its keys change
+  pool.retain(orig[3]);
+  ASSERT_TRUE(unshare_moved(plan, pool, &t));
+  EXPECT_NE(t[3], orig[3]);
+  EXPECT_EQ(pool.refcount(orig[3]), 1);
+  const int32_t copy3 = t[3];
+  std::vector<std::tuple<int32_t, int32_t, int64_t>> shifts;
+  move_pages(plan, pool, &t, [&](int32_t page, int32_t n, int64_t d) { shifts.emplace_back(page, n, d); });
+  EXPECT_EQ(t, (std::vector<int32_t>{orig[0], copy3, orig[4], orig[5]}));
+  ASSERT_EQ(shifts.size(), 2u);  // page 3 (now at 1) and the filling page 4 (now at 2); page 5 holds nothing
+  EXPECT_EQ(shifts[0], std::make_tuple(copy3, 16, int64_t(32)));
+  EXPECT_EQ(shifts[1], std::make_tuple(orig[4], 6, int64_t(32)));
+  std::vector<float> scores = {1, 2, 3, 4, 5, 6};
+  reindex_pages_of(plan, &scores);
+  EXPECT_EQ(scores, (std::vector<float>{1, 4, 5, 6}));
+  // tokens: positions 16..47 go, the uncomputed tail stays; 40 of a 50-token prompt... 32 dropped
+  std::vector<int32_t> toks(71);
+  std::iota(toks.begin(), toks.end(), 0);
+  EXPECT_EQ(reindex_tokens(plan, 16, 50, &toks), 32);
+  ASSERT_EQ(toks.size(), 39u);
+  EXPECT_EQ(toks[15], 15);
+  EXPECT_EQ(toks[16], 48);
+  EXPECT_EQ(toks[38], 70);
+  // a group with a page at an index group 0 dropped (sliding-window layers): released
+  PagePool pool1(l, 8);
+  std::vector<int32_t> t1;
+  ASSERT_TRUE(pool1.allocate(6, &t1));
+  pool1.release(t1[0]);
+  t1[0] = -1;  // slid out
+  move_pages(plan, pool1, &t1, [](int32_t, int32_t, int64_t) {});
+  EXPECT_EQ(t1.size(), 4u);
+  EXPECT_EQ(t1[0], -1);
+  EXPECT_EQ(pool1.n_used(), 3);
+  EXPECT_TRUE(pool1.check_integrity().is_ok());
+  for (int32_t p : t)
+    if (p >= 0) pool.release(p);
+  pool.release(orig[3]);
+  EXPECT_EQ(pool.n_used(), 0);
+  EXPECT_TRUE(pool.check_integrity().is_ok());
+}
+
+// Re-rotating keys in place, for every page format: rotating by +d then by -d gives the keys
+// back (to the format's precision), in a full quantized page and in a filling page's staging.
+TEST(KvReindex, TransformKeysRoundTripsEveryFormat) {
+  for (KvDtype dt : {KvDtype::kF32, KvDtype::kF16, KvDtype::kBF16, KvDtype::kFp8E4M3, KvDtype::kInt8, KvDtype::kInt4}) {
+    KvLayout l;
+    l.n_layer = 1;
+    l.n_head_kv = 2;
+    l.head_dim = 64;
+    l.block_size = 16;
+    l.dtype = dt;
+    PagePool pool(l, 4, 4);
+    pool.enable_key_bounds();
+    std::vector<int32_t> pages;
+    ASSERT_TRUE(pool.allocate(2, &pages));
+    std::mt19937 rng(3);
+    std::normal_distribution<float> nd;
+    std::vector<float> k(2 * 64), v(2 * 64);
+    for (int slot = 0; slot < 16 + 5; ++slot) {  // page 0 full (quantized), page 1 filling
+      for (auto& x : k) x = nd(rng);
+      for (auto& x : v) x = nd(rng);
+      ASSERT_TRUE(pool.write_token(0, pages[slot / 16], slot % 16, k.data(), v.data()));
+    }
+    pool.release_filled(0);
+    auto read = [&](int32_t page, int n) {
+      std::vector<float> out(size_t(2) * n * 64);
+      const PagedKvView view = pool.view(0);
+      for (int h = 0; h < 2; ++h) {
+        const int32_t s = pool.stage_of(0, page);
+        const uint8_t* tile = s >= 0 ? pool.stage_k(0, s) + h * kv_stage_tile_bytes(16, 64)
+                                     : pool.k_data(0, page) + h * kv_k_tile_bytes(view.elem, 16, 64);
+        kv_read_k(tile, s >= 0 ? KvElem::kF16 : view.elem, 16, 64, n, out.data() + size_t(h) * n * 64);
+      }
+      return out;
+    };
+    for (int pi = 0; pi < 2; ++pi) {
+      const int n = pi == 0 ? 16 : 5;
+      const std::vector<float> before = read(pages[pi], n);
+      auto rotate = [&](int64_t d) {
+        pool.transform_keys(0, pages[pi], n, [&](float* keys, int32_t) {
+          for (int j = 0; j < n; ++j) rope(keys + j * 64, 1, 64, 64, d, 10000.f, 1.f, RopeStyle::kNorm);
+        });
+      };
+      rotate(100);
+      const std::vector<float> moved = read(pages[pi], n);
+      rotate(-100);
+      const std::vector<float> after = read(pages[pi], n);
+      double err = 0, change = 0;
+      for (size_t i = 0; i < before.size(); ++i) {
+        err = std::max(err, double(std::abs(after[i] - before[i])));
+        change = std::max(change, double(std::abs(moved[i] - before[i])));
+      }
+      const double tol = dt == KvDtype::kF32 ? 1e-5 : dt == KvDtype::kF16 ? 5e-3 : dt == KvDtype::kBF16 ? 4e-2 : dt == KvDtype::kInt4 ? 1.5 : 0.5;
+      EXPECT_LT(err, tol) << kv_dtype_name(dt) << " page " << pi;
+      EXPECT_GT(change, 0.5) << kv_dtype_name(dt) << " page " << pi;  // the rotation did act
+      // Quest's bounds still contain every key of the page
+      const uint16_t* b = pool.key_bounds(0, pages[pi]);
+      for (int h = 0; h < 2; ++h)
+        for (int j = 0; j < n; ++j)
+          for (int d = 0; d < 64; ++d) {
+            const float x = after[(size_t(h) * n + j) * 64 + d];
+            // bounds are of the keys before rounding to bf16 or quantizing (a staging tile is f16)
+            if (dt == KvDtype::kBF16 || (dt != KvDtype::kF32 && dt != KvDtype::kF16 && pi == 0)) continue;
+            ASSERT_LE(fp16_to_fp32(b[h * 128 + d]), x) << kv_dtype_name(dt);
+            ASSERT_GE(fp16_to_fp32(b[h * 128 + 64 + d]), x) << kv_dtype_name(dt);
+          }
+    }
+    for (int32_t p : pages) pool.release(p);
+    EXPECT_TRUE(pool.check_integrity().is_ok());
+  }
+}
+
+// Past max_model_len under preemption: a preempted sequence that went past the limit drops its
+// evicted tokens and is recomputed from what it kept; every request finishes in full, every
+// page comes back, forks (n = 2) included.
+TEST(KvReindex, EngineGoesPastMaxModelLenThroughPreemption) {
+  LlamaModel* m = kvtest::smollm2_model();
+  ASSERT_TRUE(m);
+  EngineConfig c;
+  c.max_num_batched_tokens = 64;
+  c.max_num_seqs = 8;
+  c.max_model_len = 128;
+  c.block_size = 16;
+  c.kv_cache_bytes = int64_t(24) * 16 * 23040;  // 24 pages: 8 sequences of up to 5 pages preempt
+  c.n_threads = 2;
+  c.enable_prefix_caching = false;
+  c.kv_policy = cfg_of(EvictionPolicy::kSinks, 64);
+  auto tok = Tokenizer::from_gguf(*kvtest::smollm2_file());
+  ASSERT_TRUE(tok);
+  Engine e(*m, **tok, c);
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (int i = 0; i < 6; ++i) {
+    Request r;
+    r.id = e.next_request_id();
+    r.prompt.resize(40 + 7 * i);
+    for (size_t j = 0; j < r.prompt.size(); ++j) r.prompt[j] = static_cast<int32_t>(1000 + (j * 7919 + i * 31) % 20000);
+    r.params.max_tokens = 200;
+    r.params.n = i % 3 == 0 ? 2 : 1;
+    r.params.ignore_eos = true;
+    r.params.sampling.temperature = 0.7f;
+    r.params.sampling.seed = 11 + i;
+    r.params.sampling.presence_penalty = 0.3f;
+    r.stream = std::make_shared<RequestStream>();
+    ASSERT_EQ(e.submit(r).http_status, 0);
+    streams.push_back(r.stream);
+  }
+  for (int i = 0; i < 200000 && e.step(); ++i) ASSERT_TRUE(e.check_integrity().is_ok()) << e.check_integrity().message();
+  for (int i = 0; i < 6; ++i) {
+    const Usage u = streams[i]->usage();
+    EXPECT_EQ(u.completion_tokens, (i % 3 == 0 ? 2 : 1) * 200) << i;
+    EXPECT_GT(u.kv_tokens_reindexed, 0) << i;
+  }
+  EXPECT_GT(e.metrics().num_preemptions_total, 0);
+  EXPECT_GT(e.metrics().kv_reindexed_tokens_total, 0);
+  EXPECT_EQ(e.pages_in_use(), 0);
+  EXPECT_EQ(e.pool().n_used(), 0);
 }
