@@ -83,8 +83,8 @@ def part2(args, tmp: Path) -> dict:
     text = args.texts[0]
     ev = ["--kv-eviction", "sinks", "--kv-budget", str(args.budget2)]
     runs = {
-        "full cache (positions to 16k)": [],
-        f"sinks {args.budget2} (positions to 16k)": ev,
+        "full cache (positions to 16k)": ["--past-trained-context"],
+        f"sinks {args.budget2} (positions to 16k)": ev + ["--past-trained-context"],
         f"sinks {args.budget2}, re-indexed at {args.trained}": ev + ["--max-model-len", str(args.trained)],
     }
     res = {"text": text.stem, "ctx": args.ctx2, "trained": args.trained, "runs": {}}
@@ -123,12 +123,15 @@ def main() -> None:
         if not t.exists():
             sys.exit(f"{t} is missing: run `make text`")
     res = {"model": args.model.name}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.out.exists() and args.part is not None:  # keep the other part's results
+        res.update({k: v for k, v in json.loads(args.out.read_text()).items() if k.startswith("part")})
     with tempfile.TemporaryDirectory() as d:
         if args.part in (None, 1):
             res["part1"] = part1(args)
+            args.out.write_text(json.dumps(res, indent=1))
         if args.part in (None, 2):
             res["part2"] = part2(args, Path(d))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
     log(f"wrote {args.out}")
 

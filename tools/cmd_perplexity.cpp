@@ -66,6 +66,7 @@ struct PerplexityOptions {
   int threads = 0;
   int top_k = 64;
   int max_model_len = 0;  // 0: no limit on positions
+  bool past_trained = false;
   bool json = false;
   std::string save_logits, kld_base;
   KvOptions kvo;
@@ -311,8 +312,11 @@ void run_perplexity(const PerplexityOptions& o) {
   // token is inside its window, which it always is when ctx <= window).
   const double kv_bytes_per_token = layout.bytes_per_token() + (lm.pool_g1 ? lm.pool_g1->layout().bytes_per_token() : 0.0);
   const std::string kv_desc = layout.describe();
-  if (o.ctx > cfg.n_ctx_train)
-    fail("--ctx " + std::to_string(o.ctx) + " exceeds the model's context length " + std::to_string(cfg.n_ctx_train));
+  // Positions a window uses: its length, or --max-model-len when re-indexing keeps them below.
+  const int64_t positions = o.max_model_len > 0 ? std::min(o.ctx, o.max_model_len) : o.ctx;
+  if (positions > cfg.n_ctx_train && !o.past_trained)
+    fail("--ctx " + std::to_string(o.ctx) + " exceeds the model's context length " + std::to_string(cfg.n_ctx_train) +
+         " (--max-model-len with an evicting --kv-eviction keeps positions below it; --past-trained-context measures past it)");
   const int64_t pool_tokens = int64_t(lm.pool->n_pages()) * layout.block_size;
   // With cold pages the pool holds the budget, one slice of new positions and what Quest reads back.
   const int64_t need_tokens = o.evo.offload_cold ? std::min<int64_t>(o.ctx, o.evo.budget + 2 * int64_t(o.batch)) : o.ctx;
@@ -557,6 +561,7 @@ void add_perplexity_command(CLI::App& app) {
                   "positions the model may use (default: no limit); past them an evicting --kv-eviction re-indexes the kept "
                   "pages (StreamingLLM), else the run fails")
       ->check(CLI::NonNegativeNumber);
+  cmd->add_flag("--past-trained-context", o->past_trained, "allow positions past the model's trained context (to measure what happens there)");
   cmd->add_flag("--json", o->json, "one JSON object on stdout (progress stays on stderr)");
   add_kv_options(cmd, &o->kvo);  // --kv-cache-memory, --block-size, --kv-cache-dtype, --kv-cache-dtype-layers
   add_eviction_options(cmd, &o->evo);  // --kv-eviction, --kv-budget, --kv-sparse quest, ...
