@@ -100,6 +100,7 @@ bench-eviction: deps models text build
 	$(PYTHON) bench/eviction_quality.py --kvserve $(BUILD_DIR)/kvserve
 	$(PYTHON) bench/eviction_speed.py --kvserve $(BUILD_DIR)/kvserve
 	$(PYTHON) bench/passkey_bench.py --kvserve $(BUILD_DIR)/kvserve
+	$(PYTHON) bench/reindex_quality.py --kvserve $(BUILD_DIR)/kvserve
 
 # Scale-out (docs/disaggregation.md): colocated vs prefill + decode behind the router, and prefix
 # affinity vs round-robin over 2 replicas. DISAGG_ARGS adds flags (--parts pd, --repeats 3, ...).
