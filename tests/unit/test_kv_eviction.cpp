@@ -525,3 +525,43 @@ TEST(KvReindex, EngineGoesPastMaxModelLenThroughPreemption) {
   EXPECT_EQ(e.pages_in_use(), 0);
   EXPECT_EQ(e.pool().n_used(), 0);
 }
+
+// Gemma 3 past max_model_len: the sliding-window layers' pages move with the global layers' plan
+// (each group re-rotated with its own RoPE base), forks copy what they share, and both pools
+// account for every page.
+TEST(KvReindex, Gemma3BothLayerGroupsGoPastMaxModelLen) {
+  LlamaModel* m = kvtest::gemma3_model();
+  ASSERT_TRUE(m);
+  auto f = GgufFile::open(kvtest::gemma3_path());
+  ASSERT_TRUE(f);
+  auto tok = Tokenizer::from_gguf(**f);
+  ASSERT_TRUE(tok);
+  EngineConfig c;
+  c.max_num_batched_tokens = 128;
+  c.max_num_seqs = 4;
+  c.max_model_len = 700;
+  c.block_size = 16;
+  c.kv_cache_bytes = 96ll << 20;
+  c.n_threads = 2;
+  c.kv_policy = cfg_of(EvictionPolicy::kSinks, 600);  // recent 560 tokens: more than the 512-token window
+  Engine e(*m, **tok, c);
+  ASSERT_NE(e.pool_g1(), nullptr);
+  Request r;
+  r.id = e.next_request_id();
+  r.prompt.resize(300);
+  for (size_t i = 0; i < r.prompt.size(); ++i) r.prompt[i] = static_cast<int32_t>(1000 + (i * 7919) % 200000);
+  r.params.max_tokens = 700;
+  r.params.n = 2;
+  r.params.ignore_eos = true;
+  r.params.sampling.temperature = 0.8f;
+  r.params.sampling.seed = 5;
+  r.stream = std::make_shared<RequestStream>();
+  ASSERT_EQ(e.submit(r).http_status, 0);
+  for (int i = 0; i < 100000 && e.step(); ++i) ASSERT_TRUE(e.check_integrity().is_ok()) << e.check_integrity().message();
+  const Usage u = r.stream->usage();
+  EXPECT_EQ(u.completion_tokens, 1400);
+  EXPECT_GT(u.kv_tokens_reindexed, 0);
+  EXPECT_LE(u.kv_tokens_kept, 2 * 600);
+  EXPECT_EQ(e.pages_in_use(), 0);
+  EXPECT_EQ(e.pool_g1()->n_used(), e.window_pages_cached());
+}
