@@ -247,3 +247,13 @@ def test_progress_bar_counts_every_prompt(llm, capsys):
     outs = llm.generate(["a", "b", "c"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=True)
     assert len(outs) == 3
     assert "3/3" in capsys.readouterr().err
+
+
+def test_an_evicting_policy_goes_past_max_model_len(llm):
+    # StreamingLLM re-indexing (docs/eviction.md): 700 tokens from a 512-position engine.
+    sp = SamplingParams(temperature=0, max_tokens=700, ignore_eos=True, kv_eviction={"policy": "sinks", "budget": 128})
+    out = llm.generate(["Once upon a time"], sp, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 700 and out.outputs[0].finish_reason == "length"
+    assert out.kv_tokens_reindexed > 0 and out.kv_tokens_kept <= 128
+    with pytest.raises(ValueError, match="maximum context length"):  # without a policy the limit holds
+        llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=700), use_tqdm=False)
