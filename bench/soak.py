@@ -3,7 +3,8 @@
 
 Each client loops: a random request (completions or chat, streamed or not; temperature, top_p,
 top_k, min_p, penalties, seed, n, stop strings, max_tokens, prompt length, a cache salt from a
-few tenants, a shared system prefix or not), and 20% of the time it disconnects on purpose at a
+few tenants, a shared system prefix or not; 3% are long generations under a KV eviction policy
+that go past --max-model-len, re-indexing), and 20% of the time it disconnects on purpose at a
 random point (mid-stream, or a non-streamed request given up after a random wait).
 
 Pass (exit 0) when:
@@ -104,6 +105,15 @@ def random_request(rng: random.Random, model: str) -> tuple[str, dict]:
         body["cache_salt"] = f"tenant-{rng.randrange(4)}"
     if body["stream"] and rng.random() < 0.5:
         body["stream_options"] = {"include_usage": True}
+    if rng.random() < 0.03:  # past max_model_len (2048): a long prompt, an evicting policy, re-indexing
+        words = " ".join(rng.choice(WORDS) for _ in range(700))
+        if chat:
+            body["messages"] = [{"role": "user", "content": words}]
+        else:
+            body["prompt"] = words
+        body["max_tokens"] = rng.choice([1200, 1400])
+        body["n"] = 1
+        body["kv_eviction"] = {"policy": rng.choice(["sinks", "h2o", "snapkv", "window"]), "budget": rng.choice([256, 512])}
     return ("/v1/chat/completions" if chat else "/v1/completions"), body
 
 
@@ -257,6 +267,7 @@ def main():
     base = next((p["rss"] for p in stats.timeline if p["t"] >= args.warmup), stats.timeline[-1]["rss"] if stats.timeline else 0)
     growth = (max(after) - base) / base if after and base else 0.0
     preempt = [l for l in metrics.splitlines() if l.startswith("kvserve:num_preemptions_total")]
+    reindexed = [l for l in metrics.splitlines() if l.startswith("kvserve:kv_reindexed_tokens_total")]
     result = {
         "clients": args.clients, "duration_s": args.duration, "disconnect_rate": args.disconnect_rate,
         "kv_cache_memory": args.kv_cache_memory, "outcomes": stats.outcomes, "failures": stats.failures,
@@ -264,7 +275,8 @@ def main():
         "tok_s_median": statistics.median([p["tok_s"] for p in stats.timeline]) if stats.timeline else 0,
         "rss_warm_bytes": base, "rss_max_after_warmup_bytes": max(after) if after else 0, "rss_end_bytes": rss_end,
         "rss_growth_after_warmup": round(growth, 4), "pages_in_use_at_end": kv["pages_in_use"],
-        "integrity": kv["integrity"], "preemptions": preempt, "server_exit_code": proc.returncode,
+        "integrity": kv["integrity"], "preemptions": preempt, "reindexed_positions": reindexed,
+        "server_exit_code": proc.returncode,
         "timeline": stats.timeline,
     }
     ok = (stats.outcomes.get("failed", 0) == 0 and growth <= 0.05 and kv["pages_in_use"] == 0 and kv["integrity"]["ok"]
