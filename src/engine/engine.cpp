@@ -213,7 +213,8 @@ Rejection Engine::submit(Request req) {
                                                  cfg_.kv_policy.quest_pages_read(cfg_.block_size) + 2);
   if (pages_one > pool_->n_pages())
     return reject(400,
-                  "The request needs " + std::to_string(pages_one) + " KV pages (" + std::to_string(n_prompt + p.max_tokens) +
+                  "The request needs " + std::to_string(pages_one) + " KV pages (" +
+                      std::to_string(std::min<int64_t>(n_prompt + p.max_tokens, cfg_.max_model_len)) +
                       " tokens) but the whole KV cache has " + std::to_string(pool_->n_pages()) + "; raise --kv-cache-memory.",
                   "max_tokens");
   {
@@ -340,7 +341,10 @@ void Engine::preempt(Sequence& s) {
   // go (as a re-index would drop them), and the kept ones are recomputed at their new positions.
   ReindexPlan plan;
   const bool drop = goes_past_context(s) && static_cast<int64_t>(s.tokens.size()) > cfg_.max_model_len;
-  if (drop) plan = plan_reindex(s.table.pages, s.n_computed, cfg_.block_size);
+  if (drop) {
+    evict_now(s, /*prompt_end=*/true);  // a check the runs may have skipped (see reindex)
+    plan = plan_reindex(s.table.pages, s.n_computed, cfg_.block_size);
+  }
   release(s);
   if (drop && !plan.empty()) {
     s.n_prompt -= static_cast<int32_t>(reindex_tokens(plan, cfg_.block_size, s.n_prompt, &s.tokens));
@@ -359,6 +363,10 @@ bool Engine::goes_past_context(const Sequence& s) const {
 
 bool Engine::reindex(Sequence& s) {
   const int32_t bs = cfg_.block_size;
+  // The policy's checks run when a page fills or a prompt ends; a prompt whose last chunk was a
+  // single token (run as a decode), with a limit that is not a page boundary, reaches the limit
+  // unchecked: check now (a no-op when the checks ran).
+  evict_now(s, /*prompt_end=*/true);
   const ReindexPlan plan = plan_reindex(s.table.pages, s.n_computed, bs);
   if (plan.empty() || plan.n_after >= cfg_.max_model_len) return false;  // not with submit's checks
   // Copies of shared moved pages (forks; recent prompt pages the prefix cache also holds) first.
@@ -433,8 +441,9 @@ bool Engine::schedule(Plan* plan) {
   for (auto it = running_.begin(); it != running_.end() && budget > 0;) {
     Sequence& s = **it;
     if (s.to_compute() != 1) { ++it; continue; }
-    if (s.n_computed >= cfg_.max_model_len && !reindex(s)) { ++it; continue; }  // room for a copy next step
-    bool ok = ensure_pages(s, 1);
+    // At the limit, re-index first (kv/kv_reindex.h); either may need pages: preempt for them.
+    auto room = [&] { return (s.n_computed < cfg_.max_model_len || reindex(s)) && ensure_pages(s, 1); };
+    bool ok = room();
     while (!ok) {
       auto victim = std::prev(running_.end());
       Sequence* v = victim->get();
@@ -443,7 +452,7 @@ bool Engine::schedule(Plan* plan) {
       n_waiting_total_.fetch_add(1);
       running_.erase(victim);
       if (v == &s) break;  // s itself was the newest: it waits
-      ok = ensure_pages(s, 1);
+      ok = room();
     }
     if (!ok) break;  // s was preempted and removed; everything after it was too
     const int32_t k = make_draft(s, static_cast<int32_t>(std::min<int64_t>(spec_room, budget - 1)));
@@ -519,8 +528,12 @@ void Engine::annotate(Sequence& s, BatchSeq& b) {
 // decode step) evicts when the policy says so, at a prompt's end or when a page has filled.
 void Engine::maybe_evict(Sequence& s, int32_t n_run) {
   if (s.n_computed != static_cast<int64_t>(s.tokens.size())) return;  // mid-prompt
+  evict_now(s, n_run > 1);
+}
+
+void Engine::evict_now(Sequence& s, bool prompt_end) {
   const int32_t bs = cfg_.block_size;
-  const std::vector<int64_t> out = evict_if_due(s.evict, *pool_, s.table.pages, s.n_computed, n_run > 1, s.scores);
+  const std::vector<int64_t> out = evict_if_due(s.evict, *pool_, s.table.pages, s.n_computed, prompt_end, s.scores);
   if (out.empty()) return;
   s.evicted_tokens += int64_t(out.size()) * bs;
   metrics_.add_evicted_tokens(int64_t(out.size()) * bs);

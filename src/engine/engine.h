@@ -159,6 +159,8 @@ class Engine {
   Sequence* fork(Sequence& parent, int32_t index);
   void annotate(Sequence& s, BatchSeq& b);  // eviction scores / sparse reads for s's run
   void maybe_evict(Sequence& s, int32_t n_run);
+  // Evicts what the policy says now (prompt_end: also between page boundaries).
+  void evict_now(Sequence& s, bool prompt_end);
   void record_kv_outcome(Sequence& s);
   void lookup_tiers();        // starts lower-tier lookups for waiting requests (RAM misses)
   void install_tier_pages();  // pages the lookups found: into the pool and the prefix cache

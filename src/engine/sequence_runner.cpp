@@ -133,6 +133,7 @@ Status SequenceRunner::fit_positions(int64_t len) {
   };
   if (!evict_.evicts()) return too_long("going on past them needs an evicting KV policy (--kv-eviction)");
   const int32_t bs = pool_.layout().block_size;
+  maybe_evict(/*prompt_end=*/true);  // the checks a feed may have skipped (a no-op when they ran)
   const ReindexPlan plan = plan_reindex(table_.pages, table_.n_tokens, bs);
   if (plan.n_after + len > max_pos_)
     return too_long("re-indexing frees only " + std::to_string(plan.dropped()) + " (the KV budget must leave room below them)");

@@ -565,3 +565,38 @@ TEST(KvReindex, Gemma3BothLayerGroupsGoPastMaxModelLen) {
   EXPECT_EQ(e.pages_in_use(), 0);
   EXPECT_EQ(e.pool_g1()->n_used(), e.window_pages_cached());
 }
+
+// A limit that is not a page boundary, and a prompt whose last chunk is one token (run as a
+// decode, so no prompt-end check): the sequence reaches the limit with nothing evicted yet.
+// Re-indexing checks the policy first instead of stalling there (review finding, 2026-11-27).
+TEST(KvReindex, EngineChecksThePolicyWhenTheLimitComesBeforeAnyCheck) {
+  LlamaModel* m = kvtest::smollm2_model();
+  ASSERT_TRUE(m);
+  EngineConfig c;
+  c.max_num_batched_tokens = 64;
+  c.max_num_seqs = 4;
+  c.max_model_len = 130;
+  c.block_size = 16;
+  c.kv_cache_bytes = int64_t(64) * 16 * 23040;
+  c.n_threads = 2;
+  c.kv_policy = cfg_of(EvictionPolicy::kSinks, 64);
+  auto tok = Tokenizer::from_gguf(*kvtest::smollm2_file());
+  ASSERT_TRUE(tok);
+  Engine e(*m, **tok, c);
+  Request r;
+  r.id = e.next_request_id();
+  r.prompt.resize(129);  // chunks of 64, 64 and 1
+  for (size_t j = 0; j < r.prompt.size(); ++j) r.prompt[j] = static_cast<int32_t>(1000 + (j * 7919) % 20000);
+  r.params.max_tokens = 50;
+  r.params.ignore_eos = true;
+  r.stream = std::make_shared<RequestStream>();
+  ASSERT_EQ(e.submit(r).http_status, 0);
+  int steps = 0;
+  for (; steps < 2000 && e.step(); ++steps) ASSERT_TRUE(e.check_integrity().is_ok()) << e.check_integrity().message();
+  EXPECT_LT(steps, 2000);
+  const Usage u = r.stream->usage();
+  EXPECT_EQ(u.completion_tokens, 50);
+  EXPECT_GT(u.kv_tokens_reindexed, 0);
+  EXPECT_EQ(e.metrics().num_preemptions_total, 0);
+  EXPECT_EQ(e.pages_in_use(), 0);
+}
