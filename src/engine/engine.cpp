@@ -369,31 +369,21 @@ bool Engine::reindex(Sequence& s) {
   evict_now(s, /*prompt_end=*/true);
   const ReindexPlan plan = plan_reindex(s.table.pages, s.n_computed, bs);
   if (plan.empty() || plan.n_after >= cfg_.max_model_len) return false;  // not with submit's checks
-  // Copies of shared moved pages (forks; recent prompt pages the prefix cache also holds) first.
-  auto shared = [&](const std::vector<int32_t>& t, const PagePool& p) {
-    int32_t n = 0;
-    for (size_t i = 0; i < plan.kept.size(); ++i) {
-      const int64_t j = plan.kept[i];
-      n += j != int64_t(i) && j < int64_t(t.size()) && t[j] >= 0 && p.refcount(t[j]) > 1;
-    }
-    return n;
-  };
-  if (const int32_t n = shared(s.table.pages, *pool_); n > 0 && !pool_->can_allocate(n) && !(cache_ && cache_->ensure_free(n)))
+  // Room for copies of shared moved pages (forks; recent prompt pages the prefix cache also holds).
+  if (const int32_t n = moved_shared(plan, *pool_, s.table.pages); n > 0 && !pool_->can_allocate(n) && !(cache_ && cache_->ensure_free(n)))
     return false;
   if (pool_g1_)
-    if (const int32_t n = shared(s.table_g1.pages, *pool_g1_); n > 0 && !pool_g1_->can_allocate(n) && !(cache_ && cache_->ensure_free_window(n)))
+    if (const int32_t n = moved_shared(plan, *pool_g1_, s.table_g1.pages);
+        n > 0 && !pool_g1_->can_allocate(n) && !(cache_ && cache_->ensure_free_window(n)))
       return false;
-  if (!unshare_moved(plan, *pool_, &s.table.pages)) return false;
-  if (pool_g1_ && !unshare_moved(plan, *pool_g1_, &s.table_g1.pages)) return false;
-  move_pages(plan, *pool_, &s.table.pages, [&](int32_t page, int32_t n, int64_t d) { model_.shift_keys(*pool_, 0, page, n, d); });
-  if (pool_g1_) {
-    move_pages(plan, *pool_g1_, &s.table_g1.pages, [&](int32_t page, int32_t n, int64_t d) { model_.shift_keys(*pool_g1_, 1, page, n, d); });
-    s.table_g1.n_tokens = plan.n_after;
-  }
+  PagePool* const pools[2] = {pool_.get(), pool_g1_.get()};
+  BlockTable* const tables[2] = {&s.table, &s.table_g1};
+  if (!apply_reindex(plan, pools, tables, [&](int g, int32_t page, int32_t n, int64_t d) { model_.shift_keys(*pools[g], g, page, n, d); }))
+    return false;
   reindex_pages_of(plan, &s.scores);
   s.n_prompt -= static_cast<int32_t>(reindex_tokens(plan, bs, s.n_prompt, &s.tokens));
   s.sampler.history_dropped(static_cast<size_t>(plan.dropped()), static_cast<size_t>(s.n_prompt));
-  s.n_computed = s.table.n_tokens = plan.n_after;
+  s.n_computed = plan.n_after;
   s.reindexed += plan.dropped();
   metrics_.add_reindexed_tokens(plan.dropped());
   return true;

@@ -137,16 +137,12 @@ Status SequenceRunner::fit_positions(int64_t len) {
   const ReindexPlan plan = plan_reindex(table_.pages, table_.n_tokens, bs);
   if (plan.n_after + len > max_pos_)
     return too_long("re-indexing frees only " + std::to_string(plan.dropped()) + " (the KV budget must leave room below them)");
-  // A runner's pages are its own (refcount 1): nothing to copy.
-  if (!unshare_moved(plan, pool_, &table_.pages) || (pool_g1_ && !unshare_moved(plan, *pool_g1_, &table_g1_.pages)))
+  PagePool* const pools[2] = {&pool_, pool_g1_};
+  BlockTable* const tables[2] = {&table_, &table_g1_};
+  // A runner's pages are its own (refcount 1): nothing to copy, so this cannot fail.
+  if (!apply_reindex(plan, pools, tables, [&](int g, int32_t page, int32_t n, int64_t d) { model_.shift_keys(*pools[g], g, page, n, d); }))
     return Status::error("re-indexing: no page for a copy");
-  move_pages(plan, pool_, &table_.pages, [&](int32_t page, int32_t n, int64_t d) { model_.shift_keys(pool_, 0, page, n, d); });
-  if (pool_g1_) {
-    move_pages(plan, *pool_g1_, &table_g1_.pages, [&](int32_t page, int32_t n, int64_t d) { model_.shift_keys(*pool_g1_, 1, page, n, d); });
-    table_g1_.n_tokens = plan.n_after;
-  }
   reindex_pages_of(plan, &scores_);
-  table_.n_tokens = plan.n_after;
   reindexed_ += plan.dropped();
   return Status::ok();
 }

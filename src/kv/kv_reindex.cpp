@@ -9,12 +9,10 @@ ReindexPlan plan_reindex(const std::vector<int32_t>& pages, int64_t n_tokens, in
   ReindexPlan p;
   p.n_before = p.n_after = n_tokens;
   const int64_t used = (n_tokens + block_size - 1) / block_size;
-  for (int64_t j = 0; j < int64_t(pages.size()); ++j)
+  for (int64_t j = 0; j < int64_t(pages.size()); ++j) {
     if (pages[j] >= 0 || j >= used) p.kept.push_back(j);  // pages past the positions hold nothing yet
-  int64_t gone = 0;
-  for (int64_t j = 0; j < std::min<int64_t>(used, pages.size()); ++j) gone += pages[j] < 0;
-  // an evicted page is always a whole one (never the filling page)
-  p.n_after = n_tokens - gone * block_size;
+    else p.n_after -= block_size;                         // an evicted page is always a whole one
+  }
   return p;
 }
 
@@ -22,14 +20,19 @@ namespace {
 int32_t slots_of(const ReindexPlan& plan, int64_t j, int32_t bs) {
   return static_cast<int32_t>(std::clamp<int64_t>(plan.n_before - j * bs, 0, bs));
 }
-}  // namespace
 
-bool unshare_moved(const ReindexPlan& plan, PagePool& pool, std::vector<int32_t>* pages) {
-  const int32_t bs = pool.layout().block_size;
-  std::vector<int32_t>& t = *pages;
-  for (size_t i = 0; i < plan.kept.size() && !plan.empty(); ++i) {
+// Page kept[i] of the table must be copied before its keys change: it moves, holds keys, and
+// another holder shares it.
+bool needs_copy(const ReindexPlan& plan, size_t i, const PagePool& pool, const std::vector<int32_t>& t) {
+  const int64_t j = plan.kept[i];
+  return j != int64_t(i) && j < int64_t(t.size()) && t[j] >= 0 && slots_of(plan, j, pool.layout().block_size) > 0 &&
+         pool.refcount(t[j]) > 1;
+}
+
+bool unshare_moved(const ReindexPlan& plan, PagePool& pool, std::vector<int32_t>& t) {
+  for (size_t i = 0; i < plan.kept.size(); ++i) {
+    if (!needs_copy(plan, i, pool, t)) continue;
     const int64_t j = plan.kept[i];
-    if (j == int64_t(i) || j >= int64_t(t.size()) || t[j] < 0 || slots_of(plan, j, bs) == 0 || pool.refcount(t[j]) == 1) continue;
     std::vector<int32_t> fresh;
     if (!pool.allocate(1, &fresh)) return false;
     if (!pool.copy_page(t[j], fresh[0])) {
@@ -42,10 +45,8 @@ bool unshare_moved(const ReindexPlan& plan, PagePool& pool, std::vector<int32_t>
   return true;
 }
 
-void move_pages(const ReindexPlan& plan, PagePool& pool, std::vector<int32_t>* pages, const KeyShift& shift) {
-  if (plan.empty()) return;
+void move_pages(const ReindexPlan& plan, int group, PagePool& pool, std::vector<int32_t>& t, const KeyShift& shift) {
   const int32_t bs = pool.layout().block_size;
-  std::vector<int32_t>& t = *pages;
   std::vector<int32_t> out;
   out.reserve(plan.kept.size());
   std::vector<bool> keep(t.size(), false);
@@ -57,12 +58,31 @@ void move_pages(const ReindexPlan& plan, PagePool& pool, std::vector<int32_t>* p
     const int32_t n = slots_of(plan, j, bs);
     if (t[j] >= 0 && j != int64_t(i) && n > 0) {
       assert(pool.refcount(t[j]) == 1);
-      shift(t[j], n, (j - int64_t(i)) * bs);
+      shift(group, t[j], n, (j - int64_t(i)) * bs);
     }
   }
   for (size_t j = 0; j < t.size(); ++j)
     if (!keep[j] && t[j] >= 0) pool.release(t[j]);
   t = std::move(out);
+}
+}  // namespace
+
+int32_t moved_shared(const ReindexPlan& plan, const PagePool& pool, const std::vector<int32_t>& pages) {
+  int32_t n = 0;
+  for (size_t i = 0; i < plan.kept.size(); ++i) n += needs_copy(plan, i, pool, pages);
+  return n;
+}
+
+bool apply_reindex(const ReindexPlan& plan, PagePool* const pools[2], BlockTable* const tables[2], const KeyShift& shift) {
+  if (plan.empty()) return true;
+  for (int g = 0; g < 2; ++g)
+    if (pools[g] && !unshare_moved(plan, *pools[g], tables[g]->pages)) return false;
+  for (int g = 0; g < 2; ++g) {
+    if (!pools[g]) continue;
+    move_pages(plan, g, *pools[g], tables[g]->pages, shift);
+    tables[g]->n_tokens = plan.n_after;
+  }
+  return true;
 }
 
 void reindex_pages_of(const ReindexPlan& plan, std::vector<float>* per_page) {

@@ -32,16 +32,21 @@ struct ReindexPlan {
 // (empty()) when the table has no hole before its last position.
 ReindexPlan plan_reindex(const std::vector<int32_t>& pages, int64_t n_tokens, int32_t block_size);
 
-// shift(page, n_slots, delta): re-rotate the keys of slots [0, n_slots) of a page by -delta.
-using KeyShift = std::function<void(int32_t page, int32_t n_slots, int64_t delta)>;
+// shift(group, page, n_slots, delta): re-rotate the keys of slots [0, n_slots) of a page of
+// layer group `group` by -delta positions.
+using KeyShift = std::function<void(int group, int32_t page, int32_t n_slots, int64_t delta)>;
 
-// Step 1 for each group: the shared pages the plan moves (their keys will change) are replaced
-// by private copies (copy-on-write). False when a copy found no free page or staging slot; the
-// table then holds some identical private copies and is otherwise unchanged: try again later.
-bool unshare_moved(const ReindexPlan& plan, PagePool& pool, std::vector<int32_t>* pages);
-// Step 2, once step 1 succeeded for every group: moved pages' keys are shifted, the table is
-// closed up, and pages at indices the plan drops are released.
-void move_pages(const ReindexPlan& plan, PagePool& pool, std::vector<int32_t>* pages, const KeyShift& shift);
+// Shared pages the plan moves in a table (their keys will change, so each needs a copy first).
+int32_t moved_shared(const ReindexPlan& plan, const PagePool& pool, const std::vector<int32_t>& pages);
+
+// Applies the plan to a sequence's tables: group 0 (pools[0], tables[0]) and, for a hybrid
+// model, group 1 (pools[1], tables[1]; null when there is none). First, in every group, shared
+// pages that move are replaced by private copies (copy-on-write); then moved pages' keys are
+// shifted, the tables closed up, pages at indices the plan drops released, and n_tokens set.
+// False when a copy found no free page or staging slot (callers count them first with
+// moved_shared): the tables then hold some identical private copies and are otherwise
+// unchanged, and the caller may try again later.
+bool apply_reindex(const ReindexPlan& plan, PagePool* const pools[2], BlockTable* const tables[2], const KeyShift& shift);
 
 // Per-page values (eviction scores) follow their pages; entries past the array stay absent.
 void reindex_pages_of(const ReindexPlan& plan, std::vector<float>* per_page);

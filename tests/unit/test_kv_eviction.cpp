@@ -348,7 +348,8 @@ TEST(KvEviction, PagesComputedAfterAnEvictionAreNeverCached) {
 }
 
 // StreamingLLM re-indexing (kv/kv_reindex.h): the plan closes the holes, moved pages are shifted
-// by the distance they moved, shared ones are copied first, dropped ones (group 1) released.
+// by the distance they moved in both layer groups, shared ones are copied first, dropped ones
+// (group 1) released.
 TEST(KvReindex, PlanMovesKeptPagesDownAndShiftsTheirKeys) {
   KvLayout l;
   l.n_layer = 1;
@@ -368,18 +369,36 @@ TEST(KvReindex, PlanMovesKeptPagesDownAndShiftsTheirKeys) {
   EXPECT_EQ(plan.kept, (std::vector<int64_t>{0, 3, 4, 5}));
   EXPECT_EQ(plan.n_after, 38);
   EXPECT_EQ(plan.dropped(), 32);
-  // page 3 is shared (a fork): it is copied before its keys change
+  // page 3 is shared (a fork): it is copied before its keys change. Group 1 (sliding-window
+  // layers) holds a page at index 2, which group 0 evicted: it is released; its page 0 slid out.
   pool.retain(orig[3]);
-  ASSERT_TRUE(unshare_moved(plan, pool, &t));
-  EXPECT_NE(t[3], orig[3]);
-  EXPECT_EQ(pool.refcount(orig[3]), 1);
-  const int32_t copy3 = t[3];
-  std::vector<std::tuple<int32_t, int32_t, int64_t>> shifts;
-  move_pages(plan, pool, &t, [&](int32_t page, int32_t n, int64_t d) { shifts.emplace_back(page, n, d); });
+  EXPECT_EQ(moved_shared(plan, pool, t), 1);
+  PagePool pool1(l, 8);
+  BlockTable t0{t, 70}, t1;
+  ASSERT_TRUE(pool1.allocate(6, &t1.pages));
+  pool1.release(t1.pages[0]);
+  t1.pages[0] = -1;
+  const std::vector<int32_t> orig1 = t1.pages;
+  PagePool* const pools[2] = {&pool, &pool1};
+  BlockTable* const tables[2] = {&t0, &t1};
+  std::vector<std::tuple<int, int32_t, int32_t, int64_t>> shifts;
+  ASSERT_TRUE(apply_reindex(plan, pools, tables, [&](int g, int32_t page, int32_t n, int64_t d) { shifts.emplace_back(g, page, n, d); }));
+  t = t0.pages;
+  const int32_t copy3 = t[1];
+  EXPECT_NE(copy3, orig[3]);
+  EXPECT_EQ(pool.refcount(orig[3]), 1);  // the other holder keeps the original
   EXPECT_EQ(t, (std::vector<int32_t>{orig[0], copy3, orig[4], orig[5]}));
-  ASSERT_EQ(shifts.size(), 2u);  // page 3 (now at 1) and the filling page 4 (now at 2); page 5 holds nothing
-  EXPECT_EQ(shifts[0], std::make_tuple(copy3, 16, int64_t(32)));
-  EXPECT_EQ(shifts[1], std::make_tuple(orig[4], 6, int64_t(32)));
+  EXPECT_EQ(t0.n_tokens, 38);
+  EXPECT_EQ(t1.n_tokens, 38);
+  EXPECT_EQ(t1.pages, (std::vector<int32_t>{-1, orig1[3], orig1[4], orig1[5]}));
+  EXPECT_EQ(pool1.n_used(), 3);
+  EXPECT_TRUE(pool1.check_integrity().is_ok());
+  // page 3 (now at 1) and the filling page 4 (now at 2) of each group; page 5 holds nothing
+  ASSERT_EQ(shifts.size(), 4u);
+  EXPECT_EQ(shifts[0], std::make_tuple(0, copy3, 16, int64_t(32)));
+  EXPECT_EQ(shifts[1], std::make_tuple(0, orig[4], 6, int64_t(32)));
+  EXPECT_EQ(shifts[2], std::make_tuple(1, orig1[3], 16, int64_t(32)));
+  EXPECT_EQ(shifts[3], std::make_tuple(1, orig1[4], 6, int64_t(32)));
   std::vector<float> scores = {1, 2, 3, 4, 5, 6};
   reindex_pages_of(plan, &scores);
   EXPECT_EQ(scores, (std::vector<float>{1, 4, 5, 6}));
@@ -391,17 +410,6 @@ TEST(KvReindex, PlanMovesKeptPagesDownAndShiftsTheirKeys) {
   EXPECT_EQ(toks[15], 15);
   EXPECT_EQ(toks[16], 48);
   EXPECT_EQ(toks[38], 70);
-  // a group with a page at an index group 0 dropped (sliding-window layers): released
-  PagePool pool1(l, 8);
-  std::vector<int32_t> t1;
-  ASSERT_TRUE(pool1.allocate(6, &t1));
-  pool1.release(t1[0]);
-  t1[0] = -1;  // slid out
-  move_pages(plan, pool1, &t1, [](int32_t, int32_t, int64_t) {});
-  EXPECT_EQ(t1.size(), 4u);
-  EXPECT_EQ(t1[0], -1);
-  EXPECT_EQ(pool1.n_used(), 3);
-  EXPECT_TRUE(pool1.check_integrity().is_ok());
   for (int32_t p : t)
     if (p >= 0) pool.release(p);
   pool.release(orig[3]);
