@@ -48,12 +48,19 @@ void run_generate_engine(const GenerateOptions& o, const kv::SpecConfig& spec) {
   ec.kv_dtype = layout.dtype;
   ec.kv_layer_dtypes = model_layer_dtypes(*lm.model, o.kvo);
   ec.spec = spec;
+  ec.kv_policy = make_eviction(o.evo, ec.block_size);
+  if (ec.kv_policy.active())
+    std::fprintf(stderr, "note: %s: sequences under a KV policy do not speculate (the engine's rule), so this runs without drafts\n",
+                 ec.kv_policy.describe(ec.block_size).c_str());
+  // an evicting policy whose budget leaves room goes on past the context, re-indexing (as without drafts)
+  const bool past = ec.kv_policy.evicts() && ec.kv_policy.budget < ec.max_model_len;
   kv::Engine engine(*lm.model, *lm.tokenizer, ec);
   kv::Request req;
   req.id = engine.next_request_id();
   req.prompt = toks;
   req.params.sampling = o.sp;
-  req.params.max_tokens = static_cast<int32_t>(std::min<int64_t>(std::max(o.n_predict, 1), ec.max_model_len - static_cast<int64_t>(toks.size())));
+  req.params.max_tokens = static_cast<int32_t>(
+      past ? std::max(o.n_predict, 1) : std::min<int64_t>(std::max(o.n_predict, 1), ec.max_model_len - static_cast<int64_t>(toks.size())));
   req.stream = std::make_shared<kv::RequestStream>();
   if (kv::Rejection rej = engine.submit(req); rej.http_status) fail(rej.message);
   auto t0 = std::chrono::steady_clock::now();

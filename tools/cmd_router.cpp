@@ -11,6 +11,7 @@
 #include "commands.h"
 #include "common/units.h"
 #include "gguf/gguf.h"
+#include "kv/kv_eviction.h"
 #include "loaded_model.h"
 #include "model/config.h"
 #include "router/router.h"
@@ -28,6 +29,7 @@ struct RouterCliOptions {
   int max_n = 16;
   std::string max_body = "8MiB";
   std::string routing = "cache-aware";
+  std::string kv_eviction = "none";
   double shutdown_timeout = 30;
   kv::RouterOptions ro;
 };
@@ -54,6 +56,11 @@ void run_router(RouterCliOptions o) {
 
   kv::ApiContext ctx = kv::make_api_context(**tok, chat ? &*chat : nullptr, o.model, o.served_model_name,
                                             o.max_model_len > 0 ? o.max_model_len : (mc->n_ctx_train > 0 ? mc->n_ctx_train : 4096), o.max_n);
+  // The backends' default policy: an evicting one lets a request's max_tokens pass max_model_len
+  // (the backend re-indexes); the router validates requests as the backends will.
+  auto policy = kv::parse_eviction_policy(o.kv_eviction);
+  if (!policy) fail("--kv-eviction: " + policy.message());
+  ctx.default_policy_evicts = *policy != kv::EvictionPolicy::kNone;
   auto max_body = kv::parse_memory_size(o.max_body);
   if (!max_body) fail("--max-body-size: " + max_body.message());
   o.ro.max_body_bytes = static_cast<size_t>(*max_body);
@@ -156,6 +163,10 @@ void add_router_command(CLI::App& app) {
   cmd->add_option("--http-threads", o->ro.http_threads, "connection threads")->check(CLI::Range(1, 4096))->capture_default_str();
   cmd->add_option("--max-model-len", o->max_model_len, "as the backends' (default: the model's context)")->check(CLI::Range(1, 1 << 24));
   cmd->add_option("--max-n", o->max_n, "as the backends'")->check(CLI::Range(1, 256))->capture_default_str();
+  cmd->add_option("--kv-eviction", o->kv_eviction,
+                  "as the backends' default (none|window|sinks|h2o|snapkv): an evicting policy lets max_tokens pass "
+                  "--max-model-len, as it does on the backends")
+      ->capture_default_str();
   cmd->add_option("--max-body-size", o->max_body, "largest request body (413 above)")->capture_default_str();
   cmd->add_option("--shutdown-timeout", o->shutdown_timeout,
                   "seconds in-flight requests get to finish after SIGTERM/SIGINT (new ones get 503); a second signal exits at once")

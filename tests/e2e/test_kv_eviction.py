@@ -160,6 +160,11 @@ def test_past_max_model_len_reindexes_like_generate():
         assert g.returncode == 0, g.stderr[-2000:]
         assert g.stdout[:-1] == r["choices"][0]["text"]
         assert f"{ev['positions_reindexed']} positions re-indexed" in g.stderr, g.stderr[-500:]
+        # through the engine (generate --speculative-config): the policy holds there too (no drafts under it)
+        g2 = subprocess.run(g.args + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert g2.returncode == 0 and g2.stdout == g.stdout, g2.stderr[-2000:]
+        assert "do not speculate" in g2.stderr
         # n = 2, sampled and streamed: the choices share the prompt's pages until re-indexing copies them
         chunks = list(openai.OpenAI(base_url=s.url + "/v1", api_key="x").completions.create(
             model=MODEL_NAME, prompt=STORY, max_tokens=300, temperature=0.8, seed=7, n=2, stream=True,
@@ -179,4 +184,28 @@ def test_past_max_model_len_reindexes_like_generate():
         assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"], r.text
         s.wait_clean()
     finally:
+        s.stop()
+
+
+def test_router_lets_max_tokens_pass_max_model_len_with_the_backends_default_policy():
+    """A backend whose default policy evicts serves max_tokens past max_model_len without a
+    kv_eviction field; the router validates requests as its backends will only when told their
+    default (`router --kv-eviction`): without it, it refuses as for a backend that keeps every token."""
+    from kvserve_server import Router
+    s = Server("--debug", "--block-size", "16", "--kv-eviction", "sinks", "--kv-budget", "128", max_model_len=256)
+    routers = []
+    try:
+        body = {"model": MODEL_NAME, "prompt": STORY, "max_tokens": 300, "temperature": 0}
+        routers.append(Router("--replica", s.url, "--kv-eviction", "sinks", max_model_len=256))
+        r = requests.post(routers[0].url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        r = r.json()
+        assert r["usage"]["completion_tokens"] == 300 and r["usage"]["kv_eviction"]["positions_reindexed"] > 0, r["usage"]
+        routers.append(Router("--replica", s.url, max_model_len=256))
+        r = requests.post(routers[1].url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"], r.text
+        s.wait_clean()
+    finally:
+        for x in routers:
+            x.stop()
         s.stop()
