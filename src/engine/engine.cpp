@@ -350,7 +350,7 @@ void Engine::preempt(Sequence& s) {
     s.n_prompt -= static_cast<int32_t>(reindex_tokens(plan, cfg_.block_size, s.n_prompt, &s.tokens));
     s.sampler.history_dropped(static_cast<size_t>(plan.dropped()), static_cast<size_t>(s.n_prompt));
     s.reindexed += plan.dropped();
-    metrics_.add_reindexed_tokens(plan.dropped());
+    metrics_.add_reindexed_tokens(plan.dropped(), /*by_preemption=*/true);
   }
   s.n_computed = 0;
   metrics_.add_preemption();

@@ -76,7 +76,11 @@ void Metrics::add_tier_tail(TailEvent e) {
   ++m_.tier_tails_total[static_cast<int>(e)];
 }
 void Metrics::add_evicted_tokens(int64_t n) { std::lock_guard<std::mutex> l(mu_); m_.kv_evicted_tokens_total += n; }
-void Metrics::add_reindexed_tokens(int64_t n) { std::lock_guard<std::mutex> l(mu_); m_.kv_reindexed_tokens_total += n; }
+void Metrics::add_reindexed_tokens(int64_t n, bool by_preemption) {
+  std::lock_guard<std::mutex> l(mu_);
+  m_.kv_reindexed_tokens_total += n;
+  m_.kv_reindex_preemptions_total += by_preemption;
+}
 void Metrics::observe_kv_kept(int64_t tokens) { std::lock_guard<std::mutex> l(mu_); m_.kv_kept_tokens.observe(double(tokens)); }
 void Metrics::add_prompt_tokens(int64_t n) { std::lock_guard<std::mutex> l(mu_); m_.prompt_tokens_total += n; }
 void Metrics::add_generation_tokens(int64_t n) { std::lock_guard<std::mutex> l(mu_); m_.generation_tokens_total += n; }
@@ -144,6 +148,9 @@ std::string render_prometheus(const MetricsSnapshot& m) {
   counter(out, "kvserve:kv_reindexed_tokens_total",
           "Positions given back by re-indexing sequences that went past max_model_len (StreamingLLM; --kv-eviction).",
           double(m.kv_reindexed_tokens_total));
+  counter(out, "kvserve:kv_reindex_preemptions_total",
+          "Sequences preempted at max_model_len: their evicted tokens dropped, the kept ones recomputed at re-indexed positions.",
+          double(m.kv_reindex_preemptions_total));
   counter(out, "kvserve:prompt_tokens_total", "Prompt tokens processed.", double(m.prompt_tokens_total));
   counter(out, "kvserve:generation_tokens_total", "Tokens generated.", double(m.generation_tokens_total));
   counter(out, "kvserve:request_success_total", "Requests finished normally.", double(m.request_success_total));

@@ -68,6 +68,7 @@ struct MetricsSnapshot {
   int64_t prefix_cache_window_evictions_total = 0;
   int64_t kv_evicted_tokens_total = 0;  // tokens whose KV a long-context policy evicted
   int64_t kv_reindexed_tokens_total = 0;  // positions given back by re-indexing past max_model_len
+  int64_t kv_reindex_preemptions_total = 0;  // of those, by preempting at the limit and recomputing
   Histogram ttft{{}}, itl{{}}, e2e{{}};
   Histogram kv_kept_tokens{{}};       // per finished sequence under an eviction policy
   std::vector<Histogram> step_phase;  // [kNumStepPhases] seconds per step and phase
@@ -107,7 +108,7 @@ class Metrics {
   void add_preemption();
   void add_spec(int32_t n_draft, int32_t n_accepted);  // one verified draft
   void add_evicted_tokens(int64_t n);
-  void add_reindexed_tokens(int64_t n);
+  void add_reindexed_tokens(int64_t n, bool by_preemption = false);
   void add_tier_loaded_pages(int64_t n);
   void add_tier_load_timeout();
   void add_tier_tail(TailEvent e);

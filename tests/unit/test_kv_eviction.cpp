@@ -608,3 +608,72 @@ TEST(KvReindex, EngineChecksThePolicyWhenTheLimitComesBeforeAnyCheck) {
   EXPECT_EQ(e.metrics().num_preemptions_total, 0);
   EXPECT_EQ(e.pages_in_use(), 0);
 }
+
+// A sequence preempted exactly at the limit (its next position would be max_model_len) cannot be
+// recomputed whole: its evicted tokens go and the kept ones are recomputed at re-indexed
+// positions (Engine::preempt). Here an older request takes the last page at the very step a
+// forked n = 2 request reaches the limit, so the newest sibling is preempted there. Greedy: both
+// siblings' text equals the text of the same request with room to spare, re-indexed in place
+// (rotated keys against recomputed ones: equal up to f16 rounding, which moves no argmax here).
+TEST(KvReindex, PreemptionAtTheLimitRecomputesWhatWasKept) {
+  LlamaModel* m = kvtest::smollm2_model();
+  ASSERT_TRUE(m);
+  auto tok = Tokenizer::from_gguf(*kvtest::smollm2_file());
+  ASSERT_TRUE(tok);
+  auto run = [&](int pages, std::vector<std::vector<int32_t>>* texts, MetricsSnapshot* ms) {
+    EngineConfig c;
+    c.max_num_batched_tokens = 256;
+    c.max_num_seqs = 8;
+    c.max_model_len = 128;
+    c.block_size = 16;
+    c.kv_cache_bytes = int64_t(pages) * 16 * 23040;  // SmolLM2: 23,040 bytes per token
+    c.n_threads = 2;
+    c.enable_prefix_caching = false;
+    Engine e(*m, **tok, c);
+    std::vector<std::shared_ptr<RequestStream>> st;
+    for (int i = 0; i < 2; ++i) {
+      Request r;
+      r.id = e.next_request_id();
+      // the older request needs its 9th page when the forked one (104 + 24 tokens) is at 128
+      r.prompt.resize(i == 0 ? 24 : 104);
+      for (size_t j = 0; j < r.prompt.size(); ++j) r.prompt[j] = static_cast<int32_t>(1000 + (j * 7919 + i * 31) % 20000);
+      r.params.max_tokens = i == 0 ? 104 : 100;
+      r.params.ignore_eos = true;
+      if (i == 1) {
+        r.params.n = 2;
+        r.params.kv_policy_set = true;
+        r.params.kv_policy = cfg_of(EvictionPolicy::kSinks, 64);
+      }
+      r.stream = std::make_shared<RequestStream>();
+      EXPECT_EQ(e.submit(r).http_status, 0);
+      st.push_back(r.stream);
+    }
+    for (int i = 0; i < 200000 && e.step(); ++i) ASSERT_TRUE(e.check_integrity().is_ok()) << e.check_integrity().message();
+    EXPECT_EQ(e.pages_in_use(), 0);
+    EXPECT_EQ(e.pool().n_used(), 0);
+    std::vector<StreamEvent> evs;
+    texts->assign(3, {});
+    for (int i = 0; i < 2; ++i) {
+      st[i]->pop(&evs, std::chrono::milliseconds(0));
+      for (const auto& ev : evs) {
+        std::vector<int32_t>& t = (*texts)[i == 0 ? 0 : 1 + ev.index];
+        t.insert(t.end(), ev.tokens.begin(), ev.tokens.end());
+      }
+      evs.clear();
+    }
+    EXPECT_EQ(st[0]->usage().completion_tokens, 104);
+    EXPECT_EQ(st[1]->usage().completion_tokens, 200);
+    *ms = e.metrics();
+  };
+  std::vector<std::vector<int32_t>> tight, roomy;
+  MetricsSnapshot a, b;
+  run(9, &tight, &a);
+  run(64, &roomy, &b);
+  EXPECT_EQ(a.kv_reindex_preemptions_total, 1);  // the case under test happened
+  EXPECT_EQ(b.num_preemptions_total, 0);
+  EXPECT_EQ(a.kv_reindexed_tokens_total, b.kv_reindexed_tokens_total);
+  for (int k = 0; k < 3; ++k) {
+    EXPECT_EQ(tight[k].size(), k == 0 ? 104u : 100u) << k;
+    EXPECT_EQ(tight[k], roomy[k]) << k;
+  }
+}
