@@ -574,6 +574,69 @@ TEST(KvReindex, Gemma3BothLayerGroupsGoPastMaxModelLen) {
   EXPECT_EQ(e.pool_g1()->n_used(), e.window_pages_cached());
 }
 
+// Each layer group re-rotates with its own layers' RoPE base (Gemma 3: 1,000,000 for the
+// global layers, 10,000 for the sliding-window ones). Layer 0's keys depend on the token and its
+// position only, so the oracle is the model itself: the same tokens fed 32 positions later, then
+// shifted by -32, must give the keys they get at positions 0..: within f32 rounding, and far from
+// what a rotation with the other group's base gives.
+TEST(KvReindex, Gemma3EachGroupRotatesWithItsLayersBase) {
+  LlamaModel* m = kvtest::gemma3_model();
+  ASSERT_TRUE(m);
+  ASSERT_EQ(m->kv_groups().size(), 2u);
+  const auto& g1 = m->kv_groups()[1];
+  ASSERT_FALSE(g1.layers.empty());
+  ASSERT_EQ(g1.layers[0], 0);  // layer 0 is a sliding-window layer: slot 0 of group 1
+  ThreadPool tp(2);
+  const int32_t bs = 16, delta = 32;
+  std::vector<int32_t> toks(16), padded(delta);
+  for (int i = 0; i < 16; ++i) toks[i] = 1000 + i * 7919 % 200000;
+  for (int i = 0; i < delta; ++i) padded[i] = 3000 + i * 104729 % 200000;
+  padded.insert(padded.end(), toks.begin(), toks.end());
+  auto keys = [&](const std::vector<int32_t>& t, int64_t shift, int shift_group, std::vector<float>* out) {
+    PagePool p0(m->kv_layout(bs, KvDtype::kF32, {}, 0), 8), p1(m->kv_layout(bs, KvDtype::kF32, {}, 1), 8);
+    SequenceRunner seq(*m, p0, &p1, tp);
+    ASSERT_TRUE(seq.feed(t.data(), static_cast<int64_t>(t.size()), false).is_ok());
+    const int32_t page = seq.table_g1().pages[(t.size() - 16) / bs];  // the page holding `toks`
+    if (shift) m->shift_keys(shift_group == 1 ? p1 : p0, shift_group, shift_group == 1 ? page : seq.table().pages[(t.size() - 16) / bs], bs, shift);
+    const KvLayout& l = p1.layout();
+    out->resize(size_t(bs) * l.n_head_kv * l.head_dim);
+    for (int h = 0; h < l.n_head_kv; ++h)
+      kv_read_k(p1.k_data(0, page) + h * kv_k_tile_bytes(KvElem::kF32, bs, l.head_dim), KvElem::kF32, bs, l.head_dim, bs,
+                out->data() + size_t(h) * bs * l.head_dim);
+  };
+  std::vector<float> want, got, wrong, unshifted;
+  keys(toks, 0, 1, &want);
+  keys(padded, delta, 1, &got);
+  keys(padded, 0, 1, &unshifted);
+  double err = 0, moved = 0, scale = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    err = std::max(err, double(std::abs(got[i] - want[i])));
+    moved = std::max(moved, double(std::abs(unshifted[i] - want[i])));
+    scale = std::max(scale, double(std::abs(want[i])));
+  }
+  EXPECT_LT(err, 1e-4 * scale);
+  EXPECT_GT(moved, 0.05 * scale);  // the positions do matter to these keys
+  // the global group's base on these keys: what a mix-up of the groups' bases would give
+  {
+    PagePool p0(m->kv_layout(bs, KvDtype::kF32, {}, 0), 8), p1(m->kv_layout(bs, KvDtype::kF32, {}, 1), 8);
+    SequenceRunner seq(*m, p0, &p1, tp);
+    ASSERT_TRUE(seq.feed(padded.data(), static_cast<int64_t>(padded.size()), false).is_ok());
+    const int32_t page = seq.table_g1().pages[delta / bs];
+    const KvLayout& l = p1.layout();
+    const int64_t tile = kv_k_tile_bytes(KvElem::kF32, bs, l.head_dim);
+    std::vector<float> k(size_t(bs) * l.head_dim), tok_major(k.size());
+    double werr = 0;
+    for (int h = 0; h < l.n_head_kv; ++h) {
+      kv_read_k(p1.k_data(0, page) + h * tile, KvElem::kF32, bs, l.head_dim, bs, k.data());
+      for (int j = 0; j < bs; ++j)
+        rope(k.data() + size_t(j) * l.head_dim, 1, l.head_dim, m->config().n_rot, -delta, m->config().rope_base, m->config().rope_scale,
+             m->config().rope_style);
+      for (size_t i = 0; i < k.size(); ++i) werr = std::max(werr, double(std::abs(k[i] - want[size_t(h) * k.size() + i])));
+    }
+    EXPECT_GT(werr, 100 * err);
+  }
+}
+
 // A limit that is not a page boundary, and a prompt whose last chunk is one token (run as a
 // decode, so no prompt-end check): the sequence reaches the limit with nothing evicted yet.
 // Re-indexing checks the policy first instead of stalling there (review finding, 2026-11-27).
