@@ -592,12 +592,13 @@ TEST(KvReindex, Gemma3EachGroupRotatesWithItsLayersBase) {
   for (int i = 0; i < 16; ++i) toks[i] = 1000 + i * 7919 % 200000;
   for (int i = 0; i < delta; ++i) padded[i] = 3000 + i * 104729 % 200000;
   padded.insert(padded.end(), toks.begin(), toks.end());
-  auto keys = [&](const std::vector<int32_t>& t, int64_t shift, int shift_group, std::vector<float>* out) {
+  // layer 0's keys of `toks` (the sequence's last page), after shifting that page of group 1 by -shift
+  auto keys = [&](const std::vector<int32_t>& t, int64_t shift, std::vector<float>* out) {
     PagePool p0(m->kv_layout(bs, KvDtype::kF32, {}, 0), 8), p1(m->kv_layout(bs, KvDtype::kF32, {}, 1), 8);
     SequenceRunner seq(*m, p0, &p1, tp);
     ASSERT_TRUE(seq.feed(t.data(), static_cast<int64_t>(t.size()), false).is_ok());
-    const int32_t page = seq.table_g1().pages[(t.size() - 16) / bs];  // the page holding `toks`
-    if (shift) m->shift_keys(shift_group == 1 ? p1 : p0, shift_group, shift_group == 1 ? page : seq.table().pages[(t.size() - 16) / bs], bs, shift);
+    const int32_t page = seq.table_g1().pages[(t.size() - 16) / bs];
+    if (shift) m->shift_keys(p1, 1, page, bs, shift);
     const KvLayout& l = p1.layout();
     out->resize(size_t(bs) * l.n_head_kv * l.head_dim);
     for (int h = 0; h < l.n_head_kv; ++h)
@@ -605,9 +606,9 @@ TEST(KvReindex, Gemma3EachGroupRotatesWithItsLayersBase) {
                 out->data() + size_t(h) * bs * l.head_dim);
   };
   std::vector<float> want, got, wrong, unshifted;
-  keys(toks, 0, 1, &want);
-  keys(padded, delta, 1, &got);
-  keys(padded, 0, 1, &unshifted);
+  keys(toks, 0, &want);
+  keys(padded, delta, &got);
+  keys(padded, 0, &unshifted);
   double err = 0, moved = 0, scale = 0;
   for (size_t i = 0; i < want.size(); ++i) {
     err = std::max(err, double(std::abs(got[i] - want[i])));
@@ -697,7 +698,8 @@ TEST(KvReindex, PreemptionAtTheLimitRecomputesWhatWasKept) {
     for (int i = 0; i < 2; ++i) {
       Request r;
       r.id = e.next_request_id();
-      // the older request needs its 9th page when the forked one (104 + 24 tokens) is at 128
+      // the older request (24 + 24 tokens) needs a new page at the very step the forked one
+      // (104 + 24) reaches 128, and the 9-page pool has none left
       r.prompt.resize(i == 0 ? 24 : 104);
       for (size_t j = 0; j < r.prompt.size(); ++j) r.prompt[j] = static_cast<int32_t>(1000 + (j * 7919 + i * 31) % 20000);
       r.params.max_tokens = i == 0 ? 104 : 100;
