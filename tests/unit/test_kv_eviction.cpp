@@ -28,6 +28,17 @@ EvictionConfig cfg_of(EvictionPolicy p, int64_t budget, int32_t sinks = 4, int32
   c.recent_tokens = recent;
   return c;
 }
+// An engine over SmolLM2 (23,040 KV bytes per token at f16) with `pages` 16-token pages, 2 threads.
+EngineConfig smol_engine(int32_t max_model_len, int64_t pages, int32_t max_seqs, int32_t batch_tokens) {
+  EngineConfig c;
+  c.max_num_batched_tokens = batch_tokens;
+  c.max_num_seqs = max_seqs;
+  c.max_model_len = max_model_len;
+  c.block_size = 16;
+  c.kv_cache_bytes = pages * 16 * 23040;
+  c.n_threads = 2;
+  return c;
+}
 std::vector<int32_t> table_of(int n_pages) {
   std::vector<int32_t> t(n_pages);
   std::iota(t.begin(), t.end(), 100);
@@ -173,13 +184,7 @@ TEST(KvEviction, QuestReadingAllPagesEqualsFullAttention) {
 TEST(KvEviction, EngineEvictsAndAccountsForEveryPage) {
   LlamaModel* m = kvtest::smollm2_model();
   ASSERT_TRUE(m);
-  EngineConfig c;
-  c.max_num_batched_tokens = 64;
-  c.max_num_seqs = 8;
-  c.max_model_len = 512;
-  c.block_size = 16;
-  c.kv_cache_bytes = int64_t(96) * 16 * 23040;
-  c.n_threads = 2;
+  EngineConfig c = smol_engine(512, 96, 8, 64);
   c.kv_policy = cfg_of(EvictionPolicy::kH2O, 64);
   auto tok = Tokenizer::from_gguf(*kvtest::smollm2_file());
   ASSERT_TRUE(tok);
@@ -494,13 +499,7 @@ TEST(KvReindex, TransformKeysRoundTripsEveryFormat) {
 TEST(KvReindex, EngineGoesPastMaxModelLenThroughPreemption) {
   LlamaModel* m = kvtest::smollm2_model();
   ASSERT_TRUE(m);
-  EngineConfig c;
-  c.max_num_batched_tokens = 64;
-  c.max_num_seqs = 8;
-  c.max_model_len = 128;
-  c.block_size = 16;
-  c.kv_cache_bytes = int64_t(24) * 16 * 23040;  // 24 pages: 8 sequences of up to 5 pages preempt
-  c.n_threads = 2;
+  EngineConfig c = smol_engine(128, 24, 8, 64);  // 24 pages: 8 sequences of up to 5 pages preempt
   c.enable_prefix_caching = false;
   c.kv_policy = cfg_of(EvictionPolicy::kSinks, 64);
   auto tok = Tokenizer::from_gguf(*kvtest::smollm2_file());
@@ -644,13 +643,7 @@ TEST(KvReindex, Gemma3EachGroupRotatesWithItsLayersBase) {
 TEST(KvReindex, EngineChecksThePolicyWhenTheLimitComesBeforeAnyCheck) {
   LlamaModel* m = kvtest::smollm2_model();
   ASSERT_TRUE(m);
-  EngineConfig c;
-  c.max_num_batched_tokens = 64;
-  c.max_num_seqs = 4;
-  c.max_model_len = 130;
-  c.block_size = 16;
-  c.kv_cache_bytes = int64_t(64) * 16 * 23040;
-  c.n_threads = 2;
+  EngineConfig c = smol_engine(130, 64, 4, 64);
   c.kv_policy = cfg_of(EvictionPolicy::kSinks, 64);
   auto tok = Tokenizer::from_gguf(*kvtest::smollm2_file());
   ASSERT_TRUE(tok);
@@ -685,13 +678,7 @@ TEST(KvReindex, PreemptionAtTheLimitRecomputesWhatWasKept) {
   auto tok = Tokenizer::from_gguf(*kvtest::smollm2_file());
   ASSERT_TRUE(tok);
   auto run = [&](int pages, std::vector<std::vector<int32_t>>* texts, MetricsSnapshot* ms) {
-    EngineConfig c;
-    c.max_num_batched_tokens = 256;
-    c.max_num_seqs = 8;
-    c.max_model_len = 128;
-    c.block_size = 16;
-    c.kv_cache_bytes = int64_t(pages) * 16 * 23040;  // SmolLM2: 23,040 bytes per token
-    c.n_threads = 2;
+    EngineConfig c = smol_engine(128, pages, 8, 256);
     c.enable_prefix_caching = false;
     Engine e(*m, **tok, c);
     std::vector<std::shared_ptr<RequestStream>> st;
