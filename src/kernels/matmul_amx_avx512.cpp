@@ -123,15 +123,31 @@ inline void block_scales(const uint8_t* blk, __m512* dw, __m512* mw) {
   }
 }
 
+// 4-bit weights with two levels: the level sum kLevel2·c1 + c2 is formed in float (two
+// conversions and one FMA instead of vpmulld, vpaddd and a conversion), the same float as the
+// integer path's: c1 and c2 are exact in float (|c| ≤ 32 · 127 · 15), and the FMA rounds the
+// exact sum once, as the conversion of the integer sum does (here it is even exact:
+// 254 · 60,960 + 60,960 < 2^24). Not for Q5_0 or Q8_0, whose offset term would be a second
+// rounding.
+template <QFmt F, bool T>
+constexpr bool kFloatLevelSum = T && (F == QFmt::kQ4_0 || F == QFmt::kQ4_1 || F == QFmt::kQ4_K);
+
 // The VNNI kernel's float steps for one block of one row (matmul_avx512.cpp, tile(), same order).
 template <QFmt F, bool T>
 inline __m512 block_step(const int32_t* c1, const int32_t* c2, const QAct& a, int64_t row, int64_t b, __m512 dw,
                          __m512 mw, __m512 acc) {
-  __m512i i = _mm512_load_si512(c1);
-  if constexpr (T) i = _mm512_add_epi32(_mm512_mullo_epi32(i, _mm512_set1_epi32(kLevel2)), _mm512_load_si512(c2));
-  if constexpr (F == QFmt::kQ8_0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(a.s128[row * a.nb + b]));
-  if constexpr (F == QFmt::kQ5_0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(a.s128[row * a.nb + b] / 8));
-  __m512 t = _mm512_mul_ps(dw, _mm512_cvtepi32_ps(i));
+  __m512 sum;
+  if constexpr (kFloatLevelSum<F, T>) {
+    sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c1)), _mm512_set1_ps(static_cast<float>(kLevel2)),
+                          _mm512_cvtepi32_ps(_mm512_load_si512(c2)));
+  } else {
+    __m512i i = _mm512_load_si512(c1);
+    if constexpr (T) i = _mm512_add_epi32(_mm512_mullo_epi32(i, _mm512_set1_epi32(kLevel2)), _mm512_load_si512(c2));
+    if constexpr (F == QFmt::kQ8_0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(a.s128[row * a.nb + b]));
+    if constexpr (F == QFmt::kQ5_0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(a.s128[row * a.nb + b] / 8));
+    sum = _mm512_cvtepi32_ps(i);
+  }
+  __m512 t = _mm512_mul_ps(dw, sum);
   if constexpr (F == QFmt::kQ4_0 || F == QFmt::kQ4_1 || F == QFmt::kQ4_K)
     t = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[row * a.nb + b]), t);
   return _mm512_fmadd_ps(t, _mm512_set1_ps(a.d[row * a.nb + b]), acc);
@@ -197,10 +213,13 @@ void rows_groups(const QWeights& w, const QAct& a, int64_t r0, int m, int64_t g,
   }
 }
 
-// 16 rows [r0, r0 + 16) × one group g, software-pipelined: block b's sums go from the tiles
-// to one of two buffers right after its tdpbsud, and the vector units apply block b−1's scales
-// from the other buffer meanwhile; the 16 rows' accumulators stay in registers. (Two groups at
-// once, four tdpbsud per block, measured no faster.)
+// 16 rows [r0, r0 + 16) × one group g. The tile unit's work and the vector units' do not
+// overlap by themselves, even without a dependency between them (bench/bench_amx.cpp), so the
+// loop interleaves them by hand: block b's tile loads and products are issued between the
+// 4-row quarters of block b−1's float steps (from the buffer its sums were stored to), then
+// block b's sums are stored to the other buffer. The 16 rows' accumulators stay in registers.
+// (Measured slower: all float steps after the stores; a two-deep pipeline with three buffers;
+// two groups at once, four tdpbsud per block.)
 template <QFmt F, bool T>
 void rows16_group(const QWeights& w, const QAct& a, int64_t r0, int64_t g, const uint8_t* strip, float* y) {
   constexpr int64_t kRec = record_bytes(F), kQo = quant_offset(F);
@@ -210,32 +229,53 @@ void rows16_group(const QWeights& w, const QAct& a, int64_t r0, int64_t g, const
   for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
   const int8_t* q1 = a.q + r0 * a.n_in;
   const int8_t* q2 = T ? a.q2 + r0 * a.n_in : nullptr;
-  auto issue = [&](int64_t b) {  // block b's products, stored to buffer b % 2
+  auto load_weights = [&](int64_t b) {
     if constexpr (F == QFmt::kQ8_0) _tile_loadd(4, base + b * kRec + kQo, 64);
     else _tile_loadd(4, strip + b * kStripBlock, 64);
+  };
+  auto load_acts = [&](int64_t b) {
     _tile_loadd(2, q1 + b * kQK, a.n_in);
     if constexpr (T) _tile_loadd(3, q2 + b * kQK, a.n_in);
+  };
+  auto product1 = [&] {
     _tile_zero(0);
     _tile_dpbsud(0, 2, 4);
+  };
+  auto product2 = [&] {
     if constexpr (T) {
       _tile_zero(1);
       _tile_dpbsud(1, 3, 4);
     }
+  };
+  auto store = [&](int64_t b) {
     _tile_stored(0, c[b % 2][0], 64);
     if constexpr (T) _tile_stored(1, c[b % 2][1], 64);
   };
-  auto finish = [&](int64_t b) {  // applies block b's scales from buffer b % 2
-    __m512 dw, mw;
-    block_scales<F>(base + b * kRec, &dw, &mw);
-#pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) acc[r] = block_step<F, T>(c[b % 2][0][r], c[b % 2][1][r], a, r0 + r, b, dw, mw, acc[r]);
+  // Rows [q, q + 4) of block b's float steps, from buffer b % 2.
+  auto quarter = [&](int64_t b, int q, __m512 dw, __m512 mw) {
+#pragma GCC unroll 4
+    for (int r = q; r < q + 4; ++r) acc[r] = block_step<F, T>(c[b % 2][0][r], c[b % 2][1][r], a, r0 + r, b, dw, mw, acc[r]);
   };
-  issue(0);
+  load_weights(0);
+  load_acts(0);
+  product1();
+  product2();
+  store(0);
+  __m512 dw, mw;
   for (int64_t b = 1; b < w.nb; ++b) {
-    issue(b);
-    finish(b - 1);
+    block_scales<F>(base + (b - 1) * kRec, &dw, &mw);
+    load_weights(b);
+    quarter(b - 1, 0, dw, mw);
+    load_acts(b);
+    quarter(b - 1, 4, dw, mw);
+    product1();
+    quarter(b - 1, 8, dw, mw);
+    product2();
+    quarter(b - 1, 12, dw, mw);
+    store(b);
   }
-  finish(w.nb - 1);
+  block_scales<F>(base + (w.nb - 1) * kRec, &dw, &mw);
+  for (int q = 0; q < 16; q += 4) quarter(w.nb - 1, q, dw, mw);
   const int64_t o = g * kGroup, rem = w.n_out - o;
   for (int r = 0; r < 16; ++r) {
     float* yp = y + (r0 + r) * w.n_out + o;

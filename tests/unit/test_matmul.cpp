@@ -366,6 +366,48 @@ TEST_F(MatmulTest, AmxEqualsVnniBitForBit) {
   set_amx_for_testing(true);
 }
 
+// The same at the extremes the AMX kernel's float level sum relies on being exact (every weight
+// at its largest quant, every activation at ±127 on the first level): 4-bit sums reach
+// 254 · 60,960 + 60,960 < 2^24 there.
+TEST_F(MatmulTest, AmxEqualsVnniAtExtremeSums) {
+  if (!cpu_has_amx()) GTEST_SKIP() << "no AMX-INT8 (or Linux did not grant the tile state)";
+  std::mt19937 rng(99);
+  struct Case {
+    GgmlType type;
+    int64_t q_begin, q_end;  // quant bytes within a block
+    uint8_t fill;
+  };
+  for (const Case& cs : {Case{GgmlType::Q4_0, 2, 18, 0xFF}, Case{GgmlType::Q4_1, 4, 20, 0xFF}, Case{GgmlType::Q5_0, 2, 22, 0xFF},
+                         Case{GgmlType::Q8_0, 2, 34, 0x81}, Case{GgmlType::Q4_K, 16, 144, 0xFF}})
+    for (ActQuant mode : {ActQuant::kQ8x2, ActQuant::kQ8}) {
+      set_act_quant(mode);
+      const int64_t n_in = type_block_elems(cs.type) == 256 ? 768 : 608, n_out = 48;
+      auto w = random_weights(cs.type, n_in, n_out, rng);
+      const int64_t bb = type_block_bytes(cs.type), blocks = n_in / type_block_elems(cs.type);
+      for (int64_t o = 0; o < n_out; ++o)
+        for (int64_t b = 0; b < blocks; ++b) {
+          uint8_t* blk = w.data() + o * row_bytes(cs.type, n_in) + b * bb;
+          std::memset(blk + cs.q_begin, cs.fill, static_cast<size_t>(cs.q_end - cs.q_begin));
+        }
+      auto p = PackedMatrix::pack(RawMatrix{cs.type, w.data(), n_in, n_out}, Isa::kAvx512);
+      ASSERT_TRUE(p.is_ok());
+      const int64_t n_rows = 32;
+      std::vector<float> x = random_x(n_rows * n_in, rng);
+      for (int64_t r = 0; r < 8; ++r)  // rows of ±1: q1 = ±127 everywhere, q2 = 0
+        for (int64_t i = 0; i < n_in; ++i) x[r * n_in + i] = (r % 2 == 0 ? 1.0f : -1.0f) * (r < 4 ? 1.0f : 3.5f);
+      for (int64_t r = 8; r < 12; ++r)  // ±1 with a small second-level residue
+        for (int64_t i = 0; i < n_in; ++i) x[r * n_in + i] = (i % 32 == 0 ? 1.0f : 0.9961f) * (r % 2 == 0 ? 1.0f : -1.0f);
+      std::vector<float> amx(static_cast<size_t>(n_rows * n_out)), vnni(amx.size());
+      ASSERT_TRUE(set_amx_for_testing(true));
+      matmul(*p, x.data(), n_rows, amx.data(), pool2_);
+      set_amx_for_testing(false);
+      matmul(*p, x.data(), n_rows, vnni.data(), pool2_);
+      EXPECT_EQ(0, std::memcmp(amx.data(), vnni.data(), amx.size() * 4))
+          << type_name(cs.type) << (mode == ActQuant::kQ8 ? " single-level" : "");
+    }
+  set_amx_for_testing(true);
+}
+
 TEST_F(MatmulTest, FusedPartsEqualSeparate) {
   std::mt19937 rng(7);
   const int64_t n_in = 576;
