@@ -300,22 +300,29 @@ def small_text_of(path):
         return f.read(SMALL_CHARS) + "\n"
 
 
-def fingerprint(text):
-    """SHA-256 over everything the oracle's output depends on, the versions of the unpinned
-    packages it computes with included."""
+def hash_inputs(text, model, config, packages, functions, reference_files):
+    """SHA-256 over everything an oracle's output depends on: the text, the model file, its
+    configuration (repr), the versions of the unpinned packages it computes with, the source of
+    its functions and the reference files (tests/reference) it imports."""
     h = hashlib.sha256()
     h.update(text.encode("utf-8"))
-    with open(MODEL, "rb") as f:
+    with open(model, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
-    h.update(repr((CASES, CTX, N_WIN, BLOCK, SIM_GROUPS)).encode())
-    h.update(repr([(p, importlib.metadata.version(p)) for p in ("numpy", "gguf", "tokenizers")]).encode())
-    for fn in (flag_value, policy_pages, simulate_window, window_tokens, one_at_a_time_check, oracle):
+    h.update(repr(config).encode())
+    h.update(repr([(p, importlib.metadata.version(p)) for p in packages]).encode())
+    for fn in functions:
         h.update(inspect.getsource(fn).encode())
-    for name in ("llama_ref.py", "tokenizer_ref.py"):
+    for name in reference_files:
         with open(os.path.join(ROOT, "tests", "reference", name), "rb") as f:
             h.update(f.read())
     return h.hexdigest()
+
+
+def fingerprint(text):
+    return hash_inputs(text, MODEL, (CASES, CTX, N_WIN, BLOCK, SIM_GROUPS), ("numpy", "gguf", "tokenizers"),
+                       (flag_value, policy_pages, simulate_window, window_tokens, one_at_a_time_check, oracle),
+                       ("llama_ref.py", "tokenizer_ref.py"))
 
 
 def run_oracle_groups(script, text_path, workdir, groups, prefix):

@@ -23,9 +23,6 @@ Regenerate with
 
   python3 tests/py/test_reindex_gemma3_reference.py write-golden
 """
-import hashlib
-import importlib.metadata
-import inspect
 import json
 import os
 import sys
@@ -35,6 +32,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_eviction_reference as E  # noqa: E402  (policy pages, the text, the golden plumbing)
+import test_reindex_reference as R  # noqa: E402  (the comparison)
 from test_cli_perplexity import read_logits_file  # noqa: E402
 
 ROOT = E.ROOT
@@ -232,19 +230,9 @@ SIM_GROUPS = [["none", "sinks_L130"], ["sinks_L144"]]
 
 
 def fingerprint(text):
-    h = hashlib.sha256()
-    h.update(text.encode("utf-8"))
-    with open(MODEL, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    h.update(repr((CASES, CTX, N_WIN, BLOCK, SIM_GROUPS)).encode())
-    h.update(repr([(p, importlib.metadata.version(p)) for p in ("numpy", "gguf", "sentencepiece")]).encode())
-    for fn in (window_tokens, masked_attention, forward_prerope, simulate, oracle, E.policy_pages):
-        h.update(inspect.getsource(fn).encode())
-    for name in ("gemma3_ref.py", "spm_tokenizer_ref.py"):
-        with open(os.path.join(ROOT, "tests", "reference", name), "rb") as f:
-            h.update(f.read())
-    return h.hexdigest()
+    return E.hash_inputs(text, MODEL, (CASES, CTX, N_WIN, BLOCK, SIM_GROUPS), ("numpy", "gguf", "sentencepiece"),
+                         (window_tokens, masked_attention, forward_prerope, simulate, oracle, E.policy_pages),
+                         ("gemma3_ref.py", "spm_tokenizer_ref.py"))
 
 
 def run_oracle(text_path, workdir):
@@ -300,21 +288,7 @@ def test_reindex_matches_the_oracle(small_text, sim, name, tmp_path):
     policy, budget, max_pos = CASES[name]
     j, recs = kvserve_json(small_text, tmp_path, "--kv-eviction", policy, "--kv-budget", str(budget),
                            "--max-model-len", str(max_pos))
-    s = sim[name]
-    ev = j["kv_eviction"]
-    assert ev["max_model_len"] == max_pos
-    # The same positions given back per window as the oracle's compactions ...
-    assert min(s["n_reindex"]) >= 1, s["n_reindex"]
-    assert ev["reindexed_tokens_per_window"] == pytest.approx(np.mean(s["dropped"])), (ev, s["dropped"])
-    # ... re-indexing visibly changes the outcome (so the comparison below can fail) ...
-    effect_ppl = abs(ppl(s["nll"]) / ppl(s["nll_no_reindex"]) - 1)
-    effect_tok = float(np.abs(s["nll"] - s["nll_no_reindex"]).max())
-    assert effect_ppl > 4 * PPL_REL_TOL or effect_tok > 5 * NLL_ABS_TOL, (name, effect_ppl, effect_tok)
-    # ... and kvserve's run is the oracle's, as a whole and token by token.
-    assert abs(j["ppl"] / ppl(s["nll"]) - 1) < PPL_REL_TOL, (name, j["ppl"], ppl(s["nll"]))
-    d = np.abs(recs["nll"] - s["nll"])
-    assert d.max() < NLL_ABS_TOL, (name, int(d.argmax()), float(d.max()))
-
+    R.check_reindex(name, j, recs, sim[name], max_pos)
 
 if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "oracle":
     oracle(sys.argv[2], sys.argv[3], sys.argv[4].split(","))

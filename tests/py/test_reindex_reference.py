@@ -20,9 +20,6 @@ oracle's. Regenerate with
 
   python3 tests/py/test_reindex_reference.py write-golden
 """
-import hashlib
-import importlib.metadata
-import inspect
 import json
 import os
 import sys
@@ -206,19 +203,10 @@ SIM_GROUPS = [["sinks_L144", "h2o_L150"], ["sinks_L130", "snapkv_w8_L140"]]
 
 
 def fingerprint(text):
-    h = hashlib.sha256()
-    h.update(text.encode("utf-8"))
-    with open(E.MODEL, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    h.update(repr((CASES, E.CTX, E.N_WIN, BLOCK, SIM_GROUPS)).encode())
-    h.update(repr([(p, importlib.metadata.version(p)) for p in ("numpy", "gguf", "tokenizers")]).encode())
-    for fn in (forward_prerope, simulate_reindex, case_kwargs, oracle, E.policy_pages, E.flag_value, E.window_tokens):
-        h.update(inspect.getsource(fn).encode())
-    for name in ("llama_ref.py", "tokenizer_ref.py"):
-        with open(os.path.join(ROOT, "tests", "reference", name), "rb") as f:
-            h.update(f.read())
-    return h.hexdigest()
+    return E.hash_inputs(text, E.MODEL, (CASES, E.CTX, E.N_WIN, BLOCK, SIM_GROUPS), ("numpy", "gguf", "tokenizers"),
+                         (forward_prerope, simulate_reindex, case_kwargs, oracle, E.policy_pages, E.flag_value,
+                          E.window_tokens),
+                         ("llama_ref.py", "tokenizer_ref.py"))
 
 
 def run_oracle(text_path, workdir):
@@ -257,14 +245,18 @@ def test_reindex_matches_the_oracle(small_text, sim, name, tmp_path):
     policy, budget, max_pos, extra = CASES[name]
     j = E.kvserve_json(small_text, "--kv-eviction", policy, "--kv-budget", str(budget), *extra,
                        "--max-model-len", str(max_pos), "--save-logits", str(tmp_path / "l.bin"))
-    s = sim[name]
+    _, recs = read_logits_file(tmp_path / "l.bin")
+    check_reindex(name, j, recs, sim[name], max_pos)
+
+
+def check_reindex(name, j, recs, s, max_pos):
+    """kvserve's perplexity run (JSON j, saved records recs) against the oracle's result s."""
     ev = j["kv_eviction"]
     assert ev["max_model_len"] == max_pos
     # The same positions given back per window as the oracle's compactions ...
     assert min(s["n_reindex"]) >= 1, s["n_reindex"]
     assert ev["reindexed_tokens_per_window"] == pytest.approx(np.mean(s["dropped"])), (ev, s["dropped"])
     # ... re-indexing visibly changes the outcome (so the comparison below can fail) ...
-    _, recs = read_logits_file(tmp_path / "l.bin")
     effect_ppl = abs(ppl(s["nll"]) / ppl(s["nll_no_reindex"]) - 1)
     effect_tok = float(np.abs(s["nll"] - s["nll_no_reindex"]).max())
     assert effect_ppl > 4 * PPL_REL_TOL or effect_tok > 5 * NLL_ABS_TOL, (name, effect_ppl, effect_tok)
