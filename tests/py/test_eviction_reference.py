@@ -382,12 +382,17 @@ def golden_or_oracle(golden, fingerprint_of, run, small_text, refresh):
 
 # ---------------------------------------------------------------- fixtures
 
-@pytest.fixture(scope="module")
-def small_text(tmp_path_factory):
+def make_small_text(tmp_path_factory, name):
+    """The small text (the start of TEXT) in a fresh temporary directory."""
     assert os.path.exists(TEXT), f"{TEXT} is missing: run `make text`"
-    path = tmp_path_factory.mktemp("evict") / "small.txt"
+    path = tmp_path_factory.mktemp(name) / "small.txt"
     path.write_text(small_text_of(TEXT), encoding="utf-8")
     return path
+
+
+@pytest.fixture(scope="module")
+def small_text(tmp_path_factory):
+    return make_small_text(tmp_path_factory, "evict")
 
 
 @pytest.fixture(scope="module")

@@ -245,21 +245,14 @@ def write_golden():
 
 @pytest.fixture(scope="module")
 def small_text(tmp_path_factory):
-    assert os.path.exists(E.TEXT), f"{E.TEXT} is missing: run `make text`"
-    path = tmp_path_factory.mktemp("reindex_gemma3") / "small.txt"
-    path.write_text(E.small_text_of(E.TEXT), encoding="utf-8")
-    return path
+    return E.make_small_text(tmp_path_factory, "reindex_gemma3")
 
 
 @pytest.fixture(scope="module")
 def sim(small_text):
     assert sorted(sum(SIM_GROUPS, [])) == sorted(CASES)
-    res = E.golden_or_oracle(GOLDEN, fingerprint, run_oracle, small_text,
-                             "python3 tests/py/test_reindex_gemma3_reference.py write-golden")
-    for r in res.values():
-        for k in ("nll", "nll_no_reindex"):
-            r[k] = np.asarray(r[k])
-    return res
+    return R.load_sim(GOLDEN, fingerprint, run_oracle, small_text,
+                      "python3 tests/py/test_reindex_gemma3_reference.py write-golden")
 
 
 def kvserve_json(text, tmp_path, *extra):
@@ -271,14 +264,10 @@ def kvserve_json(text, tmp_path, *extra):
     return json.loads(r.stdout), recs
 
 
-def ppl(nll):
-    return float(np.exp(np.mean(nll)))
-
-
 def test_no_eviction_matches_the_oracle(small_text, sim, tmp_path):
     j, recs = kvserve_json(small_text, tmp_path)
     s = sim["none"]
-    assert abs(j["ppl"] / ppl(s["nll"]) - 1) < PPL_REL_TOL, (j["ppl"], ppl(s["nll"]))
+    assert abs(j["ppl"] / R.ppl(s["nll"]) - 1) < PPL_REL_TOL, (j["ppl"], R.ppl(s["nll"]))
     d = np.abs(recs["nll"] - s["nll"])
     assert d.max() < NLL_ABS_TOL, (int(d.argmax()), float(d.max()))
 

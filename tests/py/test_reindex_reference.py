@@ -217,23 +217,24 @@ def write_golden():
     E.write_golden_file(GOLDEN, fingerprint, run_oracle, "tests/py/test_reindex_reference.py write-golden")
 
 
+def load_sim(golden, fingerprint_of, run, small_text, refresh):
+    """The re-index oracle's results (golden or fresh), NLL lists as arrays."""
+    res = E.golden_or_oracle(golden, fingerprint_of, run, small_text, refresh)
+    for r in res.values():
+        for k in ("nll", "nll_no_reindex"):
+            r[k] = np.asarray(r[k])
+    return res
+
+
 @pytest.fixture(scope="module")
 def small_text(tmp_path_factory):
-    assert os.path.exists(E.TEXT), f"{E.TEXT} is missing: run `make text`"
-    path = tmp_path_factory.mktemp("reindex") / "small.txt"
-    path.write_text(E.small_text_of(E.TEXT), encoding="utf-8")
-    return path
+    return E.make_small_text(tmp_path_factory, "reindex")
 
 
 @pytest.fixture(scope="module")
 def sim(small_text):
     assert sorted(sum(SIM_GROUPS, [])) == sorted(CASES)
-    res = E.golden_or_oracle(GOLDEN, fingerprint, run_oracle, small_text,
-                             "python3 tests/py/test_reindex_reference.py write-golden")
-    for r in res.values():
-        for k in ("nll", "nll_no_reindex"):
-            r[k] = np.asarray(r[k])
-    return res
+    return load_sim(GOLDEN, fingerprint, run_oracle, small_text, "python3 tests/py/test_reindex_reference.py write-golden")
 
 
 def ppl(nll):
