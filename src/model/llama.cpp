@@ -339,6 +339,29 @@ void LlamaModel::plan_attention(const Batch& batch, int32_t block_size) {
   }
 }
 
+template <class PagesOf>
+void LlamaModel::balance_units(int n_threads, int32_t block_size, const Batch& batch, PagesOf pages) {
+  const int64_t n_units = static_cast<int64_t>(units_.size());
+  unit_cost_.assign(n_units + 1, 0);  // prefix sums
+  for (int64_t u = 0; u < n_units; ++u) {
+    const AttnUnit& w = units_[u];
+    const BatchSeq& s = batch.seqs[w.seq];
+    const int64_t k0 = w.split >= 0 ? w.key_begin : 0, k1 = w.split >= 0 ? w.key_end : s.pos0 + w.t0 + w.n;
+    const int32_t* pg = pages(w);
+    int64_t live = 0;
+    for (int64_t i = k0 / block_size; i < (k1 + block_size - 1) / block_size; ++i) live += pg[i] >= 0 || pg[i] == kColdPage;
+    unit_cost_[u + 1] = unit_cost_[u] + int64_t(w.n) * (live + 1);
+  }
+  unit_bounds_.assign(n_threads + 1, n_units);
+  unit_bounds_[0] = 0;
+  const int64_t total = unit_cost_[n_units];
+  int64_t u = 0;
+  for (int t = 1; t < n_threads; ++t) {  // the first unit whose work starts at or past t/n of the total
+    while (u < n_units && unit_cost_[u] * n_threads < total * t) ++u;
+    unit_bounds_[t] = u;
+  }
+}
+
 bool LlamaModel::prepare_scores(const Batch& batch, int n_threads, int32_t block_size) {
   // One stretch of the accumulators per distinct page_scores array (runs may share one).
   score_slots_.clear();
@@ -610,9 +633,16 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
     auto scored = [&](const BatchSeq& s, const AttnUnit& w) {
       return score_layer && seq_score_off_[w.seq] >= 0 && w.t0 + w.n > s.score_from;
     };
+    // Units go to the threads by their work, not their count: a long context that eviction or
+    // Quest thinned out reads few of its split parts' pages, and which parts depends on the
+    // table (kept pages cluster at the start and the end).
+    balance_units(tp.size(), bs, batch, [&](const AttnUnit& w) {
+      if (quest_layer && quest_on_[w.seq]) return static_cast<const int32_t*>(quest_tables_[size_t(w.seq) * c.n_head_kv + w.head].data());
+      return Batch::group_pages(batch.seqs[w.seq], grp);
+    });
     tp.run([&](int ith, int nth) {
-      int64_t b, e;
-      ThreadPool::split(static_cast<int64_t>(units.size()), ith, nth, 1, &b, &e);
+      int64_t b = unit_bounds_[ith], e = unit_bounds_[ith + 1];
+      (void)nth;
       for (int64_t u = b; u < e; ++u) {
         const AttnUnit& w = units[u];
         const BatchSeq& s = batch.seqs[w.seq];

@@ -129,7 +129,13 @@ class LlamaModel {
   struct AttnUnit { int32_t seq, head, t0, n; int64_t key_begin, key_end; int32_t split, part; };
   struct AttnSplit { int32_t seq, head, t0, n, n_parts; int64_t acc_off, ml_off; };
   void plan_attention(const Batch& batch, int32_t block_size);
+  // Splits units_ into n_threads contiguous ranges of about equal work (query rows × pages
+  // each unit will read: evicted pages and Quest's unselected ones cost nothing), into
+  // unit_bounds_[0..n_threads]. pages(unit) is the table the unit reads.
+  template <class PagesOf>
+  void balance_units(int n_threads, int32_t block_size, const Batch& batch, PagesOf pages);
   std::vector<AttnUnit> units_;
+  std::vector<int64_t> unit_bounds_, unit_cost_;
   std::vector<AttnSplit> splits_;
   std::vector<float> part_acc_, part_m_, part_l_;
   // Eviction scores and Quest selections of the current forward (kv/kv_eviction.h, BatchSeq).
