@@ -96,31 +96,23 @@ KV_AMX_TARGET inline void steps(int g, int b, const int32_t (*c)[16][16], __m512
   }
 }
 
-// Rows [r0, r0 + N) of steps().
-template <int N = 4>
+// Rows [r0, r0 + N) of steps(). FloatSum: the level sum formed in float, as the kernel does
+// for 4-bit weights (the same float: c1 and c2 are exact, the FMA rounds the exact sum once).
+template <int N = 4, bool FloatSum = false>
 KV_AMX_TARGET inline void steps4(int g, int b, int r0, const int32_t (*c)[16][16], __m512* acc) {
   const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(g_wscale[g][b])));
   const __m512 mw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(g_wscale[g][b] + 16)));
 #pragma GCC unroll 4
   for (int r = r0; r < r0 + N; ++r) {
-    __m512i i = _mm512_mullo_epi32(_mm512_load_si512(c[0][r]), _mm512_set1_epi32(kLevel2));
-    i = _mm512_add_epi32(i, _mm512_load_si512(c[1][r]));
-    __m512 t = _mm512_mul_ps(dw, _mm512_cvtepi32_ps(i));
-    t = _mm512_fmadd_ps(mw, _mm512_set1_ps(g_s[b * 16 + r]), t);
-    acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(g_d[b * 16 + r]), acc[r]);
-  }
-}
-
-// steps4 with the level sum formed in float: exact (and so bit-identical) while
-// |254·c1 + c2| < 2^24, which holds for 4-bit weights (|c| ≤ 32·127·15).
-KV_AMX_TARGET inline void steps4f(int g, int b, int r0, const int32_t (*c)[16][16], __m512* acc) {
-  const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(g_wscale[g][b])));
-  const __m512 mw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(g_wscale[g][b] + 16)));
-#pragma GCC unroll 4
-  for (int r = r0; r < r0 + 4; ++r) {
-    const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[0][r])), _mm512_set1_ps(float(kLevel2)),
-                                     _mm512_cvtepi32_ps(_mm512_load_si512(c[1][r])));
-    __m512 t = _mm512_mul_ps(dw, f);
+    __m512 sum;
+    if constexpr (FloatSum) {
+      sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[0][r])), _mm512_set1_ps(float(kLevel2)),
+                            _mm512_cvtepi32_ps(_mm512_load_si512(c[1][r])));
+    } else {
+      __m512i i = _mm512_mullo_epi32(_mm512_load_si512(c[0][r]), _mm512_set1_epi32(kLevel2));
+      sum = _mm512_cvtepi32_ps(_mm512_add_epi32(i, _mm512_load_si512(c[1][r])));
+    }
+    __m512 t = _mm512_mul_ps(dw, sum);
     t = _mm512_fmadd_ps(mw, _mm512_set1_ps(g_s[b * 16 + r]), t);
     acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(g_d[b * 16 + r]), acc[r]);
   }
@@ -145,41 +137,23 @@ KV_AMX_TARGET void pass() {
         _tile_dpbsud(1, 3, 4);
       }
       stores(c[0]);
-    } else if constexpr (V == kInterleavedF) {
+    } else if constexpr (V == kInterleaved || V == kInterleavedF) {
+      constexpr bool kF = V == kInterleavedF;
       dps(g, 0);
       stores(c[0]);
       for (int b = 1; b < kNb; ++b) {
         const int32_t(*p)[16][16] = c[(b - 1) % 2];
         _tile_loadd(4, g_b[g][b], 64);
-        steps4f(g, b - 1, 0, p, acc);
+        steps4<4, kF>(g, b - 1, 0, p, acc);
         _tile_loadd(2, g_a1 + b * 32, kNb * 32);
         _tile_loadd(3, g_a2 + b * 32, kNb * 32);
-        steps4f(g, b - 1, 4, p, acc);
+        steps4<4, kF>(g, b - 1, 4, p, acc);
         _tile_zero(0);
         _tile_zero(1);
         _tile_dpbsud(0, 2, 4);
-        steps4f(g, b - 1, 8, p, acc);
+        steps4<4, kF>(g, b - 1, 8, p, acc);
         _tile_dpbsud(1, 3, 4);
-        steps4f(g, b - 1, 12, p, acc);
-        stores(c[b % 2]);
-      }
-      steps(g, kNb - 1, c[(kNb - 1) % 2], acc);
-    } else if constexpr (V == kInterleaved) {
-      dps(g, 0);
-      stores(c[0]);
-      for (int b = 1; b < kNb; ++b) {
-        const int32_t(*p)[16][16] = c[(b - 1) % 2];
-        _tile_loadd(4, g_b[g][b], 64);
-        steps4(g, b - 1, 0, p, acc);
-        _tile_loadd(2, g_a1 + b * 32, kNb * 32);
-        _tile_loadd(3, g_a2 + b * 32, kNb * 32);
-        steps4(g, b - 1, 4, p, acc);
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_dpbsud(0, 2, 4);
-        steps4(g, b - 1, 8, p, acc);
-        _tile_dpbsud(1, 3, 4);
-        steps4(g, b - 1, 12, p, acc);
+        steps4<4, kF>(g, b - 1, 12, p, acc);
         stores(c[b % 2]);
       }
       steps(g, kNb - 1, c[(kNb - 1) % 2], acc);

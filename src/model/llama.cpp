@@ -642,7 +642,6 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
     });
     tp.run([&](int ith, int nth) {
       int64_t b = unit_bounds_[ith], e = unit_bounds_[ith + 1];
-      (void)nth;
       for (int64_t u = b; u < e; ++u) {
         const AttnUnit& w = units[u];
         const BatchSeq& s = batch.seqs[w.seq];
