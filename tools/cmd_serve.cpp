@@ -27,6 +27,7 @@ struct ServeOptions {
   std::vector<std::string> api_keys;
   std::string served_model_name;
   int max_num_batched_tokens = 512;
+  int long_prefill_tokens = -1;  // -1: 0, or a quarter of max_num_batched_tokens on a prefill instance
   int max_num_seqs = 64;
   int max_model_len = 0;  // 0: the model's training context
   int max_queue = 256;
@@ -129,6 +130,12 @@ void run_serve(const ServeOptions& o) {
   // The prompt's partly filled last page goes through the tier too: decode computes one token.
   if (role != kv::ServerRole::kBoth)
     ec.tier_prompt_tails = role == kv::ServerRole::kPrefill ? kv::EngineConfig::PromptTails::kStore : kv::EngineConfig::PromptTails::kFetch;
+  // A long prompt's chunk leaves room for the prompts waiting behind it. A prefill instance's
+  // steps hold no decodes, so that costs nothing there; where decodes share the step, it moves
+  // the wait from a request's first token into the others' inter-token gaps (docs/disaggregation.md).
+  ec.long_prefill_tokens = o.long_prefill_tokens >= 0                ? o.long_prefill_tokens
+                           : role == kv::ServerRole::kPrefill ? std::max(1, o.max_num_batched_tokens / 4)
+                                                               : 0;
   if (role == kv::ServerRole::kPrefill) {
     ec.tiers.write_through = true;  // a page goes down as soon as it is full, before the answer
     ec.tiers.max_pending_bytes = std::max<int64_t>(ec.tiers.max_pending_bytes, int64_t(1) << 30);
@@ -154,8 +161,8 @@ void run_serve(const ServeOptions& o) {
     std::fprintf(stderr, "KV cache, sliding-window layers (window %d): %s, %d pages (the window of %lld sequences); the prefix cache keeps these pages too while they fit\n",
                  (*model)->kv_groups()[1].window, kv::format_bytes(g1->total_bytes()).c_str(), g1->n_pages(),
                  static_cast<long long>(g1->n_pages() / ((*model)->kv_groups()[1].window / ec.block_size + 2)));
-  std::fprintf(stderr, "engine: max_num_seqs %d, max_num_batched_tokens %d, max_queue %d, prefix caching %s, policy %s, KV policy %s, speculative %s\n",
-               ec.max_num_seqs, ec.max_num_batched_tokens, ec.max_queue, ec.enable_prefix_caching ? "on" : "off", o.policy.c_str(),
+  std::fprintf(stderr, "engine: max_num_seqs %d, max_num_batched_tokens %d, long_prefill_token_threshold %d, max_queue %d, prefix caching %s, policy %s, KV policy %s, speculative %s\n",
+               ec.max_num_seqs, ec.max_num_batched_tokens, ec.long_prefill_tokens, ec.max_queue, ec.enable_prefix_caching ? "on" : "off", o.policy.c_str(),
                ec.kv_policy.describe(ec.block_size).c_str(), ec.spec.describe().c_str());
 
   if (ec.tiers.enabled()) {
@@ -245,6 +252,10 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--max-num-batched-tokens", o->max_num_batched_tokens, "token budget per engine step")
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
+  cmd->add_option("--long-prefill-token-threshold", o->long_prefill_tokens,
+                  "a prompt with more tokens left than this gets at most this many per step before waiting "
+                  "requests are admitted, then what the step leaves (default: 0 = no cap; a quarter of --max-num-batched-tokens with --role prefill)")
+      ->check(CLI::Range(0, 1 << 20));
   cmd->add_option("--max-num-seqs", o->max_num_seqs, "sequences per engine step")->check(CLI::Range(1, 4096))->capture_default_str();
   cmd->add_option("--max-model-len", o->max_model_len, "prompt + completion tokens per sequence (default: the model's context)")
       ->check(CLI::Range(1, 1 << 24));

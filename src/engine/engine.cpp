@@ -451,38 +451,47 @@ bool Engine::schedule(Plan* plan) {
     spec_room -= k;
     ++it;
   }
-  // 2. Running sequences still in their prompt (chunked prefill), then 3. admissions.
+  // 2. Running sequences still in their prompt (chunked prefill), then 3. admissions. A prompt
+  // with more than long_prefill_tokens left gets at most that many on this first pass, so that a
+  // long document does not hold back the short requests waiting behind it (vLLM's
+  // long_prefill_token_threshold); 4. what the budget still holds goes back to those chunks.
+  const int64_t cap = cfg_.long_prefill_tokens > 0 ? cfg_.long_prefill_tokens : budget;
+  std::vector<size_t> capped;  // plan items whose chunk the cap cut
+  auto note_capped = [&](const Sequence& s, int32_t n) {
+    if (n == cap && s.to_compute() > n) capped.push_back(plan->items.size() - 1);
+  };
   for (auto& sp : running_) {
     Sequence& s = *sp;
     if (budget <= 0) break;
     if (s.to_compute() <= 1) continue;
-    // As much of the chunk as the free pages hold; the rest waits for the next step.
-    const int32_t bs = cfg_.block_size;
-    // (free pages, and cached pages that eviction can free)
-    int64_t room = (static_cast<int64_t>(s.table.pages.size()) + pool_->n_free() + (cache_ ? cache_->n_evictable_pages() : 0)) * bs -
-                   s.n_computed;
-    if (pool_g1_) {
-      int64_t free1 = pool_g1_->n_free();
-      if (cache_ && (free1 + static_cast<int64_t>(s.table_g1.pages.size())) * bs < s.n_computed + std::min(budget, s.to_compute()))
-        free1 += cache_->n_evictable_window_pages();  // counts the pool: only when short
-      room = std::min<int64_t>(room, (static_cast<int64_t>(s.table_g1.pages.size()) + free1) * bs - s.n_computed);
-    }
-    int32_t n = static_cast<int32_t>(cold_cap(s, std::min<int64_t>({budget, s.to_compute(), room})));
+    const int32_t n = prefill_chunk(s, std::min(budget, cap));
     if (n <= 0 || !ensure_pages(s, n)) continue;
     plan->items.push_back({&s, n, n == s.to_compute()});
     budget -= n;
+    note_capped(s, n);
   }
   while (budget > 0 && !waiting_.empty() && static_cast<int32_t>(running_.size()) < cfg_.max_num_seqs) {
     auto pick = pick_waiting();
     if (pick == waiting_.end()) break;  // every candidate is loading pages from a lower tier
     Sequence& s = **pick;
     int32_t n = 0;
-    if (!admit(s, budget, &n)) break;  // no overtaking: the chosen request waits for room
+    if (!admit(s, std::min(budget, cap), &n)) break;  // no overtaking: the chosen request waits for room
     running_.push_back(std::move(*pick));
     waiting_.erase(pick);
     n_waiting_total_.fetch_sub(1);
     plan->items.push_back({&s, n, n == s.to_compute()});
     budget -= n;
+    note_capped(s, n);
+  }
+  for (size_t i : capped) {
+    if (budget <= 0) break;
+    Plan::Item& it = plan->items[i];
+    Sequence& s = *it.seq;
+    const int32_t n = prefill_chunk(s, it.n + budget);
+    if (n <= it.n || !ensure_pages(s, n)) continue;
+    budget -= n - it.n;
+    it.n = n;
+    it.logits = n == s.to_compute();
   }
   // Livelock guard: running sequences exist but none could advance (every one is mid-prompt
   // and the pool is full). The newest gives its pages back; the next step makes progress.
@@ -569,6 +578,22 @@ std::list<std::unique_ptr<Engine::Sequence>>::iterator Engine::pick_waiting() {
   }
   for (auto it = head; it != best; ++it) ++(*it)->lpm_skips;
   return best;
+}
+
+// The tokens of s's prompt one step can compute, at most `want`: what its pages and the free
+// (or evictable) pages hold, and the cold store's cap.
+int32_t Engine::prefill_chunk(const Sequence& s, int64_t want) const {
+  const int32_t bs = cfg_.block_size;
+  // (free pages, and cached pages that eviction can free)
+  int64_t room = (static_cast<int64_t>(s.table.pages.size()) + pool_->n_free() + (cache_ ? cache_->n_evictable_pages() : 0)) * bs -
+                 s.n_computed;
+  if (pool_g1_) {
+    int64_t free1 = pool_g1_->n_free();
+    if (cache_ && (free1 + static_cast<int64_t>(s.table_g1.pages.size())) * bs < s.n_computed + std::min(want, s.to_compute()))
+      free1 += cache_->n_evictable_window_pages();  // counts the pool: only when short
+    room = std::min<int64_t>(room, (static_cast<int64_t>(s.table_g1.pages.size()) + free1) * bs - s.n_computed);
+  }
+  return static_cast<int32_t>(cold_cap(s, std::min<int64_t>({want, s.to_compute(), room})));
 }
 
 bool Engine::admit(Sequence& s, int64_t budget, int32_t* n_out) {

@@ -41,6 +41,9 @@ namespace kv {
 struct EngineConfig {
   int32_t max_num_batched_tokens = 512;
   int32_t max_num_seqs = 64;
+  // A prompt with more than this many tokens left is a long prefill: it gets at most this many
+  // before the waiting requests are admitted, then what the step leaves (0: no cap).
+  int32_t long_prefill_tokens = 0;
   int32_t max_model_len = 4096;   // prompt + generated tokens per sequence
   int32_t max_queue = 256;        // waiting requests before submit() answers 429
   int32_t max_n = 16;             // largest `n` accepted
@@ -152,6 +155,7 @@ class Engine {
   void release(Sequence& s);  // hands full pages to the prefix cache, then frees the table
   void publish(Sequence& s);  // hands newly completed full pages to the prefix cache
   bool admit(Sequence& s, int64_t budget, int32_t* n_out);
+  int32_t prefill_chunk(const Sequence& s, int64_t want) const;  // a prompt chunk within the pages' room
   std::list<std::unique_ptr<Sequence>>::iterator pick_waiting();
   void publish_gauges();
   void maybe_finish_request(Sequence& s);  // the last choice is done: queues the stream's end

@@ -308,6 +308,75 @@ TEST(Engine, LongPromptsInATinyPoolNeverLivelock) {
   expect_drained(e);
 }
 
+// A long prompt in prefill does not hold back a short request that arrives behind it: with
+// long_prefill_tokens, the long prompt's chunk is cut on the first pass and the short one is
+// admitted in the same step; what the step leaves over still goes to the long prompt (alone it
+// takes as few steps as without the cap). Outputs equal each prompt's alone.
+TEST(Engine, ShortRequestsAreNotStuckBehindALongPrefill) {
+  LlamaModel* m = kvtest::smollm2_model();
+  const Tokenizer* tok = smollm2_tokenizer();
+  ASSERT_TRUE(m && tok);
+  std::string doc;
+  for (int i = 0; i < 16; ++i) doc += "Paragraph " + std::to_string(i) + " of a long report on lighthouse keeping and the sea. ";
+  const std::vector<int32_t> longp = prompt_of(*tok, doc), shortp = prompt_of(*tok, "The capital of France is");
+  ASSERT_GT(longp.size(), 192u);
+  ASSERT_LT(shortp.size(), 16u);
+  // Steps until s's first token, the text seen on the way added to *text.
+  auto steps_to_first_token = [&](Engine& e, RequestStream& s, std::string* text) {
+    int n = 0;
+    while (n < 1000) {
+      Outcome o = collect(s);
+      if (!o.text.empty()) {
+        *text += o.text[0];
+        break;
+      }
+      if (!e.step()) break;
+      ++n;
+    }
+    return n;
+  };
+  std::string solo_long, solo_short;
+  int solo_steps[2] = {};
+  for (int cap : {0, 16}) {
+    EngineConfig c = small_config(64);
+    c.long_prefill_tokens = cap;
+    Engine e(*m, *tok, c);
+    auto l = submit(e, longp, 4);
+    solo_long.clear();
+    solo_steps[cap ? 1 : 0] = steps_to_first_token(e, *l, &solo_long);
+    run_until_idle(e);
+    solo_long += collect(*l).text[0];
+    auto s = submit(e, shortp, 24);
+    run_until_idle(e);
+    solo_short = collect(*s).text[0];
+  }
+  // Alone, the cut chunk gets the rest of the step back: as many steps as without the cap.
+  EXPECT_EQ(solo_steps[1], solo_steps[0]);
+  EXPECT_EQ(solo_steps[0], static_cast<int>((longp.size() + 63) / 64));
+  for (int cap : {0, 16}) {
+    EngineConfig c = small_config(64);
+    c.long_prefill_tokens = cap;
+    c.enable_prefix_caching = false;
+    Engine e(*m, *tok, c);
+    auto l = submit(e, longp, 4);
+    e.step();  // the long prompt is admitted and computes its first chunk
+    auto s = submit(e, shortp, 24);
+    std::string short_text;
+    const int steps = steps_to_first_token(e, *s, &short_text);
+    if (cap) {
+      EXPECT_EQ(steps, 1) << "the short request is admitted in the next step";
+      EXPECT_TRUE(collect(*l).text.empty()) << "while the long prompt is still in prefill";
+    } else {
+      EXPECT_GT(steps, 2) << "without the cap it waits for the long prompt's prefill";
+    }
+    run_until_idle(e);
+    Outcome os = collect(*s), ol = collect(*l);
+    EXPECT_EQ(ol.text[0], solo_long) << cap;
+    EXPECT_EQ(short_text + os.text[0], solo_short) << cap;
+    expect_drained(e);
+  }
+}
+
 TEST(Engine, PrefixHitNeverChangesOutputAndIsReported) {
   LlamaModel* m = kvtest::smollm2_model();
   const Tokenizer* tok = smollm2_tokenizer();
