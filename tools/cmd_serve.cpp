@@ -47,7 +47,7 @@ struct ServeOptions {
   std::string kv_disk_bytes = "8GiB";
   std::vector<std::string> kv_redis;
   int kv_redis_ttl = 0;
-  int kv_redis_timeout_ms = 100;
+  int kv_redis_timeout_ms = 1000;
   std::string kv_tier_write = "back";
   int kv_tier_min_tokens = 32;
   std::string preemption_mode = "recompute";

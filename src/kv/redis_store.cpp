@@ -122,6 +122,13 @@ RedisStore::Conn* RedisStore::conn(ThreadConns& tc, const Endpoint& e) {
 
 void RedisStore::fail(ThreadConns& tc, const Endpoint& e) {
   Conn& c = tc.by_node[e];
+  // The first failure after the node last answered is told (the counter alone says nothing of
+  // why): a timeout, a refused connection, a reset. Later ones in the same outage stay quiet.
+  if (c.backoff_ms == 0)
+    std::fprintf(stderr, "kv tier: redis %s:%d failed (%s, timeout %d ms): its pages miss and writes drop for %d ms, "
+                 "then longer while it keeps failing (up to %d ms)\n",
+                 e.host.c_str(), e.port, c.ctx && c.ctx->err ? c.ctx->errstr : "no connection", timeout_ms_, kBackoffMinMs,
+                 kBackoffMaxMs);
   if (c.ctx) redisFree(c.ctx);
   c.ctx = nullptr;
   c.backoff_ms = c.backoff_ms == 0 ? kBackoffMinMs : std::min(kBackoffMaxMs, c.backoff_ms * 2);

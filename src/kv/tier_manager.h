@@ -41,7 +41,7 @@ struct TierConfig {
   int64_t disk_bytes = int64_t(8) << 30;
   std::vector<std::string> redis;             // L3: redis://host:port addresses; empty: none
   int32_t redis_ttl_s = 0;                    // 0: keys never expire
-  int32_t redis_timeout_ms = 100;             // connect and per-command
+  int32_t redis_timeout_ms = 1000;            // connect and per-command
   bool write_through = false;                 // false: write-back (on eviction from RAM)
   int32_t min_pages = 2;                      // look below RAM only for at least this many pages
   int64_t max_pending_bytes = int64_t(256) << 20;

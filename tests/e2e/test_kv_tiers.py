@@ -198,6 +198,11 @@ def test_redis_down_or_frozen_fails_no_request_and_hits_resume(redis):
         text, _, cached = ask(b, p)
         assert text == cold and cached == 0
         assert time.time() - t0 < 30 * SLOWDOWN  # (sanitized builds: KV_TEST_SLOWDOWN)
+        # The outage is told with its cause (a read timeout: EAGAIN), once per connection, not
+        # only counted.
+        told = [ln for ln in b.output().splitlines() if ln.startswith(f"kv tier: redis 127.0.0.1:{redis.port} failed")]
+        assert 1 <= len(told) <= 2, b.output()[-2000:]
+        assert all("(Resource temporarily unavailable, timeout 100 ms)" in ln for ln in told), told
         redis.proc.send_signal(signal.SIGCONT)
         # Dead: killed and restarted empty on the same port.
         redis.stop()
