@@ -33,6 +33,8 @@ latency steady on this 2-core machine, at the same throughput?
             (short: p50/p99; long: p50);
     ITL     gaps between consecutive content chunks of short requests that *ended* in the window
             (p50/p99/max);
+    end-to-end  send -> the stream's end, of short requests sent in the window (p50/p99): the
+            wait for a whole answer, which TTFT and ITL each show only part of;
     tok/s   content chunks (1 token each) of all requests that arrived in the window / window:
             both configs get the same offered load, so equal tok/s means neither fell behind;
     errors  HTTP errors, stream errors, missing [DONE], wrong completion token counts;
@@ -97,6 +99,7 @@ import math
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -473,6 +476,7 @@ def pd_stats(cfg: str, rep: int, events: list[dict], ol: dict, args, watched: di
     l_in = [r for _, r in long_ if r["ok"] and ws <= r["t_send"] < we and r["chunk_t"]]
     ttft_s = [r["chunk_t"][0] - r["t_send"] for r in s_in]
     ttft_l = [r["chunk_t"][0] - r["t_send"] for r in l_in]
+    e2e_s = [r["t_end"] - r["t_send"] for r in s_in]  # the whole answer: what a chat user waits for
     itl = [b - a for r in short for a, b in zip(r["chunk_t"], r["chunk_t"][1:]) if ws <= b < we]
     chunks_in = sum(1 for _, r in pairs for t in r["chunk_t"] if ws <= t < we)
     all_tok = sum(r["ct"] or 0 for r in ok)
@@ -498,6 +502,7 @@ def pd_stats(cfg: str, rep: int, events: list[dict], ol: dict, args, watched: di
         "short_ttft_p50_ms": ms(pct(ttft_s, 50)), "short_ttft_p99_ms": ms(pct(ttft_s, 99)),
         "short_itl_p50_ms": ms(pct(itl, 50)), "short_itl_p99_ms": ms(pct(itl, 99)),
         "short_itl_max_ms": ms(max(itl) if itl else None), "short_itl_n": len(itl),
+        "short_e2e_p50_ms": ms(pct(e2e_s, 50)), "short_e2e_p99_ms": ms(pct(e2e_s, 99)),
         "long_ttft_p50_ms": ms(pct(ttft_l, 50)), "long_ttft_ms": [ms(x) for x in ttft_l],
         "tok_per_s": chunks_in * tpc / dur, "offered_tok_per_s": offered / dur, "tokens_per_chunk": tpc,
         "errors": len(errs), "errors_in_window": sum(1 for r in errs if ws <= r["t_send"] < we),
@@ -527,7 +532,8 @@ def pd_config(args, cfg: str, rep: int, events: list[dict], tmp: Path, checks: l
     try:
         if cfg == "colocated":
             p = free_port()
-            srv = Proc("colocated", serve_cmd(args, p, args.threads, args.kv_cache_memory, args.max_model_len, []),
+            srv = Proc("colocated", serve_cmd(args, p, args.threads, args.kv_cache_memory, args.max_model_len,
+                                                     shlex.split(args.colocated_args)),
                        p, logs / f"pd_colocated_{rep}.log").start(args.startup_timeout)
             procs.append(srv)
             front, watched = srv, {"colocated": srv}
@@ -539,10 +545,10 @@ def pd_config(args, cfg: str, rep: int, events: list[dict], tmp: Path, checks: l
             url = f"redis://127.0.0.1:{redis.port}"
             pp, dp, rp = free_port(), free_port(), free_port()
             pre = Proc("prefill", pin(0) + serve_cmd(args, pp, 1, args.kv_cache_memory, args.max_model_len,
-                                            ["--role", "prefill", "--kv-redis", url]), pp, logs / f"pd_prefill_{rep}.log")
+                                            ["--role", "prefill", "--kv-redis", url] + shlex.split(args.prefill_args)), pp, logs / f"pd_prefill_{rep}.log")
             procs.append(pre.start(args.startup_timeout))
             dec = Proc("decode", pin(1) + serve_cmd(args, dp, 1, args.kv_cache_memory, args.max_model_len,
-                                           ["--role", "decode", "--kv-redis", url]), dp, logs / f"pd_decode_{rep}.log")
+                                           ["--role", "decode", "--kv-redis", url] + shlex.split(args.decode_args)), dp, logs / f"pd_decode_{rep}.log")
             procs.append(dec.start(args.startup_timeout))
             rt = Proc("router", pin(0) + router_cmd(args, rp, args.max_model_len,
                                            ["--prefill", pre.url, "--decode", dec.url,
@@ -651,6 +657,7 @@ def part_pd(args, docs: tb.Docs, tmp: Path, rec: dict, checks: list[str]) -> Non
 
 
 PD_KEYS = ["short_ttft_p50_ms", "short_ttft_p99_ms", "short_itl_p50_ms", "short_itl_p99_ms", "short_itl_max_ms",
+           "short_e2e_p50_ms", "short_e2e_p99_ms",
            "long_ttft_p50_ms", "tok_per_s", "offered_tok_per_s", "errors", "http_5xx", "other_cores",
            "short_prompt_tokens_mean", "prefills_ok", "prefills_skipped", "decode_redis_hit_pages"]
 
@@ -961,7 +968,8 @@ def print_table(rec: dict) -> None:
         print("|---|---|---|---|")
         rows = [("short TTFT p50 (ms)", "short_ttft_p50_ms", 0), ("short TTFT p99 (ms)", "short_ttft_p99_ms", 0),
                 ("short ITL p50 (ms)", "short_itl_p50_ms", 1), ("short ITL p99 (ms)", "short_itl_p99_ms", 1),
-                ("short ITL max (ms)", "short_itl_max_ms", 0), ("long TTFT p50 (ms)", "long_ttft_p50_ms", 0),
+                ("short ITL max (ms)", "short_itl_max_ms", 0), ("short end-to-end p50 (ms)", "short_e2e_p50_ms", 0),
+                ("short end-to-end p99 (ms)", "short_e2e_p99_ms", 0), ("long TTFT p50 (ms)", "long_ttft_p50_ms", 0),
                 ("tok/s in window", "tok_per_s", 1), ("offered tok/s", "offered_tok_per_s", 1),
                 ("long prompt / cached tokens", None, 0), ("short prompt tokens (mean)", "short_prompt_tokens_mean", 0),
                 ("prefill handoffs ok / skipped", "prefills", 0), ("errors", "errors_total", 0), ("other cores", "other_cores", 2)]
@@ -1030,7 +1038,8 @@ def plot(rec: dict, path: Path) -> None:
         if which == "pd":
             keys = [("short_ttft_p50_ms", "short\nTTFT p50"), ("short_ttft_p99_ms", "short\nTTFT p99"),
                     ("short_itl_p50_ms", "short\nITL p50"), ("short_itl_p99_ms", "short\nITL p99"),
-                    ("long_ttft_p50_ms", "long\nTTFT p50")]
+                    ("short_e2e_p99_ms", "short\nend-to-end p99"), ("long_ttft_p50_ms", "long\nTTFT p50")]
+            keys = [(k, n) for k, n in keys if any((pd.get(c) or {}).get(k) is not None for c in ("colocated", "pd"))]
             series = [("colocated", "colocated, 1 x 2 threads", "#888888"), ("pd", "P/D, prefill 1 + decode 1 thread", "#1f77b4")]
             rt = rec["pd"].get("ratios_pd_over_colocated") or {}
         else:
@@ -1157,6 +1166,9 @@ def main() -> int:
                            "router and the load generator on CPU 0 (taskset / sched_setaffinity). Colocated is unpinned")
     g_pd.add_argument("--prefill-min-tokens", type=int, default=256,
                       help="router: shorter prompts skip the prefill instance (the chat turns are ~60-90 tokens)")
+    g_pd.add_argument("--colocated-args", default="", help="more `serve` flags of the colocated server (one string)")
+    g_pd.add_argument("--prefill-args", default="", help="more `serve` flags of the prefill instance")
+    g_pd.add_argument("--decode-args", default="", help="more `serve` flags of the decode instance")
     g_rr = ap.add_argument_group("part replicas")
     g_rr.add_argument("--tenants", type=int, default=8)
     g_rr.add_argument("--tenant-tokens", type=int, default=1000, help="tokens per tenant system prompt")
