@@ -58,7 +58,7 @@ void add_eviction_options(CLI::App* cmd, EvictionOptions* eo) {
 
 std::unique_ptr<kv::ColdStore> make_cold_store(const EvictionOptions& eo, kv::PagePool& pool) {
   if (!eo.offload_cold) return nullptr;
-  pool.enable_key_bounds();
+  pool.enable_key_stats();
   auto c = kv::ColdStore::create(eo.offload_dir.empty() ? "/tmp" : eo.offload_dir, pool);
   if (!c) fail(c.message());
   return std::move(*c);

@@ -116,12 +116,12 @@ Engine::Engine(LlamaModel& model, const Tokenizer& tok, const EngineConfig& cfg)
     n_pages = std::min<int64_t>(PagePool::pages_for_bytes(layout, cfg.kv_cache_bytes - pool_g1_->total_bytes(), n_staging),
                                 int64_t(1) << 30);
   }
-  if (cfg.kv_policy.sparse()) {  // Quest's key bounds come out of the same budget
+  if (cfg.kv_policy.sparse()) {  // Quest's key summaries come out of the same budget
     const double bounds = double(layout.n_layer) * layout.n_head_kv * 2 * layout.head_dim * sizeof(uint16_t);
     n_pages = static_cast<int64_t>(double(n_pages) * layout.page_bytes() / (layout.page_bytes() + bounds));
   }
   pool_ = std::make_unique<PagePool>(layout, static_cast<int32_t>(std::max<int64_t>(n_pages, 0)), n_staging);
-  if (cfg.kv_policy.sparse()) pool_->enable_key_bounds();
+  if (cfg.kv_policy.sparse()) pool_->enable_key_stats();
   staged_kv_ = pool_->layout().n_staged_layers() > 0 || (pool_g1_ && pool_g1_->layout().n_staged_layers() > 0);
   threads_ = std::make_unique<ThreadPool>(cfg.n_threads);
   // Hybrid models: the cache also keeps the sliding-window layers' pages, and a prefix counts
@@ -135,7 +135,7 @@ Engine::Engine(LlamaModel& model, const Tokenizer& tok, const EngineConfig& cfg)
     } else if (pool_g1_) {
       init_status_ = Status::error("the KV tiers do not handle sliding-window hybrid models (e.g. Gemma 3) yet");
     } else {
-      auto t = TierManager::create(cfg.tiers, layout, pool_->has_key_bounds(), model.fingerprint());
+      auto t = TierManager::create(cfg.tiers, layout, pool_->has_key_stats(), model.fingerprint());
       if (!t) {
         init_status_ = t.status();
       } else {
@@ -194,8 +194,8 @@ Rejection Engine::submit(Request req) {
   if (p.kv_policy_set) {
     if (Status st = p.kv_policy.validate(cfg_.block_size); !st) return reject(400, st.message(), "kv_eviction");
     if (p.kv_policy.active() && model_.config().mla) return reject(400, "KV eviction and sparse reads are not supported for this model (MLA).", "kv_eviction");
-    if (p.kv_policy.sparse() && !pool_->has_key_bounds())
-      return reject(400, "Quest sparse reads need the server started with --kv-sparse quest (the pages' key bounds are kept only then).", "kv_eviction");
+    if (p.kv_policy.sparse() && !pool_->has_key_stats())
+      return reject(400, "Quest sparse reads need the server started with --kv-sparse quest (the pages' key summaries are kept only then).", "kv_eviction");
   }
   // An evicting policy whose budget is below max_model_len may go past it (re-indexing); the
   // prompt must still fit, since it is computed whole before it is compressed.

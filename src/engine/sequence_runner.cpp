@@ -81,7 +81,7 @@ Status SequenceRunner::set_eviction(const EvictionConfig& cfg, ColdStore* cold) 
   if (cfg.active() && model_.config().mla) return Status::error("KV eviction and sparse reads are not supported for MLA models");
   if (cfg.offload_cold && (!cold || &cold->pool() != &pool_)) return Status::error("cold pages need a cold store on the sequence's pool");
   evict_ = cfg;
-  if (cfg.sparse()) pool_.enable_key_bounds();
+  if (cfg.sparse()) pool_.enable_key_stats();
   cold_.release_all();
   cold_ = ColdTable{};
   if (cfg.offload_cold) cold_.attach(cold, &table_.pages);

@@ -58,8 +58,8 @@ class SequenceRunner {
 
   // Long-context policy (kv/kv_eviction.h) for this sequence, set before the first feed. The
   // runner scores pages as the policy asks and evicts when a page has just filled or a feed of
-  // several tokens (a prompt) ends. Quest sparse reads enable the pool's key bounds.
-  // cfg.offload_cold: pages beyond the budget go to `cold` (made on the pool, whose key bounds
+  // several tokens (a prompt) ends. Quest sparse reads enable the pool's key summaries.
+  // cfg.offload_cold: pages beyond the budget go to `cold` (made on the pool, whose key summaries
   // must be on: call set_eviction first with offload_cold off, or enable them), and a prompt's
   // tokens beyond the budget are fed in Quest-sized runs so the budget holds throughout.
   Status set_eviction(const EvictionConfig& cfg, ColdStore* cold = nullptr);

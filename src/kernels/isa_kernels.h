@@ -35,7 +35,7 @@ struct OpsKernels {
   decltype(&kv::exp_scaled) exp_scaled;
   decltype(&kv::collect_ge) collect_ge;
   decltype(&kv::first_gt) first_gt;
-  decltype(&kv::key_bound_pages) key_bound_pages;
+  decltype(&kv::key_score_pages) key_score_pages;
 };
 
 // One ISA's build of attention.h's kernels (same contracts).

@@ -57,15 +57,17 @@ int64_t collect_ge_ref(const float* x, int64_t n, float t, int32_t* idx, double*
 int64_t first_gt(const float* x, int64_t from, int64_t n, float t);
 int64_t first_gt_ref(const float* x, int64_t from, int64_t n, float t);
 
-// Quest's page bounds (kv/kv_eviction.h), n pages × n_heads KV heads in one call. KV head h has
-// the n_rows query rows q[h·n_rows + r] of hd floats, and in page i the channel-wise key bounds
-// mn = b[i] + h·2·hd, mx = mn + hd (f16; a page's heads are contiguous, so a call reads each
-// page's bounds in one run). out[i·n_heads + h] = max over r of Σ_d max(q_d·mn_d, q_d·mx_d): no
-// key k with mn ≤ k ≤ mx scores higher against any of the head's rows.
-void key_bound_pages(const float* const* q, int n_rows, int n_heads, const uint16_t* const* b, int64_t n, int hd,
-                     float* out);
-void key_bound_pages_ref(const float* const* q, int n_rows, int n_heads, const uint16_t* const* b, int64_t n, int hd,
-                         float* out);
+// Quest's page scores (kv/kv_eviction.h), n pages × n_heads KV heads in one call. KV head h has
+// the n_rows query rows q[h·n_rows + r] of hd floats, and in page i the channel-wise mean and
+// variance of its keys mu = b[i] + h·2·hd, var = mu + hd (f16; a page's heads are contiguous, so
+// a call reads each page's summaries in one run). q·k over the page's keys has mean q·mu and,
+// channels taken as independent, standard deviation sqrt(Σ_d q_d²·var_d):
+// out[i·n_heads + h] = max over r of q·mu + spread·sqrt(Σ_d q_d²·var_d), spread being the
+// expected maximum of a page's worth of standard normal draws (quest_spread).
+void key_score_pages(const float* const* q, int n_rows, int n_heads, const uint16_t* const* b, int64_t n, int hd,
+                     float spread, float* out);
+void key_score_pages_ref(const float* const* q, int n_rows, int n_heads, const uint16_t* const* b, int64_t n, int hd,
+                         float spread, float* out);
 
 // The fast entry points above run the build for kernel_isa() (kernels/isa.h): AVX-512
 // intrinsics, the portable loops compiled for AVX2 + FMA, or the same loops for the x86-64

@@ -211,38 +211,39 @@ int64_t first_gt(const float* x, int64_t from, int64_t n, float t) {
   return n;
 }
 
-float key_bound(const float* const* q, int n_rows, const uint16_t* mn, const uint16_t* mx, int hd) {
-  constexpr int kMaxChunks = 16;  // head_dim ≤ 256 (key_bound_pages checks)
-  __m512 lo[kMaxChunks], hi[kMaxChunks];
+float key_score(const float* const* q, int n_rows, const uint16_t* mu_h, const uint16_t* var_h, int hd, float spread) {
+  constexpr int kMaxChunks = 16;  // head_dim ≤ 256 (key_score_pages checks)
+  __m512 mu[kMaxChunks], var[kMaxChunks];
   const int nc = hd / 16;
   for (int c = 0; c < nc; ++c) {
-    lo[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + 16 * c)));
-    hi[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mx + 16 * c)));
+    mu[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mu_h + 16 * c)));
+    var[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(var_h + 16 * c)));
   }
   float best = -std::numeric_limits<float>::infinity();
-  for (int r = 0; r < n_rows; ++r) {  // max(q·lo, q·hi) = q · (q > 0 ? hi : lo)
-    __m512 acc = _mm512_setzero_ps();
+  for (int r = 0; r < n_rows; ++r) {
+    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
     for (int c = 0; c < nc; ++c) {
       const __m512 qv = _mm512_loadu_ps(q[r] + 16 * c);
-      const __mmask16 pos = _mm512_cmp_ps_mask(qv, _mm512_setzero_ps(), _CMP_GT_OQ);
-      acc = _mm512_fmadd_ps(qv, _mm512_mask_blend_ps(pos, lo[c], hi[c]), acc);
+      a = _mm512_fmadd_ps(qv, mu[c], a);
+      b = _mm512_fmadd_ps(_mm512_mul_ps(qv, qv), var[c], b);
     }
-    best = std::max(best, _mm512_reduce_add_ps(acc));
+    const float s2 = std::max(0.f, _mm512_reduce_add_ps(b));
+    best = std::max(best, _mm512_reduce_add_ps(a) + spread * std::sqrt(s2));
   }
   return best;
 }
 
-void key_bound_pages(const float* const* q, int n_rows, int n_heads, const uint16_t* const* b, int64_t n, int hd,
-                     float* out) {
-  if (hd % 16 != 0 || hd > 256) return key_bound_pages_ref(q, n_rows, n_heads, b, n, hd, out);
+void key_score_pages(const float* const* q, int n_rows, int n_heads, const uint16_t* const* b, int64_t n, int hd,
+                     float spread, float* out) {
+  if (hd % 16 != 0 || hd > 256) return key_score_pages_ref(q, n_rows, n_heads, b, n, hd, spread, out);
   for (int64_t i = 0; i < n; ++i)
     for (int h = 0; h < n_heads; ++h) {
-      const uint16_t* mn = b[i] + int64_t(h) * 2 * hd;
-      out[i * n_heads + h] = key_bound(q + int64_t(h) * n_rows, n_rows, mn, mn + hd, hd);
+      const uint16_t* m = b[i] + int64_t(h) * 2 * hd;
+      out[i * n_heads + h] = key_score(q + int64_t(h) * n_rows, n_rows, m, m + hd, hd, spread);
     }
 }
 
 const OpsKernels kOps = {rms_norm, rope_portable, silu_mul, gelu_mul, softmax, add_inplace_portable, max_value,
-                         exp_scaled, collect_ge, first_gt, key_bound_pages};
+                         exp_scaled, collect_ge, first_gt, key_score_pages};
 
 }  // namespace kv::avx512

@@ -110,18 +110,20 @@ int64_t first_gt_ref(const float* x, int64_t from, int64_t n, float t) {
   return n;
 }
 
-void key_bound_pages_ref(const float* const* q, int n_rows, int n_heads, const uint16_t* const* b, int64_t n, int hd,
-                         float* out) {
+void key_score_pages_ref(const float* const* q, int n_rows, int n_heads, const uint16_t* const* b, int64_t n, int hd,
+                         float spread, float* out) {
   for (int64_t i = 0; i < n; ++i)
     for (int h = 0; h < n_heads; ++h) {
-      const uint16_t *mn = b[i] + int64_t(h) * 2 * hd, *mx = mn + hd;
+      const uint16_t *mu = b[i] + int64_t(h) * 2 * hd, *var = mu + hd;
       const float* const* qh = q + int64_t(h) * n_rows;
       double best = -std::numeric_limits<double>::infinity();
       for (int r = 0; r < n_rows; ++r) {
-        double sum = 0;
-        for (int d = 0; d < hd; ++d)
-          sum += std::max(double(qh[r][d]) * fp16_to_fp32(mn[d]), double(qh[r][d]) * fp16_to_fp32(mx[d]));
-        best = std::max(best, sum);
+        double m = 0, s2 = 0;
+        for (int d = 0; d < hd; ++d) {
+          m += double(qh[r][d]) * fp16_to_fp32(mu[d]);
+          s2 += double(qh[r][d]) * qh[r][d] * fp16_to_fp32(var[d]);
+        }
+        best = std::max(best, m + spread * std::sqrt(s2));
       }
       out[i * n_heads + h] = static_cast<float>(best);
     }

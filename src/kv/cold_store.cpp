@@ -54,7 +54,7 @@ bool pread_all(int fd, uint8_t* p, int64_t n, int64_t off) {
 }  // namespace
 
 Result<std::unique_ptr<ColdStore>> ColdStore::create(const std::string& dir, PagePool& pool) {
-  if (!pool.has_key_bounds()) return Status::error("cold pages need the pool's key bounds (Quest sparse reads)");
+  if (!pool.has_key_stats()) return Status::error("cold pages need the pool's key summaries (Quest sparse reads)");
   std::string err;
   const int fd = open_spill_file(dir.empty() ? "/tmp" : dir, &err);
   if (fd < 0) return Status::error(err);
@@ -103,7 +103,7 @@ int32_t ColdStore::put(int32_t page) {
   ++gen_[slot];
   checksum_[slot] = XXH3_64bits(buf_.data(), static_cast<size_t>(slot_bytes_));
   for (int32_t l = 0; l < n_layer_; ++l)
-    std::memcpy(bounds_.data() + (int64_t(slot) * n_layer_ + l) * bounds_per_layer_, pool_.key_bounds(l, page), bounds_per_layer_ * 2);
+    std::memcpy(bounds_.data() + (int64_t(slot) * n_layer_ + l) * bounds_per_layer_, pool_.key_stats(l, page), bounds_per_layer_ * 2);
   ++slots_used_;
   slots_used_pub_.store(slots_used_, std::memory_order_relaxed);
   file_bytes_.store(int64_t(n_slots_) * slot_bytes_, std::memory_order_relaxed);
@@ -114,7 +114,7 @@ int32_t ColdStore::put(int32_t page) {
 
 void ColdStore::copy_in(const uint8_t* src, int32_t slot, int32_t page) {
   pool_.write_page(page, src);
-  for (int32_t l = 0; l < n_layer_; ++l) std::memcpy(pool_.key_bounds(l, page), key_bounds(slot, l), bounds_per_layer_ * 2);
+  for (int32_t l = 0; l < n_layer_; ++l) std::memcpy(pool_.key_stats(l, page), key_stats(slot, l), bounds_per_layer_ * 2);
 }
 
 bool ColdStore::read_slot(int32_t slot, uint8_t* dst) { return pread_all(fd_, dst, slot_bytes_, int64_t(slot) * slot_bytes_); }

@@ -64,7 +64,7 @@ struct ColdStats {
 
 class ColdStore {
  public:
-  // dir: where the spill file is made. The pool is group 0's (pages and key bounds).
+  // dir: where the spill file is made. The pool is group 0's (pages and key summaries).
   static Result<std::unique_ptr<ColdStore>> create(const std::string& dir, PagePool& pool);
   ~ColdStore();
   ColdStore(const ColdStore&) = delete;
@@ -72,14 +72,14 @@ class ColdStore {
 
   PagePool& pool() { return pool_; }
   // Writes pool page `page` (every layer's K/V) to a new slot with one reference and keeps its
-  // key bounds in RAM. -1 when the write failed (counted).
+  // key summaries in RAM. -1 when the write failed (counted).
   int32_t put(int32_t page);
-  // Fills pool page `page` from the slot (K/V and key bounds). False when the read failed or
+  // Fills pool page `page` from the slot (K/V and key summaries). False when the read failed or
   // the bytes do not match the checksum written with them (counted).
   bool get(int32_t slot, int32_t page);
   // Reads the slot ahead into RAM (the loader thread), for a get() soon.
   void prefetch(int32_t slot);
-  const uint16_t* key_bounds(int32_t slot, int32_t layer) const {
+  const uint16_t* key_stats(int32_t slot, int32_t layer) const {
     return bounds_.data() + (int64_t(slot) * n_layer_ + layer) * bounds_per_layer_;
   }
   void retain(int32_t slot) { ++refs_[slot]; }
@@ -104,7 +104,7 @@ class ColdStore {
   std::vector<int32_t> refs_;        // per slot (0: free)
   std::vector<uint64_t> checksum_;   // per slot: XXH3-64 of its bytes
   std::vector<uint32_t> gen_;        // per slot: bumped at each put (stale prefetches are dropped)
-  std::vector<uint16_t> bounds_;     // per slot, per layer: the page's key bounds
+  std::vector<uint16_t> bounds_;     // per slot, per layer: the page's key summaries
   std::vector<int32_t> free_slots_;
   int32_t n_slots_ = 0;              // high-water mark
   int64_t slots_used_ = 0;
@@ -142,7 +142,7 @@ class ColdTable {
   }
   bool attached() const { return store_ != nullptr; }
   int64_t n_cold() const { return n_cold_; }
-  const uint16_t* key_bounds(int64_t logical, int32_t layer) const { return store_->key_bounds(slot_[logical], layer); }
+  const uint16_t* key_stats(int64_t logical, int32_t layer) const { return store_->key_stats(slot_[logical], layer); }
 
   // Makes logical page i resident: its pool page, or -1 (no free page, or the read failed: then
   // the page is dropped for good and the entry becomes -1, as if evicted).

@@ -1,6 +1,7 @@
 #include "kv/kv_eviction.h"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 
 #include "kv/cold_store.h"
@@ -85,7 +86,20 @@ std::vector<int64_t> choose_evictions(const EvictionConfig& cfg, int32_t block_s
   return out;
 }
 
-void quest_select(const EvictionConfig& cfg, int32_t block_size, const int32_t* pages, int64_t pos, const float* bound,
+double quest_spread(int32_t n) {
+  // E[max] = ∫ x · n φ(x) Φ(x)^(n−1) dx, by the midpoint rule over [−10, 10]
+  constexpr int kSteps = 4000;
+  constexpr double kLo = -10, kHi = 10, kDx = (kHi - kLo) / kSteps;
+  double e = 0;
+  for (int i = 0; i < kSteps; ++i) {
+    const double x = kLo + (i + 0.5) * kDx;
+    const double phi = std::exp(-0.5 * x * x) / std::sqrt(2 * M_PI), cdf = 0.5 * std::erfc(-x / std::sqrt(2.0));
+    e += x * n * phi * std::pow(cdf, n - 1) * kDx;
+  }
+  return e;
+}
+
+void quest_select(const EvictionConfig& cfg, int32_t block_size, const int32_t* pages, int64_t pos, const float* score,
                   std::vector<int32_t>* out, std::vector<int32_t>* scratch, int32_t n_runners_up,
                   std::vector<int32_t>* runners_up) {
   if (runners_up) runners_up->clear();
@@ -93,15 +107,15 @@ void quest_select(const EvictionConfig& cfg, int32_t block_size, const int32_t* 
   out->assign(pages, pages + n);
   const int64_t first = cfg.sink_pages(block_size);
   // recent (quest_recent): what a token attends to most is the text just before it, and a
-  // query early in its page would otherwise see almost none of it unless its bound picked it.
+  // query early in its page would otherwise see almost none of it unless its score picked it.
   const int64_t recent_from = std::max<int64_t>(0, pos + 1 - cfg.quest_recent(block_size)) / block_size;
   scratch->clear();
   for (int64_t i = first; i < recent_from && i < n; ++i)
     if (pages[i] >= 0 || pages[i] == kColdPage) scratch->push_back(static_cast<int32_t>(i));
   const int64_t k = cfg.sparse_pages;
   if (int64_t(scratch->size()) <= k) return;
-  // the k highest bounds stay (ties: the later page), the rest are not read
-  auto higher = [&](int32_t a, int32_t b) { return bound[a] > bound[b] || (bound[a] == bound[b] && a > b); };
+  // the k highest scores stay (ties: the later page), the rest are not read
+  auto higher = [&](int32_t a, int32_t b) { return score[a] > score[b] || (score[a] == score[b] && a > b); };
   std::nth_element(scratch->begin(), scratch->begin() + k, scratch->end(), higher);
   for (size_t j = k; j < scratch->size(); ++j) (*out)[(*scratch)[j]] = -1;
   if (runners_up && n_runners_up > 0) {

@@ -19,10 +19,12 @@
 // Evictions happen only when a page has just filled or a prompt has ended, so decoding a
 // token at a time and teacher-forcing page-aligned chunks evict the same pages.
 //
-// Quest (sparse reads, no eviction): per (layer, page, KV head) the channel-wise min and max
-// of the page's keys (kept by PagePool); a decode query reads its sink and recent pages (by
-// default its own page and the 3 before it) plus the sparse_pages pages with the highest
-// upper bound Σ_d max(q_d·min_d, q_d·max_d). Cold pages (kColdPage entries, cold_store.h) are
+// Quest (sparse reads, no eviction): per (layer, page, KV head) the channel-wise mean and
+// variance of the page's keys (kept by PagePool); a decode query reads its sink and recent
+// pages (by default its own page and the 3 before it) plus the sparse_pages pages with the
+// highest score q·mean + quest_spread(block_size)·sqrt(Σ_d q_d²·var_d), an estimate of the
+// page's highest q·k (Quest's paper ranks by the upper bound Σ_d max(q_d·min_d, q_d·max_d);
+// docs/eviction.md has both measured). Cold pages (kColdPage entries, cold_store.h) are
 // candidates like resident ones, ranked by the summaries kept in RAM.
 #pragma once
 #include <algorithm>
@@ -91,13 +93,18 @@ int64_t kept_tokens(const std::vector<int32_t>& pages, int64_t n_tokens, int32_t
 std::vector<int64_t> choose_evictions(const EvictionConfig& cfg, int32_t block_size, const std::vector<int32_t>& pages,
                                       int64_t n_tokens, const std::vector<float>& scores);
 
+// Quest's page score: the expected maximum of n independent standard normal draws (1.766 for
+// n = 16), so that q·mu + quest_spread(block_size) · sd(q·k) estimates the highest q·k in a
+// full page whose scores spread like a normal (kernels/ops.h key_score_pages).
+double quest_spread(int32_t n);
+
 // Quest: logical pages a decode query at position pos reads when the sparse config is on:
 // sink pages, recent pages (the page of pos included) and the k evictable pages with the
-// highest bound; bound[i] per logical page (ignored for -1 pages). Writes the mask as a copy
+// highest score; score[i] per logical page (ignored for -1 pages). Writes the mask as a copy
 // of pages with unselected entries set to -1 into out (resized to pos / block_size + 1).
-// runners_up (optional): the next n_runners_up candidates by bound after the selected ones
+// runners_up (optional): the next n_runners_up candidates by score after the selected ones
 // (what a cold-page prefetch reads ahead).
-void quest_select(const EvictionConfig& cfg, int32_t block_size, const int32_t* pages, int64_t pos, const float* bound,
+void quest_select(const EvictionConfig& cfg, int32_t block_size, const int32_t* pages, int64_t pos, const float* score,
                   std::vector<int32_t>* out, std::vector<int32_t>* scratch, int32_t n_runners_up = 0,
                   std::vector<int32_t>* runners_up = nullptr);
 

@@ -294,40 +294,41 @@ void PagePool::release_filled(int32_t layer) {
   filled_[layer].clear();
 }
 
-void PagePool::enable_key_bounds() {
-  if (key_bounds_.empty()) key_bounds_.assign(int64_t(layout_.n_layer) * n_pages_ * layout_.n_head_kv * 2 * layout_.head_dim, 0);
+void PagePool::enable_key_stats() {
+  if (key_stats_.empty()) key_stats_.assign(int64_t(layout_.n_layer) * n_pages_ * layout_.n_head_kv * 2 * layout_.head_dim, 0);
 }
 
-namespace {
-// f16 of x rounded toward -inf (down) or +inf (up): a bound stays a bound after rounding.
-uint16_t fp16_directed(float x, bool up) {
-  uint16_t h = fp32_to_fp16(x);
-  const float back = fp16_to_fp32(h);
-  if (std::isfinite(back) && (up ? back < x : back > x)) {  // one step outward
-    const bool neg = h & 0x8000;
-    if ((h & 0x7FFF) == 0) h = up ? 0x0001 : 0x8001;                     // ±0 → smallest subnormal
-    else h = static_cast<uint16_t>(up != neg ? h + 1 : h - 1);          // away from / toward zero
-  }
-  return h;
-}
-}  // namespace
-
-void PagePool::update_key_bounds(int32_t layer, int32_t page, int32_t slot, const float* k) {
+void PagePool::store_key_stats(int32_t layer, int32_t page, const float* keys, int32_t n) {
   const int hd = layout_.head_dim;
-  uint16_t* b = key_bounds_.data() + (int64_t(layer) * n_pages_ + page) * layout_.n_head_kv * 2 * hd;
+  uint16_t* b = key_stats(layer, page);
   for (int32_t h = 0; h < layout_.n_head_kv; ++h, b += 2 * hd) {
-    const float* kh = k + int64_t(h) * hd;
+    const float* kh = keys + int64_t(h) * n * hd;
     for (int d = 0; d < hd; ++d) {
-      if (slot == 0 || kh[d] < fp16_to_fp32(b[d])) b[d] = fp16_directed(kh[d], false);
-      if (slot == 0 || kh[d] > fp16_to_fp32(b[hd + d])) b[hd + d] = fp16_directed(kh[d], true);
+      double sum = 0, sq = 0;
+      for (int32_t j = 0; j < n; ++j) sum += kh[int64_t(j) * hd + d];
+      const double mean = n > 0 ? sum / n : 0;
+      for (int32_t j = 0; j < n; ++j) sq += (kh[int64_t(j) * hd + d] - mean) * (kh[int64_t(j) * hd + d] - mean);
+      b[d] = fp32_to_fp16(static_cast<float>(mean));
+      b[hd + d] = fp32_to_fp16(static_cast<float>(n > 0 ? sq / n : 0));
     }
   }
+}
+
+void PagePool::summarize_keys(int32_t layer, int32_t page) {
+  const int bs = layout_.block_size, hd = layout_.head_dim, nh = layout_.n_head_kv;
+  const int32_t s = stage_of(layer, page);
+  const KvElem te = s >= 0 ? KvElem::kF16 : layout_.dtype_of(layer);
+  const int64_t tile_bytes = s >= 0 ? kv_stage_tile_bytes(bs, hd) : kv_k_tile_bytes(te, bs, hd);
+  const uint8_t* base = s >= 0 ? stage_k(layer, s) : k_data(layer, page);
+  thread_local std::vector<float> keys;  // [head][slot][hd]
+  keys.resize(size_t(nh) * bs * hd);
+  for (int32_t h = 0; h < nh; ++h) kv_read_k(base + h * tile_bytes, te, bs, hd, bs, keys.data() + size_t(h) * bs * hd);
+  store_key_stats(layer, page, keys.data(), bs);
 }
 
 bool PagePool::write_token(int32_t layer, int32_t page, int32_t slot, const float* k, const float* v) {
   const int bs = layout_.block_size, hd = layout_.head_dim;
   const KvElem e = layout_.dtype_of(layer);
-  if (!key_bounds_.empty()) update_key_bounds(layer, page, slot, k);
   if (layout_.staged(layer)) {
     if (!ensure_stage(layer, page, slot)) return false;
     const int32_t s = stage_of(layer, page);
@@ -337,6 +338,7 @@ bool PagePool::write_token(int32_t layer, int32_t page, int32_t slot, const floa
       if (layout_.v_from_k == 0) kv_write_v(stage_v(layer, s) + h * st, KvElem::kF16, bs, hd, slot, v + int64_t(h) * hd);
     }
     if (slot == bs - 1) {
+      if (!key_stats_.empty()) summarize_keys(layer, page);  // from the keys as written
       quantize_layer(layer, page);
       filled_[layer].push_back(page);
     }
@@ -347,6 +349,7 @@ bool PagePool::write_token(int32_t layer, int32_t page, int32_t slot, const floa
     kv_write_k(k_data(layer, page) + h * kt, e, bs, hd, slot, k + int64_t(h) * hd);
     if (layout_.v_from_k == 0) kv_write_v(v_data(layer, page) + h * vt, e, bs, hd, slot, v + int64_t(h) * hd);
   }
+  if (!key_stats_.empty() && slot == bs - 1) summarize_keys(layer, page);
   return true;
 }
 
@@ -379,13 +382,7 @@ void PagePool::transform_keys_impl(int32_t layer, int32_t page, int32_t n_slots,
       for (int j = 0; j < n; ++j) kv_write_k(base + h * tile_bytes, te, bs, hd, j, kh + size_t(j) * hd);
     }
   }
-  if (key_bounds_.empty()) return;
-  std::vector<float> row(size_t(nh) * hd);  // one token, every head: update_key_bounds' shape
-  for (int j = 0; j < n_slots; ++j) {
-    for (int32_t h = 0; h < nh; ++h)
-      std::copy_n(keys.data() + (size_t(h) * n + j) * hd, hd, row.data() + size_t(h) * hd);
-    update_key_bounds(layer, page, j, row.data());
-  }
+  if (!key_stats_.empty()) store_key_stats(layer, page, keys.data(), n);
 }
 
 PagedKvView PagePool::view(int32_t layer) const {
@@ -418,9 +415,9 @@ bool PagePool::copy_page(int32_t src, int32_t dst) {
     for (int32_t l = 0; l < layout_.n_layer; ++l)
       if (stage_of(l, src) >= 0 && stage_of(l, dst) < 0 && stage_free_[l].empty()) return false;
   }
-  if (!key_bounds_.empty())
+  if (!key_stats_.empty())
     for (int32_t l = 0; l < layout_.n_layer; ++l)
-      std::memcpy(const_cast<uint16_t*>(key_bounds(l, dst)), key_bounds(l, src), size_t(layout_.n_head_kv) * 2 * layout_.head_dim * sizeof(uint16_t));
+      std::memcpy(const_cast<uint16_t*>(key_stats(l, dst)), key_stats(l, src), size_t(layout_.n_head_kv) * 2 * layout_.head_dim * sizeof(uint16_t));
   for (int32_t l = 0; l < layout_.n_layer; ++l) {
     std::memcpy(k_data(l, dst), k_data(l, src), layout_.k_layer_page_bytes(l));
     std::memcpy(v_data(l, dst), v_data(l, src), layout_.v_layer_page_bytes(l));

@@ -46,7 +46,7 @@ class PagePool {
   int32_t n_used() const { return n_pages_ - n_free(); }
   int64_t page_store_bytes() const { return int64_t(n_pages_) * layout_.page_bytes(); }
   int64_t stage_store_bytes() const { return int64_t(n_staging_) * layout_.stage_layer_bytes() * layout_.n_staged_layers(); }
-  int64_t total_bytes() const { return page_store_bytes() + stage_store_bytes() + key_bounds_bytes(); }
+  int64_t total_bytes() const { return page_store_bytes() + stage_store_bytes() + key_stats_bytes(); }
   int32_t n_staging() const { return n_staging_; }
   // Staging slots in use over all layers.
   int32_t n_staging_used() const;
@@ -102,25 +102,26 @@ class PagePool {
   // KV head's keys as floats, token-major [n_slots][head_dim], and changes them; they go back
   // in the page's format (a quantized page is read, changed and quantized again: one more
   // quantization round trip; a filling page's f16 staging tile is changed instead), and the
-  // Quest key bounds follow. StreamingLLM's re-indexing re-rotates cached keys this way.
+  // Quest key summaries follow. StreamingLLM's re-indexing re-rotates cached keys this way.
   template <class Fn>
   void transform_keys(int32_t layer, int32_t page, int32_t n_slots, Fn&& fn) {
     transform_keys_impl(layer, page, n_slots, [](void* f, float* k, int32_t h) { (*static_cast<Fn*>(f))(k, h); }, &fn);
   }
-  // Quest key summaries: per (layer, page, KV head) the channel-wise min then max of the keys
-  // written into the page ([2][head_dim] f16, from the keys as written, before any
-  // quantization; min rounded down and max up, so the bounds stay bounds), kept by write_token
-  // (slot 0 starts a page afresh) and copy_page. Off until enabled; enabling allocates
-  // n_layer × n_pages × n_head_kv × 2 × head_dim halves (counted in total_bytes).
-  void enable_key_bounds();
-  bool has_key_bounds() const { return !key_bounds_.empty(); }
-  uint16_t* key_bounds(int32_t layer, int32_t page) {  // (a page loaded from a lower tier)
-    return key_bounds_.data() + (int64_t(layer) * n_pages_ + page) * layout_.n_head_kv * 2 * layout_.head_dim;
+  // Quest key summaries: per (layer, page, KV head) the channel-wise mean then variance of the
+  // page's keys ([2][head_dim] f16, from the keys as written, before any quantization), made
+  // when the page fills (and by transform_keys, over the slots it rewrote) and kept by
+  // copy_page. A page still filling has none that counts: Quest always reads a query's own page.
+  // Off until enabled; enabling allocates n_layer × n_pages × n_head_kv × 2 × head_dim halves
+  // (counted in total_bytes).
+  void enable_key_stats();
+  bool has_key_stats() const { return !key_stats_.empty(); }
+  uint16_t* key_stats(int32_t layer, int32_t page) {  // (a page loaded from a lower tier)
+    return key_stats_.data() + (int64_t(layer) * n_pages_ + page) * layout_.n_head_kv * 2 * layout_.head_dim;
   }
-  const uint16_t* key_bounds(int32_t layer, int32_t page) const {
-    return key_bounds_.data() + (int64_t(layer) * n_pages_ + page) * layout_.n_head_kv * 2 * layout_.head_dim;
+  const uint16_t* key_stats(int32_t layer, int32_t page) const {
+    return key_stats_.data() + (int64_t(layer) * n_pages_ + page) * layout_.n_head_kv * 2 * layout_.head_dim;
   }
-  int64_t key_bounds_bytes() const { return int64_t(key_bounds_.size()) * 2; }
+  int64_t key_stats_bytes() const { return int64_t(key_stats_.size()) * 2; }
   // The attention kernels' view of one layer (pages, staging); the caller sets .pages.
   PagedKvView view(int32_t layer) const;
 
@@ -147,8 +148,11 @@ class PagePool {
   std::vector<int32_t> stage_page_;            // [n_layer][n_staging]: page holding the slot or -1
   std::vector<std::vector<int32_t>> stage_free_;  // [n_layer]: free slots
   std::vector<std::vector<int32_t>> filled_;      // [n_layer]: quantized pages still holding staging
-  std::vector<uint16_t> key_bounds_;              // [n_layer][n_pages][n_head_kv][2][head_dim] f16, or empty
-  void update_key_bounds(int32_t layer, int32_t page, int32_t slot, const float* k);
+  std::vector<uint16_t> key_stats_;              // [n_layer][n_pages][n_head_kv][2][head_dim] f16, or empty
+  // keys [n_head_kv][n][head_dim] → the page's summaries; summarize_keys reads a full page's keys
+  // (from its staging tile while it has one).
+  void store_key_stats(int32_t layer, int32_t page, const float* keys, int32_t n);
+  void summarize_keys(int32_t layer, int32_t page);
 };
 
 // The pages of one sequence in one layer group. Position p lives in page pages[p / block_size],

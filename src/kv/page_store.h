@@ -9,12 +9,12 @@
 //   u64 namespace tag (XXH3-64 of the namespace: the raw string, which may hold an API key,
 //       never leaves the process)
 //   u64 hash.lo  u64 hash.hi      (the page's chain hash: its key in every store)
-//   u32 flags (bit 0: key bounds follow the K/V bytes)
+//   u32 flags (bit 1: Quest key summaries follow the K/V bytes)
 //   i32 tokens[block_size]        (the page's tokens)
 //   u64 payload bytes             u64 XXH3-64 of the payload
 //   u64 XXH3-64 of every header byte before this one
 //   payload: per layer, K bytes then V bytes of the page (the pool's tile format), then with
-//   flag bit 0 the pool's key bounds of the page, per layer.
+//   flag bit 1 the pool's key summaries of the page, per layer.
 #pragma once
 #include <cstdint>
 #include <optional>
@@ -28,7 +28,10 @@
 namespace kv {
 
 inline constexpr uint32_t kBlobVersion = 1;
-inline constexpr uint32_t kBlobFlagKeyBounds = 1;
+// Bit 1: Quest's key summaries (mean, variance) follow. Bit 0 meant min/max bounds before
+// 2026-11-27: such a blob is a miss for a pool that keeps summaries (and, by its size, for one
+// that does not), never read as summaries.
+inline constexpr uint32_t kBlobFlagKeyStats = 2;
 
 // What a blob must say to be the page a lookup asked for.
 struct PageIdentity {

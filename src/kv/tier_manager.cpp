@@ -14,9 +14,9 @@ constexpr size_t kWrittenCap = size_t(1) << 20;  // hashes remembered as written
 constexpr size_t kWriteBatch = 16;               // pages per store put (Redis pipelines them)
 }  // namespace
 
-Result<std::unique_ptr<TierManager>> TierManager::create(const TierConfig& cfg, const KvLayout& layout, bool key_bounds,
+Result<std::unique_ptr<TierManager>> TierManager::create(const TierConfig& cfg, const KvLayout& layout, bool key_stats,
                                                          uint64_t fingerprint) {
-  std::unique_ptr<TierManager> t(new TierManager(cfg, layout, key_bounds, fingerprint));
+  std::unique_ptr<TierManager> t(new TierManager(cfg, layout, key_stats, fingerprint));
   const PageIdentity id = t->identity(0);
   if (!cfg.disk_dir.empty()) {
     auto d = DiskStore::open(cfg.disk_dir, cfg.disk_bytes, id);
@@ -39,8 +39,8 @@ Result<std::unique_ptr<TierManager>> TierManager::create(const TierConfig& cfg, 
   return t;
 }
 
-TierManager::TierManager(const TierConfig& cfg, const KvLayout& layout, bool key_bounds, uint64_t fingerprint)
-    : cfg_(cfg), layout_(layout), key_bounds_(key_bounds), fingerprint_(fingerprint), format_tag_(layout.format_tag()) {}
+TierManager::TierManager(const TierConfig& cfg, const KvLayout& layout, bool key_stats, uint64_t fingerprint)
+    : cfg_(cfg), layout_(layout), key_stats_(key_stats), fingerprint_(fingerprint), format_tag_(layout.format_tag()) {}
 
 TierManager::~TierManager() {
   flush();
@@ -57,7 +57,7 @@ PageIdentity TierManager::identity(uint64_t ns_tag) const { return PageIdentity{
 
 int64_t TierManager::payload_bytes() const {
   int64_t b = layout_.page_bytes();
-  if (key_bounds_) b += int64_t(layout_.n_layer) * layout_.n_head_kv * 2 * layout_.head_dim * 2;
+  if (key_stats_) b += int64_t(layout_.n_layer) * layout_.n_head_kv * 2 * layout_.head_dim * 2;
   return b;
 }
 
@@ -106,9 +106,9 @@ TierManager::Write TierManager::page_write(const PageHash& h, const std::string&
   char* dst = w.payload.data();
   pool_->read_page(page, reinterpret_cast<uint8_t*>(dst));
   dst += layout_.page_bytes();
-  if (key_bounds_) {
+  if (key_stats_) {
     const size_t bb = size_t(layout_.n_head_kv) * 2 * layout_.head_dim * 2;
-    for (int32_t l = 0; l < layout_.n_layer; ++l, dst += bb) std::memcpy(dst, pool_->key_bounds(l, page), bb);
+    for (int32_t l = 0; l < layout_.n_layer; ++l, dst += bb) std::memcpy(dst, pool_->key_stats(l, page), bb);
   }
   return w;
 }
@@ -154,7 +154,7 @@ void TierManager::writer_loop() {
     for (Write& w : batch) {
       batch_bytes += static_cast<int64_t>(w.payload.size() + w.blob.size());
       if (w.blob.empty())
-        w.blob = encode_blob(identity(w.ns_tag), w.hash, w.tokens.data(), key_bounds_ ? kBlobFlagKeyBounds : 0,
+        w.blob = encode_blob(identity(w.ns_tag), w.hash, w.tokens.data(), key_stats_ ? kBlobFlagKeyStats : 0,
                              std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(w.payload.data()), w.payload.size()));
       hashes.push_back(w.hash);
       tags.push_back(w.ns_tag);
@@ -305,18 +305,18 @@ void TierManager::loader_loop() {
 bool TierManager::install(const std::string& blob, PagePool& pool, int32_t page) {
   BlobHeader h;
   if (decode_header(blob, &h) != BlobCheck::kOk) return false;
-  const bool has_bounds = (h.flags & kBlobFlagKeyBounds) != 0;
-  if (pool.has_key_bounds() && !has_bounds) return false;
+  const bool has_stats = (h.flags & kBlobFlagKeyStats) != 0;
+  if (pool.has_key_stats() && !has_stats) return false;
   const KvLayout& L = pool.layout();
   const char* src = blob.data() + h.header_bytes;
   const int64_t kv_bytes = L.page_bytes();
   const int64_t bb = int64_t(L.n_head_kv) * 2 * L.head_dim * 2;
-  if (int64_t(h.payload_bytes) != kv_bytes + (has_bounds ? int64_t(L.n_layer) * bb : 0)) return false;
+  if (int64_t(h.payload_bytes) != kv_bytes + (has_stats ? int64_t(L.n_layer) * bb : 0)) return false;
   written_.insert(h.hash);  // it came from below: no need to write it back
   pool.write_page(page, reinterpret_cast<const uint8_t*>(src));
   src += kv_bytes;
-  if (pool.has_key_bounds())
-    for (int32_t l = 0; l < L.n_layer; ++l, src += bb) std::memcpy(pool.key_bounds(l, page), src, bb);
+  if (pool.has_key_stats())
+    for (int32_t l = 0; l < L.n_layer; ++l, src += bb) std::memcpy(pool.key_stats(l, page), src, bb);
   return true;
 }
 

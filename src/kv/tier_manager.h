@@ -64,9 +64,9 @@ struct TierSnapshot {
 class TierManager : public PageListener {
  public:
   // Opens the stores (the disk directory is scanned; Redis is connected lazily, so a Redis that
-  // is down at start is an error count, not a failure). key_bounds: the pool keeps Quest key
-  // bounds, so pages carry them.
-  static Result<std::unique_ptr<TierManager>> create(const TierConfig& cfg, const KvLayout& layout, bool key_bounds,
+  // is down at start is an error count, not a failure). key_stats: the pool keeps Quest key
+  // summaries, so pages carry them.
+  static Result<std::unique_ptr<TierManager>> create(const TierConfig& cfg, const KvLayout& layout, bool key_stats,
                                                      uint64_t fingerprint);
   ~TierManager() override;  // finishes the queued writes (so a clean stop persists them)
 
@@ -104,8 +104,8 @@ class TierManager : public PageListener {
     double seconds = 0;
   };
   std::vector<Loaded> poll();
-  // Copies a checked blob into `page` of pool (K/V of every layer, key bounds). False when the
-  // pool keeps key bounds and the blob has none.
+  // Copies a checked blob into `page` of pool (K/V of every layer, key summaries). False when the
+  // pool keeps key summaries and the blob has none.
   bool install(const std::string& blob, PagePool& pool, int32_t page);
   // Waits until every write queued so far is done (tests, shutdown).
   void flush();
@@ -120,7 +120,7 @@ class TierManager : public PageListener {
   const DiskStore* disk() const { return disk_; }
 
  private:
-  TierManager(const TierConfig& cfg, const KvLayout& layout, bool key_bounds, uint64_t fingerprint);
+  TierManager(const TierConfig& cfg, const KvLayout& layout, bool key_stats, uint64_t fingerprint);
   struct Write {
     PageHash hash;
     uint64_t ns_tag;
@@ -147,7 +147,7 @@ class TierManager : public PageListener {
 
   TierConfig cfg_;
   KvLayout layout_;
-  bool key_bounds_;
+  bool key_stats_;
   uint64_t fingerprint_;
   uint32_t format_tag_;
   const PagePool* pool_ = nullptr;

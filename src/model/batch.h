@@ -29,7 +29,7 @@ struct BatchSeq {
   float* page_scores = nullptr;
   int32_t score_from = 0;
   // Quest sparse reads (kv/kv_eviction.h, sparse_pages > 0): a run of ≤ kAttnQTile tokens reads
-  // only the pages quest_select picks, per group-0 layer and KV head. Needs the pool's key bounds.
+  // only the pages quest_select picks, per group-0 layer and KV head. Needs the pool's key summaries.
   const EvictionConfig* quest = nullptr;
   // Cold pages (kv/cold_store.h): group 0's table may hold kColdPage entries; the model fetches
   // the ones a Quest selection picks (every one, for a run that does not read sparsely) and

@@ -414,30 +414,34 @@ bool LlamaModel::prepare_quest(const Batch& batch) {
   return any;
 }
 
-// Quest: for each (sequence, KV head) that reads sparsely, the upper bound of q·k over each
-// page's keys from the page's channel min/max, maxed over the group's query heads and the
-// run's tokens, then quest_select; units read the resulting table.
+// Quest: for each (sequence, KV head) that reads sparsely, an estimate of the highest q·k over
+// each page's keys from the page's channel mean and variance (key_score_pages), maxed over the
+// group's query heads and the run's tokens, then quest_select; units read the resulting table.
 void LlamaModel::quest_select_layer(const Batch& batch, const PagePool& pool, int li, ThreadPool& tp) {
   const ModelConfig& c = cfg_;
   const int64_t HD = c.head_dim, n_qkv = int64_t(c.n_head + 2 * c.n_head_kv) * HD;
   const int32_t bs = pool.layout().block_size;
   const int n_group = c.n_group(), hkv = c.n_head_kv;
-  // Work: bounds in chunks of kChunk pages per sequence (all KV heads of a page at once: their
-  // bounds are contiguous), spread over the threads, then one selection per (sequence, head).
+  // Work: scores in chunks of kChunk pages per sequence (all KV heads of a page at once: their
+  // summaries are contiguous), spread over the threads, then one selection per (sequence, head).
   constexpr int64_t kChunk = 64;
   struct Chunk { int32_t si; int64_t i0, i1; };
   thread_local std::vector<Chunk> chunks;  // the engine thread's
   chunks.clear();
-  if (quest_bounds_.size() < quest_tables_.size()) quest_bounds_.resize(quest_tables_.size());
+  if (quest_scores_.size() < quest_tables_.size()) quest_scores_.resize(quest_tables_.size());
   for (int32_t si = 0; si < static_cast<int32_t>(batch.seqs.size()); ++si) {
     if (!quest_on_[si]) continue;
     const BatchSeq& s = batch.seqs[si];
     const int64_t n_pg = (s.pos0 + s.n_tokens - 1) / bs + 1;
-    for (int32_t h = 0; h < hkv; ++h) quest_bounds_[size_t(si) * hkv + h].assign(n_pg, 0.f);
+    for (int32_t h = 0; h < hkv; ++h) quest_scores_[size_t(si) * hkv + h].assign(n_pg, 0.f);
     for (int64_t i0 = 0; i0 < n_pg; i0 += kChunk) chunks.push_back({si, i0, std::min(n_pg, i0 + kChunk)});
   }
   const std::vector<Chunk>& work = chunks;
   const int64_t n_pairs = int64_t(batch.seqs.size()) * hkv;
+  thread_local int32_t spread_bs = -1;  // the engine thread's: quest_spread integrates
+  thread_local float spread_of_bs = 0.f;
+  if (spread_bs != bs) spread_of_bs = static_cast<float>(quest_spread(spread_bs = bs));
+  const float spread = spread_of_bs;  // a local: the workers below would see their own thread_local
   tp.run([&](int ith, int nth) {
     int64_t b, e;
     ThreadPool::split(static_cast<int64_t>(work.size()), ith, nth, 1, &b, &e);
@@ -458,13 +462,13 @@ void LlamaModel::quest_select_layer(const Batch& batch, const PagePool& pool, in
       int64_t at[kChunk], n = 0;
       for (int64_t i = ck.i0; i < ck.i1; ++i) {
         if (pages[i] < 0 && !(pages[i] == kColdPage && s.cold)) continue;
-        kb[n] = pages[i] >= 0 ? pool.key_bounds(li, pages[i]) : s.cold->key_bounds(i, li);
+        kb[n] = pages[i] >= 0 ? pool.key_stats(li, pages[i]) : s.cold->key_stats(i, li);
         at[n++] = i;
       }
-      key_bound_pages(q.data(), n_rows, hkv, kb, n, static_cast<int>(HD), out.data());
+      key_score_pages(q.data(), n_rows, hkv, kb, n, static_cast<int>(HD), spread, out.data());
       for (int h = 0; h < hkv; ++h) {
-        float* bound = quest_bounds_[size_t(ck.si) * hkv + h].data();
-        for (int64_t j = 0; j < n; ++j) bound[at[j]] = out[j * hkv + h];
+        float* score = quest_scores_[size_t(ck.si) * hkv + h].data();
+        for (int64_t j = 0; j < n; ++j) score[at[j]] = out[j * hkv + h];
       }
     }
     tp.barrier();
@@ -475,7 +479,7 @@ void LlamaModel::quest_select_layer(const Batch& batch, const PagePool& pool, in
       if (!quest_on_[si]) continue;
       const BatchSeq& s = batch.seqs[si];
       // with cold pages, the runners-up (a quarter of the selection) are read ahead
-      quest_select(*s.quest, bs, s.pages, s.pos0 + s.n_tokens - 1, quest_bounds_[wi].data(), &quest_tables_[wi], &scratch,
+      quest_select(*s.quest, bs, s.pages, s.pos0 + s.n_tokens - 1, quest_scores_[wi].data(), &quest_tables_[wi], &scratch,
                    s.cold ? std::max(1, s.quest->sparse_pages / 4) : 0, &quest_runners_[wi]);
     }
   });
@@ -557,7 +561,7 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
   plan_attention(batch, kl.block_size);
   const bool scoring = !c.mla && prepare_scores(batch, tp.size(), kl.block_size);
   const bool questing = !c.mla && prepare_quest(batch);
-  if (questing && !pools[0]->has_key_bounds()) return Status::error("Quest sparse reads need the pool's key bounds (PagePool::enable_key_bounds)");
+  if (questing && !pools[0]->has_key_stats()) return Status::error("Quest sparse reads need the pool's key summaries (PagePool::enable_key_stats)");
   const std::vector<AttnUnit>& units = units_;
   const int64_t bs = kl.block_size;
   if (c.mla) {

@@ -147,7 +147,7 @@ class LlamaModel {
   std::vector<std::vector<float>> score_acc_;       // [thread][Σ n_pages]
   std::vector<float> part_lse_;                     // split parts: [ml_off + row][pages per part]
   std::vector<std::vector<int32_t>> quest_tables_;  // [seq × n_head_kv + head]: pages to read
-  std::vector<std::vector<float>> quest_bounds_;    // [seq × n_head_kv + head]: each page's bound
+  std::vector<std::vector<float>> quest_scores_;    // [seq × n_head_kv + head]: each page's score
   std::vector<uint8_t> quest_on_;                   // per batch seq
   std::vector<std::vector<int32_t>> quest_runners_; // [seq × n_head_kv + head]: cold-page prefetch candidates
   bool prepare_scores(const Batch& batch, int n_threads, int32_t block_size);

@@ -50,7 +50,7 @@ def test_each_policy_streams_and_choices_share_the_evicted_prompt(server, client
     ({"policy": "h2o", "budget": 64, "colour": 1}, "unknown field 'colour'"),
     ({"policy": "h2o", "budget": -5}, "'kv_eviction.budget': -5 is below the minimum"),
     ({"sparse": "quest"}, "needs sparse_pages"),
-    ({"sparse": "quest", "sparse_pages": 4}, "--kv-sparse quest"),  # this server keeps no key bounds
+    ({"sparse": "quest", "sparse_pages": 4}, "--kv-sparse quest"),  # this server keeps no key summaries
     ("snapkv", "expected an object"),
 ])
 def test_bad_kv_eviction_is_a_400(server, client, field, message):

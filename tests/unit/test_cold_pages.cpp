@@ -46,7 +46,7 @@ int spill_fd() {
 
 }  // namespace
 
-// A page written down and read back into another pool page is byte-identical, key bounds
+// A page written down and read back into another pool page is byte-identical, key summaries
 // included; a flipped byte in the file is caught by the checksum; slots are reused.
 TEST(ColdPages, StoreRoundTripAndChecksum) {
   KvLayout l;
@@ -56,7 +56,7 @@ TEST(ColdPages, StoreRoundTripAndChecksum) {
   l.block_size = 16;
   l.dtype = KvDtype::kF16;
   PagePool pool(l, 8);
-  pool.enable_key_bounds();
+  pool.enable_key_stats();
   std::vector<int32_t> pages;
   ASSERT_TRUE(pool.allocate(3, &pages));
   std::mt19937 rng(7);
@@ -77,8 +77,8 @@ TEST(ColdPages, StoreRoundTripAndChecksum) {
   for (int32_t layer = 0; layer < l.n_layer; ++layer) {
     EXPECT_EQ(std::memcmp(pool.k_data(layer, pages[0]), pool.k_data(layer, pages[1]), l.k_layer_page_bytes(layer)), 0);
     EXPECT_EQ(std::memcmp(pool.v_data(layer, pages[0]), pool.v_data(layer, pages[1]), l.v_layer_page_bytes(layer)), 0);
-    EXPECT_EQ(std::memcmp(pool.key_bounds(layer, pages[0]), pool.key_bounds(layer, pages[1]), bounds), 0);
-    EXPECT_EQ(std::memcmp(cs.key_bounds(slot, layer), pool.key_bounds(layer, pages[0]), bounds), 0);
+    EXPECT_EQ(std::memcmp(pool.key_stats(layer, pages[0]), pool.key_stats(layer, pages[1]), bounds), 0);
+    EXPECT_EQ(std::memcmp(cs.key_stats(slot, layer), pool.key_stats(layer, pages[0]), bounds), 0);
   }
   // A prefetched slot is served from RAM, the same bytes.
   cs.prefetch(slot);
@@ -118,7 +118,7 @@ TEST(ColdPages, SequenceRunnerLogitsEqualAllInRam) {
   auto run = [&](bool offload, std::vector<float>* prompt_logits, ColdStats* stats) {
     // Room for what one step reads back: each of SmolLM2's 30 layers × 3 KV heads picks its own 6 pages.
     PagePool pool(l, 128);
-    pool.enable_key_bounds();
+    pool.enable_key_stats();
     std::unique_ptr<ColdStore> cold;
     if (offload) cold = std::move(*ColdStore::create("/tmp", pool));
     SequenceRunner seq(*m, pool, tp, 64);

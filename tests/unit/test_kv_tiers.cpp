@@ -109,7 +109,7 @@ BlobCheck check_i(const std::string& blob, uint64_t i, const PageIdentity& id = 
 TEST(KvTierBlob, RoundTripAndHeader) {
   const auto tok = tokens_for(kBlobBs, 5);
   const auto p = payload_for(777, 5);
-  const std::string b = encode_blob(kId, hash_of(5), tok.data(), kBlobFlagKeyBounds, p);
+  const std::string b = encode_blob(kId, hash_of(5), tok.data(), kBlobFlagKeyStats, p);
   BlobHeader h;
   ASSERT_EQ(check_blob(b, kId, hash_of(5), tok.data(), &h), BlobCheck::kOk);
   EXPECT_EQ(h.id.fingerprint, kId.fingerprint);
@@ -117,7 +117,7 @@ TEST(KvTierBlob, RoundTripAndHeader) {
   EXPECT_EQ(h.id.block_size, kId.block_size);
   EXPECT_EQ(h.id.ns_tag, kId.ns_tag);
   EXPECT_EQ(h.hash, hash_of(5));
-  EXPECT_EQ(h.flags, kBlobFlagKeyBounds);
+  EXPECT_EQ(h.flags, kBlobFlagKeyStats);
   EXPECT_EQ(h.tokens, tok);
   EXPECT_EQ(h.payload_bytes, 777u);
   EXPECT_EQ(h.header_bytes + h.payload_bytes, b.size());
@@ -522,8 +522,8 @@ void fill_page(PagePool& pool, int32_t page, uint32_t seed) {
       uint8_t* v = pool.v_data(l, page);
       for (int64_t i = 0; i < L.v_layer_page_bytes(l); ++i) v[i] = static_cast<uint8_t>(rng());
     }
-    if (pool.has_key_bounds()) {
-      uint16_t* kb = pool.key_bounds(l, page);
+    if (pool.has_key_stats()) {
+      uint16_t* kb = pool.key_stats(l, page);
       for (int64_t i = 0; i < int64_t(L.n_head_kv) * 2 * L.head_dim; ++i) kb[i] = static_cast<uint16_t>(rng());
     }
   }
@@ -537,8 +537,8 @@ void expect_same_page(const PagePool& pa, int32_t a, const PagePool& pb, int32_t
     if (L.v_layer_page_bytes(l) > 0) {
       EXPECT_EQ(std::memcmp(pa.v_data(l, a), pb.v_data(l, b), L.v_layer_page_bytes(l)), 0) << "V layer " << l;
     }
-    if (pa.has_key_bounds() && pb.has_key_bounds()) {
-      EXPECT_EQ(std::memcmp(pa.key_bounds(l, a), pb.key_bounds(l, b), size_t(L.n_head_kv) * 2 * L.head_dim * 2), 0)
+    if (pa.has_key_stats() && pb.has_key_stats()) {
+      EXPECT_EQ(std::memcmp(pa.key_stats(l, a), pb.key_stats(l, b), size_t(L.n_head_kv) * 2 * L.head_dim * 2), 0)
           << "bounds layer " << l;
     }
   }
@@ -580,8 +580,8 @@ TEST_P(KvTierManagerLayouts, WriteBackFetchInstallRoundTrip) {
   ASSERT_TRUE(tm);
   PagePool pool(c.layout, 6, 4), pool2(c.layout, 6, 4);
   if (c.bounds) {
-    pool.enable_key_bounds();
-    pool2.enable_key_bounds();
+    pool.enable_key_stats();
+    pool2.enable_key_stats();
   }
   tm->set_pool(&pool);
   std::atomic<int> notified{0};
@@ -601,7 +601,7 @@ TEST_P(KvTierManagerLayouts, WriteBackFetchInstallRoundTrip) {
   // The pool pages change after the write (reused): the stored copy must not.
   for (int32_t p = 0; p < 3; ++p) fill_page(pool, p, 999 + p);
   PagePool ref(c.layout, 6, 4);
-  if (c.bounds) ref.enable_key_bounds();
+  if (c.bounds) ref.enable_key_stats();
   for (int32_t p = 0; p < 3; ++p) fill_page(ref, p, 100 + p);
 
   const uint64_t ticket = tm->fetch(ns, {hash_of(0), hash_of(1), hash_of(2)}, tokens, 0);
@@ -644,7 +644,7 @@ TEST_P(KvTierManagerLayouts, WriteBackFetchInstallRoundTrip) {
   ASSERT_TRUE(got3.has_value());
   ASSERT_EQ(got3->blobs.size(), 3u);
   PagePool pool3(c.layout, 3, 4);
-  if (c.bounds) pool3.enable_key_bounds();
+  if (c.bounds) pool3.enable_key_stats();
   for (int32_t p = 0; p < 3; ++p) {
     ASSERT_TRUE(tm2->install(got3->blobs[p], pool3, p));
     expect_same_page(ref, p, pool3, p);

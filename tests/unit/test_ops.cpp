@@ -296,57 +296,59 @@ TEST_P(OpsTest, FirstGt) {
   }
 }
 
-// Quest's page bound: the fast path equals the double reference to float rounding, and it is
-// a bound: no key inside [mn, mx] scores higher, and the best corner reaches it.
-TEST_P(OpsTest, KeyBound) {
-  constexpr int kPages = 5;  // page 1 holds a single key (mn == mx)
+// Quest's page score: the fast path equals the double reference to float rounding; a page of
+// one key (variance 0) scores that key's q·k; the spread term scales with the keys' spread.
+TEST_P(OpsTest, KeyScore) {
+  constexpr int kPages = 5;  // page 1 holds a single key (variance 0)
+  constexpr float kSpread = 1.766f;
   for (int hd : {8, 16, 40, 48, 64, 256, 320}) {  // vector widths, their tails, past the fast paths' 256
     for (int n_rows : {1, 2, 3, 4, 5, 7, 16}) {   // the fast path's row groups of 4 and their rests
       for (int n_heads : {1, 3}) {
         const auto qs = randn(int64_t(n_heads) * n_rows * hd, hd + n_rows + 1000 * n_heads, 1.0f);
-        std::vector<uint16_t> bounds(size_t(kPages) * n_heads * 2 * hd);
-        std::vector<const uint16_t*> pages(kPages);
+        std::vector<uint16_t> stats(size_t(kPages) * n_heads * 2 * hd), wide(stats.size());
+        std::vector<const uint16_t*> pages(kPages), wide_pages(kPages);
         for (int p = 0; p < kPages; ++p) {
           const int pp = (p * 3) % kPages;  // pages out of memory order
           for (int h = 0; h < n_heads; ++h) {
             const int salt = 100 * p + 10 * h;
-            const auto a = randn(hd, hd * 7 + n_rows + salt, 2.0f), b = randn(hd, hd * 11 + n_rows + salt, 2.0f);
-            uint16_t* pb = bounds.data() + (size_t(pp) * n_heads + h) * 2 * hd;
+            const auto a = randn(hd, hd * 7 + n_rows + salt, 2.0f), b = randn(hd, hd * 11 + n_rows + salt, 1.0f);
+            uint16_t* ps = stats.data() + (size_t(pp) * n_heads + h) * 2 * hd;
+            uint16_t* pw = wide.data() + (size_t(pp) * n_heads + h) * 2 * hd;
             for (int d = 0; d < hd; ++d) {
-              pb[d] = fp32_to_fp16(p == 1 ? a[d] : std::min(a[d], b[d]));
-              pb[hd + d] = fp32_to_fp16(p == 1 ? a[d] : std::max(a[d], b[d]));
+              ps[d] = pw[d] = fp32_to_fp16(a[d]);
+              ps[hd + d] = fp32_to_fp16(p == 1 ? 0.f : b[d] * b[d]);
+              pw[hd + d] = fp32_to_fp16(4 * fp16_to_fp32(ps[hd + d]));  // twice the standard deviation
             }
           }
-          pages[p] = bounds.data() + size_t(pp) * n_heads * 2 * hd;
+          pages[p] = stats.data() + size_t(pp) * n_heads * 2 * hd;
+          wide_pages[p] = wide.data() + size_t(pp) * n_heads * 2 * hd;
         }
         std::vector<const float*> q_all(size_t(n_heads) * n_rows);
         for (size_t r = 0; r < q_all.size(); ++r) q_all[r] = qs.data() + int64_t(r) * hd;
-        std::vector<float> got(size_t(kPages) * n_heads), want_all(got.size());
-        key_bound_pages(q_all.data(), n_rows, n_heads, pages.data(), kPages, hd, got.data());
-        key_bound_pages_ref(q_all.data(), n_rows, n_heads, pages.data(), kPages, hd, want_all.data());
+        std::vector<float> got(size_t(kPages) * n_heads), want(got.size()), got_wide(got.size());
+        key_score_pages(q_all.data(), n_rows, n_heads, pages.data(), kPages, hd, kSpread, got.data());
+        key_score_pages_ref(q_all.data(), n_rows, n_heads, pages.data(), kPages, hd, kSpread, want.data());
         for (size_t i = 0; i < got.size(); ++i)
-          ASSERT_NEAR(got[i], want_all[i], 1e-5f * (1.f + std::fabs(want_all[i]))) << hd << " " << n_rows << " " << i;
-        // the bound itself, for the last head of page 0, by corners and random keys inside its box
-        const float* const* q = q_all.data() + int64_t(n_heads - 1) * n_rows;
-        const uint16_t *mn = pages[0] + int64_t(n_heads - 1) * 2 * hd, *mx = mn + hd;
-        const float want = want_all[n_heads - 1];
-        std::mt19937 rng(hd);
-        std::uniform_real_distribution<float> u(0.f, 1.f);
-        double corner_best = -1e30;
-        for (int r = 0; r < n_rows; ++r) {
-          double corner = 0;  // the key that reaches the bound for row r
-          for (int d = 0; d < hd; ++d) corner += q[r][d] * double(q[r][d] > 0 ? fp16_to_fp32(mx[d]) : fp16_to_fp32(mn[d]));
-          corner_best = std::max(corner_best, corner);
-          for (int t = 0; t < 50; ++t) {  // random keys inside the box
+          ASSERT_NEAR(got[i], want[i], 1e-5f * (1.f + std::fabs(want[i]))) << hd << " " << n_rows << " " << i;
+        for (int h = 0; h < n_heads; ++h) {
+          const float* const* q = q_all.data() + int64_t(h) * n_rows;
+          double best = -1e30;  // page 1: one key, its mean
+          for (int r = 0; r < n_rows; ++r) {
             double dot = 0;
-            for (int d = 0; d < hd; ++d) {
-              const float lo = fp16_to_fp32(mn[d]), hi = fp16_to_fp32(mx[d]);
-              dot += q[r][d] * double(lo + (hi - lo) * u(rng));
-            }
-            ASSERT_LE(dot, want + 1e-4);
+            for (int d = 0; d < hd; ++d) dot += q[r][d] * double(fp16_to_fp32(pages[1][h * 2 * hd + d]));
+            best = std::max(best, dot);
+          }
+          ASSERT_NEAR(want[n_heads + h], best, 1e-5 * (1 + std::fabs(best)));
+        }
+        if (n_rows == 1) {  // one row: twice the standard deviation, twice the spread term
+          key_score_pages_ref(q_all.data(), n_rows, n_heads, wide_pages.data(), kPages, hd, kSpread, got_wide.data());
+          for (int h = 0; h < n_heads; ++h) {
+            double mean = 0;
+            for (int d = 0; d < hd; ++d) mean += q_all[h][d] * double(fp16_to_fp32(pages[0][h * 2 * hd + d]));
+            ASSERT_GT(want[h], mean);
+            ASSERT_NEAR(got_wide[h] - mean, 2 * (want[h] - mean), 1e-2 * (1 + std::fabs(want[h] - mean)));
           }
         }
-        ASSERT_NEAR(want, corner_best, 1e-6 * (1 + std::fabs(corner_best)));
       }
     }
   }
