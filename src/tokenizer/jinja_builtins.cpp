@@ -793,7 +793,9 @@ std::vector<std::pair<std::string, Value>> builtin_globals(Interp& in) {
   std::vector<std::pair<std::string, Value>> g;
   g.emplace_back("raise_exception", Value::function(
                                         [](CallArgs& a) -> Value {
-                                          fail("TemplateError", a.pos.empty() ? std::string() : to_str(a.pos[0]));
+                                          std::string msg = a.pos.empty() ? std::string() : to_str(a.pos[0]);
+                                          // never an empty message: the template's author gave none
+                                          fail("TemplateError", msg.empty() ? "raise_exception() without a message" : msg);
                                         },
                                         "raise_exception"));
   g.emplace_back("namespace", Value::function(

@@ -141,6 +141,14 @@ TEST(ChatTemplate, RaiseExceptionPropagatesMessage) {
   auto bad = t->render({{"user", "x"}, {"user", "y"}}, false, "", "");
   ASSERT_FALSE(bad);
   EXPECT_EQ(bad.message(), "too many: 2");
+  // without a message (found by fuzz_text): still an error that says what happened
+  for (const char* src : {"{{ raise_exception() }}", "{{ raise_exception('') }}"}) {
+    auto bare = ChatTemplate::parse(src);
+    ASSERT_TRUE(bare) << bare.message();
+    auto r = bare->render({{"user", "x"}}, false, "", "");
+    ASSERT_FALSE(r);
+    EXPECT_EQ(r.message(), "raise_exception() without a message") << src;
+  }
 }
 
 TEST(ChatTemplate, SyntaxErrorsNamePosition) {
