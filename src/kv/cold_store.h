@@ -80,7 +80,7 @@ class ColdStore {
   // Reads the slot ahead into RAM (the loader thread), for a get() soon.
   void prefetch(int32_t slot);
   const uint16_t* key_stats(int32_t slot, int32_t layer) const {
-    return bounds_.data() + (int64_t(slot) * n_layer_ + layer) * bounds_per_layer_;
+    return stats_.data() + (int64_t(slot) * n_layer_ + layer) * stats_per_layer_;
   }
   void retain(int32_t slot) { ++refs_[slot]; }
   void release(int32_t slot);
@@ -99,12 +99,12 @@ class ColdStore {
   PagePool& pool_;
   int fd_;
   int32_t n_layer_;
-  int64_t bounds_per_layer_;  // halves per (slot, layer): n_head_kv × 2 × head_dim
+  int64_t stats_per_layer_;  // halves per (slot, layer): n_head_kv × 2 × head_dim
   int64_t slot_bytes_;
   std::vector<int32_t> refs_;        // per slot (0: free)
   std::vector<uint64_t> checksum_;   // per slot: XXH3-64 of its bytes
   std::vector<uint32_t> gen_;        // per slot: bumped at each put (stale prefetches are dropped)
-  std::vector<uint16_t> bounds_;     // per slot, per layer: the page's key summaries
+  std::vector<uint16_t> stats_;     // per slot, per layer: the page's key summaries
   std::vector<int32_t> free_slots_;
   int32_t n_slots_ = 0;              // high-water mark
   int64_t slots_used_ = 0;

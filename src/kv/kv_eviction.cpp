@@ -87,6 +87,9 @@ std::vector<int64_t> choose_evictions(const EvictionConfig& cfg, int32_t block_s
 }
 
 double quest_spread(int32_t n) {
+  thread_local int32_t last_n = -1;  // one integral per thread and block size, not per layer and step
+  thread_local double last = 0;
+  if (n == last_n) return last;
   // E[max] = ∫ x · n φ(x) Φ(x)^(n−1) dx, by the midpoint rule over [−10, 10]
   constexpr int kSteps = 4000;
   constexpr double kLo = -10, kHi = 10, kDx = (kHi - kLo) / kSteps;
@@ -96,7 +99,8 @@ double quest_spread(int32_t n) {
     const double phi = std::exp(-0.5 * x * x) / std::sqrt(2 * M_PI), cdf = 0.5 * std::erfc(-x / std::sqrt(2.0));
     e += x * n * phi * std::pow(cdf, n - 1) * kDx;
   }
-  return e;
+  last_n = n;
+  return last = e;
 }
 
 void quest_select(const EvictionConfig& cfg, int32_t block_size, const int32_t* pages, int64_t pos, const float* score,

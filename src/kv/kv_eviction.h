@@ -95,7 +95,8 @@ std::vector<int64_t> choose_evictions(const EvictionConfig& cfg, int32_t block_s
 
 // Quest's page score: the expected maximum of n independent standard normal draws (1.766 for
 // n = 16), so that q·mu + quest_spread(block_size) · sd(q·k) estimates the highest q·k in a
-// full page whose scores spread like a normal (kernels/ops.h key_score_pages).
+// full page whose scores spread like a normal (kernels/ops.h key_score_pages). Integrates
+// numerically; the last n's value is kept per thread.
 double quest_spread(int32_t n);
 
 // Quest: logical pages a decode query at position pos reads when the sparse config is on:

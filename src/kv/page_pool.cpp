@@ -299,6 +299,7 @@ void PagePool::enable_key_stats() {
 }
 
 void PagePool::store_key_stats(int32_t layer, int32_t page, const float* keys, int32_t n) {
+  assert(n > 0);
   const int hd = layout_.head_dim;
   uint16_t* b = key_stats(layer, page);
   for (int32_t h = 0; h < layout_.n_head_kv; ++h, b += 2 * hd) {
@@ -306,10 +307,10 @@ void PagePool::store_key_stats(int32_t layer, int32_t page, const float* keys, i
     for (int d = 0; d < hd; ++d) {
       double sum = 0, sq = 0;
       for (int32_t j = 0; j < n; ++j) sum += kh[int64_t(j) * hd + d];
-      const double mean = n > 0 ? sum / n : 0;
+      const double mean = sum / n;
       for (int32_t j = 0; j < n; ++j) sq += (kh[int64_t(j) * hd + d] - mean) * (kh[int64_t(j) * hd + d] - mean);
       b[d] = fp32_to_fp16(static_cast<float>(mean));
-      b[hd + d] = fp32_to_fp16(static_cast<float>(n > 0 ? sq / n : 0));
+      b[hd + d] = fp32_to_fp16(static_cast<float>(sq / n));
     }
   }
 }

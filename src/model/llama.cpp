@@ -438,10 +438,7 @@ void LlamaModel::quest_select_layer(const Batch& batch, const PagePool& pool, in
   }
   const std::vector<Chunk>& work = chunks;
   const int64_t n_pairs = int64_t(batch.seqs.size()) * hkv;
-  thread_local int32_t spread_bs = -1;  // the engine thread's: quest_spread integrates
-  thread_local float spread_of_bs = 0.f;
-  if (spread_bs != bs) spread_of_bs = static_cast<float>(quest_spread(spread_bs = bs));
-  const float spread = spread_of_bs;  // a local: the workers below would see their own thread_local
+  const float spread = static_cast<float>(quest_spread(bs));
   tp.run([&](int ith, int nth) {
     int64_t b, e;
     ThreadPool::split(static_cast<int64_t>(work.size()), ith, nth, 1, &b, &e);
