@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #define KV_ISA_NS avx512
 #include "kernels/ops_impl.h"
@@ -211,36 +212,82 @@ int64_t first_gt(const float* x, int64_t from, int64_t n, float t) {
   return n;
 }
 
-float key_score(const float* const* q, int n_rows, const uint16_t* mu_h, const uint16_t* var_h, int hd, float spread) {
-  constexpr int kMaxChunks = 16;  // head_dim ≤ 256 (key_score_pages checks)
-  __m512 mu[kMaxChunks], var[kMaxChunks];
-  const int nc = hd / 16;
-  for (int c = 0; c < nc; ++c) {
-    mu[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mu_h + 16 * c)));
-    var[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(var_h + 16 * c)));
+// The 16 sums of v[0..15] (lane k = Σ v[k]) in 45 shuffles and adds instead of 16 full
+// horizontal reductions: pairs of vectors interleave and add within 128-bit lanes, then the
+// lanes fold.
+inline __m512 reduce16(const __m512* v) {
+  __m512 x[8], y[4];
+  for (int j = 0; j < 8; ++j)
+    x[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {  // per 128-bit lane l: the partial sums of v[4j .. 4j+3] over lane l
+    const __m512d a = _mm512_castps_pd(x[2 * j]), b = _mm512_castps_pd(x[2 * j + 1]);
+    y[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
-  float best = -std::numeric_limits<float>::infinity();
-  for (int r = 0; r < n_rows; ++r) {
-    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
-    for (int c = 0; c < nc; ++c) {
-      const __m512 qv = _mm512_loadu_ps(q[r] + 16 * c);
-      a = _mm512_fmadd_ps(qv, mu[c], a);
-      b = _mm512_fmadd_ps(_mm512_mul_ps(qv, qv), var[c], b);
-    }
-    const float s2 = std::max(0.f, _mm512_reduce_add_ps(b));
-    best = std::max(best, _mm512_reduce_add_ps(a) + spread * std::sqrt(s2));
-  }
-  return best;
+  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// Pages 8 at a time: per KV head their summaries converted to f32 once (L1), then per query row
+// the 8 pages' q·mu and q²·var partial vectors, reduced together by reduce16 and scored as one
+// vector (lanes 0-7: q·mu, 8-15: Σ q²·var). The next 8 pages' summaries (all heads: contiguous)
+// are prefetched: a sequence's pages are scattered, the hardware prefetcher cannot guess them.
 void key_score_pages(const float* const* q, int n_rows, int n_heads, const uint16_t* const* b, int64_t n, int hd,
                      float spread, float* out) {
   if (hd % 16 != 0 || hd > 256) return key_score_pages_ref(q, n_rows, n_heads, b, n, hd, spread, out);
-  for (int64_t i = 0; i < n; ++i)
-    for (int h = 0; h < n_heads; ++h) {
-      const uint16_t* m = b[i] + int64_t(h) * 2 * hd;
-      out[i * n_heads + h] = key_score(q + int64_t(h) * n_rows, n_rows, m, m + hd, hd, spread);
+  constexpr int kP = 8;
+  const int nc = hd / 16;
+  const int64_t page_bytes = int64_t(n_heads) * 2 * hd * 2;
+  alignas(64) float st[kP][2][256];  // page p's mean then variance, f32
+  thread_local std::vector<float> q2;  // q² of every (head, row)
+  q2.resize(size_t(n_heads) * n_rows * hd);
+  for (int r = 0; r < n_heads * n_rows; ++r)
+    for (int c = 0; c < nc; ++c) {
+      const __m512 qv = _mm512_loadu_ps(q[r] + 16 * c);
+      _mm512_storeu_ps(q2.data() + int64_t(r) * hd + 16 * c, _mm512_mul_ps(qv, qv));
     }
+  const __m512 vspread = _mm512_set1_ps(spread), zero = _mm512_setzero_ps();
+  for (int64_t i0 = 0; i0 < n; i0 += kP) {
+    const int np = static_cast<int>(std::min<int64_t>(kP, n - i0));
+    for (int64_t i = i0 + kP; i < std::min(n, i0 + 2 * kP); ++i)
+      for (int64_t off = 0; off < page_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(b[i]) + off, _MM_HINT_T0);
+    for (int h = 0; h < n_heads; ++h) {
+      for (int p = 0; p < kP; ++p) {
+        if (p >= np) {  // a short block: zeros, scored but not stored
+          for (int c = 0; c < nc; ++c) _mm512_store_ps(st[p][0] + 16 * c, zero), _mm512_store_ps(st[p][1] + 16 * c, zero);
+          continue;
+        }
+        const uint16_t* m = b[i0 + p] + int64_t(h) * 2 * hd;
+        for (int c = 0; c < nc; ++c) {
+          _mm512_store_ps(st[p][0] + 16 * c, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 16 * c))));
+          _mm512_store_ps(st[p][1] + 16 * c, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + hd + 16 * c))));
+        }
+      }
+      __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int r = 0; r < n_rows; ++r) {
+        const float* qr = q[int64_t(h) * n_rows + r];
+        const float* q2r = q2.data() + (int64_t(h) * n_rows + r) * hd;
+        __m512 acc[2 * kP];
+        for (int k = 0; k < 2 * kP; ++k) acc[k] = zero;
+        for (int c = 0; c < nc; ++c) {
+          const __m512 qv = _mm512_loadu_ps(qr + 16 * c), q2v = _mm512_loadu_ps(q2r + 16 * c);
+          for (int p = 0; p < kP; ++p) {
+            acc[p] = _mm512_fmadd_ps(qv, _mm512_load_ps(st[p][0] + 16 * c), acc[p]);
+            acc[kP + p] = _mm512_fmadd_ps(q2v, _mm512_load_ps(st[p][1] + 16 * c), acc[kP + p]);
+          }
+        }
+        const __m512 sums = reduce16(acc);  // lanes 0-7: q·mu; 8-15: Σ q²·var
+        const __m512 var = _mm512_max_ps(zero, _mm512_shuffle_f32x4(sums, sums, _MM_SHUFFLE(3, 2, 3, 2)));
+        best = _mm512_max_ps(best, _mm512_fmadd_ps(vspread, _mm512_sqrt_ps(var), sums));
+      }
+      alignas(64) float sc[16];
+      _mm512_store_ps(sc, best);
+      for (int p = 0; p < np; ++p) out[(i0 + p) * n_heads + h] = sc[p];
+    }
+  }
 }
 
 const OpsKernels kOps = {rms_norm, rope_portable, silu_mul, gelu_mul, softmax, add_inplace_portable, max_value,
