@@ -44,8 +44,8 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
   constexpr bool kF32 = F == QFmt::kQ4_K || F == QFmt::kQ6_K;
   // Few accumulators → split each block's sum over two registers to shorten the chain
   // (two-level already has two independent chains). Q6_K always keeps its halves apart.
-  constexpr int S = kHalves ? 2 : (!T && R * C <= 4) ? 2 : 1;
-  constexpr int S2 = kHalves ? 2 : 1;
+  constexpr int S = kHalves ? 2 : (R * C <= (T ? 2 : 4)) ? 2 : 1;
+  constexpr int S2 = kHalves ? 2 : (T && R * C <= 2) ? 2 : 1;
   const int64_t gstride = w.nb * kRec;
   const uint8_t* base = w.data + (g - w.g_base) * gstride;
   const __m512i m4 = _mm512_set1_epi8(0x0F);
@@ -112,7 +112,10 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
             const int s = kHalves ? h : j % S;
             for (int r = 0; r < R; ++r) {
               is[r][c][s] = _mm512_dpbusd_epi32(is[r][c][s], v, bcast4(xq[r] + b * 32 + 4 * j));
-              if constexpr (T) is2[r][c][h] = _mm512_dpbusd_epi32(is2[r][c][h], v, bcast4(xq2[r] + b * 32 + 4 * j));
+              if constexpr (T) {
+                const int s2 = kHalves ? h : j % S2;
+                is2[r][c][s2] = _mm512_dpbusd_epi32(is2[r][c][s2], v, bcast4(xq2[r] + b * 32 + 4 * j));
+              }
             }
           }
       };
@@ -138,7 +141,7 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
                 _mm512_dpbusd_epi32(is[r][c][S - 1], hi, bcast4(xq[r] + b * 32 + 16 + 4 * j));
             if constexpr (T) {
               is2[r][c][0] = _mm512_dpbusd_epi32(is2[r][c][0], lo, bcast4(xq2[r] + b * 32 + 4 * j));
-              is2[r][c][0] = _mm512_dpbusd_epi32(is2[r][c][0], hi, bcast4(xq2[r] + b * 32 + 16 + 4 * j));
+              is2[r][c][S2 - 1] = _mm512_dpbusd_epi32(is2[r][c][S2 - 1], hi, bcast4(xq2[r] + b * 32 + 16 + 4 * j));
             }
           }
         }
@@ -160,7 +163,11 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
         } else {
           __m512i i = is[r][c][0];
           if constexpr (S == 2) i = _mm512_add_epi32(i, is[r][c][1]);
-          if constexpr (T) i = _mm512_add_epi32(_mm512_mullo_epi32(i, _mm512_set1_epi32(kLevel2)), is2[r][c][0]);
+          if constexpr (T) {
+            __m512i i2 = is2[r][c][0];
+            if constexpr (S2 == 2) i2 = _mm512_add_epi32(i2, is2[r][c][1]);
+            i = _mm512_add_epi32(_mm512_mullo_epi32(i, _mm512_set1_epi32(kLevel2)), i2);
+          }
           if constexpr (F == QFmt::kQ8_0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(xs128[r][b]));
           if constexpr (F == QFmt::kQ5_0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(xs128[r][b] / 8));
           t = _mm512_mul_ps(dw[c], _mm512_cvtepi32_ps(i));
@@ -214,8 +221,14 @@ void row_tiles(const QWeights& w, const QAct& a, int64_t r0, int64_t r1, int64_t
 template <QFmt F, bool T, int P>
 void run(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1, float* y) {
   if (n_rows == 1) {
-    // GEMV: 4 groups at once for independent chains and 4 memory streams.
     int64_t g = g0;
+    if (gemv_one_stream()) {
+      // One group at a time: one sequential stream for the hardware prefetcher, no software
+      // prefetch (kernels/prefetch.h); its sums split over two accumulators per level.
+      for (; g < g1; ++g) tile<F, 1, 1, kPfNone, T>(w, a, 0, g, y);
+      return;
+    }
+    // 4 groups at once for independent chains, 4 memory streams, software prefetch.
     for (; g + 4 <= g1; g += 4) tile<F, 1, 4, P, T>(w, a, 0, g, y);
     switch (g1 - g) {
       case 3: tile<F, 1, 3, P, T>(w, a, 0, g, y); break;

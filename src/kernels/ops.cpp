@@ -1,6 +1,7 @@
 // Fast entry points of ops.h: each calls the build for kernel_isa() (ops_scalar.cpp,
 // ops_avx2.cpp, ops_avx512.cpp; a table per ISA, isa_kernels.h). Also the per-thread RoPE
 // angle table those builds share, and the prefetch level.
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -76,6 +77,32 @@ PrefetchLevel prefetch_level() {
   }();
   return level;
 }
+
+namespace {
+bool gemv_default() {
+  if (const char* e = std::getenv("KV_GEMV")) {
+    if (std::strcmp(e, "one") == 0) return true;
+    if (std::strcmp(e, "four") == 0) return false;
+  }
+#if defined(__x86_64__) || defined(__i386__)
+  return __builtin_cpu_is("amd") != 0;
+#else
+  return false;
+#endif
+}
+std::atomic<int> g_gemv_one{-1};  // -1: not yet read
+}  // namespace
+
+bool gemv_one_stream() {
+  int v = g_gemv_one.load(std::memory_order_relaxed);
+  if (v < 0) {
+    v = gemv_default() ? 1 : 0;
+    g_gemv_one.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
+void set_gemv_one_stream_for_testing(bool one) { g_gemv_one.store(one ? 1 : 0, std::memory_order_relaxed); }
 
 void rms_norm(const float* x, const float* w, float* y, int64_t n, float eps) { kernels().rms_norm(x, w, y, n, eps); }
 

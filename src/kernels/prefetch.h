@@ -10,4 +10,15 @@ namespace kv {
 enum class PrefetchLevel { kNone = 0, kT0 = 1, kT1 = 2 };
 PrefetchLevel prefetch_level();
 
+// How a one-row matmul (decode at batch 1) streams its weights. AVX-512 GEMV either takes 4
+// groups of 16 outputs at once (4 streams, one per group's records, each prefetched 2 KiB
+// ahead at prefetch_level()) or one group at a time (one sequential stream, no software
+// prefetch). On AMD Zen 4 (EPYC VM, 2026-11-27) one core streamed packed weights at 18 GB/s
+// the first way and 27-29 GB/s the second (a plain read loop: 27); software prefetch on top
+// of one stream cost 30%. So AMD gets one stream; Intel keeps 4 streams + prefetcht0, which
+// its hosts measured best (not re-measured this way). KV_GEMV=one|four overrides. Read once.
+bool gemv_one_stream();
+// Tests: take one way or the other (both give the same bits). Must not race with matmuls.
+void set_gemv_one_stream_for_testing(bool one);
+
 }  // namespace kv

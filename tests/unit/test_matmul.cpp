@@ -39,6 +39,7 @@
 #include "common/thread_pool.h"
 #include "gguf/gguf.h"
 #include "kernels/matmul.h"
+#include "kernels/prefetch.h"
 #include "kernels/quant.h"
 
 namespace kv {
@@ -224,6 +225,7 @@ TEST_F(MatmulTest, AllFormatsIsasShapesAgainstRefAndScalar) {
   const std::vector<int64_t> n_outs = {1, 3, 15, 16, 17, 63, 64, 65, 960};
   const std::vector<int64_t> rows_list = {1, 2, 3, 4, 5, 7, 8, 33};
   const std::vector<Isa> all_isas = isas();
+  const bool gemv_one = gemv_one_stream();
   int n_checked = 0;
   std::map<std::string, double> worst;  // per type: largest |error| / two-level quantization bound
   for (const Case& cs : cases) {
@@ -244,13 +246,16 @@ TEST_F(MatmulTest, AllFormatsIsasShapesAgainstRefAndScalar) {
             auto p = PackedMatrix::pack(raw, isa);
             ASSERT_TRUE(p.is_ok()) << p.message();
             EXPECT_EQ(p->n_out(), n_out);
-            for (ThreadPool* pool : {&pool1_, &pool2_}) {
+            for (ThreadPool* pool : {&pool1_, &pool2_})
+            for (bool one_stream : {false, true}) {
+              if (one_stream && n_rows != 1) continue;  // the GEMV's two ways (kernels/prefetch.h)
+              set_gemv_one_stream_for_testing(one_stream);
               std::vector<float> y(static_cast<size_t>(n_rows * n_out), -1.0f);
               matmul(*p, x.data(), n_rows, y.data(), *pool);
               std::string what = std::string(type_name(cs.type)) + " " + isa_name(isa) + " n_in=" +
                                  std::to_string(n_in) + " n_out=" + std::to_string(n_out) +
                                  " rows=" + std::to_string(n_rows) + " threads=" + std::to_string(pool->size()) +
-                                 (mode == ActQuant::kQ8 ? " single-level" : "");
+                                 (mode == ActQuant::kQ8 ? " single-level" : "") + (one_stream ? " one-stream" : "");
               if (y_scalar.empty()) {
                 if (mode == ActQuant::kQ8x2)
                   expect_close_to_ref(cs.type, raw, x, n_rows, y, what, &worst[type_name(cs.type)]);
@@ -267,6 +272,7 @@ TEST_F(MatmulTest, AllFormatsIsasShapesAgainstRefAndScalar) {
       }
     }
   }
+  set_gemv_one_stream_for_testing(gemv_one);
   EXPECT_GT(n_checked, 1000);
   std::printf("  worst |error| / two-level quantization bound:");
   for (const auto& [name, ratio] : worst)
