@@ -60,6 +60,7 @@ struct TilePrefetch {
     end[n++] = bytes;
     left += (bytes + 63) / 64;
   }
+  int64_t step(int parts) const { return (left + parts - 1) / parts; }  // lines per part
   void issue(int64_t lines) {
     for (; lines > 0 && t < n; ++t, o = 0) {
       const int64_t take = std::min(lines, (end[t] - o + 63) / 64);
@@ -298,7 +299,7 @@ void group_rows(const PageRef* pg, int n_pg, int bs, int hd, int dv, int32_t win
   // 1. scores, page i at s[r][i·cpp·16, ...)
   alignas(64) float s[NR][kGroupKeys];
   // Tiles ahead, asked for in even parts before each page's scores and each value chunk.
-  const int64_t pf_step = rows.pf ? (rows.pf->left + n_pg + dv / 16 - 1) / (n_pg + dv / 16) : 0;
+  const int64_t pf_step = rows.pf ? rows.pf->step(n_pg + dv / 16) : 0;
   for (int i = 0; i < n_pg; ++i) {
     if (pf_step) rows.pf->issue(pf_step);
     if (j_end[i] > 0) {
@@ -679,11 +680,14 @@ void group_rows(const PageRef* pg, int n_pg, int bs, int hd, int dv, int32_t win
 
   // 1. scores, page i at s[r][i·cpp·16, ...)
   alignas(32) float s[NR][kGroupKeys];
-  for (int i = 0; i < n_pg; ++i)
+  const int64_t pf_step = rows.pf ? rows.pf->step(n_pg + dv / 16) : 0;  // as the AVX-512 path
+  for (int i = 0; i < n_pg; ++i) {
+    if (pf_step) rows.pf->issue(pf_step);
     if (j_end[i] > 0) {
       if (kv_elem_staged(E) && pg[i].f16) page_scores<KvElem::kF16, NR>(pg[i].kt, bs, hd, pg[i].n_keys, rows, r0, s, i * cpp * 16);
       else page_scores<E, NR>(pg[i].kt, bs, hd, pg[i].n_keys, rows, r0, s, i * cpp * 16);
     }
+  }
 
   // 2. one online-softmax update per row for the group; s becomes p (0 where the row sees no key)
   const __m256 neg_inf = _mm256_set1_ps(kNegInf);
@@ -798,6 +802,7 @@ void group_rows(const PageRef* pg, int n_pg, int bs, int hd, int dv, int32_t win
 
   // 4. acc = corr·acc + Σ_pages Σ_j p·v, 16 channels (two halves) at a time
   for (int cc = 0; cc < dv / 16; ++cc) {
+    if (pf_step) rows.pf->issue(pf_step);
     const int g = kIntV ? cc * 16 / G : 0;
     auto w = [&](int r, int j) -> const float* {
       if constexpr (kIntV) return pw[g][r] + j;
@@ -841,6 +846,8 @@ void group_rows(const PageRef* pg, int n_pg, int bs, int hd, int dv, int32_t win
 #endif
 
 #if (defined(__AVX512F__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+
+constexpr bool kGroupRowsPrefetch = true;  // group_rows asks for Rows::pf's tiles as it goes
 
 template <KvElem E, KvElem EV>
 void group_all_rows(const PageRef* pg, int n_pg, int bs, int hd, int dv, int32_t window, Rows& rows, int r_begin,
@@ -901,6 +908,8 @@ void page_dispatch(KvElem e, const PageRef* pg, int n_pg, int bs, int hd, int v_
 }
 
 #else  // portable path: dequantize one page tile to floats, then plain loops
+
+constexpr bool kGroupRowsPrefetch = false;
 
 // f16 → f32 for n values (K tiles are [hd][bs], V tiles [bs][hd]: both convert in place order).
 inline void f16_to_f32(const uint16_t* src, float* dst, int64_t n) {
@@ -1019,13 +1028,6 @@ void attend(const PagedKvView& kv, int kv_head, int n_group, const float* q, int
   auto kq = [&](int32_t page) { return k_head + page * kv.k_page_bytes; };
   auto vq = [&](int32_t page) -> const uint8_t* { return v_head ? v_head + page * kv.v_page_bytes : nullptr; };
   const int64_t pg_end = (hi + bs - 1) / bs;
-  auto prefetch = [&](int64_t pg) {
-    if (pg >= pg_end) return;
-    const int32_t page = kv.pages[pg];
-    if (page < 0 || has_stage(kv, page)) return;
-    prefetch_tile(kq(page), k_bytes);
-    if (v_bytes) prefetch_tile(vq(page), v_bytes);
-  };
   const int64_t pg0 = std::max<int64_t>(lo, 0) / bs;
   if (page_lse) {
     rows.lse = page_lse;
@@ -1048,17 +1050,19 @@ void attend(const PagedKvView& kv, int kv_head, int n_group, const float* q, int
   }
   const int64_t n_iter = sparse ? n_live : pg_end - pg0;
   auto page_at = [&](int64_t j) { return sparse ? live[j] : pg0 + j; };
-  auto prefetch_ahead = [&](int64_t j) {
-    if (j < n_iter) prefetch(page_at(j));
-  };
-  auto prefetch_later = [&](TilePrefetch* pf, int64_t j) {  // the same, spread over a group's compute
+  auto prefetch_page = [&](TilePrefetch* pf, int64_t j) {  // the j-th page's tiles, when in RAM
     if (j >= n_iter) return;
     const int32_t page = kv.pages[page_at(j)];
     if (page < 0 || has_stage(kv, page)) return;
     pf->add(kq(page), k_bytes);
     if (v_bytes) pf->add(vq(page), v_bytes);
   };
-  for (int64_t a = 0; a < kPrefetchAhead; ++a) prefetch_ahead(a);
+  static_assert(kPrefetchAhead <= kGroupPages, "TilePrefetch holds one group's tiles");
+  {
+    TilePrefetch first;  // the first pages: nothing to spread them over
+    for (int64_t a = 0; a < kPrefetchAhead; ++a) prefetch_page(&first, a);
+    first.issue(first.left);
+  }
   // Pages go kGroupPages at a time to one softmax update, in groups aligned to absolute page
   // indices: a row's sequence of updates then depends only on its position and the part, never
   // on how the prompt was chunked or which pages still have staging (chunked prefill stays
@@ -1074,7 +1078,7 @@ void attend(const PagedKvView& kv, int kv_head, int n_group, const float* q, int
     TilePrefetch pf;
     rows.pf = &pf;
     for (int64_t j = j0; j < j1; ++j) {
-      prefetch_later(&pf, j + kPrefetchAhead);
+      prefetch_page(&pf, j + kPrefetchAhead);
       const int64_t pg = page_at(j), key0 = pg * bs;
       const int32_t page = kv.pages[pg];
       grp[n] = {kq(page), vq(page), key0, static_cast<int>(std::min<int64_t>(bs, hi - key0))};
@@ -1083,9 +1087,10 @@ void attend(const PagedKvView& kv, int kv_head, int n_group, const float* q, int
       ++n;
     }
     j0 = j1;
+    if constexpr (!kGroupRowsPrefetch) pf.issue(pf.left);  // the portable loops ask for none
     if (!any_staged) {
       page_dispatch(kv.elem, grp, n, bs, hd, kv.v_from_k, kv.window, rows, 0, rows.n);
-      pf.issue(pf.left);  // what the kernel did not ask for (other paths, rows that saw no key)
+      pf.issue(pf.left);  // what group_rows did not ask for (rows that saw no key)
       rows.pf = nullptr;
       continue;
     }
