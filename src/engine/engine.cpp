@@ -125,22 +125,23 @@ Engine::Engine(LlamaModel& model, const Tokenizer& tok, const EngineConfig& cfg)
   staged_kv_ = pool_->layout().n_staged_layers() > 0 || (pool_g1_ && pool_g1_->layout().n_staged_layers() > 0);
   threads_ = std::make_unique<ThreadPool>(cfg.n_threads);
   // Hybrid models: the cache also keeps the sliding-window layers' pages, and a prefix counts
-  // only with its last window present (prefix_cache.h).
+  // only with its last window present (prefix_cache.h). The page format tag covers both groups.
+  const KvLayout* wlayout = pool_g1_ ? &pool_g1_->layout() : nullptr;
+  const uint32_t format_tag = TierManager::format_tag(layout, wlayout);
   if (cfg.enable_prefix_caching)
-    cache_ = std::make_unique<PrefixCache>(*pool_, model.fingerprint(), static_cast<int32_t>(layout.format_tag()), nullptr,
+    cache_ = std::make_unique<PrefixCache>(*pool_, model.fingerprint(), static_cast<int32_t>(format_tag), nullptr,
                                            WindowGroup{pool_g1_.get(), window_g1_});
   if (cfg.tiers.enabled()) {
     if (!cache_) {
       init_status_ = Status::error("the KV tiers (--kv-disk-dir, --kv-redis) keep prefix-cache pages: enable prefix caching");
-    } else if (pool_g1_) {
-      init_status_ = Status::error("the KV tiers do not handle sliding-window hybrid models (e.g. Gemma 3) yet");
     } else {
-      auto t = TierManager::create(cfg.tiers, layout, pool_->has_key_stats(), model.fingerprint());
+      auto t = TierManager::create(cfg.tiers, layout, pool_->has_key_stats(), model.fingerprint(), wlayout);
       if (!t) {
         init_status_ = t.status();
       } else {
         tiers_ = std::move(*t);
         tiers_->set_pool(pool_.get());
+        if (pool_g1_) tiers_->set_window_pool(pool_g1_.get());
         tiers_->set_notify([this] {
           tier_ready_.store(true);
           in_cv_.notify_all();
@@ -164,9 +165,10 @@ Engine::~Engine() {
   if (tiers_) {
     // Write-back keeps pages in RAM until evicted: on the way out every cached page goes down,
     // so the next start finds them (the tier manager finishes its queue when destroyed).
-    if (!tiers_->config().write_through) cache_->for_each_page([&](const PageHash& h, const std::string& ns, const int32_t* t, int32_t p) {
-      tiers_->store(h, ns, t, p);
-    });
+    if (!tiers_->config().write_through)
+      cache_->for_each_page([&](const PageHash& h, const std::string& ns, const int32_t* t, int32_t p, int32_t wp) {
+        tiers_->store(h, ns, t, p, wp);
+      });
     cache_->set_listener(nullptr);
     tiers_.reset();
   }
@@ -1045,18 +1047,63 @@ void Engine::install_tier_pages() {
     PrefixMatch m = cache_->match(L.ns, L.tokens.data(), end_pages * bs + 1);
     const int64_t ram = static_cast<int64_t>(m.pages.size());
     if (ram < L.first_page || ram >= end_pages) continue;
+    // Hybrid models: a prefix of e pages counts only with the window pages of
+    // [window_first_page(e), e) (prefix_cache.h); those past the RAM part come from the blobs.
+    std::vector<char> has_win;
+    auto usable = [&](int64_t limit) {
+      if (!pool_g1_) return limit;
+      for (int64_t e = limit; e > ram; --e) {
+        bool ok = true;
+        for (int64_t k = std::max(ram, cache_->window_first_page(e)); k < e && ok; ++k) ok = has_win[k - ram] != 0;
+        if (ok) return e;
+      }
+      return ram;
+    };
+    if (pool_g1_)
+      for (int64_t k = ram; k < end_pages; ++k) has_win.push_back(TierManager::has_window(L.blobs[k - L.first_page]));
+    if (usable(end_pages) == ram) continue;
     cache_->pin(m.handle);
     int32_t need = static_cast<int32_t>(end_pages - ram);
     if (!pool_->can_allocate(need)) cache_->ensure_free(need);
-    need = std::min(need, pool_->n_free());
-    std::vector<int32_t> fresh;
+    const int64_t end = usable(ram + std::min(need, pool_->n_free()));
+    need = static_cast<int32_t>(end - ram);
+    std::vector<int32_t> fresh, wfresh, held;
     pool_->allocate(need, &fresh);
+    const int64_t wstart = pool_g1_ ? std::max(ram, cache_->window_first_page(end)) : end;
+    bool room = true;
+    if (pool_g1_ && need > 0) {
+      // The window pages the RAM part lends this prefix must survive making room for the new ones.
+      for (int64_t k = cache_->window_first_page(end); k < ram; ++k)
+        if (m.window_pages[k] >= 0) {
+          pool_g1_->retain(m.window_pages[k]);
+          held.push_back(m.window_pages[k]);
+        }
+      const int32_t nw = static_cast<int32_t>(end - wstart);
+      if (!pool_g1_->can_allocate(nw)) cache_->ensure_free_window(nw);
+      room = pool_g1_->can_allocate(nw);
+      if (room) pool_g1_->allocate(nw, &wfresh);
+    }
     int32_t n_ok = 0;
-    while (n_ok < need && tiers_->install(L.blobs[ram - L.first_page + n_ok], *pool_, fresh[n_ok])) ++n_ok;
-    std::vector<int32_t> pages = m.pages;
-    pages.insert(pages.end(), fresh.begin(), fresh.begin() + n_ok);
-    if (n_ok > 0) cache_->insert(L.ns, L.tokens.data(), (ram + n_ok) * bs, pages.data());
+    while (room && n_ok < need) {
+      const int64_t k = ram + n_ok;
+      const int32_t wp = k >= wstart ? wfresh[k - wstart] : -1;
+      if (!tiers_->install(L.blobs[k - L.first_page], *pool_, fresh[n_ok], pool_g1_.get(), wp)) break;
+      ++n_ok;
+    }
+    if (pool_g1_ && n_ok < need) n_ok = 0;  // the window rule holds for the whole run only
+    if (n_ok > 0) {
+      std::vector<int32_t> pages = m.pages;
+      pages.insert(pages.end(), fresh.begin(), fresh.begin() + n_ok);
+      std::vector<int32_t> wpages;
+      if (pool_g1_) {
+        wpages.assign(static_cast<size_t>(ram + n_ok), -1);  // the RAM part's are cached already
+        for (int64_t k = wstart; k < ram + n_ok; ++k) wpages[k] = wfresh[k - wstart];
+      }
+      cache_->insert(L.ns, L.tokens.data(), (ram + n_ok) * bs, pages.data(), pool_g1_ ? wpages.data() : nullptr);
+    }
     for (int32_t p : fresh) pool_->release(p);  // the cache holds the installed ones
+    for (int32_t p : wfresh) pool_g1_->release(p);
+    for (int32_t p : held) pool_g1_->release(p);
     cache_->unpin(m.handle);
     metrics_.add_tier_loaded_pages(n_ok);
   }
@@ -1068,7 +1115,10 @@ void Engine::swap_out(Sequence& s) {
   if (s.first_evicted_page >= 0) n = std::min(n, s.first_evicted_page * bs);
   const std::string& ns = s.rs->req.params.cache_namespace;
   const std::vector<PageHash> hashes = cache_->hash_pages(ns, s.tokens.data(), n / bs * bs);
-  for (size_t k = 0; k < hashes.size(); ++k) tiers_->store(hashes[k], ns, s.tokens.data() + k * bs, s.table.pages[k]);
+  for (size_t k = 0; k < hashes.size(); ++k) {
+    const int32_t wp = pool_g1_ && k < s.table_g1.pages.size() ? s.table_g1.pages[k] : -1;
+    tiers_->store(hashes[k], ns, s.tokens.data() + k * bs, s.table.pages[k], wp);
+  }
   s.tier_checked = false;  // until resumed, it looks for them below RAM when RAM lets them go
   s.swapped = true;
   s.tier_miss_at = -1;

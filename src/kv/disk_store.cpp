@@ -147,7 +147,9 @@ bool DiskStore::put(std::span<const PageHash> hashes, std::span<const uint64_t>,
     {
       std::lock_guard<std::mutex> l(mu_);
       auto it = index_.find(h);
-      if (it != index_.end()) {  // same hash, same contents: refresh its recency only
+      // Same hash, same page: refresh its recency only, unless this blob carries more (a
+      // hybrid model's window page, which a blob of the position may lack): then replace it.
+      if (it != index_.end() && int64_t(b.size()) <= it->second.bytes) {
         lru_.splice(lru_.end(), lru_, it->second.lru);
         any = true;
         continue;
@@ -175,6 +177,10 @@ bool DiskStore::put(std::span<const PageHash> hashes, std::span<const uint64_t>,
       lru_.push_back(h);
       index_[h] = Entry{static_cast<int64_t>(b.size()), std::prev(lru_.end())};
       bytes_ += static_cast<int64_t>(b.size());
+    } else {  // replaced
+      bytes_ += static_cast<int64_t>(b.size()) - it->second.bytes;
+      it->second.bytes = static_cast<int64_t>(b.size());
+      lru_.splice(lru_.end(), lru_, it->second.lru);
     }
     while (bytes_ > max_bytes_ && lru_.size() > 1) erase_locked(lru_.front());
     any = true;
@@ -205,6 +211,12 @@ std::vector<std::optional<std::string>> DiskStore::get(uint64_t, std::span<const
 bool DiskStore::may_contain(const PageHash& h) const {
   std::lock_guard<std::mutex> l(mu_);
   return index_.count(h) > 0;
+}
+
+int64_t DiskStore::blob_bytes(const PageHash& h) const {
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = index_.find(h);
+  return it == index_.end() ? -1 : it->second.bytes;
 }
 
 void DiskStore::remove(uint64_t, const PageHash& h) {

@@ -37,6 +37,7 @@ class DiskStore : public PageStore {
 
   const std::string& root() const { return root_; }
   std::string path_of(const PageHash& h) const;  // where the page's file is (or would be)
+  int64_t blob_bytes(const PageHash& h) const;   // the stored blob's size, -1 when absent
   int64_t n_pages() const;
   int64_t bytes() const;
   int64_t dropped_at_open() const { return dropped_at_open_; }

@@ -9,12 +9,14 @@
 //   u64 namespace tag (XXH3-64 of the namespace: the raw string, which may hold an API key,
 //       never leaves the process)
 //   u64 hash.lo  u64 hash.hi      (the page's chain hash: its key in every store)
-//   u32 flags (bit 1: Quest key summaries follow the K/V bytes)
+//   u32 flags (bit 1: Quest key summaries follow the K/V bytes; bit 2: the sliding-window
+//       layer group's K/V of the same position follows, hybrid models)
 //   i32 tokens[block_size]        (the page's tokens)
 //   u64 payload bytes             u64 XXH3-64 of the payload
 //   u64 XXH3-64 of every header byte before this one
 //   payload: per layer, K bytes then V bytes of the page (the pool's tile format), then with
-//   flag bit 1 the pool's key summaries of the page, per layer.
+//   flag bit 1 the pool's key summaries of the page, per layer, then with flag bit 2 the
+//   window group's page (its pool's format; the global page's format tag covers both groups).
 #pragma once
 #include <cstdint>
 #include <optional>
@@ -32,6 +34,8 @@ inline constexpr uint32_t kBlobVersion = 1;
 // 2026-11-27: such a blob is a miss for a pool that keeps summaries (and, by its size, for one
 // that does not), never read as summaries.
 inline constexpr uint32_t kBlobFlagKeyStats = 2;
+// Bit 2: the window group's page of the same position follows (hybrid models, e.g. Gemma 3).
+inline constexpr uint32_t kBlobFlagWindow = 4;
 
 // What a blob must say to be the page a lookup asked for.
 struct PageIdentity {

@@ -92,11 +92,13 @@ std::vector<PageHash> PrefixCache::hash_pages(std::string_view ns, const int32_t
   return out;
 }
 
-void PrefixCache::for_each_page(const std::function<void(const PageHash&, const std::string&, const int32_t*, int32_t)>& f) const {
+void PrefixCache::for_each_page(
+    const std::function<void(const PageHash&, const std::string&, const int32_t*, int32_t, int32_t)>& f) const {
   for (int32_t x = 0; x < static_cast<int32_t>(nodes_.size()); ++x) {
     const Node& n = nodes_[x];
     if (!n.live || n.parent < 0) continue;
-    for (size_t k = 0; k < n.pages.size(); ++k) f(n.hashes[k], ns_of(x), n.tokens.data() + k * block_size_, n.pages[k]);
+    for (size_t k = 0; k < n.pages.size(); ++k)
+      f(n.hashes[k], ns_of(x), n.tokens.data() + k * block_size_, n.pages[k], n.wpages.empty() ? -1 : n.wpages[k]);
   }
 }
 
@@ -467,13 +469,14 @@ PrefixInsert PrefixCache::insert(const std::string& ns, const int32_t* tokens, i
   // Window tombstones on the already-cached part: take the caller's page where it has one.
   auto adopt_window = [&](Node& n, int32_t x, int64_t pos, int32_t k) {
     const int32_t p = window_pages[pos];
-    if (p < 0 || n.wpages[k] >= 0 || is_cached_window(p)) return;
+    if (p < 0 || n.wpages[k] >= 0 || is_cached_window(p)) return false;
     assert(p < wpool_->n_pages() && wpool_->refcount(p) > 0);
     wpool_->retain(p);
     wpage_node_[p] = x;
     n.wpages[k] = p;
     ++n.n_wpages;
     ++stats_.cached_window_pages;
+    return true;
   };
   if (wpool_ && window_pages) {
     int64_t pos = w.n_pages;  // positions [0, w.n_pages) lie on the path root → end
@@ -481,7 +484,9 @@ PrefixInsert PrefixCache::insert(const std::string& ns, const int32_t* tokens, i
       Node& n = nodes_[x];
       pos -= static_cast<int64_t>(n.pages.size());
       if (n.n_wpages < static_cast<int32_t>(n.pages.size()))
-        for (int32_t k = 0; k < static_cast<int32_t>(n.pages.size()); ++k) adopt_window(n, x, pos + k, k);
+        for (int32_t k = 0; k < static_cast<int32_t>(n.pages.size()); ++k)
+          if (adopt_window(n, x, pos + k, k) && listener_)
+            listener_->window_page_cached(n.hashes[k], ns, n.tokens.data() + k * block_size_, n.pages[k], n.wpages[k]);
       wlru_update(x);
     }
   }
@@ -498,7 +503,6 @@ PrefixInsert PrefixCache::insert(const std::string& ns, const int32_t* tokens, i
       pool_.retain(p);
       page_node_[p] = y;
       h = chain_hash(h, t, block_size_, model_fingerprint_, kv_dtype_tag_, ns);
-      if (listener_) listener_->page_cached(h, ns, t, p);
       Y.tokens.insert(Y.tokens.end(), t, t + block_size_);
       Y.pages.push_back(p);
       Y.hashes.push_back(h);
@@ -507,6 +511,7 @@ PrefixInsert PrefixCache::insert(const std::string& ns, const int32_t* tokens, i
         Y.wpages.push_back(-1);
         if (window_pages) adopt_window(Y, y, k, static_cast<int32_t>(Y.wpages.size()) - 1);
       }
+      if (listener_) listener_->page_cached(h, ns, t, p, wpool_ ? Y.wpages.back() : -1);
     }
     r.n_new_pages = static_cast<int32_t>(n_pages - w.n_pages);
     nodes_[end].children.emplace(page_key(Y.tokens.data()), y);
@@ -545,7 +550,8 @@ int32_t PrefixCache::evict(int32_t n_pages) {
         }
       if (listener_)
         for (size_t k = 0; k < n.pages.size(); ++k)
-          listener_->page_evicted(n.hashes[k], ns_of(x), n.tokens.data() + k * block_size_, n.pages[k]);
+          listener_->page_evicted(n.hashes[k], ns_of(x), n.tokens.data() + k * block_size_, n.pages[k],
+                                  n.wpages.empty() ? -1 : n.wpages[k]);
       for (int32_t page : n.pages) {
         page_node_[page] = -1;
         pool_.release(page);
@@ -563,7 +569,9 @@ int32_t PrefixCache::evict(int32_t n_pages) {
       // Shorten the leaf from its deepest page; its first page (and so its key) stays.
       for (int32_t k = 0; k < take; ++k) {
         const int32_t page = n.pages.back();
-        if (listener_) listener_->page_evicted(n.hashes.back(), ns_of(x), n.tokens.data() + n.tokens.size() - block_size_, page);
+        if (listener_)
+          listener_->page_evicted(n.hashes.back(), ns_of(x), n.tokens.data() + n.tokens.size() - block_size_, page,
+                                  n.wpages.empty() ? -1 : n.wpages.back());
         if (wpool_) {
           if (n.wpages.back() >= 0) drop_wpage(n, static_cast<int32_t>(n.wpages.size()) - 1);
           n.wpages.pop_back();
@@ -609,7 +617,12 @@ bool PrefixCache::ensure_free_window(int32_t n_free) {
         k_end = static_cast<int32_t>(std::clamp<int64_t>(window_first_page(end) - (end - n_edge), 0, n_edge));
       }
       for (int32_t k = 0; k < k_end && wpool_->n_free() < n_free; ++k)
-        if (n.wpages[k] >= 0 && wpool_->refcount(n.wpages[k]) == 1) drop_wpage(n, k);
+        if (n.wpages[k] >= 0 && wpool_->refcount(n.wpages[k]) == 1) {
+          // (Pass 0's pages no match can read: not worth writing down.)
+          if (listener_ && pass == 1)
+            listener_->window_page_evicted(n.hashes[k], ns_of(x), n.tokens.data() + k * block_size_, n.pages[k], n.wpages[k]);
+          drop_wpage(n, k);
+        }
       wlru_update(x);
     }
   }

@@ -147,13 +147,22 @@ struct WindowGroup {
 };
 
 // Told about pages entering and leaving the cache (the tier manager writes them below RAM).
-// Both calls come before the pool reference changes, so the page's contents are readable.
+// Every call comes while the cache still holds the pages named, so their contents are readable.
+// wpage (hybrid models): the position's window-group page, -1 when the cache holds none.
 struct PageListener {
   virtual ~PageListener() = default;
   // insert() adopted `page` as the page with chain hash h (its tokens: block_size of them).
-  virtual void page_cached(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page) = 0;
-  // evict() is dropping the cache's reference on `page`.
-  virtual void page_evicted(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page) = 0;
+  virtual void page_cached(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page,
+                           int32_t wpage = -1) = 0;
+  // evict() is dropping the cache's reference on `page` (and on wpage with it).
+  virtual void page_evicted(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page,
+                            int32_t wpage = -1) = 0;
+  // Hybrid models, a position already cached (global page `page`): insert() adopted its window
+  // page wpage where it had none (window_page_cached), or ensure_free_window() is dropping it
+  // alone while a match ending at a node end could still read it (window_page_evicted; the
+  // pages no such match reads go unannounced).
+  virtual void window_page_cached(const PageHash&, const std::string&, const int32_t*, int32_t, int32_t) {}
+  virtual void window_page_evicted(const PageHash&, const std::string&, const int32_t*, int32_t, int32_t) {}
 };
 
 class PrefixCache {
@@ -249,8 +258,9 @@ class PrefixCache {
   std::vector<PageHash> hash_pages(std::string_view ns, const int32_t* tokens, int64_t n_tokens) const;
   // Hash of the last page on the handle's path (zero for an empty handle).
   PageHash page_hash(const PrefixHandle& h) const;
-  // Calls f(hash, namespace, tokens, page) for every cached page (a shutdown writing them down).
-  void for_each_page(const std::function<void(const PageHash&, const std::string&, const int32_t*, int32_t)>& f) const;
+  // Calls f(hash, namespace, tokens, page, window page or -1) for every cached page (a shutdown
+  // writing them down).
+  void for_each_page(const std::function<void(const PageHash&, const std::string&, const int32_t*, int32_t, int32_t)>& f) const;
   // Pages on the handle's path, root first.
   std::vector<int32_t> path_pages(const PrefixHandle& h) const;
   // The max_nodes most recently used nodes (ties: any) and their ancestors, each with its edge's

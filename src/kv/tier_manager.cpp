@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cstring>
 
+#include <xxhash.h>
+
 #include "kv/redis_store.h"
 
 namespace kv {
@@ -14,9 +16,17 @@ constexpr size_t kWrittenCap = size_t(1) << 20;  // hashes remembered as written
 constexpr size_t kWriteBatch = 16;               // pages per store put (Redis pipelines them)
 }  // namespace
 
+uint32_t TierManager::format_tag(const KvLayout& layout, const KvLayout* window) {
+  const uint32_t t = layout.format_tag();
+  if (!window) return t;
+  // Both groups' formats: a blob of one hybrid layout is never read as another's.
+  const uint64_t both[2] = {t, window->format_tag()};
+  return static_cast<uint32_t>(XXH3_64bits(both, sizeof(both)));
+}
+
 Result<std::unique_ptr<TierManager>> TierManager::create(const TierConfig& cfg, const KvLayout& layout, bool key_stats,
-                                                         uint64_t fingerprint) {
-  std::unique_ptr<TierManager> t(new TierManager(cfg, layout, key_stats, fingerprint));
+                                                         uint64_t fingerprint, const KvLayout* window) {
+  std::unique_ptr<TierManager> t(new TierManager(cfg, layout, key_stats, fingerprint, window));
   const PageIdentity id = t->identity(0);
   if (!cfg.disk_dir.empty()) {
     auto d = DiskStore::open(cfg.disk_dir, cfg.disk_bytes, id);
@@ -39,8 +49,15 @@ Result<std::unique_ptr<TierManager>> TierManager::create(const TierConfig& cfg, 
   return t;
 }
 
-TierManager::TierManager(const TierConfig& cfg, const KvLayout& layout, bool key_stats, uint64_t fingerprint)
-    : cfg_(cfg), layout_(layout), key_stats_(key_stats), fingerprint_(fingerprint), format_tag_(layout.format_tag()) {}
+TierManager::TierManager(const TierConfig& cfg, const KvLayout& layout, bool key_stats, uint64_t fingerprint,
+                         const KvLayout* window)
+    : cfg_(cfg),
+      layout_(layout),
+      has_window_(window != nullptr),
+      window_layout_(window ? *window : KvLayout{}),
+      key_stats_(key_stats),
+      fingerprint_(fingerprint),
+      format_tag_(format_tag(layout, window)) {}
 
 TierManager::~TierManager() {
   flush();
@@ -55,20 +72,33 @@ TierManager::~TierManager() {
 
 PageIdentity TierManager::identity(uint64_t ns_tag) const { return PageIdentity{fingerprint_, format_tag_, layout_.block_size, ns_tag}; }
 
-int64_t TierManager::payload_bytes() const {
+int64_t TierManager::payload_bytes(bool window) const {
   int64_t b = layout_.page_bytes();
   if (key_stats_) b += int64_t(layout_.n_layer) * layout_.n_head_kv * 2 * layout_.head_dim * 2;
+  if (window) b += window_layout_.page_bytes();
   return b;
 }
 
 // ---- down ---------------------------------------------------------------------------------
 
-void TierManager::page_cached(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page) {
-  if (cfg_.write_through) store(h, ns, tokens, page);
+void TierManager::page_cached(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page, int32_t wpage) {
+  if (cfg_.write_through) store(h, ns, tokens, page, wpage);
 }
 
-void TierManager::page_evicted(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page) {
-  if (!cfg_.write_through) store(h, ns, tokens, page);
+void TierManager::page_evicted(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page, int32_t wpage) {
+  if (!cfg_.write_through) store(h, ns, tokens, page, wpage);
+}
+
+// A window page joining (write-through) or leaving (write-back) a position already cached: the
+// blob with it replaces one written without.
+void TierManager::window_page_cached(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page,
+                                     int32_t wpage) {
+  if (cfg_.write_through) store(h, ns, tokens, page, wpage);
+}
+
+void TierManager::window_page_evicted(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page,
+                                      int32_t wpage) {
+  if (!cfg_.write_through) store(h, ns, tokens, page, wpage);
 }
 
 bool TierManager::may_contain(const PageHash& h) const {
@@ -77,16 +107,25 @@ bool TierManager::may_contain(const PageHash& h) const {
   return false;
 }
 
-void TierManager::store(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page) {
+void TierManager::store(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page, int32_t wpage) {
   if (!pool_ || stores_.empty()) return;
-  // Already below: the disk's index says so exactly; with Redis, remember what this process wrote.
+  const bool win = wpage >= 0 && wpool_ && has_window_;
+  // Already below (with its window page, if this write has one): the disk's index says so
+  // exactly (a blob with the window page is the larger); with Redis, remember what this process
+  // wrote.
   const bool disk_only = disk_ && stores_.size() == 1;
-  if (disk_only ? disk_->may_contain(h) : written_.count(h) > 0) return;
-  if (!disk_only) {
-    if (written_.size() >= kWrittenCap) written_.clear();
+  if (disk_only) {
+    if (win ? disk_->blob_bytes(h) >= payload_bytes(true) : disk_->may_contain(h)) return;
+  } else {
+    if ((win ? written_window_ : written_).count(h) > 0) return;
+    if (written_.size() >= kWrittenCap) {
+      written_.clear();
+      written_window_.clear();
+    }
     written_.insert(h);
+    if (win) written_window_.insert(h);
   }
-  queue_write(page_write(h, ns, tokens, page));
+  queue_write(page_write(h, ns, tokens, page, win ? wpage : -1));
 }
 
 bool TierManager::store_tail(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page) {
@@ -97,12 +136,15 @@ bool TierManager::store_tail(const PageHash& h, const std::string& ns, const int
   return queue_write(std::move(w));
 }
 
-TierManager::Write TierManager::page_write(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page) const {
+TierManager::Write TierManager::page_write(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page,
+                                           int32_t wpage) const {
   Write w;
   w.hash = h;
   w.ns_tag = namespace_tag(ns);
   w.tokens.assign(tokens, tokens + layout_.block_size);
-  w.payload.resize(static_cast<size_t>(payload_bytes()));
+  const bool win = wpage >= 0 && wpool_ && has_window_;
+  w.flags = (key_stats_ ? kBlobFlagKeyStats : 0) | (win ? kBlobFlagWindow : 0);
+  w.payload.resize(static_cast<size_t>(payload_bytes(win)));
   char* dst = w.payload.data();
   pool_->read_page(page, reinterpret_cast<uint8_t*>(dst));
   dst += layout_.page_bytes();
@@ -110,6 +152,7 @@ TierManager::Write TierManager::page_write(const PageHash& h, const std::string&
     const size_t bb = size_t(layout_.n_head_kv) * 2 * layout_.head_dim * 2;
     for (int32_t l = 0; l < layout_.n_layer; ++l, dst += bb) std::memcpy(dst, pool_->key_stats(l, page), bb);
   }
+  if (win) wpool_->read_page(wpage, reinterpret_cast<uint8_t*>(dst));
   return w;
 }
 
@@ -154,7 +197,7 @@ void TierManager::writer_loop() {
     for (Write& w : batch) {
       batch_bytes += static_cast<int64_t>(w.payload.size() + w.blob.size());
       if (w.blob.empty())
-        w.blob = encode_blob(identity(w.ns_tag), w.hash, w.tokens.data(), key_stats_ ? kBlobFlagKeyStats : 0,
+        w.blob = encode_blob(identity(w.ns_tag), w.hash, w.tokens.data(), w.flags,
                              std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(w.payload.data()), w.payload.size()));
       hashes.push_back(w.hash);
       tags.push_back(w.ns_tag);
@@ -302,21 +345,34 @@ void TierManager::loader_loop() {
   }
 }
 
-bool TierManager::install(const std::string& blob, PagePool& pool, int32_t page) {
+bool TierManager::has_window(const std::string& blob) {
+  BlobHeader h;
+  return decode_header(blob, &h) == BlobCheck::kOk && (h.flags & kBlobFlagWindow) != 0;
+}
+
+bool TierManager::install(const std::string& blob, PagePool& pool, int32_t page, PagePool* wpool, int32_t wpage) {
   BlobHeader h;
   if (decode_header(blob, &h) != BlobCheck::kOk) return false;
   const bool has_stats = (h.flags & kBlobFlagKeyStats) != 0;
+  const bool has_win = (h.flags & kBlobFlagWindow) != 0;
   if (pool.has_key_stats() && !has_stats) return false;
+  if (wpage >= 0 && (!wpool || !has_win)) return false;
   const KvLayout& L = pool.layout();
   const char* src = blob.data() + h.header_bytes;
   const int64_t kv_bytes = L.page_bytes();
   const int64_t bb = int64_t(L.n_head_kv) * 2 * L.head_dim * 2;
-  if (int64_t(h.payload_bytes) != kv_bytes + (has_stats ? int64_t(L.n_layer) * bb : 0)) return false;
+  const int64_t w_bytes = has_win ? (wpool ? wpool->layout().page_bytes() : window_layout_.page_bytes()) : 0;
+  if (int64_t(h.payload_bytes) != kv_bytes + (has_stats ? int64_t(L.n_layer) * bb : 0) + w_bytes) return false;
   written_.insert(h.hash);  // it came from below: no need to write it back
+  if (has_win) written_window_.insert(h.hash);
   pool.write_page(page, reinterpret_cast<const uint8_t*>(src));
   src += kv_bytes;
-  if (pool.has_key_stats())
-    for (int32_t l = 0; l < L.n_layer; ++l, src += bb) std::memcpy(pool.key_stats(l, page), src, bb);
+  if (has_stats) {
+    if (pool.has_key_stats())
+      for (int32_t l = 0; l < L.n_layer; ++l) std::memcpy(pool.key_stats(l, page), src + l * bb, bb);
+    src += int64_t(L.n_layer) * bb;
+  }
+  if (wpage >= 0) wpool->write_page(wpage, reinterpret_cast<const uint8_t*>(src));
   return true;
 }
 

@@ -14,6 +14,11 @@
 // corrupt, and ends the hit) and hands back the longest valid prefix. Pages found in L3 are
 // written to L2 too. poll() returns finished lookups; install() copies a blob into a pool page.
 //
+// Hybrid models (a sliding-window layer group in a pool of its own): a page's blob also carries
+// the window group's page of the same position when the cache holds one (page_store.h, flag
+// bit 2); the engine uses a loaded prefix only as far as its last window's pages carry them. A
+// write with the window page replaces a stored blob without it, never the other way round.
+//
 // Threading: store()/fetch()/poll()/install() and the listener calls are engine-thread only;
 // stats() from any thread.
 #pragma once
@@ -65,22 +70,31 @@ class TierManager : public PageListener {
  public:
   // Opens the stores (the disk directory is scanned; Redis is connected lazily, so a Redis that
   // is down at start is an error count, not a failure). key_stats: the pool keeps Quest key
-  // summaries, so pages carry them.
+  // summaries, so pages carry them. window: the window group's layout (hybrid models), or null;
+  // its format joins the blobs' format tag (format_tag()).
   static Result<std::unique_ptr<TierManager>> create(const TierConfig& cfg, const KvLayout& layout, bool key_stats,
-                                                     uint64_t fingerprint);
+                                                     uint64_t fingerprint, const KvLayout* window = nullptr);
+  // The format tag of pages of `layout` (and of `window`'s group beside them): what the prefix
+  // cache's chain hash and every blob carry.
+  static uint32_t format_tag(const KvLayout& layout, const KvLayout* window);
   ~TierManager() override;  // finishes the queued writes (so a clean stop persists them)
 
   const TierConfig& config() const { return cfg_; }
   // The pool pages are copied from and into (the engine's global pool).
   void set_pool(const PagePool* pool) { pool_ = pool; }
+  // The window group's pool (hybrid models), whose pages go with their positions.
+  void set_window_pool(const PagePool* pool) { wpool_ = pool; }
   // Called (from the loader thread) when a lookup finishes: the engine wakes up.
   void set_notify(std::function<void()> f) { notify_ = std::move(f); }
 
   // PageListener (engine thread): write-through / write-back.
-  void page_cached(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page) override;
-  void page_evicted(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page) override;
-  // Queues a write of one pool page (e.g. a preempted sequence's pages, swap mode).
-  void store(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page);
+  void page_cached(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page, int32_t wpage = -1) override;
+  void page_evicted(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page, int32_t wpage = -1) override;
+  void window_page_cached(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page, int32_t wpage) override;
+  void window_page_evicted(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page, int32_t wpage) override;
+  // Queues a write of one pool page (e.g. a preempted sequence's pages, swap mode), with the
+  // window pool's page wpage of the same position when >= 0.
+  void store(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page, int32_t wpage = -1);
   // A prompt's partly filled last page for another instance (prefill/decode disaggregation): read
   // once, so it goes to the shared store (Redis) alone, never to a local disk. False when it was
   // not queued (no shared store, or the queue is full).
@@ -104,9 +118,12 @@ class TierManager : public PageListener {
     double seconds = 0;
   };
   std::vector<Loaded> poll();
-  // Copies a checked blob into `page` of pool (K/V of every layer, key summaries). False when the
-  // pool keeps key summaries and the blob has none.
-  bool install(const std::string& blob, PagePool& pool, int32_t page);
+  // Copies a checked blob into `page` of pool (K/V of every layer, key summaries), and its window
+  // group's page into wpage of wpool when wpage >= 0. False when the pool keeps key summaries
+  // and the blob has none, or a window page is asked for and the blob has none.
+  bool install(const std::string& blob, PagePool& pool, int32_t page, PagePool* wpool = nullptr, int32_t wpage = -1);
+  // Whether a checked blob carries its position's window-group page.
+  static bool has_window(const std::string& blob);
   // Waits until every write queued so far is done (tests, shutdown).
   void flush();
   // Ordered writes: write_mark() names every write queued so far (dropped ones excepted);
@@ -120,13 +137,14 @@ class TierManager : public PageListener {
   const DiskStore* disk() const { return disk_; }
 
  private:
-  TierManager(const TierConfig& cfg, const KvLayout& layout, bool key_stats, uint64_t fingerprint);
+  TierManager(const TierConfig& cfg, const KvLayout& layout, bool key_stats, uint64_t fingerprint, const KvLayout* window);
   struct Write {
     PageHash hash;
     uint64_t ns_tag;
     std::vector<int32_t> tokens;
     std::string payload;     // page bytes (encoded into a blob by the writer)
     std::string blob;        // or a ready blob (promotion of an L3 hit into L2)
+    uint32_t flags = 0;      // the blob's flags (page_store.h)
     int32_t only_store = -1; // >= 0: write to that store alone
     uint64_t seq = 0;        // queue order (write_mark)
   };
@@ -140,21 +158,25 @@ class TierManager : public PageListener {
   };
   void writer_loop();
   void loader_loop();
-  Write page_write(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page) const;
+  Write page_write(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page, int32_t wpage = -1) const;
   bool queue_write(Write w);  // false: dropped (the queue is full)
   PageIdentity identity(uint64_t ns_tag) const;
-  int64_t payload_bytes() const;
+  int64_t payload_bytes(bool window = false) const;
 
   TierConfig cfg_;
   KvLayout layout_;
+  bool has_window_ = false;
+  KvLayout window_layout_;  // when has_window_
   bool key_stats_;
   uint64_t fingerprint_;
   uint32_t format_tag_;
   const PagePool* pool_ = nullptr;
+  const PagePool* wpool_ = nullptr;
   std::function<void()> notify_;
   std::vector<std::unique_ptr<PageStore>> stores_;  // L2 first, then L3
   DiskStore* disk_ = nullptr;                       // stores_[0] when there is a disk tier
   std::unordered_set<PageHash, PageHashKey> written_;  // written to every store by this process (bounded)
+  std::unordered_set<PageHash, PageHashKey> written_window_;  // of those, with their window page
 
   mutable std::mutex mu_;
   std::condition_variable cv_, done_cv_;

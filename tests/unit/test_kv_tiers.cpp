@@ -779,6 +779,68 @@ TEST(KvTierManager, WriteThroughAndNoRewrite) {
   EXPECT_EQ(tm2->stats()[0].s.pages_written, 0);
 }
 
+// Hybrid models: a page's blob carries its window-group page when one is given; a write with
+// it replaces a stored blob without it, never the other way round; install() fills both pools
+// byte for byte and refuses a window page the blob lacks; the window layout joins the tag.
+TEST(KvTierManager, HybridBlobsCarryTheWindowPage) {
+  TmpDir dir("tm");
+  const KvLayout L = layout_of(KvDtype::kF16);
+  KvLayout W = layout_of(KvDtype::kInt8);
+  W.n_layer = 5;
+  EXPECT_NE(TierManager::format_tag(L, &W), TierManager::format_tag(L, nullptr));
+  KvLayout W2 = W;
+  W2.dtype = KvDtype::kF16;
+  EXPECT_NE(TierManager::format_tag(L, &W), TierManager::format_tag(L, &W2));
+  TierConfig cfg;
+  cfg.disk_dir = dir.path;
+  auto r = TierManager::create(cfg, L, false, kFingerprint, &W);
+  ASSERT_TRUE(r.is_ok()) << r.message();
+  auto tm = std::move(*r);
+  PagePool pool(L, 4, 4), wpool(W, 4, 4);
+  tm->set_pool(&pool);
+  tm->set_window_pool(&wpool);
+  fill_page(pool, 0, 1);
+  fill_page(pool, 1, 2);
+  fill_page(wpool, 2, 3);
+  const auto tok = tokens_for(2 * L.block_size, 1);
+  const std::string ns = "n";
+  tm->page_evicted(hash_of(0), ns, tok.data(), 0);  // no window page: written without
+  tm->page_evicted(hash_of(1), ns, tok.data() + L.block_size, 1, 2);
+  tm->flush();
+  EXPECT_EQ(tm->stats()[0].s.pages_written, 2);
+  tm->page_evicted(hash_of(1), ns, tok.data() + L.block_size, 1);  // has it with the window page: no
+  tm->flush();
+  EXPECT_EQ(tm->stats()[0].s.pages_written, 2);
+  std::vector<PageHash> hs = {hash_of(0), hash_of(1)};
+  auto got = wait_loaded(*tm, tm->fetch(ns, hs, tok, 0));
+  ASSERT_TRUE(got.has_value());
+  ASSERT_EQ(got->blobs.size(), 2u);
+  EXPECT_FALSE(TierManager::has_window(got->blobs[0]));
+  EXPECT_TRUE(TierManager::has_window(got->blobs[1]));
+  PagePool pool2(L, 4, 4), wpool2(W, 4, 4);
+  EXPECT_FALSE(tm->install(got->blobs[0], pool2, 0, &wpool2, 0));  // a window page it does not have
+  EXPECT_TRUE(tm->install(got->blobs[0], pool2, 0));
+  expect_same_page(pool, 0, pool2, 0);
+  ASSERT_TRUE(tm->install(got->blobs[1], pool2, 1, &wpool2, 3));
+  expect_same_page(pool, 1, pool2, 1);
+  expect_same_page(wpool, 2, wpool2, 3);
+  // The window page arrives later (a tombstone refilled): the blob is written again, with it.
+  fill_page(wpool, 1, 4);
+  tm->window_page_evicted(hash_of(0), ns, tok.data(), 0, 1);
+  tm->flush();
+  EXPECT_EQ(tm->stats()[0].s.pages_written, 3);
+  got = wait_loaded(*tm, tm->fetch(ns, {hash_of(0)}, tok, 0));
+  ASSERT_TRUE(got.has_value() && got->blobs.size() == 1u);
+  ASSERT_TRUE(tm->install(got->blobs[0], pool2, 2, &wpool2, 0));
+  expect_same_page(wpool, 1, wpool2, 0);
+  // A blob of another window format is foreign to this manager.
+  auto other = TierManager::create(cfg, L, false, kFingerprint, &W2);
+  ASSERT_TRUE(other.is_ok());
+  got = wait_loaded(**other, (*other)->fetch(ns, {hash_of(0)}, tok, 0));
+  ASSERT_TRUE(got.has_value());
+  EXPECT_TRUE(got->blobs.empty());
+}
+
 TEST(KvTierManager, PendingBudgetDropsWrites) {
   TmpDir dir("tm");
   const KvLayout L = layout_of(KvDtype::kF16);
