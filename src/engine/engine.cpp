@@ -865,6 +865,7 @@ void Engine::postprocess(Plan& plan, const float* logits) {
     // A prefill instance's prompt tail is queued before the client hears of the end: it answers
     // once what it queued is written.
     if (reason && cfg_.tier_prompt_tails == EngineConfig::PromptTails::kStore) store_prompt_tail(*e);
+    if (reason) store_last_window(*e);
     if (reason) e->rs->req.stream->push(StreamEvent{StreamEvent::kFinish, e->index, "", {}, reason, "", 0, {}, {}});
     if (reason) e->n_prompt = -1;  // marks finished; removed from running below
   }
@@ -1167,6 +1168,21 @@ bool Engine::install_prompt_tail(Sequence& s, int64_t n_matched) {
   // ...and the last token is computed here: its logits give the first decoded token.
   s.n_computed = s.table.n_tokens = s.n_prompt - 1;
   return true;
+}
+
+void Engine::store_last_window(const Sequence& s) {
+  // Hybrid models, write-through: pages went down without their window pages as they filled;
+  // a later request (or a decode instance) continuing this one reuses at most its published
+  // pages, or one fewer, and needs the window pages of that prefix's last window.
+  if (!tiers_ || !pool_g1_ || !cache_ || !tiers_->config().write_through || s.pin.empty() || !cache_->is_valid(s.pin)) return;
+  const std::vector<int32_t> pages = cache_->path_pages(s.pin), wpages = cache_->path_window_pages(s.pin);
+  const int64_t n = static_cast<int64_t>(pages.size());
+  if (n == 0) return;
+  const int32_t bs = cfg_.block_size;
+  const std::string& ns = s.rs->req.params.cache_namespace;
+  const std::vector<PageHash> hashes = cache_->hash_pages(ns, s.tokens.data(), n * bs);
+  for (int64_t k = cache_->window_first_page(n - 1); k < n; ++k)
+    if (wpages[k] >= 0) tiers_->store(hashes[k], ns, s.tokens.data() + k * bs, pages[k], wpages[k]);
 }
 
 void Engine::flush_tiers() {

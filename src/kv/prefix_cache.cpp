@@ -184,6 +184,20 @@ std::vector<int32_t> PrefixCache::path_pages(const PrefixHandle& h) const {
   return out;
 }
 
+std::vector<int32_t> PrefixCache::path_window_pages(const PrefixHandle& h) const {
+  std::vector<int32_t> out;
+  if (h.empty()) return out;
+  assert(is_valid(h));
+  std::vector<int32_t> path;
+  for (int32_t x = h.node; node(x).parent >= 0; x = node(x).parent) path.push_back(x);
+  for (auto it = path.rbegin(); it != path.rend(); ++it) {
+    const Node& n = node(*it);
+    if (n.wpages.empty()) out.insert(out.end(), n.pages.size(), -1);
+    else out.insert(out.end(), n.wpages.begin(), n.wpages.end());
+  }
+  return out;
+}
+
 // ---- tree helpers ------------------------------------------------------------------------
 
 uint64_t PrefixCache::page_key(const int32_t* tokens) const { return XXH3_64bits(tokens, sizeof(int32_t) * block_size_); }
@@ -469,14 +483,13 @@ PrefixInsert PrefixCache::insert(const std::string& ns, const int32_t* tokens, i
   // Window tombstones on the already-cached part: take the caller's page where it has one.
   auto adopt_window = [&](Node& n, int32_t x, int64_t pos, int32_t k) {
     const int32_t p = window_pages[pos];
-    if (p < 0 || n.wpages[k] >= 0 || is_cached_window(p)) return false;
+    if (p < 0 || n.wpages[k] >= 0 || is_cached_window(p)) return;
     assert(p < wpool_->n_pages() && wpool_->refcount(p) > 0);
     wpool_->retain(p);
     wpage_node_[p] = x;
     n.wpages[k] = p;
     ++n.n_wpages;
     ++stats_.cached_window_pages;
-    return true;
   };
   if (wpool_ && window_pages) {
     int64_t pos = w.n_pages;  // positions [0, w.n_pages) lie on the path root → end
@@ -484,9 +497,7 @@ PrefixInsert PrefixCache::insert(const std::string& ns, const int32_t* tokens, i
       Node& n = nodes_[x];
       pos -= static_cast<int64_t>(n.pages.size());
       if (n.n_wpages < static_cast<int32_t>(n.pages.size()))
-        for (int32_t k = 0; k < static_cast<int32_t>(n.pages.size()); ++k)
-          if (adopt_window(n, x, pos + k, k) && listener_)
-            listener_->window_page_cached(n.hashes[k], ns, n.tokens.data() + k * block_size_, n.pages[k], n.wpages[k]);
+        for (int32_t k = 0; k < static_cast<int32_t>(n.pages.size()); ++k) adopt_window(n, x, pos + k, k);
       wlru_update(x);
     }
   }

@@ -157,11 +157,9 @@ struct PageListener {
   // evict() is dropping the cache's reference on `page` (and on wpage with it).
   virtual void page_evicted(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page,
                             int32_t wpage = -1) = 0;
-  // Hybrid models, a position already cached (global page `page`): insert() adopted its window
-  // page wpage where it had none (window_page_cached), or ensure_free_window() is dropping it
-  // alone while a match ending at a node end could still read it (window_page_evicted; the
-  // pages no such match reads go unannounced).
-  virtual void window_page_cached(const PageHash&, const std::string&, const int32_t*, int32_t, int32_t) {}
+  // Hybrid models: ensure_free_window() is dropping the window page wpage of a position still
+  // cached (global page `page`) while a match ending at a node end could read it (the pages no
+  // such match reads go unannounced).
   virtual void window_page_evicted(const PageHash&, const std::string&, const int32_t*, int32_t, int32_t) {}
 };
 
@@ -263,6 +261,8 @@ class PrefixCache {
   void for_each_page(const std::function<void(const PageHash&, const std::string&, const int32_t*, int32_t, int32_t)>& f) const;
   // Pages on the handle's path, root first.
   std::vector<int32_t> path_pages(const PrefixHandle& h) const;
+  // Their window-group pages (hybrid models; -1 where none), root first.
+  std::vector<int32_t> path_window_pages(const PrefixHandle& h) const;
   // The max_nodes most recently used nodes (ties: any) and their ancestors, each with its edge's
   // first n_head_tokens tokens; counts per namespace over every node. O(nodes); changes nothing.
   PrefixTreeView view(int32_t max_nodes, int32_t n_head_tokens) const;

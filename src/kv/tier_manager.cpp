@@ -81,21 +81,17 @@ int64_t TierManager::payload_bytes(bool window) const {
 
 // ---- down ---------------------------------------------------------------------------------
 
-void TierManager::page_cached(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page, int32_t wpage) {
-  if (cfg_.write_through) store(h, ns, tokens, page, wpage);
+void TierManager::page_cached(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page, int32_t) {
+  // Without the window page: only a prefix's last window needs it (see above).
+  if (cfg_.write_through) store(h, ns, tokens, page);
 }
 
 void TierManager::page_evicted(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page, int32_t wpage) {
   if (!cfg_.write_through) store(h, ns, tokens, page, wpage);
 }
 
-// A window page joining (write-through) or leaving (write-back) a position already cached: the
-// blob with it replaces one written without.
-void TierManager::window_page_cached(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page,
-                                     int32_t wpage) {
-  if (cfg_.write_through) store(h, ns, tokens, page, wpage);
-}
-
+// A window page leaving a position still cached (write-back): the blob with it replaces one
+// written without.
 void TierManager::window_page_evicted(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page,
                                       int32_t wpage) {
   if (!cfg_.write_through) store(h, ns, tokens, page, wpage);

@@ -14,10 +14,13 @@
 // corrupt, and ends the hit) and hands back the longest valid prefix. Pages found in L3 are
 // written to L2 too. poll() returns finished lookups; install() copies a blob into a pool page.
 //
-// Hybrid models (a sliding-window layer group in a pool of its own): a page's blob also carries
-// the window group's page of the same position when the cache holds one (page_store.h, flag
-// bit 2); the engine uses a loaded prefix only as far as its last window's pages carry them. A
-// write with the window page replaces a stored blob without it, never the other way round.
+// Hybrid models (a sliding-window layer group in a pool of its own): a page's blob may also
+// carry the window group's page of the same position (page_store.h, flag bit 2); the engine
+// uses a loaded prefix only as far as its last window's pages carry them. Write-back: with the
+// window page when the cache holds one at eviction. Write-through: without, as pages fill; the
+// engine writes the last window of what a sequence published again, with them, when it ends
+// (Engine::store_last_window). A write with the window page replaces a stored blob without it,
+// never the other way round.
 //
 // Threading: store()/fetch()/poll()/install() and the listener calls are engine-thread only;
 // stats() from any thread.
@@ -90,7 +93,6 @@ class TierManager : public PageListener {
   // PageListener (engine thread): write-through / write-back.
   void page_cached(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page, int32_t wpage = -1) override;
   void page_evicted(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page, int32_t wpage = -1) override;
-  void window_page_cached(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page, int32_t wpage) override;
   void window_page_evicted(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page, int32_t wpage) override;
   // Queues a write of one pool page (e.g. a preempted sequence's pages, swap mode), with the
   // window pool's page wpage of the same position when >= 0.

@@ -824,7 +824,7 @@ TEST(KvTierManager, HybridBlobsCarryTheWindowPage) {
   ASSERT_TRUE(tm->install(got->blobs[1], pool2, 1, &wpool2, 3));
   expect_same_page(pool, 1, pool2, 1);
   expect_same_page(wpool, 2, wpool2, 3);
-  // The window page arrives later (a tombstone refilled): the blob is written again, with it.
+  // The window pool drops the position's window page (write-back): written again, with it.
   fill_page(wpool, 1, 4);
   tm->window_page_evicted(hash_of(0), ns, tok.data(), 0, 1);
   tm->flush();
