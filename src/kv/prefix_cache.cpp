@@ -174,24 +174,25 @@ PageHash PrefixCache::page_hash(const PrefixHandle& h) const {
   return node(h.node).hashes.back();
 }
 
+std::vector<int32_t> PrefixCache::path_nodes(const PrefixHandle& h) const {
+  std::vector<int32_t> path;
+  if (h.empty()) return path;
+  assert(is_valid(h));
+  for (int32_t x = h.node; node(x).parent >= 0; x = node(x).parent) path.push_back(x);
+  std::reverse(path.begin(), path.end());
+  return path;
+}
+
 std::vector<int32_t> PrefixCache::path_pages(const PrefixHandle& h) const {
   std::vector<int32_t> out;
-  if (h.empty()) return out;
-  assert(is_valid(h));
-  std::vector<int32_t> path;
-  for (int32_t x = h.node; node(x).parent >= 0; x = node(x).parent) path.push_back(x);
-  for (auto it = path.rbegin(); it != path.rend(); ++it) out.insert(out.end(), node(*it).pages.begin(), node(*it).pages.end());
+  for (int32_t x : path_nodes(h)) out.insert(out.end(), node(x).pages.begin(), node(x).pages.end());
   return out;
 }
 
 std::vector<int32_t> PrefixCache::path_window_pages(const PrefixHandle& h) const {
   std::vector<int32_t> out;
-  if (h.empty()) return out;
-  assert(is_valid(h));
-  std::vector<int32_t> path;
-  for (int32_t x = h.node; node(x).parent >= 0; x = node(x).parent) path.push_back(x);
-  for (auto it = path.rbegin(); it != path.rend(); ++it) {
-    const Node& n = node(*it);
+  for (int32_t x : path_nodes(h)) {
+    const Node& n = node(x);
     if (n.wpages.empty()) out.insert(out.end(), n.pages.size(), -1);
     else out.insert(out.end(), n.wpages.begin(), n.wpages.end());
   }

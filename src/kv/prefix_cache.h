@@ -333,6 +333,7 @@ class PrefixCache {
   // becomes x's parent. Returns the new node. x keeps its id, path, pins and children.
   int32_t split(int32_t x, int32_t k);
   void touch_path(int32_t x, uint64_t t);
+  std::vector<int32_t> path_nodes(const PrefixHandle& h) const;  // root first, the root itself excluded
   void lru_add(int32_t x);
   void lru_remove(int32_t x);
   void update_lru(int32_t x);  // in the LRU set iff non-root, unpinned and childless
