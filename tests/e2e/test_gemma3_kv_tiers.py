@@ -2,8 +2,9 @@
 beside 3 global layers), through real processes: `kvserve serve`, a real `redis-server`, the
 official `openai` client.
 
-A page's blob carries its position's window-group page when the cache holds one, and a prefix
-loaded from below RAM is used only as far as the window pages of its last window came with it
+A page's blob may carry its position's window-group page (write-back: when the cache holds one;
+write-through: for the last window of what each request computed), and a prefix loaded from
+below RAM is used only as far as the window pages of its last window came with it
 (src/kv/tier_manager.h, docs/tiers.md). So:
 
 - disk (L2) across a restart: the same prompt reuses as much as a RAM hit did, with the same
