@@ -16,6 +16,12 @@ import requests
 
 from kvserve_server import Router, Server
 
+# A request that must still be running when a timeout or a signal comes: thousands of tokens,
+# seconds even on a host that decodes 400 tokens a second (400 tokens once took ~1 s and
+# finished inside a 1 s timeout).
+LONG = 1500
+LONG_LEN = 2048  # --max-model-len of the servers that get LONG requests
+
 
 def wait_busy(s: Server, timeout: float = 15):
     deadline = time.time() + timeout
@@ -72,17 +78,17 @@ def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones():
 
 
 def test_shutdown_timeout_ends_streams_with_abort_and_an_error_event():
-    s = Server("--debug", "--shutdown-timeout", "1")
+    s = Server("--debug", "--shutdown-timeout", "1", max_model_len=LONG_LEN, kv_memory="128MiB")
     got = []
     plain = []
 
     def stream():
         r = requests.post(s.url + "/v1/completions", stream=True, timeout=60,
-                          json={"prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "stream": True, "n": 2})
+                          json={"prompt": "Hi", "max_tokens": LONG, "ignore_eos": True, "stream": True, "n": 2})
         got.append(sse_events(r))
 
     def nonstream():
-        r = requests.post(s.url + "/v1/completions", timeout=60, json={"prompt": "Hey", "max_tokens": 400, "ignore_eos": True})
+        r = requests.post(s.url + "/v1/completions", timeout=60, json={"prompt": "Hey", "max_tokens": LONG, "ignore_eos": True})
         plain.append(r)
 
     threads = [threading.Thread(target=stream) for _ in range(2)] + [threading.Thread(target=nonstream)]
@@ -109,10 +115,10 @@ def test_shutdown_timeout_ends_streams_with_abort_and_an_error_event():
 
 
 def test_a_second_signal_exits_at_once():
-    s = Server("--debug", "--shutdown-timeout", "60")
+    s = Server("--debug", "--shutdown-timeout", "60", max_model_len=LONG_LEN, kv_memory="128MiB")
     def long_request():
         try:
-            requests.post(s.url + "/v1/completions", timeout=60, json={"prompt": "Hi", "max_tokens": 400, "ignore_eos": True})
+            requests.post(s.url + "/v1/completions", timeout=60, json={"prompt": "Hi", "max_tokens": LONG, "ignore_eos": True})
         except requests.ConnectionError:  # the process is gone: that is the point
             pass
 
@@ -149,14 +155,14 @@ def test_a_client_that_leaves_a_non_streamed_request_cancels_it(server):
 
 
 def test_request_timeout_ends_requests_with_504():
-    s = Server("--debug", "--request-timeout", "1")
+    s = Server("--debug", "--request-timeout", "1", max_model_len=LONG_LEN, kv_memory="128MiB")
     try:
         t0 = time.time()
-        r = requests.post(s.url + "/v1/completions", timeout=30, json={"prompt": "Hi", "max_tokens": 400, "ignore_eos": True})
+        r = requests.post(s.url + "/v1/completions", timeout=30, json={"prompt": "Hi", "max_tokens": LONG, "ignore_eos": True})
         assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout", r.text
         assert time.time() - t0 < 5
         r = requests.post(s.url + "/v1/completions", stream=True, timeout=30,
-                          json={"prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "stream": True})
+                          json={"prompt": "Hi", "max_tokens": LONG, "ignore_eos": True, "stream": True})
         ev = sse_events(r)
         assert ev[-1] == "[DONE]"
         assert [c["finish_reason"] for e in ev[:-1] if "choices" in e for c in e["choices"] if c.get("finish_reason")] == ["abort"]
@@ -201,10 +207,10 @@ def test_router_drains_on_sigterm_then_ends_what_is_left():
     503 + Retry-After, /health says draining; after --shutdown-timeout a stream still open gets
     an error event and [DONE], a non-streamed request a 503; the router exits 0 and the replica
     gets every page back (the cut requests were cancelled upstream)."""
-    s = Server("--debug")
+    s = Server("--debug", max_model_len=LONG_LEN, kv_memory="128MiB")
     try:
-        for timeout, max_tokens in (("30", 40), ("1", 400)):
-            r = Router("--replica", s.url, "--shutdown-timeout", timeout)
+        for timeout, max_tokens in (("30", 40), ("1", LONG)):
+            r = Router("--replica", s.url, "--shutdown-timeout", timeout, max_model_len=LONG_LEN)
             got = {}
 
             def stream():
@@ -239,7 +245,7 @@ def test_router_drains_on_sigterm_then_ends_what_is_left():
                 assert [e["choices"][0]["finish_reason"] for e in ev[:-1] if e["choices"][0].get("finish_reason")] == ["length"]
                 assert code == 200 and body["usage"]["completion_tokens"] == 40
                 assert "drained" in r.output()
-            else:  # both cut at the timeout, long before 400 tokens
+            else:  # both cut at the timeout, long before LONG tokens
                 assert ev[-2]["error"]["code"] == "server_shutting_down"
                 assert code == 503 and body["error"]["code"] == "server_shutting_down"
                 assert "shutdown timeout" in r.output()
