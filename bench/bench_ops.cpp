@@ -143,8 +143,10 @@ BENCHMARK_TEMPLATE(BM_PagedAttentionDecode, true)->Apply([](benchmark::internal:
 
 // One decode token's attention over every layer of SmolLM2-135M (30 layers, 3 KV heads × 3,
 // head_dim 64) at a context of range(0) tokens, page type range(1), range(2) threads, split into
-// 512-key parts and merged as LlamaModel does. Unlike BM_PagedAttentionDecode (one layer,
-// cache-resident), the KV (184 MB at 8k f16) streams from RAM as in a real decode step.
+// 512-key parts and merged as LlamaModel does; range(3) = 1: a thread's parts with every KV head
+// in one pass (the engine's way), 0: one (head, part) per call, head after head. Unlike
+// BM_PagedAttentionDecode (one layer, cache-resident), the KV (184 MB at 8k f16) streams from
+// RAM as in a real decode step.
 // Counter: KV bytes read per second.
 void BM_PagedAttentionDecodeModel(benchmark::State& st) {
   const int64_t n_ctx = st.range(0);
@@ -172,19 +174,32 @@ void BM_PagedAttentionDecodeModel(benchmark::State& st) {
   const int n_parts = static_cast<int>((n_ctx + kSplitKeys - 1) / kSplitKeys);
   std::vector<float> out(stride), acc(int64_t(hkv) * n_parts * grp * hd), m(hkv * n_parts * grp), lsum(m.size());
   ThreadPool tp(static_cast<int>(st.range(2)));
+  const bool one_pass = st.range(3) != 0;
   for (auto _ : st) {
     for (int il = 0; il < n_layer; ++il) {
       PagedKvView view = pool.view(il);
       view.pages = table.data();
       tp.run([&](int ith, int nth) {
         int64_t b, e;
-        ThreadPool::split(int64_t(hkv) * n_parts, ith, nth, 1, &b, &e);
-        for (int64_t u = b; u < e; ++u) {
-          const int h = static_cast<int>(u / n_parts), p = static_cast<int>(u % n_parts);
-          const int64_t row = (int64_t(h) * n_parts + p) * grp;
-          paged_attention_partial(view, h, grp, q.data(), stride, n_ctx - 1, 1, p * kSplitKeys,
-                                  std::min<int64_t>(n_ctx, (p + 1) * kSplitKeys), 0.125f, acc.data() + row * hd,
-                                  m.data() + row, lsum.data() + row);
+        if (one_pass) {  // as the engine runs it: a thread's key ranges, every head in one pass
+          ThreadPool::split(n_parts, ith, nth, 1, &b, &e);
+          AttnHeads hs;
+          hs.n = hkv;
+          hs.acc_stride = int64_t(n_parts) * grp * hd;
+          hs.ml_stride = int64_t(n_parts) * grp;
+          for (int64_t p = b; p < e; ++p)
+            paged_attention_partial_heads(view, 0, grp, q.data(), stride, n_ctx - 1, 1, p * kSplitKeys,
+                                          std::min<int64_t>(n_ctx, (p + 1) * kSplitKeys), 0.125f,
+                                          acc.data() + p * grp * hd, m.data() + p * grp, lsum.data() + p * grp, nullptr, 0, hs);
+        } else {  // one (head, key range) per call, head after head: a stride of hkv tiles
+          ThreadPool::split(int64_t(hkv) * n_parts, ith, nth, 1, &b, &e);
+          for (int64_t u = b; u < e; ++u) {
+            const int h = static_cast<int>(u / n_parts), p = static_cast<int>(u % n_parts);
+            const int64_t row = (int64_t(h) * n_parts + p) * grp;
+            paged_attention_partial(view, h, grp, q.data(), stride, n_ctx - 1, 1, p * kSplitKeys,
+                                    std::min<int64_t>(n_ctx, (p + 1) * kSplitKeys), 0.125f, acc.data() + row * hd,
+                                    m.data() + row, lsum.data() + row);
+          }
         }
         tp.barrier();
         ThreadPool::split(hkv, ith, nth, 1, &b, &e);
@@ -201,15 +216,19 @@ void BM_PagedAttentionDecodeModel(benchmark::State& st) {
   for (int il = 0; il < n_layer; ++il) bytes += int64_t(n_pages) * (l.k_layer_page_bytes(il) + l.v_layer_page_bytes(il));
   st.SetBytesProcessed(st.iterations() * bytes);
   st.counters["tok_s"] = benchmark::Counter(st.iterations(), benchmark::Counter::kIsRate);
-  st.SetLabel(kv_elem_name(elem));
+  st.SetLabel(std::string(kv_elem_name(elem)) + (one_pass ? " heads in one pass" : " one head per call"));
 }
 BENCHMARK(BM_PagedAttentionDecodeModel)
-    ->Args({8192, int(KvElem::kF16), 2})
-    ->Args({8192, int(KvElem::kInt8), 2})
-    ->Args({8192, int(KvElem::kInt4), 2})
-    ->Args({1024, int(KvElem::kF16), 2})
-    ->Args({8192, int(KvElem::kF16), 1})
-    ->Args({8192, int(KvElem::kInt8), 1})
+    ->ArgNames({"ctx", "elem", "threads", "one_pass"})
+    ->Args({8192, int(KvElem::kF16), 2, 1})
+    ->Args({8192, int(KvElem::kF16), 2, 0})
+    ->Args({8192, int(KvElem::kInt8), 2, 1})
+    ->Args({8192, int(KvElem::kInt8), 2, 0})
+    ->Args({8192, int(KvElem::kInt4), 2, 1})
+    ->Args({1024, int(KvElem::kF16), 2, 1})
+    ->Args({8192, int(KvElem::kF16), 1, 1})
+    ->Args({8192, int(KvElem::kF16), 1, 0})
+    ->Args({8192, int(KvElem::kInt8), 1, 1})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 

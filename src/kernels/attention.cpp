@@ -38,6 +38,13 @@ void paged_attention_partial(const PagedKvView& kv, int kv_head, int n_group, co
                     lse_stride);
 }
 
+void paged_attention_partial_heads(const PagedKvView& kv, int kv_head, int n_group, const float* q, int64_t q_stride,
+                                   int64_t pos0, int n_q, int64_t key_begin, int64_t key_end, float scale, float* acc,
+                                   float* m, float* l, float* page_lse, int64_t lse_stride, const AttnHeads& heads) {
+  kernels().partial_heads(kv, kv_head, n_group, q, q_stride, pos0, n_q, key_begin, key_end, scale, acc, m, l, page_lse,
+                          lse_stride, heads);
+}
+
 void attention_merge(int n_parts, int n_group, int n_q, int head_dim, const float* acc, const float* m,
                      const float* l, int kv_head, float* out, int64_t o_stride) {
   kernels().merge(n_parts, n_group, n_q, head_dim, acc, m, l, kv_head, out, o_stride);

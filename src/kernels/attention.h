@@ -74,6 +74,24 @@ void paged_attention_partial(const PagedKvView& kv, int kv_head, int n_group, co
                              int64_t pos0, int n_q, int64_t key_begin, int64_t key_end, float scale, float* acc,
                              float* m, float* l, float* page_lse = nullptr, int64_t lse_stride = 0);
 
+// Several KV heads in one pass of paged_attention_partial_heads: heads [kv_head, kv_head + n),
+// head i's acc at acc + i·acc_stride, m and l at + i·ml_stride, page_lse at + i·lse_stride.
+// n · n_q · n_group must not exceed kAttnQTile · kAttnMaxGroup, n not kAttnMaxHeads.
+inline constexpr int kAttnMaxHeads = 8;
+struct AttnHeads {
+  int n = 1;
+  int64_t acc_stride = 0, ml_stride = 0, lse_stride = 0;
+};
+
+// paged_attention_partial for n KV heads at once (AttnHeads), reading each page's tiles of all
+// of them together: a page's head tiles are neighbours in the pool, so the pass reads one
+// stretch of memory front to back instead of one head's tiles at a stride. Same results, bit
+// for bit, as one call per head. The heads must share the page table (not Quest's per-head
+// selections).
+void paged_attention_partial_heads(const PagedKvView& kv, int kv_head, int n_group, const float* q, int64_t q_stride,
+                                   int64_t pos0, int n_q, int64_t key_begin, int64_t key_end, float scale, float* acc,
+                                   float* m, float* l, float* page_lse, int64_t lse_stride, const AttnHeads& heads);
+
 // Combines n_parts partial results of the same rows (laid out part after part:
 // acc [n_parts][n_rows][head_dim], m and l [n_parts][n_rows]) by log-sum-exp and writes the
 // normalised rows into out as paged_attention does.

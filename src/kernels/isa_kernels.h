@@ -42,6 +42,7 @@ struct OpsKernels {
 struct AttentionKernels {
   decltype(&kv::paged_attention) attention;
   decltype(&kv::paged_attention_partial) partial;
+  decltype(&kv::paged_attention_partial_heads) partial_heads;
   decltype(&kv::attention_merge) merge;
 };
 

@@ -324,11 +324,10 @@ void LlamaModel::plan_attention(const Batch& batch, int32_t block_size) {
         acc += n_parts * rows * c.attn_value_dim();
         ml += n_parts * rows;
       }
-      // Part-major: a thread takes every KV head of a key range in turn. A page's head tiles
-      // are neighbours in the pool (page_pool.h), so the heads' passes read the same stretch
-      // of memory one after the other instead of one head's tiles at a stride of n_head_kv
-      // tiles across the whole context (bench_ops BM_PagedAttentionDecodeModel: f16 at 8k
-      // 8.9-9.7 -> 7.3 ms on 2 threads, AMD Zen 4).
+      // Part-major: a thread takes every KV head of a key range in turn, in one pass where it
+      // can (forward, paged_attention_partial_heads). A page's head tiles are neighbours in
+      // the pool, so that reads memory front to back instead of one head's tiles at a stride
+      // of n_head_kv tiles across the whole context (docs/ARCHITECTURE.md, Attention).
       for (int32_t p = 0; p < n_parts; ++p)
         for (int32_t h = 0; h < c.n_head_kv; ++h)
           units_.push_back({s, h, 0, bs.n_tokens, p * split_keys, std::min<int64_t>(ctx, (p + 1) * split_keys), split0 + h, p});
@@ -679,10 +678,26 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
         } else {
           const AttnSplit& sp = splits_[w.split];
           const int64_t rows = int64_t(w.n) * n_group;
-          paged_attention_partial(v, w.head, n_group, qkv_.data() + t * n_qkv, n_qkv, s.pos0 + w.t0, w.n, w.key_begin,
-                                  w.key_end, scale, part_acc_.data() + sp.acc_off + w.part * rows * HD,
-                                  part_m_.data() + sp.ml_off + w.part * rows, part_l_.data() + sp.ml_off + w.part * rows,
-                                  scored(s, w) ? part_lse_.data() + (sp.ml_off + w.part * rows) * ppp : nullptr, ppp);
+          // This thread's next units that are the following KV heads of the same key range
+          // (plan_attention orders them so) run in one pass, unless Quest gave each head its
+          // own pages: paged_attention_partial_heads.
+          AttnHeads heads;
+          if (!(quest_layer && quest_on_[w.seq]))
+            while (u + heads.n < e && heads.n < kAttnMaxHeads && (heads.n + 1) * rows <= int64_t(kAttnQTile) * kAttnMaxGroup &&
+                   units[u + heads.n].seq == w.seq && units[u + heads.n].part == w.part &&
+                   units[u + heads.n].split == w.split + heads.n && units[u + heads.n].head == w.head + heads.n)
+              ++heads.n;
+          if (heads.n > 1) {
+            heads.acc_stride = splits_[w.split + 1].acc_off - sp.acc_off;
+            heads.ml_stride = splits_[w.split + 1].ml_off - sp.ml_off;
+            heads.lse_stride = heads.ml_stride * ppp;
+          }
+          paged_attention_partial_heads(
+              v, w.head, n_group, qkv_.data() + t * n_qkv, n_qkv, s.pos0 + w.t0, w.n, w.key_begin, w.key_end, scale,
+              part_acc_.data() + sp.acc_off + w.part * rows * HD, part_m_.data() + sp.ml_off + w.part * rows,
+              part_l_.data() + sp.ml_off + w.part * rows,
+              scored(s, w) ? part_lse_.data() + (sp.ml_off + w.part * rows) * ppp : nullptr, ppp, heads);
+          u += heads.n - 1;
         }
       }
       if (splits_.empty()) return;

@@ -594,3 +594,56 @@ TEST_P(PagedAttention, PageLogSumExpGivesEachPagesAttentionMass) {
     }
   }
 }
+
+// Several KV heads in one pass (what split decode runs) give each head's per-head result bit
+// for bit: acc, m, l and the pages' log-sum-exps, for every page type, with holes in the table,
+// a staged last page, a sliding window, a decode token and a tile of queries.
+TEST_P(PagedAttention, HeadsInOnePassEqualOneHeadAtATime) {
+  for (KvElem elem : kAll) {
+    const int hkv = 3, grp = 3, hd = 64, bs = 16;
+    for (auto [pos0, nq, win, holes_on] : {std::tuple<int64_t, int, int, bool>{700, 1, 0, false}, {700, 1, 0, true},
+                                           {300, 6, 0, true}, {500, 2, 100, false}}) {
+      Store st(hkv, hd, bs, elem, pos0 + nq, 41, 0.5f, nq);
+      std::vector<int32_t> table = st.table;
+      if (holes_on)
+        for (size_t i = 1; i + 2 < table.size(); ++i)
+          if (i % 3 == 0 || i == 5) table[i] = -1;
+      st.view.pages = table.data();
+      st.view.window = win;
+      std::mt19937 rng(7);
+      std::normal_distribution<float> nd(0.f, 1.f);
+      const int64_t stride = hkv * grp * hd, ctx = pos0 + nq, part = 128;
+      std::vector<float> q(nq * stride);
+      for (auto& x : q) x = nd(rng) * 2.f;
+      const int rows = nq * grp, ppp = static_cast<int>(part / bs);
+      const int n_parts = static_cast<int>((ctx + part - 1) / part);
+      // per head: [n_parts][rows] m/l, [n_parts][rows][hd] acc, [n_parts][rows][ppp] lse
+      const size_t acc_h = size_t(n_parts) * rows * hd, ml_h = size_t(n_parts) * rows;
+      // (entries for pages past the context's end are never written: the same filler in both)
+      std::vector<float> acc1(hkv * acc_h, 7.f), m1(hkv * ml_h, 7.f), l1(hkv * ml_h, 7.f), lse1(hkv * ml_h * ppp, 7.f);
+      std::vector<float> acc2 = acc1, m2 = m1, l2 = l1, lse2 = lse1;
+      for (int p = 0; p < n_parts; ++p) {
+        const int64_t k0 = p * part, k1 = std::min(ctx, (p + 1) * part);
+        for (int h = 0; h < hkv; ++h)
+          paged_attention_partial(st.view, h, grp, q.data(), stride, pos0, nq, k0, k1, 0.125f,
+                                  acc1.data() + h * acc_h + size_t(p) * rows * hd, m1.data() + h * ml_h + p * rows,
+                                  l1.data() + h * ml_h + p * rows, lse1.data() + (h * ml_h + p * rows) * ppp, ppp);
+        AttnHeads hs;
+        hs.n = hkv;
+        hs.acc_stride = static_cast<int64_t>(acc_h);
+        hs.ml_stride = static_cast<int64_t>(ml_h);
+        hs.lse_stride = static_cast<int64_t>(ml_h) * ppp;
+        paged_attention_partial_heads(st.view, 0, grp, q.data(), stride, pos0, nq, k0, k1, 0.125f,
+                                      acc2.data() + size_t(p) * rows * hd, m2.data() + p * rows, l2.data() + p * rows,
+                                      lse2.data() + size_t(p) * rows * ppp, ppp, hs);
+      }
+      const auto bits_equal = [](const std::vector<float>& a, const std::vector<float>& b) {
+        return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+      };
+      EXPECT_TRUE(bits_equal(acc1, acc2)) << kv_elem_name(elem) << " pos0=" << pos0 << " nq=" << nq;
+      EXPECT_TRUE(bits_equal(m1, m2)) << kv_elem_name(elem) << " pos0=" << pos0 << " nq=" << nq;
+      EXPECT_TRUE(bits_equal(l1, l2)) << kv_elem_name(elem) << " pos0=" << pos0 << " nq=" << nq;
+      EXPECT_TRUE(bits_equal(lse1, lse2)) << kv_elem_name(elem) << " pos0=" << pos0 << " nq=" << nq;
+    }
+  }
+}
