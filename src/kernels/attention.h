@@ -76,7 +76,8 @@ void paged_attention_partial(const PagedKvView& kv, int kv_head, int n_group, co
 
 // Several KV heads in one pass of paged_attention_partial_heads: heads [kv_head, kv_head + n),
 // head i's acc at acc + i·acc_stride, m and l at + i·ml_stride, page_lse at + i·lse_stride.
-// n · n_q · n_group must not exceed kAttnQTile · kAttnMaxGroup, n not kAttnMaxHeads.
+// One pass holds n · n_q · n_group ≤ kAttnQTile · kAttnMaxGroup rows and n ≤ kAttnMaxHeads;
+// past that the heads run one at a time (same results).
 inline constexpr int kAttnMaxHeads = 8;
 struct AttnHeads {
   int n = 1;

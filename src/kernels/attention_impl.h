@@ -1158,8 +1158,15 @@ void paged_attention_partial(const PagedKvView& kv, int kv_head, int n_group, co
 void paged_attention_partial_heads(const PagedKvView& kv, int kv_head, int n_group, const float* q, int64_t q_stride,
                                    int64_t pos0, int n_q, int64_t key_begin, int64_t key_end, float scale, float* acc,
                                    float* m, float* l, float* page_lse, int64_t lse_stride, const AttnHeads& heads) {
-  attend(kv, kv_head, n_group, q, q_stride, pos0, n_q, key_begin, key_end, scale, acc, m, l, page_lse, lse_stride,
-         heads);
+  if (heads.n <= kAttnMaxHeads && heads.n * n_q * n_group <= kMaxRows) {
+    attend(kv, kv_head, n_group, q, q_stride, pos0, n_q, key_begin, key_end, scale, acc, m, l, page_lse, lse_stride,
+           heads);
+    return;
+  }
+  for (int h = 0; h < heads.n; ++h)  // more rows than one pass holds: a head at a time
+    attend(kv, kv_head + h, n_group, q, q_stride, pos0, n_q, key_begin, key_end, scale, acc + h * heads.acc_stride,
+           m + h * heads.ml_stride, l + h * heads.ml_stride, page_lse ? page_lse + h * heads.lse_stride : nullptr,
+           lse_stride, AttnHeads{});
 }
 
 void attention_merge(int n_parts, int n_group, int n_q, int head_dim, const float* acc, const float* m,

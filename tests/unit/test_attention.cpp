@@ -600,9 +600,11 @@ TEST_P(PagedAttention, PageLogSumExpGivesEachPagesAttentionMass) {
 // a staged last page, a sliding window, a decode token and a tile of queries.
 TEST_P(PagedAttention, HeadsInOnePassEqualOneHeadAtATime) {
   for (KvElem elem : kAll) {
-    const int hkv = 3, grp = 3, hd = 64, bs = 16;
-    for (auto [pos0, nq, win, holes_on] : {std::tuple<int64_t, int, int, bool>{700, 1, 0, false}, {700, 1, 0, true},
-                                           {300, 6, 0, true}, {500, 2, 100, false}}) {
+    const int hd = 64, bs = 16;
+    // The last case has 2 × 8 × 16 rows, more than one pass holds: the heads go one at a time.
+    for (auto [pos0, nq, win, holes_on, hkv, grp] :
+         {std::tuple<int64_t, int, int, bool, int, int>{700, 1, 0, false, 3, 3}, {700, 1, 0, true, 3, 3},
+          {300, 6, 0, true, 3, 3}, {500, 2, 100, false, 3, 3}, {300, 8, 0, false, 2, 16}}) {
       Store st(hkv, hd, bs, elem, pos0 + nq, 41, 0.5f, nq);
       std::vector<int32_t> table = st.table;
       if (holes_on)
