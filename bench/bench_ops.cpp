@@ -55,6 +55,26 @@ void BM_Rope(benchmark::State& st) {
 }
 BENCHMARK(BM_Rope);
 
+// RoPE of one decode step as the model runs it: n_seq sequences at their own positions, 30
+// layers, q (9 heads) and k (3 heads) per token; every position moves on by one per step.
+void BM_RopeDecodeStep(benchmark::State& st) {
+  const int n_seq = static_cast<int>(st.range(0));
+  auto q = randn(9 * 64, 3), k = randn(3 * 64, 4);
+  int64_t step = 0;
+  for (auto _ : st) {
+    for (int l = 0; l < 30; ++l)
+      for (int s = 0; s < n_seq; ++s) {
+        const int64_t pos = 100 * s + (step & 4095);
+        rope(q.data(), 9, 64, 64, pos, 100000.f, 1.f, RopeStyle::kNorm);
+        rope(k.data(), 3, 64, 64, pos, 100000.f, 1.f, RopeStyle::kNorm);
+      }
+    ++step;
+    benchmark::DoNotOptimize(q.data());
+    benchmark::DoNotOptimize(k.data());
+  }
+}
+BENCHMARK(BM_RopeDecodeStep)->Arg(1)->Arg(16);
+
 void BM_Softmax(benchmark::State& st) {
   const int64_t n = st.range(0);
   auto x = randn(n, 4);

@@ -27,40 +27,52 @@ const OpsKernels& kernels() {
   return scalar::kOps;
 }
 
-// cos/sin of every rotation angle for one (n_rot, base, scale, pos).
+// cos/sin of the rotation angles of one (n_rot, base, scale), for the positions seen lately:
+// a direct-mapped cache by position. A decode step visits the same positions (one per
+// sequence) in every layer, and q and k share them: each position's angles are computed once
+// per step, not once per layer and call (a double sin and cos per rotated pair).
 struct RopeTable {
+  static constexpr int kSlots = 1024;  // a prefill chunk's positions fit
   int n_rot = -1;
   float base = 0, scale = 0;
-  int64_t pos = std::numeric_limits<int64_t>::min();
   std::vector<double> inv_freq;  // [n_rot / 2] freq_scale · base^(-2i/n_rot)
-  std::vector<float> cos, sin;   // [n_rot / 2] at pos
+  std::vector<int64_t> pos;      // [kSlots] the position slot s holds, or INT64_MIN
+  std::vector<float> cs;         // [kSlots][n_rot]: cos of the n_rot / 2 angles, then sin
 };
 
 }  // namespace
 
 RopeAngles rope_angles(int n_rot, int64_t pos, float base, float scale) {
-  thread_local RopeTable t;  // per thread: no locking, and each pool thread keeps its own
+  // Per thread: no locking. Two tables: Gemma 3 alternates two bases between layers.
+  thread_local RopeTable tables[2];
+  thread_local int next_victim = 0;
   const int half = n_rot / 2;
-  if (t.n_rot != n_rot || t.base != base || t.scale != scale) {
-    t.n_rot = n_rot;
-    t.base = base;
-    t.scale = scale;
-    t.inv_freq.resize(half);
-    t.cos.resize(half);
-    t.sin.resize(half);
+  RopeTable* t = nullptr;
+  for (RopeTable& c : tables)
+    if (c.n_rot == n_rot && c.base == base && c.scale == scale) t = &c;
+  if (!t) {
+    t = &tables[next_victim];
+    next_victim ^= 1;
+    t->n_rot = n_rot;
+    t->base = base;
+    t->scale = scale;
+    t->inv_freq.resize(half);
     for (int i = 0; i < half; ++i)
-      t.inv_freq[i] = static_cast<double>(scale) * std::pow(static_cast<double>(base), -2.0 * i / n_rot);
-    t.pos = std::numeric_limits<int64_t>::min();
+      t->inv_freq[i] = static_cast<double>(scale) * std::pow(static_cast<double>(base), -2.0 * i / n_rot);
+    t->pos.assign(RopeTable::kSlots, std::numeric_limits<int64_t>::min());
+    t->cs.resize(static_cast<size_t>(RopeTable::kSlots) * n_rot);
   }
-  if (t.pos != pos) {
+  const size_t slot = static_cast<size_t>(static_cast<uint64_t>(pos) % RopeTable::kSlots);
+  float* c = t->cs.data() + slot * n_rot;
+  if (t->pos[slot] != pos) {
     for (int i = 0; i < half; ++i) {
-      const double theta = static_cast<double>(pos) * t.inv_freq[i];
-      t.cos[i] = static_cast<float>(std::cos(theta));
-      t.sin[i] = static_cast<float>(std::sin(theta));
+      const double theta = static_cast<double>(pos) * t->inv_freq[i];
+      c[i] = static_cast<float>(std::cos(theta));
+      c[half + i] = static_cast<float>(std::sin(theta));
     }
-    t.pos = pos;
+    t->pos[slot] = pos;
   }
-  return {t.cos.data(), t.sin.data()};
+  return {c, c + half};
 }
 
 PrefetchLevel prefetch_level() {

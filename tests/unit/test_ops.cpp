@@ -179,11 +179,16 @@ TEST_P(OpsTest, RopeMatchesReference) {
 }
 
 TEST_P(OpsTest, RopeCacheFollowsArguments) {
-  // Same position with different n_head (Q then K), then a new base, then a new position:
-  // each must equal a fresh reference, i.e. the cached table never goes stale.
+  // Same position with different n_head (Q then K), then a new base, then a new position;
+  // positions that share a slot of the per-position cache (1,024 apart), and a third
+  // (n_rot, base) that pushes out one of the two tables kept: each must equal a fresh
+  // reference, i.e. the cached angles never go stale.
   const struct { int n_head, n_rot; int64_t pos; float base; } seq[] = {
-      {9, 64, 42, 10000.0f}, {3, 64, 42, 10000.0f}, {3, 64, 42, 500000.0f},
-      {3, 32, 42, 500000.0f}, {3, 32, 43, 500000.0f}, {9, 64, 42, 10000.0f}};
+      {9, 64, 42, 10000.0f},        {3, 64, 42, 10000.0f},       {3, 64, 42, 500000.0f},
+      {3, 32, 42, 500000.0f},       {3, 32, 43, 500000.0f},      {9, 64, 42, 10000.0f},
+      {9, 64, 42 + 1024, 10000.0f}, {3, 64, 42, 10000.0f},       {3, 64, 42 + 2048, 10000.0f},
+      {3, 64, 42, 1000000.0f},      {3, 64, 42, 500000.0f},      {3, 64, 42, 10000.0f},
+      {3, 64, 42 + 1024, 1000000.0f}, {3, 64, 42, 1000000.0f},   {9, 64, 43, 10000.0f}};
   for (const auto& s : seq) {
     const auto x = randn(s.n_head * 64, 99, 1.0f);
     std::vector<float> want = x, got = x;  // [n_head, 64]
