@@ -3,6 +3,7 @@
 #include <benchmark/benchmark.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -86,30 +87,30 @@ void BM_Softmax(benchmark::State& st) {
 BENCHMARK(BM_Softmax)->Arg(49152);
 
 // Quest's page scores at SmolLM2's decode shape: 3 KV heads of range(0) query rows (3: one
-// token), head_dim 64, 64 pages per call (the model's chunk), summaries in f16 (mean then
-// variance). range(1) = 0: the same 64 pages every call (in cache); 1: each call 64 pages picked
+// token), head_dim 64, 64 pages per call (the model's chunk), 8-bit summaries
+// (encode_key_summary). range(1) = 0: the same 64 pages every call (in cache); 1: each call 64 pages picked
 // at random from 256 MiB of summaries (as a long context's pages come from memory).
 void BM_KeyScorePages(benchmark::State& st) {
   constexpr int kHeads = 3, kHd = 64;
-  constexpr int64_t kPages = 64, kPageHalves = int64_t(kHeads) * 2 * kHd;
+  constexpr int64_t kPages = 64, kPageBytes = int64_t(kHeads) * key_summary_bytes(kHd);
   const int n_rows = static_cast<int>(st.range(0));
-  const int64_t n_pool = st.range(1) ? (int64_t(256) << 20) / (kPageHalves * 2) : kPages;
+  const int64_t n_pool = st.range(1) ? (int64_t(256) << 20) / kPageBytes : kPages;
   auto qf = randn(size_t(kHeads) * n_rows * kHd, 5);
   std::vector<const float*> q(size_t(kHeads) * n_rows);
   for (size_t i = 0; i < q.size(); ++i) q[i] = qf.data() + i * kHd;
-  auto sf = randn(size_t(kPages * kPageHalves), 6);
-  std::vector<uint16_t> stats(size_t(n_pool * kPageHalves));
-  for (size_t i = 0; i < stats.size(); ++i) {
-    const float x = sf[i % sf.size()];
-    stats[i] = fp32_to_fp16(i % (2 * kHd) < kHd ? x : std::fabs(x));
-  }
+  auto sf = randn(size_t(2 * kHd), 6);
+  std::vector<float> var(kHd);
+  for (int d = 0; d < kHd; ++d) var[d] = std::fabs(sf[kHd + d]);
+  std::vector<uint8_t> one(key_summary_bytes(kHd)), stats(size_t(n_pool * kPageBytes));
+  encode_key_summary(sf.data(), var.data(), kHd, one.data());
+  for (size_t i = 0; i < stats.size(); i += one.size()) std::memcpy(stats.data() + i, one.data(), one.size());
   std::mt19937 rng(7);
   std::uniform_int_distribution<int64_t> pick(0, n_pool - 1);
-  std::vector<const uint16_t*> b(kPages);
+  std::vector<const uint8_t*> b(kPages);
   std::vector<float> out(kPages * kHeads);
   int64_t i0 = 0;
   for (auto _ : st) {
-    for (int64_t i = 0; i < kPages; ++i) b[i] = stats.data() + (st.range(1) ? pick(rng) : i0 + i) * kPageHalves;
+    for (int64_t i = 0; i < kPages; ++i) b[i] = stats.data() + (st.range(1) ? pick(rng) : i0 + i) * kPageBytes;
     key_score_pages(q.data(), n_rows, kHeads, b.data(), kPages, kHd, 1.766f, out.data());
     benchmark::DoNotOptimize(out.data());
   }

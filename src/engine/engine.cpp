@@ -117,7 +117,7 @@ Engine::Engine(LlamaModel& model, const Tokenizer& tok, const EngineConfig& cfg)
                                 int64_t(1) << 30);
   }
   if (cfg.kv_policy.sparse()) {  // Quest's key summaries come out of the same budget
-    const double stats = double(layout.n_layer) * layout.n_head_kv * 2 * layout.head_dim * sizeof(uint16_t);
+    const double stats = double(layout.n_layer) * key_stats_bytes_per_page(layout);
     n_pages = static_cast<int64_t>(double(n_pages) * layout.page_bytes() / (layout.page_bytes() + stats));
   }
   pool_ = std::make_unique<PagePool>(layout, static_cast<int32_t>(std::max<int64_t>(n_pages, 0)), n_staging);

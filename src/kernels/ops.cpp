@@ -143,7 +143,7 @@ int64_t collect_ge(const float* x, int64_t n, float t, int32_t* idx, double* mas
 
 int64_t first_gt(const float* x, int64_t from, int64_t n, float t) { return kernels().first_gt(x, from, n, t); }
 
-void key_score_pages(const float* const* q, int n_rows, int n_heads, const uint16_t* const* b, int64_t n, int hd, float spread,
+void key_score_pages(const float* const* q, int n_rows, int n_heads, const uint8_t* const* b, int64_t n, int hd, float spread,
                      float* out) {
   kernels().key_score_pages(q, n_rows, n_heads, b, n, hd, spread, out);
 }

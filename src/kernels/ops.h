@@ -57,16 +57,26 @@ int64_t collect_ge_ref(const float* x, int64_t n, float t, int32_t* idx, double*
 int64_t first_gt(const float* x, int64_t from, int64_t n, float t);
 int64_t first_gt_ref(const float* x, int64_t from, int64_t n, float t);
 
-// Quest's page scores (kv/kv_eviction.h), n pages × n_heads KV heads in one call. KV head h has
-// the n_rows query rows q[h·n_rows + r] of hd floats, and in page i the channel-wise mean and
-// variance of its keys mu = b[i] + h·2·hd, var = mu + hd (f16; a page's heads are contiguous, so
-// a call reads each page's summaries in one run). q·k over the page's keys has mean q·mu and,
+// Quest's key summary of one group of keys (a part of a page) and one KV head: the keys'
+// channel-wise mean and variance in 8 bits, key_summary_bytes(hd) bytes:
+//   f32 mean scale ms, f32 variance scale vs, i8 mean[hd], u8 variance[hd]
+// mean_d ≈ ms·mean[d] (ms = max|mean|/127), var_d ≈ vs·variance[d] (vs = max var/255).
+inline constexpr int64_t key_summary_bytes(int hd) { return 8 + 2 * int64_t(hd); }
+void encode_key_summary(const float* mean, const float* var, int hd, uint8_t* out);
+// The summary's decoded mean and variance of channel d (tests and references).
+float key_summary_mean(const uint8_t* s, int hd, int d);
+float key_summary_var(const uint8_t* s, int hd, int d);
+
+// Quest's page scores (kv/kv_eviction.h), n entries × n_heads KV heads in one call. KV head h
+// has the n_rows query rows q[h·n_rows + r] of hd floats, and entry i (a page, or a part of
+// one) its key summary b[i] + h·key_summary_bytes(hd) (an entry's heads are contiguous, so a
+// call reads each entry's summaries in one run). q·k over the entry's keys has mean q·mu and,
 // channels taken as independent, standard deviation sqrt(Σ_d q_d²·var_d):
 // out[i·n_heads + h] = max over r of q·mu + spread·sqrt(Σ_d q_d²·var_d), spread being the
-// expected maximum of a page's worth of standard normal draws (quest_spread).
-void key_score_pages(const float* const* q, int n_rows, int n_heads, const uint16_t* const* b, int64_t n, int hd,
+// expected maximum of an entry's worth of standard normal draws (quest_spread).
+void key_score_pages(const float* const* q, int n_rows, int n_heads, const uint8_t* const* b, int64_t n, int hd,
                      float spread, float* out);
-void key_score_pages_ref(const float* const* q, int n_rows, int n_heads, const uint16_t* const* b, int64_t n, int hd,
+void key_score_pages_ref(const float* const* q, int n_rows, int n_heads, const uint8_t* const* b, int64_t n, int hd,
                          float spread, float* out);
 
 // The fast entry points above run the build for kernel_isa() (kernels/isa.h): AVX-512

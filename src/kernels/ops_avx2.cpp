@@ -8,6 +8,8 @@
 #define KV_ISA_NS avx2
 #include <immintrin.h>
 
+#include <cstring>
+
 #include "kernels/ops_impl.h"
 
 namespace kv::avx2 {
@@ -176,22 +178,28 @@ void rows_score(const float* const* q, int nc, const __m256* mu, const __m256* v
   }
 }
 
-void key_score_pages(const float* const* q, int n_rows, int n_heads, const uint16_t* const* b, int64_t n, int hd,
+void key_score_pages(const float* const* q, int n_rows, int n_heads, const uint8_t* const* b, int64_t n, int hd,
                      float spread, float* out) {
   constexpr int kMaxChunks = 32;  // head_dim ≤ 256
   if (hd % 8 != 0 || hd > 8 * kMaxChunks) return key_score_pages_ref(q, n_rows, n_heads, b, n, hd, spread, out);
   const int nc = hd / 8;
   __m256 mu[kMaxChunks], var[kMaxChunks];
   constexpr int64_t kAhead = 8;  // pages are scattered: the hardware prefetcher cannot guess the next one
-  const int64_t page_bytes = int64_t(n_heads) * 2 * hd * 2;
+  const int64_t page_bytes = int64_t(n_heads) * key_summary_bytes(hd);
   for (int64_t i = 0; i < n; ++i) {
     if (i + kAhead < n)
       for (int64_t off = 0; off < page_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(b[i + kAhead]) + off, _MM_HINT_T0);
     for (int h = 0; h < n_heads; ++h) {
-      const uint16_t *m = b[i] + int64_t(h) * 2 * hd, *v = m + hd;
+      const uint8_t* sm = b[i] + int64_t(h) * key_summary_bytes(hd);
+      float ms, vs;
+      std::memcpy(&ms, sm, 4);
+      std::memcpy(&vs, sm + 4, 4);
+      const __m256 vms = _mm256_set1_ps(ms), vvs = _mm256_set1_ps(vs);
       for (int c = 0; c < nc; ++c) {
-        mu[c] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + 8 * c)));
-        var[c] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 8 * c)));
+        const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8 + 8 * c));
+        const __m128i v8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8 + hd + 8 * c));
+        mu[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(m8)), vms);
+        var[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v8)), vvs);
       }
       const float* const* qh = q + int64_t(h) * n_rows;
       float best = -std::numeric_limits<float>::infinity();

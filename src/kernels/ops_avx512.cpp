@@ -13,6 +13,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -235,12 +236,12 @@ inline __m512 reduce16(const __m512* v) {
 // the 8 pages' q·mu and q²·var partial vectors, reduced together by reduce16 and scored as one
 // vector (lanes 0-7: q·mu, 8-15: Σ q²·var). The next 8 pages' summaries (all heads: contiguous)
 // are prefetched: a sequence's pages are scattered, the hardware prefetcher cannot guess them.
-void key_score_pages(const float* const* q, int n_rows, int n_heads, const uint16_t* const* b, int64_t n, int hd,
+void key_score_pages(const float* const* q, int n_rows, int n_heads, const uint8_t* const* b, int64_t n, int hd,
                      float spread, float* out) {
   if (hd % 16 != 0 || hd > 256) return key_score_pages_ref(q, n_rows, n_heads, b, n, hd, spread, out);
   constexpr int kP = 8;
   const int nc = hd / 16;
-  const int64_t page_bytes = int64_t(n_heads) * 2 * hd * 2;
+  const int64_t page_bytes = int64_t(n_heads) * key_summary_bytes(hd);
   alignas(64) float st[kP][2][256];  // page p's mean then variance, f32
   thread_local std::vector<float> q2;  // q² of every (head, row)
   q2.resize(size_t(n_heads) * n_rows * hd);
@@ -260,10 +261,16 @@ void key_score_pages(const float* const* q, int n_rows, int n_heads, const uint1
           for (int c = 0; c < nc; ++c) _mm512_store_ps(st[p][0] + 16 * c, zero), _mm512_store_ps(st[p][1] + 16 * c, zero);
           continue;
         }
-        const uint16_t* m = b[i0 + p] + int64_t(h) * 2 * hd;
+        const uint8_t* sm = b[i0 + p] + int64_t(h) * key_summary_bytes(hd);
+        float ms, vs;
+        std::memcpy(&ms, sm, 4);
+        std::memcpy(&vs, sm + 4, 4);
+        const __m512 vms = _mm512_set1_ps(ms), vvs = _mm512_set1_ps(vs);
         for (int c = 0; c < nc; ++c) {
-          _mm512_store_ps(st[p][0] + 16 * c, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 16 * c))));
-          _mm512_store_ps(st[p][1] + 16 * c, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + hd + 16 * c))));
+          const __m128i m8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + 8 + 16 * c));
+          const __m128i v8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + 8 + hd + 16 * c));
+          _mm512_store_ps(st[p][0] + 16 * c, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(m8)), vms));
+          _mm512_store_ps(st[p][1] + 16 * c, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v8)), vvs));
         }
       }
       __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());

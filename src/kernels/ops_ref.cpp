@@ -2,6 +2,7 @@
 // versions' tolerances measure their own error and not the reference's.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "kernels/ops.h"
@@ -110,18 +111,47 @@ int64_t first_gt_ref(const float* x, int64_t from, int64_t n, float t) {
   return n;
 }
 
-void key_score_pages_ref(const float* const* q, int n_rows, int n_heads, const uint16_t* const* b, int64_t n, int hd,
+void encode_key_summary(const float* mean, const float* var, int hd, uint8_t* out) {
+  float amax = 0, vmax = 0;
+  for (int d = 0; d < hd; ++d) {
+    amax = std::max(amax, std::fabs(mean[d]));
+    vmax = std::max(vmax, var[d]);
+  }
+  const float ms = amax / 127.f, vs = vmax / 255.f;
+  std::memcpy(out, &ms, 4);
+  std::memcpy(out + 4, &vs, 4);
+  for (int d = 0; d < hd; ++d) {
+    const float m = amax > 0 ? std::nearbyint(mean[d] * (127.f / amax)) : 0.f;
+    const float v = vmax > 0 ? std::nearbyint(std::max(0.f, var[d]) * (255.f / vmax)) : 0.f;
+    out[8 + d] = static_cast<uint8_t>(static_cast<int8_t>(std::clamp(m, -127.f, 127.f)));
+    out[8 + hd + d] = static_cast<uint8_t>(std::clamp(v, 0.f, 255.f));
+  }
+}
+
+float key_summary_mean(const uint8_t* s, int, int d) {
+  float ms;
+  std::memcpy(&ms, s, 4);
+  return ms * static_cast<float>(static_cast<int8_t>(s[8 + d]));
+}
+
+float key_summary_var(const uint8_t* s, int hd, int d) {
+  float vs;
+  std::memcpy(&vs, s + 4, 4);
+  return vs * static_cast<float>(s[8 + hd + d]);
+}
+
+void key_score_pages_ref(const float* const* q, int n_rows, int n_heads, const uint8_t* const* b, int64_t n, int hd,
                          float spread, float* out) {
   for (int64_t i = 0; i < n; ++i)
     for (int h = 0; h < n_heads; ++h) {
-      const uint16_t *mu = b[i] + int64_t(h) * 2 * hd, *var = mu + hd;
+      const uint8_t* sm = b[i] + int64_t(h) * key_summary_bytes(hd);
       const float* const* qh = q + int64_t(h) * n_rows;
       double best = -std::numeric_limits<double>::infinity();
       for (int r = 0; r < n_rows; ++r) {
         double m = 0, s2 = 0;
         for (int d = 0; d < hd; ++d) {
-          m += double(qh[r][d]) * fp16_to_fp32(mu[d]);
-          s2 += double(qh[r][d]) * qh[r][d] * fp16_to_fp32(var[d]);
+          m += double(qh[r][d]) * key_summary_mean(sm, hd, d);
+          s2 += double(qh[r][d]) * qh[r][d] * key_summary_var(sm, hd, d);
         }
         best = std::max(best, m + spread * std::sqrt(s2));
       }

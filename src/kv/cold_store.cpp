@@ -64,7 +64,7 @@ Result<std::unique_ptr<ColdStore>> ColdStore::create(const std::string& dir, Pag
 ColdStore::ColdStore(PagePool& pool, int fd) : pool_(pool), fd_(fd) {
   const KvLayout& L = pool.layout();
   n_layer_ = L.n_layer;
-  stats_per_layer_ = int64_t(L.n_head_kv) * 2 * L.head_dim;
+  stats_per_layer_ = key_stats_bytes_per_page(L);
   slot_bytes_ = L.page_bytes();
   buf_.resize(static_cast<size_t>(slot_bytes_));
   max_ready_ = static_cast<size_t>(std::clamp<int64_t>((int64_t(64) << 20) / std::max<int64_t>(1, slot_bytes_), 4, 256));
@@ -103,7 +103,7 @@ int32_t ColdStore::put(int32_t page) {
   ++gen_[slot];
   checksum_[slot] = XXH3_64bits(buf_.data(), static_cast<size_t>(slot_bytes_));
   for (int32_t l = 0; l < n_layer_; ++l)
-    std::memcpy(stats_.data() + (int64_t(slot) * n_layer_ + l) * stats_per_layer_, pool_.key_stats(l, page), stats_per_layer_ * 2);
+    std::memcpy(stats_.data() + (int64_t(slot) * n_layer_ + l) * stats_per_layer_, pool_.key_stats(l, page), stats_per_layer_);
   ++slots_used_;
   slots_used_pub_.store(slots_used_, std::memory_order_relaxed);
   file_bytes_.store(int64_t(n_slots_) * slot_bytes_, std::memory_order_relaxed);
@@ -114,7 +114,7 @@ int32_t ColdStore::put(int32_t page) {
 
 void ColdStore::copy_in(const uint8_t* src, int32_t slot, int32_t page) {
   pool_.write_page(page, src);
-  for (int32_t l = 0; l < n_layer_; ++l) std::memcpy(pool_.key_stats(l, page), key_stats(slot, l), stats_per_layer_ * 2);
+  for (int32_t l = 0; l < n_layer_; ++l) std::memcpy(pool_.key_stats(l, page), key_stats(slot, l), stats_per_layer_);
 }
 
 bool ColdStore::read_slot(int32_t slot, uint8_t* dst) { return pread_all(fd_, dst, slot_bytes_, int64_t(slot) * slot_bytes_); }

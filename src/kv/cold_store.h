@@ -79,7 +79,7 @@ class ColdStore {
   bool get(int32_t slot, int32_t page);
   // Reads the slot ahead into RAM (the loader thread), for a get() soon.
   void prefetch(int32_t slot);
-  const uint16_t* key_stats(int32_t slot, int32_t layer) const {
+  const uint8_t* key_stats(int32_t slot, int32_t layer) const {
     return stats_.data() + (int64_t(slot) * n_layer_ + layer) * stats_per_layer_;
   }
   void retain(int32_t slot) { ++refs_[slot]; }
@@ -99,12 +99,12 @@ class ColdStore {
   PagePool& pool_;
   int fd_;
   int32_t n_layer_;
-  int64_t stats_per_layer_;  // halves per (slot, layer): n_head_kv × 2 × head_dim
+  int64_t stats_per_layer_;  // bytes per (slot, layer): key_stats_bytes_per_page
   int64_t slot_bytes_;
   std::vector<int32_t> refs_;        // per slot (0: free)
   std::vector<uint64_t> checksum_;   // per slot: XXH3-64 of its bytes
   std::vector<uint32_t> gen_;        // per slot: bumped at each put (stale prefetches are dropped)
-  std::vector<uint16_t> stats_;     // per slot, per layer: the page's key summaries
+  std::vector<uint8_t> stats_;      // per slot, per layer: the page's key summaries
   std::vector<int32_t> free_slots_;
   int32_t n_slots_ = 0;              // high-water mark
   int64_t slots_used_ = 0;
@@ -142,7 +142,7 @@ class ColdTable {
   }
   bool attached() const { return store_ != nullptr; }
   int64_t n_cold() const { return n_cold_; }
-  const uint16_t* key_stats(int64_t logical, int32_t layer) const { return store_->key_stats(slot_[logical], layer); }
+  const uint8_t* key_stats(int64_t logical, int32_t layer) const { return store_->key_stats(slot_[logical], layer); }
 
   // Makes logical page i resident: its pool page, or -1 (no free page, or the read failed: then
   // the page is dropped for good and the entry becomes -1, as if evicted).

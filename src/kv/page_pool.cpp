@@ -295,22 +295,30 @@ void PagePool::release_filled(int32_t layer) {
 }
 
 void PagePool::enable_key_stats() {
-  if (key_stats_.empty()) key_stats_.assign(int64_t(layout_.n_layer) * n_pages_ * layout_.n_head_kv * 2 * layout_.head_dim, 0);
+  if (key_stats_.empty()) key_stats_.assign(int64_t(layout_.n_layer) * n_pages_ * key_stats_bytes_per_page(layout_), 0);
 }
 
 void PagePool::store_key_stats(int32_t layer, int32_t page, const float* keys, int32_t n) {
   assert(n > 0);
-  const int hd = layout_.head_dim;
-  uint16_t* b = key_stats(layer, page);
-  for (int32_t h = 0; h < layout_.n_head_kv; ++h, b += 2 * hd) {
-    const float* kh = keys + int64_t(h) * n * hd;
-    for (int d = 0; d < hd; ++d) {
-      double sum = 0, sq = 0;
-      for (int32_t j = 0; j < n; ++j) sum += kh[int64_t(j) * hd + d];
-      const double mean = sum / n;
-      for (int32_t j = 0; j < n; ++j) sq += (kh[int64_t(j) * hd + d] - mean) * (kh[int64_t(j) * hd + d] - mean);
-      b[d] = fp32_to_fp16(static_cast<float>(mean));
-      b[hd + d] = fp32_to_fp16(static_cast<float>(sq / n));
+  const int hd = layout_.head_dim, parts = key_stat_parts(layout_.block_size);
+  const int32_t per = key_stat_part_slots(layout_.block_size);
+  uint8_t* b = key_stats(layer, page);
+  std::vector<float> mv(hd), vv(hd);
+  for (int p = 0; p < parts; ++p) {
+    // Slots [j0, j1) of the part; a part with none written (transform_keys on a page still
+    // filling) repeats the last part that has some.
+    const int32_t j0 = std::min(p * per, (n - 1) / per * per), j1 = std::min(n, j0 + per);
+    for (int32_t h = 0; h < layout_.n_head_kv; ++h, b += key_summary_bytes(hd)) {
+      const float* kh = keys + int64_t(h) * n * hd;
+      for (int d = 0; d < hd; ++d) {
+        double sum = 0, sq = 0;
+        for (int32_t j = j0; j < j1; ++j) sum += kh[int64_t(j) * hd + d];
+        const double mean = sum / (j1 - j0);
+        for (int32_t j = j0; j < j1; ++j) sq += (kh[int64_t(j) * hd + d] - mean) * (kh[int64_t(j) * hd + d] - mean);
+        mv[d] = static_cast<float>(mean);
+        vv[d] = static_cast<float>(sq / (j1 - j0));
+      }
+      encode_key_summary(mv.data(), vv.data(), hd, b);
     }
   }
 }
@@ -418,7 +426,7 @@ bool PagePool::copy_page(int32_t src, int32_t dst) {
   }
   if (!key_stats_.empty())
     for (int32_t l = 0; l < layout_.n_layer; ++l)
-      std::memcpy(const_cast<uint16_t*>(key_stats(l, dst)), key_stats(l, src), size_t(layout_.n_head_kv) * 2 * layout_.head_dim * sizeof(uint16_t));
+      std::memcpy(const_cast<uint8_t*>(key_stats(l, dst)), key_stats(l, src), size_t(key_stats_bytes_per_page(layout_)));
   for (int32_t l = 0; l < layout_.n_layer; ++l) {
     std::memcpy(k_data(l, dst), k_data(l, src), layout_.k_layer_page_bytes(l));
     std::memcpy(v_data(l, dst), v_data(l, src), layout_.v_layer_page_bytes(l));

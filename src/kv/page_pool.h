@@ -24,9 +24,27 @@
 
 #include "common/status.h"
 #include "kernels/attention.h"
+#include "kernels/ops.h"
 #include "kv/kv_layout.h"
 
 namespace kv {
+
+// Quest's key summaries describe a page in parts of at most kQuestKeysPerPart slots (a page of
+// 16: two parts of 8), each KV head's part in 8 bits (encode_key_summary); a page scores as its
+// best part. Finer parts rank pages closer to their true highest q·k; 8-bit summaries rank as
+// the f16 ones did (docs/eviction.md), so two parts in 8 bits cost the bytes one f16 summary
+// per page did.
+inline constexpr int32_t kQuestKeysPerPart = 8;
+inline int32_t key_stat_parts(int32_t block_size) { return (block_size + kQuestKeysPerPart - 1) / kQuestKeysPerPart; }
+// Slots per part (the last part may have fewer).
+inline int32_t key_stat_part_slots(int32_t block_size) {
+  const int32_t parts = key_stat_parts(block_size);
+  return (block_size + parts - 1) / parts;
+}
+// Bytes of one (layer, page)'s summaries: [part][n_head_kv][key_summary_bytes(head_dim)].
+inline int64_t key_stats_bytes_per_page(const KvLayout& l) {
+  return int64_t(key_stat_parts(l.block_size)) * l.n_head_kv * key_summary_bytes(l.head_dim);
+}
 
 class PagePool {
  public:
@@ -107,21 +125,22 @@ class PagePool {
   void transform_keys(int32_t layer, int32_t page, int32_t n_slots, Fn&& fn) {
     transform_keys_impl(layer, page, n_slots, [](void* f, float* k, int32_t h) { (*static_cast<Fn*>(f))(k, h); }, &fn);
   }
-  // Quest key summaries: per (layer, page, KV head) the channel-wise mean then variance of the
-  // page's keys ([2][head_dim] f16, from the keys as written, before any quantization), made
-  // when the page fills (and by transform_keys, over the slots it rewrote) and kept by
-  // copy_page. A page still filling has none that counts: Quest always reads a query's own page.
-  // Off until enabled; enabling allocates n_layer × n_pages × n_head_kv × 2 × head_dim halves
-  // (counted in total_bytes).
+  // Quest key summaries: per (layer, page, part of key_stat_part_slots slots, KV head) the
+  // channel-wise mean and variance of the part's keys in 8 bits (encode_key_summary, from the
+  // keys as written, before any quantization), key_stats_bytes_per_page(layout) per (layer,
+  // page) as [part][n_head_kv][key_summary_bytes(head_dim)]. Made when the page fills (and by
+  // transform_keys, over the slots it rewrote) and kept by copy_page. A page still filling has
+  // none that counts: Quest always reads a query's own page. Off until enabled; enabling
+  // allocates n_layer × n_pages × key_stats_bytes_per_page bytes (counted in total_bytes).
   void enable_key_stats();
   bool has_key_stats() const { return !key_stats_.empty(); }
-  uint16_t* key_stats(int32_t layer, int32_t page) {  // (a page loaded from a lower tier)
-    return key_stats_.data() + (int64_t(layer) * n_pages_ + page) * layout_.n_head_kv * 2 * layout_.head_dim;
+  uint8_t* key_stats(int32_t layer, int32_t page) {  // (a page loaded from a lower tier)
+    return key_stats_.data() + (int64_t(layer) * n_pages_ + page) * key_stats_bytes_per_page(layout_);
   }
-  const uint16_t* key_stats(int32_t layer, int32_t page) const {
-    return key_stats_.data() + (int64_t(layer) * n_pages_ + page) * layout_.n_head_kv * 2 * layout_.head_dim;
+  const uint8_t* key_stats(int32_t layer, int32_t page) const {
+    return key_stats_.data() + (int64_t(layer) * n_pages_ + page) * key_stats_bytes_per_page(layout_);
   }
-  int64_t key_stats_bytes() const { return int64_t(key_stats_.size()) * 2; }
+  int64_t key_stats_bytes() const { return int64_t(key_stats_.size()); }
   // The attention kernels' view of one layer (pages, staging); the caller sets .pages.
   PagedKvView view(int32_t layer) const;
 
@@ -148,7 +167,7 @@ class PagePool {
   std::vector<int32_t> stage_page_;            // [n_layer][n_staging]: page holding the slot or -1
   std::vector<std::vector<int32_t>> stage_free_;  // [n_layer]: free slots
   std::vector<std::vector<int32_t>> filled_;      // [n_layer]: quantized pages still holding staging
-  std::vector<uint16_t> key_stats_;              // [n_layer][n_pages][n_head_kv][2][head_dim] f16, or empty
+  std::vector<uint8_t> key_stats_;               // [n_layer][n_pages][part][n_head_kv][summary], or empty
   // keys [n_head_kv][n][head_dim] → the page's summaries; summarize_keys reads a full page's keys
   // (from its staging tile while it has one).
   void store_key_stats(int32_t layer, int32_t page, const float* keys, int32_t n);

@@ -9,13 +9,13 @@
 //   u64 namespace tag (XXH3-64 of the namespace: the raw string, which may hold an API key,
 //       never leaves the process)
 //   u64 hash.lo  u64 hash.hi      (the page's chain hash: its key in every store)
-//   u32 flags (bit 1: Quest key summaries follow the K/V bytes; bit 2: the sliding-window
+//   u32 flags (bit 3: Quest key summaries follow the K/V bytes; bit 2: the sliding-window
 //       layer group's K/V of the same position follows, hybrid models)
 //   i32 tokens[block_size]        (the page's tokens)
 //   u64 payload bytes             u64 XXH3-64 of the payload
 //   u64 XXH3-64 of every header byte before this one
 //   payload: per layer, K bytes then V bytes of the page (the pool's tile format), then with
-//   flag bit 1 the pool's key summaries of the page, per layer, then with flag bit 2 the
+//   flag bit 3 the pool's key summaries of the page, per layer, then with flag bit 2 the
 //   window group's page (its pool's format; the global page's format tag covers both groups).
 #pragma once
 #include <cstdint>
@@ -30,10 +30,12 @@
 namespace kv {
 
 inline constexpr uint32_t kBlobVersion = 1;
-// Bit 1: Quest's key summaries (mean, variance) follow. Bit 0 meant min/max bounds before
-// 2026-11-27: such a blob is a miss for a pool that keeps summaries (and, by its size, for one
-// that does not), never read as summaries.
-inline constexpr uint32_t kBlobFlagKeyStats = 2;
+// Bit 3: Quest's key summaries follow (PagePool::key_stats: 8-bit mean and variance per part of
+// kQuestKeysPerPart slots). Earlier bits, no longer written: bit 0 (min/max bounds per page,
+// before 2026-11-27), bit 1 (f16 mean and variance per page, until 2026-11-28). Such a blob is
+// a miss for a pool that keeps summaries (and, by its size, for one that does not), never read
+// as summaries.
+inline constexpr uint32_t kBlobFlagKeyStats = 8;
 // Bit 2: the window group's page of the same position follows (hybrid models, e.g. Gemma 3).
 inline constexpr uint32_t kBlobFlagWindow = 4;
 

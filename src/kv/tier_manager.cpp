@@ -74,7 +74,7 @@ PageIdentity TierManager::identity(uint64_t ns_tag) const { return PageIdentity{
 
 int64_t TierManager::payload_bytes(bool window) const {
   int64_t b = layout_.page_bytes();
-  if (key_stats_) b += int64_t(layout_.n_layer) * layout_.n_head_kv * 2 * layout_.head_dim * 2;
+  if (key_stats_) b += int64_t(layout_.n_layer) * key_stats_bytes_per_page(layout_);
   if (window) b += window_layout_.page_bytes();
   return b;
 }
@@ -145,7 +145,7 @@ TierManager::Write TierManager::page_write(const PageHash& h, const std::string&
   pool_->read_page(page, reinterpret_cast<uint8_t*>(dst));
   dst += layout_.page_bytes();
   if (key_stats_) {
-    const size_t bb = size_t(layout_.n_head_kv) * 2 * layout_.head_dim * 2;
+    const size_t bb = size_t(key_stats_bytes_per_page(layout_));
     for (int32_t l = 0; l < layout_.n_layer; ++l, dst += bb) std::memcpy(dst, pool_->key_stats(l, page), bb);
   }
   if (win) wpool_->read_page(wpage, reinterpret_cast<uint8_t*>(dst));
@@ -356,7 +356,7 @@ bool TierManager::install(const std::string& blob, PagePool& pool, int32_t page,
   const KvLayout& L = pool.layout();
   const char* src = blob.data() + h.header_bytes;
   const int64_t kv_bytes = L.page_bytes();
-  const int64_t bb = int64_t(L.n_head_kv) * 2 * L.head_dim * 2;
+  const int64_t bb = key_stats_bytes_per_page(L);
   const int64_t w_bytes = has_win ? (wpool ? wpool->layout().page_bytes() : window_layout_.page_bytes()) : 0;
   if (int64_t(h.payload_bytes) != kv_bytes + (has_stats ? int64_t(L.n_layer) * bb : 0) + w_bytes) return false;
   written_.insert(h.hash);  // it came from below: no need to write it back

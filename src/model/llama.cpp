@@ -443,7 +443,11 @@ void LlamaModel::quest_select_layer(const Batch& batch, const PagePool& pool, in
   }
   const std::vector<Chunk>& work = chunks;
   const int64_t n_pairs = int64_t(batch.seqs.size()) * hkv;
-  const float spread = static_cast<float>(quest_spread(bs));
+  // A page's summaries are key_stat_parts parts of key_stat_part_slots keys (PagePool::key_stats).
+  constexpr int kMaxParts = kAttnMaxBlockSize / kQuestKeysPerPart;
+  const int parts = key_stat_parts(bs);
+  const int64_t part_bytes = int64_t(hkv) * key_summary_bytes(static_cast<int>(HD));
+  const float spread = static_cast<float>(quest_spread(key_stat_part_slots(bs)));
   tp.run([&](int ith, int nth) {
     int64_t b, e;
     ThreadPool::split(static_cast<int64_t>(work.size()), ith, nth, 1, &b, &e);
@@ -456,21 +460,28 @@ void LlamaModel::quest_select_layer(const Batch& batch, const PagePool& pool, in
       thread_local std::vector<const float*> q;
       thread_local std::vector<float> out;  // [page][head]
       q.resize(size_t(hkv) * n_rows);
-      out.resize(size_t(kChunk) * hkv);
+      out.resize(size_t(kChunk) * parts * hkv);
       for (int h = 0; h < hkv; ++h)
         for (int r = 0; r < n_rows; ++r)
           q[h * n_rows + r] = qkv_.data() + (s.offset + r / n_group) * n_qkv + int64_t(h * n_group + r % n_group) * HD;
-      const uint16_t* kb[kChunk];  // the chunk's pages that have keys, then one kernel call
+      // The chunk's pages that have keys, each part an entry of its own, then one kernel call;
+      // a page scores as its best part.
+      const uint8_t* kb[kChunk * kMaxParts];
       int64_t at[kChunk], n = 0;
       for (int64_t i = ck.i0; i < ck.i1; ++i) {
         if (pages[i] < 0 && !(pages[i] == kColdPage && s.cold)) continue;
-        kb[n] = pages[i] >= 0 ? pool.key_stats(li, pages[i]) : s.cold->key_stats(i, li);
+        const uint8_t* st = pages[i] >= 0 ? pool.key_stats(li, pages[i]) : s.cold->key_stats(i, li);
+        for (int p = 0; p < parts; ++p) kb[n * parts + p] = st + p * part_bytes;
         at[n++] = i;
       }
-      key_score_pages(q.data(), n_rows, hkv, kb, n, static_cast<int>(HD), spread, out.data());
+      key_score_pages(q.data(), n_rows, hkv, kb, n * parts, static_cast<int>(HD), spread, out.data());
       for (int h = 0; h < hkv; ++h) {
         float* score = quest_scores_[size_t(ck.si) * hkv + h].data();
-        for (int64_t j = 0; j < n; ++j) score[at[j]] = out[j * hkv + h];
+        for (int64_t j = 0; j < n; ++j) {
+          float best = out[j * parts * hkv + h];
+          for (int p = 1; p < parts; ++p) best = std::max(best, out[(j * parts + p) * hkv + h]);
+          score[at[j]] = best;
+        }
       }
     }
     tp.barrier();

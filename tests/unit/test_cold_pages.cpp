@@ -73,7 +73,7 @@ TEST(ColdPages, StoreRoundTripAndChecksum) {
   const int32_t slot = cs.put(pages[0]);
   ASSERT_GE(slot, 0);
   ASSERT_TRUE(cs.get(slot, pages[1]));
-  const int64_t bounds = int64_t(l.n_head_kv) * 2 * l.head_dim * 2;
+  const int64_t bounds = key_stats_bytes_per_page(l);
   for (int32_t layer = 0; layer < l.n_layer; ++layer) {
     EXPECT_EQ(std::memcmp(pool.k_data(layer, pages[0]), pool.k_data(layer, pages[1]), l.k_layer_page_bytes(layer)), 0);
     EXPECT_EQ(std::memcmp(pool.v_data(layer, pages[0]), pool.v_data(layer, pages[1]), l.v_layer_page_bytes(layer)), 0);

@@ -258,7 +258,9 @@ TEST(KvEviction, KeyStatsAreTheMeanAndVarianceOfThePage) {
     ASSERT_TRUE(l.validate().is_ok());
     PagePool pool(l, 4);
     pool.enable_key_stats();
-    EXPECT_EQ(pool.key_stats_bytes(), int64_t(2) * 4 * 2 * 2 * 32 * 2);
+    // layers × pages × parts (two of 8 slots) × heads × (scales, 8-bit means, 8-bit variances)
+    ASSERT_EQ(key_stat_parts(16), 2);
+    EXPECT_EQ(pool.key_stats_bytes(), int64_t(2) * 4 * 2 * 2 * (8 + 2 * 32));
     std::vector<int32_t> pages;
     ASSERT_TRUE(pool.allocate(2, &pages));
     std::mt19937 rng(3);
@@ -274,18 +276,28 @@ TEST(KvEviction, KeyStatsAreTheMeanAndVarianceOfThePage) {
     for (int slot = 4; slot < 16; ++slot) write(slot, 1.f);
     for (int layer = 0; layer < 2; ++layer) pool.release_filled(layer);
     ASSERT_TRUE(pool.copy_page(pages[0], pages[1]));
+    // Each part (slots 0-7, 8-15) and KV head: the mean and variance of its keys, in 8 bits:
+    // within half a step of the largest |mean| / 127 and the largest variance / 255 (and, for
+    // f16 pages, of the keys as stored: rounded to f16).
     for (int32_t page : pages)
       for (int layer = 0; layer < 2; ++layer)
-        for (int h = 0; h < 2; ++h) {
-          const uint16_t* b = pool.key_stats(layer, page) + h * 64;
-          for (int d = 0; d < 32; ++d) {
-            double mean = 0, var = 0;
-            for (const auto& k : keys) mean += k[h * 32 + d] / 16.0;
-            for (const auto& k : keys) var += (k[h * 32 + d] - mean) * (k[h * 32 + d] - mean) / 16.0;
-            EXPECT_NEAR(fp16_to_fp32(b[d]), mean, std::abs(mean) * 1e-3 + 1e-3) << kv_dtype_name(dt);
-            EXPECT_NEAR(fp16_to_fp32(b[32 + d]), var, var * 1e-3 + 1e-3) << kv_dtype_name(dt);
+        for (int part = 0; part < 2; ++part)
+          for (int h = 0; h < 2; ++h) {
+            const uint8_t* b = pool.key_stats(layer, page) + (part * 2 + h) * key_summary_bytes(32);
+            double mean[32], var[32], amax = 0, vmax = 0;
+            for (int d = 0; d < 32; ++d) {
+              mean[d] = var[d] = 0;
+              for (int j = 8 * part; j < 8 * part + 8; ++j) mean[d] += keys[j][h * 32 + d] / 8.0;
+              for (int j = 8 * part; j < 8 * part + 8; ++j) var[d] += (keys[j][h * 32 + d] - mean[d]) * (keys[j][h * 32 + d] - mean[d]) / 8.0;
+              amax = std::max(amax, std::abs(mean[d]));
+              vmax = std::max(vmax, var[d]);
+            }
+            for (int d = 0; d < 32; ++d) {
+              // (f16 pages: of the keys rounded to f16, as stored)
+              EXPECT_NEAR(key_summary_mean(b, 32, d), mean[d], amax / 254 * 1.001 + std::abs(mean[d]) * 1e-3 + 1e-3) << kv_dtype_name(dt);
+              EXPECT_NEAR(key_summary_var(b, 32, d), var[d], vmax / 510 * 1.001 + var[d] * 1e-3 + 1e-3) << kv_dtype_name(dt);
+            }
           }
-        }
     pool.release(pages[0]);
     pool.release(pages[1]);
     EXPECT_TRUE(pool.check_integrity().is_ok());
@@ -487,17 +499,27 @@ TEST(KvReindex, TransformKeysRoundTripsEveryFormat) {
       const double tol = dt == KvDtype::kF32 ? 1e-5 : dt == KvDtype::kF16 ? 5e-3 : dt == KvDtype::kBF16 ? 4e-2 : dt == KvDtype::kInt4 ? 1.5 : 0.5;
       EXPECT_LT(err, tol) << kv_dtype_name(dt) << " page " << pi;
       EXPECT_GT(change, 0.5) << kv_dtype_name(dt) << " page " << pi;  // the rotation did act
-      // Quest's summaries follow the keys: the mean and variance of the slots rotated
-      const uint16_t* b = pool.key_stats(0, pages[pi]);
-      // they are of the keys before rounding to bf16 or quantizing (a staging tile is f16)
+      // Quest's summaries follow the keys: the mean and variance of each part's slots rotated
+      // (slots 0-7 and 8-15; the filling page's 5 slots are all part 0's, which part 1 repeats),
+      // in 8 bits: within a step of the largest |mean| / 127 and the largest variance / 255.
+      // They are of the keys before rounding to bf16 or quantizing (a staging tile is f16).
       if (!(dt == KvDtype::kBF16 || (dt != KvDtype::kF32 && dt != KvDtype::kF16 && pi == 0)))
-        for (int h = 0; h < 2; ++h)
-          for (int d = 0; d < 64; ++d) {
-            double mean = 0, var = 0;
-            for (int j = 0; j < n; ++j) mean += after[(size_t(h) * n + j) * 64 + d] / n;
-            for (int j = 0; j < n; ++j) var += std::pow(after[(size_t(h) * n + j) * 64 + d] - mean, 2) / n;
-            ASSERT_NEAR(fp16_to_fp32(b[h * 128 + d]), mean, 1e-2) << kv_dtype_name(dt);
-            ASSERT_NEAR(fp16_to_fp32(b[h * 128 + 64 + d]), var, 1e-2 * (1 + var)) << kv_dtype_name(dt);
+        for (int part = 0; part < 2; ++part)
+          for (int h = 0; h < 2; ++h) {
+            const uint8_t* b = pool.key_stats(0, pages[pi]) + (part * 2 + h) * key_summary_bytes(64);
+            const int j0 = n > 8 ? 8 * part : 0, j1 = n > 8 ? j0 + 8 : n;
+            double mean[64], var[64], amax = 0, vmax = 0;
+            for (int d = 0; d < 64; ++d) {
+              mean[d] = var[d] = 0;
+              for (int j = j0; j < j1; ++j) mean[d] += after[(size_t(h) * n + j) * 64 + d] / (j1 - j0);
+              for (int j = j0; j < j1; ++j) var[d] += std::pow(after[(size_t(h) * n + j) * 64 + d] - mean[d], 2) / (j1 - j0);
+              amax = std::max(amax, std::abs(mean[d]));
+              vmax = std::max(vmax, var[d]);
+            }
+            for (int d = 0; d < 64; ++d) {
+              ASSERT_NEAR(key_summary_mean(b, 64, d), mean[d], 1e-2 + amax / 127) << kv_dtype_name(dt);
+              ASSERT_NEAR(key_summary_var(b, 64, d), var[d], 1e-2 * (1 + var[d]) + vmax / 255) << kv_dtype_name(dt);
+            }
           }
     }
     for (int32_t p : pages) pool.release(p);

@@ -523,8 +523,8 @@ void fill_page(PagePool& pool, int32_t page, uint32_t seed) {
       for (int64_t i = 0; i < L.v_layer_page_bytes(l); ++i) v[i] = static_cast<uint8_t>(rng());
     }
     if (pool.has_key_stats()) {
-      uint16_t* kb = pool.key_stats(l, page);
-      for (int64_t i = 0; i < int64_t(L.n_head_kv) * 2 * L.head_dim; ++i) kb[i] = static_cast<uint16_t>(rng());
+      uint8_t* kb = pool.key_stats(l, page);
+      for (int64_t i = 0; i < key_stats_bytes_per_page(L); ++i) kb[i] = static_cast<uint8_t>(rng());
     }
   }
 }
@@ -538,7 +538,7 @@ void expect_same_page(const PagePool& pa, int32_t a, const PagePool& pb, int32_t
       EXPECT_EQ(std::memcmp(pa.v_data(l, a), pb.v_data(l, b), L.v_layer_page_bytes(l)), 0) << "V layer " << l;
     }
     if (pa.has_key_stats() && pb.has_key_stats()) {
-      EXPECT_EQ(std::memcmp(pa.key_stats(l, a), pb.key_stats(l, b), size_t(L.n_head_kv) * 2 * L.head_dim * 2), 0)
+      EXPECT_EQ(std::memcmp(pa.key_stats(l, a), pb.key_stats(l, b), size_t(key_stats_bytes_per_page(L))), 0)
           << "bounds layer " << l;
     }
   }

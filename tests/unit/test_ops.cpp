@@ -301,6 +301,29 @@ TEST_P(OpsTest, FirstGt) {
   }
 }
 
+// Quest's 8-bit key summary: each mean within half a step of max|mean| / 127 and each variance
+// within half a step of max var / 255; zeros stay zeros (a page of one key has no variance).
+TEST(OpsRef, KeySummaryEncoding) {
+  for (int hd : {8, 64, 256}) {
+    const auto mean = randn(hd, hd + 1, 3.0f), sd = randn(hd, hd + 2, 1.0f);
+    std::vector<float> var(hd), zero(hd, 0.f);
+    for (int d = 0; d < hd; ++d) var[d] = sd[d] * sd[d];
+    float amax = 0, vmax = 0;
+    for (int d = 0; d < hd; ++d) amax = std::max(amax, std::fabs(mean[d])), vmax = std::max(vmax, var[d]);
+    std::vector<uint8_t> s(key_summary_bytes(hd));
+    encode_key_summary(mean.data(), var.data(), hd, s.data());
+    for (int d = 0; d < hd; ++d) {
+      ASSERT_NEAR(key_summary_mean(s.data(), hd, d), mean[d], amax / 254 * 1.0001f) << hd << " " << d;
+      ASSERT_NEAR(key_summary_var(s.data(), hd, d), var[d], vmax / 510 * 1.0001f) << hd << " " << d;
+    }
+    encode_key_summary(zero.data(), zero.data(), hd, s.data());
+    for (int d = 0; d < hd; ++d) {
+      ASSERT_EQ(key_summary_mean(s.data(), hd, d), 0.f);
+      ASSERT_EQ(key_summary_var(s.data(), hd, d), 0.f);
+    }
+  }
+}
+
 // Quest's page score: the fast path equals the double reference to float rounding; a page of
 // one key (variance 0) scores that key's q·k; the spread term scales with the keys' spread.
 TEST_P(OpsTest, KeyScore) {
@@ -310,23 +333,21 @@ TEST_P(OpsTest, KeyScore) {
     for (int n_rows : {1, 2, 3, 4, 5, 7, 16}) {   // the fast path's row groups of 4 and their rests
       for (int n_heads : {1, 3}) {
         const auto qs = randn(int64_t(n_heads) * n_rows * hd, hd + n_rows + 1000 * n_heads, 1.0f);
-        std::vector<uint16_t> stats(size_t(kPages) * n_heads * 2 * hd), wide(stats.size());
-        std::vector<const uint16_t*> pages(kPages), wide_pages(kPages);
+        const int64_t sb = key_summary_bytes(hd);
+        std::vector<uint8_t> stats(size_t(kPages) * n_heads * sb), wide(stats.size());
+        std::vector<const uint8_t*> pages(kPages), wide_pages(kPages);
         for (int p = 0; p < kPages; ++p) {
           const int pp = (p * 3) % kPages;  // pages out of memory order
           for (int h = 0; h < n_heads; ++h) {
             const int salt = 100 * p + 10 * h;
             const auto a = randn(hd, hd * 7 + n_rows + salt, 2.0f), b = randn(hd, hd * 11 + n_rows + salt, 1.0f);
-            uint16_t* ps = stats.data() + (size_t(pp) * n_heads + h) * 2 * hd;
-            uint16_t* pw = wide.data() + (size_t(pp) * n_heads + h) * 2 * hd;
-            for (int d = 0; d < hd; ++d) {
-              ps[d] = pw[d] = fp32_to_fp16(a[d]);
-              ps[hd + d] = fp32_to_fp16(p == 1 ? 0.f : b[d] * b[d]);
-              pw[hd + d] = fp32_to_fp16(4 * fp16_to_fp32(ps[hd + d]));  // twice the standard deviation
-            }
+            std::vector<float> var(hd), var4(hd);
+            for (int d = 0; d < hd; ++d) var[d] = p == 1 ? 0.f : b[d] * b[d], var4[d] = 4 * var[d];  // twice the sd
+            encode_key_summary(a.data(), var.data(), hd, stats.data() + (size_t(pp) * n_heads + h) * sb);
+            encode_key_summary(a.data(), var4.data(), hd, wide.data() + (size_t(pp) * n_heads + h) * sb);
           }
-          pages[p] = stats.data() + size_t(pp) * n_heads * 2 * hd;
-          wide_pages[p] = wide.data() + size_t(pp) * n_heads * 2 * hd;
+          pages[p] = stats.data() + size_t(pp) * n_heads * sb;
+          wide_pages[p] = wide.data() + size_t(pp) * n_heads * sb;
         }
         std::vector<const float*> q_all(size_t(n_heads) * n_rows);
         for (size_t r = 0; r < q_all.size(); ++r) q_all[r] = qs.data() + int64_t(r) * hd;
@@ -340,7 +361,7 @@ TEST_P(OpsTest, KeyScore) {
           double best = -1e30;  // page 1: one key, its mean
           for (int r = 0; r < n_rows; ++r) {
             double dot = 0;
-            for (int d = 0; d < hd; ++d) dot += q[r][d] * double(fp16_to_fp32(pages[1][h * 2 * hd + d]));
+            for (int d = 0; d < hd; ++d) dot += q[r][d] * double(key_summary_mean(pages[1] + h * sb, hd, d));
             best = std::max(best, dot);
           }
           ASSERT_NEAR(want[n_heads + h], best, 1e-5 * (1 + std::fabs(best)));
@@ -349,7 +370,7 @@ TEST_P(OpsTest, KeyScore) {
           key_score_pages_ref(q_all.data(), n_rows, n_heads, wide_pages.data(), kPages, hd, kSpread, got_wide.data());
           for (int h = 0; h < n_heads; ++h) {
             double mean = 0;
-            for (int d = 0; d < hd; ++d) mean += q_all[h][d] * double(fp16_to_fp32(pages[0][h * 2 * hd + d]));
+            for (int d = 0; d < hd; ++d) mean += q_all[h][d] * double(key_summary_mean(pages[0] + h * sb, hd, d));
             ASSERT_GT(want[h], mean);
             ASSERT_NEAR(got_wide[h] - mean, 2 * (want[h] - mean), 1e-2 * (1 + std::fabs(want[h] - mean)));
           }
