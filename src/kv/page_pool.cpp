@@ -303,7 +303,9 @@ void PagePool::store_key_stats(int32_t layer, int32_t page, const float* keys, i
   const int hd = layout_.head_dim, parts = key_stat_parts(layout_.block_size);
   const int32_t per = key_stat_part_slots(layout_.block_size);
   uint8_t* b = key_stats(layer, page);
-  std::vector<float> mv(hd), vv(hd);
+  thread_local std::vector<float> mv, vv;  // one part and head: mean, variance
+  mv.resize(hd);
+  vv.resize(hd);
   for (int p = 0; p < parts; ++p) {
     // Slots [j0, j1) of the part; a part with none written (transform_keys on a page still
     // filling) repeats the last part that has some.
