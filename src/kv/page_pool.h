@@ -41,10 +41,10 @@ inline int32_t key_stat_part_slots(int32_t block_size) {
   const int32_t parts = key_stat_parts(block_size);
   return (block_size + parts - 1) / parts;
 }
-// Bytes of one (layer, page)'s summaries: [part][n_head_kv][key_summary_bytes(head_dim)].
-inline int64_t key_stats_bytes_per_page(const KvLayout& l) {
-  return int64_t(key_stat_parts(l.block_size)) * l.n_head_kv * key_summary_bytes(l.head_dim);
-}
+// Bytes of one part of a page's summaries (every KV head's), and of one (layer, page)'s:
+// [part][n_head_kv][key_summary_bytes(head_dim)].
+inline int64_t key_stats_part_bytes(const KvLayout& l) { return int64_t(l.n_head_kv) * key_summary_bytes(l.head_dim); }
+inline int64_t key_stats_bytes_per_page(const KvLayout& l) { return key_stat_parts(l.block_size) * key_stats_part_bytes(l); }
 
 class PagePool {
  public:

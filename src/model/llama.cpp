@@ -446,7 +446,7 @@ void LlamaModel::quest_select_layer(const Batch& batch, const PagePool& pool, in
   // A page's summaries are key_stat_parts parts of key_stat_part_slots keys (PagePool::key_stats).
   constexpr int kMaxParts = kAttnMaxBlockSize / kQuestKeysPerPart;
   const int parts = key_stat_parts(bs);
-  const int64_t part_bytes = int64_t(hkv) * key_summary_bytes(static_cast<int>(HD));
+  const int64_t part_bytes = key_stats_part_bytes(pool.layout());
   const float spread = static_cast<float>(quest_spread(key_stat_part_slots(bs)));
   tp.run([&](int ith, int nth) {
     int64_t b, e;
