@@ -20,6 +20,7 @@
 
 #define KV_ISA_NS avx512
 #include "kernels/ops_impl.h"
+#include "kernels/prefetch.h"
 
 namespace kv::avx512 {
 
@@ -232,68 +233,128 @@ inline __m512 reduce16(const __m512* v) {
                        _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// Pages 8 at a time: per KV head their summaries converted to f32 once (L1), then per query row
-// the 8 pages' q·mu and q²·var partial vectors, reduced together by reduce16 and scored as one
-// vector (lanes 0-7: q·mu, 8-15: Σ q²·var). The next 8 pages' summaries (all heads: contiguous)
-// are prefetched: a sequence's pages are scattered, the hardware prefetcher cannot guess them.
-void key_score_pages(const float* const* q, int n_rows, int n_heads, const uint8_t* const* b, int64_t n, int hd,
-                     float spread, float* out) {
-  if (hd % 16 != 0 || hd > 256) return key_score_pages_ref(q, n_rows, n_heads, b, n, hd, spread, out);
+// Integer dot products (VNNI), 8 entries at a time per KV head. The summaries are 8-bit
+// already; the query rows are quantized once per call instead of converting every summary to
+// f32 (what the scores cost before: the conversions, not the multiply-adds):
+// - q·mu: q to int8 at its row's absmax/127. vpdpbusd multiplies unsigned by signed bytes, so
+//   the means go in as mu + 128 (one xor) and the row's 128·Σq8 comes off afterwards.
+// - Σ q²·var: q² in two levels (0..127 at max q²/127, then the remainder in 1/256 steps,
+//   signed), against the unsigned variances, combined in int32 (hi·256 + lo).
+// A row's error against float q: |q·mu| off by at most Σ_d |mu_d| · absmax(q)/254; the
+// variance term within max(q²)/(127·256) · Σ_d var_d (OpsTest.KeyScore holds it to that).
+// Per query row and block: 8 entries' two int32 partial vectors, converted and reduced
+// together by reduce16 (lanes 0-7: q·mu, 8-15: Σ q²·var) and scored as one vector. The next
+// 8 entries' summaries (all heads: contiguous) are prefetched at prefetch_level(): a
+// sequence's pages need not be in order for the hardware prefetcher.
+template <int nch>  // 64-byte chunks of a summary vector, the last one masked: 1-4 (hd ≤ 256)
+void key_score_int8(const float* const* q, int n_rows, int n_heads, const uint8_t* const* b, int64_t n, int hd,
+                    float spread, float* out) {
   constexpr int kP = 8;
-  const int nc = hd / 16;
-  const int64_t page_bytes = int64_t(n_heads) * key_summary_bytes(hd);
-  alignas(64) float st[kP][2][256];  // page p's mean then variance, f32
-  thread_local std::vector<float> q2;  // q² of every (head, row)
-  q2.resize(size_t(n_heads) * n_rows * hd);
-  for (int r = 0; r < n_heads * n_rows; ++r)
-    for (int c = 0; c < nc; ++c) {
-      const __m512 qv = _mm512_loadu_ps(q[r] + 16 * c);
-      _mm512_storeu_ps(q2.data() + int64_t(r) * hd + 16 * c, _mm512_mul_ps(qv, qv));
+  const int hdp = nch * 64;
+  const __mmask64 tail = hd % 64 == 0 ? ~__mmask64(0) : (__mmask64(1) << (hd % 64)) - 1;
+  const int64_t sb = key_summary_bytes(hd), page_bytes = int64_t(n_heads) * sb;
+  const int n_q = n_heads * n_rows;
+  // Per query row: q8, q²-hi, q²-lo (hdp bytes each, zero past hd), and its scales.
+  thread_local std::vector<int8_t> qb;
+  thread_local std::vector<float> qscale;  // per row: q8 scale, q² scale / 256, 128·Σq8
+  qb.assign(size_t(n_q) * 3 * hdp, 0);
+  qscale.resize(size_t(n_q) * 3);
+  const __m512 zero = _mm512_setzero_ps();
+  for (int r = 0; r < n_q; ++r) {
+    __m512 amax = zero, q2max = zero;
+    for (int c = 0; c < hd; c += 16) {
+      const __m512 v = _mm512_loadu_ps(q[r] + c);
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+      q2max = _mm512_max_ps(q2max, _mm512_mul_ps(v, v));
     }
-  const __m512 vspread = _mm512_set1_ps(spread), zero = _mm512_setzero_ps();
+    const float am = _mm512_reduce_max_ps(amax), m2 = _mm512_reduce_max_ps(q2max);
+    const __m512 inv = _mm512_set1_ps(am > 0 ? 127.f / am : 0.f), inv2 = _mm512_set1_ps(m2 > 0 ? 127.f / m2 : 0.f);
+    int8_t* q8 = qb.data() + size_t(r) * 3 * hdp;
+    __m512i sum = _mm512_setzero_si512();
+    for (int c = 0; c < hd; c += 16) {
+      const __m512 v = _mm512_loadu_ps(q[r] + c);
+      const __m512i i8 = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));  // |·| ≤ 127
+      sum = _mm512_add_epi32(sum, i8);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + c), _mm512_cvtepi32_epi8(i8));
+      const __m512 t = _mm512_mul_ps(_mm512_mul_ps(v, v), inv2);  // 0..127
+      const __m512 hi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(t, hi), _mm512_set1_ps(256.f)));
+      lo = _mm512_min_epi32(lo, _mm512_set1_epi32(127));  // a remainder of exactly +1/2
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + hdp + c), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(hi)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + 2 * hdp + c), _mm512_cvtepi32_epi8(lo));
+    }
+    qscale[3 * r] = am / 127.f;
+    qscale[3 * r + 1] = m2 / (127.f * 256.f);
+    qscale[3 * r + 2] = 128.f * static_cast<float>(_mm512_reduce_add_epi32(sum));
+  }
+  alignas(64) uint8_t st[kP][2][256];  // entry p's mean + 128, then variance
+  alignas(64) float msv[16] = {}, vsv[16] = {};  // entry p's scales in lane p
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80)), izero = _mm512_setzero_si512();
+  const __m512 vspread = _mm512_set1_ps(spread);
+  static const PrefetchLevel pf = prefetch_level();
   for (int64_t i0 = 0; i0 < n; i0 += kP) {
     const int np = static_cast<int>(std::min<int64_t>(kP, n - i0));
-    for (int64_t i = i0 + kP; i < std::min(n, i0 + 2 * kP); ++i)
-      for (int64_t off = 0; off < page_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(b[i]) + off, _MM_HINT_T0);
+    if (pf != PrefetchLevel::kNone)
+      for (int64_t i = i0 + kP; i < std::min(n, i0 + 2 * kP); ++i)
+        for (int64_t off = 0; off < page_bytes; off += 64) {
+          const char* a = reinterpret_cast<const char*>(b[i]) + off;
+          if (pf == PrefetchLevel::kT1) _mm_prefetch(a, _MM_HINT_T1); else _mm_prefetch(a, _MM_HINT_T0);
+        }
     for (int h = 0; h < n_heads; ++h) {
       for (int p = 0; p < kP; ++p) {
         if (p >= np) {  // a short block: zeros, scored but not stored
-          for (int c = 0; c < nc; ++c) _mm512_store_ps(st[p][0] + 16 * c, zero), _mm512_store_ps(st[p][1] + 16 * c, zero);
+          for (int c = 0; c < nch; ++c) _mm512_store_si512(st[p][0] + 64 * c, izero), _mm512_store_si512(st[p][1] + 64 * c, izero);
+          msv[p] = vsv[p] = 0.f;
           continue;
         }
-        const uint8_t* sm = b[i0 + p] + int64_t(h) * key_summary_bytes(hd);
-        float ms, vs;
-        std::memcpy(&ms, sm, 4);
-        std::memcpy(&vs, sm + 4, 4);
-        const __m512 vms = _mm512_set1_ps(ms), vvs = _mm512_set1_ps(vs);
-        for (int c = 0; c < nc; ++c) {
-          const __m128i m8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + 8 + 16 * c));
-          const __m128i v8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + 8 + hd + 16 * c));
-          _mm512_store_ps(st[p][0] + 16 * c, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(m8)), vms));
-          _mm512_store_ps(st[p][1] + 16 * c, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v8)), vvs));
+        const uint8_t* sm = b[i0 + p] + int64_t(h) * sb;
+        std::memcpy(&msv[p], sm, 4);
+        std::memcpy(&vsv[p], sm + 4, 4);
+        for (int c = 0; c < nch; ++c) {
+          const __mmask64 m = c == nch - 1 ? tail : ~__mmask64(0);
+          _mm512_store_si512(st[p][0] + 64 * c, _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, sm + 8 + 64 * c), flip));
+          _mm512_store_si512(st[p][1] + 64 * c, _mm512_maskz_loadu_epi8(m, sm + 8 + hd + 64 * c));
         }
       }
+      const __m512 ms = _mm512_load_ps(msv), vs = _mm512_load_ps(vsv);
       __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
       for (int r = 0; r < n_rows; ++r) {
-        const float* qr = q[int64_t(h) * n_rows + r];
-        const float* q2r = q2.data() + (int64_t(h) * n_rows + r) * hd;
+        const int qi = h * n_rows + r;
+        const int8_t* q8 = qb.data() + size_t(qi) * 3 * hdp;
         __m512 acc[2 * kP];
-        for (int k = 0; k < 2 * kP; ++k) acc[k] = zero;
-        for (int c = 0; c < nc; ++c) {
-          const __m512 qv = _mm512_loadu_ps(qr + 16 * c), q2v = _mm512_loadu_ps(q2r + 16 * c);
-          for (int p = 0; p < kP; ++p) {
-            acc[p] = _mm512_fmadd_ps(qv, _mm512_load_ps(st[p][0] + 16 * c), acc[p]);
-            acc[kP + p] = _mm512_fmadd_ps(q2v, _mm512_load_ps(st[p][1] + 16 * c), acc[kP + p]);
+        for (int p = 0; p < kP; ++p) {  // entry by entry: 3 int32 accumulators live, not 24
+          __m512i am = izero, vh = izero, vl = izero;
+          for (int c = 0; c < nch; ++c) {
+            const __m512i mu = _mm512_load_si512(st[p][0] + 64 * c), var = _mm512_load_si512(st[p][1] + 64 * c);
+            am = _mm512_dpbusd_epi32(am, mu, _mm512_loadu_si512(q8 + 64 * c));
+            vh = _mm512_dpbusd_epi32(vh, var, _mm512_loadu_si512(q8 + hdp + 64 * c));
+            vl = _mm512_dpbusd_epi32(vl, var, _mm512_loadu_si512(q8 + 2 * hdp + 64 * c));
           }
+          acc[p] = _mm512_cvtepi32_ps(am);
+          acc[kP + p] = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(vh, 8), vl));
         }
-        const __m512 sums = reduce16(acc);  // lanes 0-7: q·mu; 8-15: Σ q²·var
-        const __m512 var = _mm512_max_ps(zero, _mm512_shuffle_f32x4(sums, sums, _MM_SHUFFLE(3, 2, 3, 2)));
-        best = _mm512_max_ps(best, _mm512_fmadd_ps(vspread, _mm512_sqrt_ps(var), sums));
+        const __m512 sums = reduce16(acc);  // lanes 0-7: Σ (mu+128)·q8; 8-15: Σ var·(256·q²hi + q²lo)
+        const __m512 dot = _mm512_mul_ps(_mm512_sub_ps(sums, _mm512_set1_ps(qscale[3 * qi + 2])),
+                                         _mm512_mul_ps(ms, _mm512_set1_ps(qscale[3 * qi])));
+        const __m512 hi = _mm512_shuffle_f32x4(sums, sums, _MM_SHUFFLE(3, 2, 3, 2));
+        const __m512 var = _mm512_max_ps(zero, _mm512_mul_ps(hi, _mm512_mul_ps(vs, _mm512_set1_ps(qscale[3 * qi + 1]))));
+        best = _mm512_max_ps(best, _mm512_fmadd_ps(vspread, _mm512_sqrt_ps(var), dot));
       }
       alignas(64) float sc[16];
       _mm512_store_ps(sc, best);
       for (int p = 0; p < np; ++p) out[(i0 + p) * n_heads + h] = sc[p];
     }
+  }
+}
+
+void key_score_pages(const float* const* q, int n_rows, int n_heads, const uint8_t* const* b, int64_t n, int hd,
+                     float spread, float* out) {
+  if (hd % 16 != 0 || hd > 256) return key_score_pages_ref(q, n_rows, n_heads, b, n, hd, spread, out);
+  switch ((hd + 63) / 64) {
+    case 1: return key_score_int8<1>(q, n_rows, n_heads, b, n, hd, spread, out);
+    case 2: return key_score_int8<2>(q, n_rows, n_heads, b, n, hd, spread, out);
+    case 3: return key_score_int8<3>(q, n_rows, n_heads, b, n, hd, spread, out);
+    default: return key_score_int8<4>(q, n_rows, n_heads, b, n, hd, spread, out);
   }
 }
 

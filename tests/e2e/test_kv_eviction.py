@@ -107,8 +107,9 @@ def test_cold_pages_go_to_disk_and_come_back(tmp_path, request):
                "--kv-offload-dir", str(tmp_path))
     try:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="none")
+        # ignore_eos: both answers run their 40 tokens whatever two pages let the model see
         chunks = list(client.completions.create(model=MODEL_NAME, prompt=LONG, max_tokens=40, temperature=0, n=2, stream=True,
-                                                stream_options={"include_usage": True}))
+                                                stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
         usage = chunks[-1].usage
         assert usage.completion_tokens == 80
         ev = usage.model_extra["kv_eviction"]
