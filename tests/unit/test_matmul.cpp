@@ -31,11 +31,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <random>
 #include <vector>
 
+#include "common/huge_alloc.h"
 #include "common/thread_pool.h"
 #include "gguf/gguf.h"
 #include "kernels/matmul.h"
@@ -599,6 +602,48 @@ TEST_F(MatmulTest, PackRejectsBadInput) {
                                   Isa::kScalar)
                    .is_ok());
   EXPECT_TRUE(PackedMatrix::pack(RawMatrix{GgmlType::Q4_1, w.data(), 32, 4}, Isa::kScalar).is_ok());
+}
+
+
+// Packed matrices of 64 KiB to 2 MiB share 2 MiB-aligned slabs (common/huge_alloc.h): one
+// after another in a slab, 64-byte aligned, never overlapping, and each slab goes back to the
+// system with its last buffer, whatever order they are freed in.
+TEST(HugeAlloc, MidSizedBuffersShareSlabsAndReleaseThem) {
+  if (const char* e = std::getenv("KV_HUGEPAGES"); e && std::strcmp(e, "0") == 0) GTEST_SKIP() << "slabs off";
+  const size_t before = huge_slabs();
+  constexpr size_t kMiB = size_t(1) << 20;
+  constexpr int kN = 40;  // 40 MiB: at least one new slab, at most two
+  std::vector<uint8_t*> p(kN);
+  for (int i = 0; i < kN; ++i) {
+    p[i] = static_cast<uint8_t*>(huge_alloc(kMiB - 100));  // rounded up to 64 bytes: 1 MiB - 64
+    ASSERT_EQ(reinterpret_cast<uintptr_t>(p[i]) % 64, 0u);
+    std::memset(p[i], i + 1, kMiB - 100);
+  }
+  EXPECT_GE(huge_slabs(), before + 1);
+  EXPECT_LE(huge_slabs(), before + 2);
+  int breaks = 0;
+  for (int i = 1; i < kN; ++i) {
+    if (p[i] == p[i - 1] + (kMiB - 64)) continue;  // next in the same slab
+    ++breaks;  // a new slab: its start is 2 MiB-aligned
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(p[i]) % (2 * kMiB), 0u) << i;
+  }
+  EXPECT_LE(breaks, 2);
+  for (int i = 0; i < kN; ++i) {  // no buffer overlaps the next
+    ASSERT_EQ(p[i][0], i + 1) << i;
+    ASSERT_EQ(p[i][kMiB - 101], i + 1) << i;
+  }
+  std::mt19937 rng(3);
+  std::shuffle(p.begin(), p.end(), rng);
+  for (uint8_t* q : p) huge_free(q);
+  EXPECT_EQ(huge_slabs(), before);
+  // small and large buffers are not slab buffers
+  void* small = huge_alloc(1000);
+  void* large = huge_alloc(3 * kMiB);
+  EXPECT_EQ(huge_slabs(), before);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(large) % (2 * kMiB), 0u);
+  huge_free(small);
+  huge_free(large);
+  huge_free(nullptr);
 }
 
 }  // namespace
