@@ -7,6 +7,7 @@
 // Thread-safe.
 #pragma once
 #include <cstddef>
+#include <vector>
 
 namespace kv {
 
@@ -15,6 +16,21 @@ void* huge_alloc(size_t bytes);
 void huge_free(void* p);
 // Slabs held now (tests: each is released with its last buffer).
 size_t huge_slabs();
+// For std::vector: huge_alloc'd storage (64-byte aligned; huge pages from 64 KiB up).
+template <typename T>
+struct HugeAllocator {
+  using value_type = T;
+  HugeAllocator() = default;
+  template <typename U>
+  HugeAllocator(const HugeAllocator<U>&) {}  // NOLINT: rebinding
+  T* allocate(size_t n) { return static_cast<T*>(huge_alloc(n * sizeof(T))); }
+  void deallocate(T* p, size_t) { huge_free(p); }
+  template <typename U>
+  bool operator==(const HugeAllocator<U>&) const { return true; }
+};
+template <typename T>
+using HugeVector = std::vector<T, HugeAllocator<T>>;
+
 // Bytes of huge pages the process holds (AnonHugePages of /proc/self/smaps_rollup); -1 if unknown.
 long long huge_pages_bytes();
 

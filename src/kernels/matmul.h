@@ -35,18 +35,9 @@ struct RawMatrix {
 };
 
 // std::allocator gives only 16-byte alignment; packed weights want whole cache lines, and
-// large ones huge pages (common/huge_alloc.h: decode streams every weight once per token).
+// huge pages (common/huge_alloc.h: decode streams every weight once per token).
 template <typename T>
-struct AlignedAllocator {
-  using value_type = T;
-  AlignedAllocator() = default;
-  template <typename U>
-  AlignedAllocator(const AlignedAllocator<U>&) {}  // NOLINT: rebinding
-  T* allocate(size_t n) { return static_cast<T*>(huge_alloc(n * sizeof(T))); }
-  void deallocate(T* p, size_t) { huge_free(p); }
-  template <typename U>
-  bool operator==(const AlignedAllocator<U>&) const { return true; }
-};
+using AlignedAllocator = HugeAllocator<T>;
 
 class PackedMatrix {
  public:

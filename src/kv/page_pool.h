@@ -22,6 +22,7 @@
 #include <memory>
 #include <vector>
 
+#include "common/huge_alloc.h"
 #include "common/status.h"
 #include "kernels/attention.h"
 #include "kernels/ops.h"
@@ -167,7 +168,7 @@ class PagePool {
   std::vector<int32_t> stage_page_;            // [n_layer][n_staging]: page holding the slot or -1
   std::vector<std::vector<int32_t>> stage_free_;  // [n_layer]: free slots
   std::vector<std::vector<int32_t>> filled_;      // [n_layer]: quantized pages still holding staging
-  std::vector<uint8_t> key_stats_;               // [n_layer][n_pages][part][n_head_kv][summary], or empty
+  HugeVector<uint8_t> key_stats_;                // [n_layer][n_pages][part][n_head_kv][summary], or empty (huge pages: Quest reads a layer's all)
   // keys [n_head_kv][n][head_dim] → the page's summaries; summarize_keys reads a full page's keys
   // (from its staging tile while it has one).
   void store_key_stats(int32_t layer, int32_t page, const float* keys, int32_t n);
