@@ -194,7 +194,8 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
     try {
     if (auto pol = kf.string("policy")) {
       auto p = parse_eviction_policy(*pol);
-      if (!p) value_error("kv_eviction", p.message() + ".");
+      if (!p)  // Quest keeps every page: it is a way of reading, not an eviction policy
+        value_error("kv_eviction", p.message() + (*pol == "quest" ? "; Quest is {\"sparse\": \"quest\", \"sparse_pages\": K}." : "."));
       c.policy = *p;
     }
     const int64_t kMax = std::numeric_limits<int32_t>::max();

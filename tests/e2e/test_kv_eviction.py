@@ -45,6 +45,7 @@ def test_each_policy_streams_and_choices_share_the_evicted_prompt(server, client
 
 @pytest.mark.parametrize("field, message", [
     ({"policy": "lru", "budget": 64}, "unknown KV eviction policy"),
+    ({"policy": "quest", "budget": 64}, 'Quest is {"sparse": "quest", "sparse_pages": K}'),
     ({"policy": "sinks"}, "needs a budget"),
     ({"policy": "sinks", "budget": 16}, "leaves no room to evict"),
     ({"policy": "h2o", "budget": 64, "colour": 1}, "unknown field 'colour'"),
