@@ -73,7 +73,9 @@ float key_summary_var(const uint8_t* s, int hd, int d);
 // call reads each entry's summaries in one run). q·k over the entry's keys has mean q·mu and,
 // channels taken as independent, standard deviation sqrt(Σ_d q_d²·var_d):
 // out[i·n_heads + h] = max over r of q·mu + spread·sqrt(Σ_d q_d²·var_d), spread being the
-// expected maximum of an entry's worth of standard normal draws (quest_spread).
+// expected maximum of an entry's worth of standard normal draws (quest_spread). The _ref is
+// that in double; the AVX-512 path quantizes the query rows (q to int8, q² in two 8-bit
+// levels) and is within those steps of it (ops_avx512.cpp, OpsTest.KeyScore).
 void key_score_pages(const float* const* q, int n_rows, int n_heads, const uint8_t* const* b, int64_t n, int hd,
                      float spread, float* out);
 void key_score_pages_ref(const float* const* q, int n_rows, int n_heads, const uint8_t* const* b, int64_t n, int hd,
