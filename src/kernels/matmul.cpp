@@ -197,7 +197,7 @@ void pack_group(QFmt f, const uint8_t* const rows[kGroup], int64_t nb, uint8_t* 
 // steady-state path). One per thread: the calling thread's is shared by the whole pool when
 // rows are split between threads; small calls use each worker's own.
 struct ActScratch {
-  std::vector<uint8_t, AlignedAllocator<uint8_t>> buf;
+  HugeVector<uint8_t> buf;
   QAct view(int64_t n_rows, int64_t n_in, bool two) {
     const int64_t nb = n_in / kQK;
     auto up = [](int64_t v) { return (v + 63) & ~int64_t{63}; };

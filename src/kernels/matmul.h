@@ -34,11 +34,6 @@ struct RawMatrix {
   int64_t n_out;
 };
 
-// std::allocator gives only 16-byte alignment; packed weights want whole cache lines, and
-// huge pages (common/huge_alloc.h: decode streams every weight once per token).
-template <typename T>
-using AlignedAllocator = HugeAllocator<T>;
-
 class PackedMatrix {
  public:
   // Packs parts (same n_in) stacked along n_out. Errors for unsupported types or mismatched
@@ -92,7 +87,7 @@ class PackedMatrix {
   int layout_ = 0;
   int64_t row_stride_ = 0;  // kF32Rows: floats per padded row; kRawRows: bytes per row
   std::vector<Segment> segments_;  // kInterleaved16
-  std::vector<uint8_t, AlignedAllocator<uint8_t>> data_;
+  HugeVector<uint8_t> data_;  // cache-line aligned, huge pages (decode streams every weight once per token)
   friend void matmul(const PackedMatrix&, const float*, int64_t, float*, ThreadPool&);
 };
 
