@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
+#include <cstdlib>
 
 #include "kernels/matmul.h"
 
@@ -19,6 +21,10 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// Hides v from the optimizer at this point: GCC otherwise reassociates a tile's integer sums
+// into trees, computes every product of a block first and spills them to the stack.
+inline void opaque(__m256i& v) { __asm__("" : "+x"(v)); }
+
 constexpr int64_t kPrefetch = 2048;  // bytes ahead in the weight stream (see matmul_avx512.cpp)
 
 // 0x10 in byte k of the result where bit k of bits is set (Q5_0's fifth bit).
@@ -28,6 +34,22 @@ inline __m256i bit4_from_mask(uint32_t bits) {
   const __m256i sel = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
   const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)), spread), sel);
   return _mm256_and_si256(_mm256_cmpeq_epi8(v, sel), _mm256_set1_epi8(0x10));
+}
+
+// Half h (outputs 8h..8h+7) of weight vector j of the record at blk, nibble formats: the
+// elements 4j+t (lo) and 16+4j+t (hi) as bytes, Q5_0's fifth bit added.
+template <QFmt F>
+inline void unpack_nibbles(const uint8_t* blk, int j, int h, __m256i m4, __m256i* lo, __m256i* hi) {
+  const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(blk + quant_offset(F) + 64 * j + 32 * h));
+  *lo = _mm256_and_si256(v, m4);
+  *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+  if constexpr (F == QFmt::kQ5_0) {
+    uint32_t klo, khi;
+    std::memcpy(&klo, blk + 32 + 16 * j + 4 * h, 4);
+    std::memcpy(&khi, blk + 40 + 16 * j + 4 * h, 4);
+    *lo = _mm256_or_si256(*lo, bit4_from_mask(klo));
+    *hi = _mm256_or_si256(*hi, bit4_from_mask(khi));
+  }
 }
 
 // Rows [r0, r0 + R) × the 16 outputs of group g. kPf: first pass over this group's weights,
@@ -108,16 +130,8 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
       for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = s16b[r][0] = s16b[r][1] = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j)
         for (int h = 0; h < 2; ++h) {
-          const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(qs + 64 * j + 32 * h));
-          __m256i lo = _mm256_and_si256(v, m4);
-          __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-          if constexpr (F == QFmt::kQ5_0) {
-            uint32_t klo, khi;
-            std::memcpy(&klo, blk + 32 + 16 * j + 4 * h, 4);
-            std::memcpy(&khi, blk + 40 + 16 * j + 4 * h, 4);
-            lo = _mm256_or_si256(lo, bit4_from_mask(klo));
-            hi = _mm256_or_si256(hi, bit4_from_mask(khi));
-          }
+          __m256i lo, hi;
+          unpack_nibbles<F>(blk, j, h, m4, &lo, &hi);
           for (int r = 0; r < R; ++r) {
             const int8_t* xb = a.q + (r0 + r) * a.n_in + b * 32;
             __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xb + 4 * j)),
@@ -189,9 +203,246 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
   }
 }
 
+// The 4-bit formats (and Q5_0) for rows [r0, r0 + R) × group g, one 8-output half at a time:
+// a block's int16 sums for R rows and both levels, the unpacked weight vector and a temporary
+// fit the 16 ymm registers (the tile above spills once R > 1). The float accumulators live in
+// y itself (each (row, output) belongs to this call alone; a partial last group goes through a
+// local copy). Same integer sums, same float steps as tile: bit-identical output.
+template <QFmt F, int R, bool kPf, bool T>
+inline void tile_nib(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float* y) {
+  static_assert(F == QFmt::kQ4_0 || F == QFmt::kQ4_1 || F == QFmt::kQ4_K || F == QFmt::kQ5_0);
+  constexpr int64_t kRec = record_bytes(F);
+  constexpr bool kF32 = F == QFmt::kQ4_K;
+  // Q5_0's 5-bit values would overflow the int16 sums over a block: widened after every vector.
+  constexpr bool kWiden = F == QFmt::kQ5_0;
+  const uint8_t* base = w.data + (g - w.g_base) * w.nb * kRec;
+  const int64_t o = g * kGroup;
+  const int64_t rem = w.n_out - o;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  const __m256i lv2 = _mm256_set1_epi16(static_cast<int16_t>(kLevel2));
+
+  alignas(32) float part[R][kGroup];
+  float* acc[R];
+  const int8_t* xq[R];
+  // The second level is at a fixed distance from the first (fewer live pointers).
+  const std::ptrdiff_t d2 = T ? a.q2 - a.q : 0;
+  for (int r = 0; r < R; ++r) {
+    acc[r] = rem >= kGroup ? y + (r0 + r) * w.n_out + o : part[r];
+    _mm256_storeu_ps(acc[r], _mm256_setzero_ps());
+    _mm256_storeu_ps(acc[r] + 8, _mm256_setzero_ps());
+    xq[r] = a.q + (r0 + r) * a.n_in;
+  }
+
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const uint8_t* blk = base + b * kRec;
+    if constexpr (kPf)
+      for (int64_t l = 0; l < kRec; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + l), _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {
+      __m256i s1[R], s2[R];  // int16 sums per level (kWiden: the int32 combined sum in s1)
+      for (int r = 0; r < R; ++r) s1[r] = s2[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        __m256i lo, hi;
+        unpack_nibbles<F>(blk, j, h, m4, &lo, &hi);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xb = xq[r] + b * 32 + 4 * j;
+          __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xb)), _mm256_maddubs_epi16(hi, bcast4(xb + 16)));
+          if constexpr (kWiden)
+            s1[r] = _mm256_add_epi32(s1[r], _mm256_madd_epi16(p, T ? lv2 : ones16));
+          else
+            s1[r] = _mm256_add_epi16(s1[r], p);
+          opaque(s1[r]);
+          if constexpr (T) {
+            const int8_t* xb2 = xb + d2;
+            __m256i p2 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xb2)), _mm256_maddubs_epi16(hi, bcast4(xb2 + 16)));
+            if constexpr (kWiden) {
+              s1[r] = _mm256_add_epi32(s1[r], _mm256_madd_epi16(p2, ones16));
+              opaque(s1[r]);
+            } else {
+              s2[r] = _mm256_add_epi16(s2[r], p2);
+              opaque(s2[r]);
+            }
+          }
+        }
+      }
+      __m256 dw, mw;
+      if constexpr (kF32) {
+        dw = _mm256_load_ps(reinterpret_cast<const float*>(blk) + 8 * h);
+        mw = _mm256_load_ps(reinterpret_cast<const float*>(blk + 64) + 8 * h);
+      } else {
+        dw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
+        if constexpr (F == QFmt::kQ4_1)
+          mw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * h)));
+        else if constexpr (F == QFmt::kQ4_0)
+          mw = _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
+        else
+          mw = dw;
+      }
+      for (int r = 0; r < R; ++r) {
+        // The exact block sum: 254·Σq1·u + Σq2·u (two-level) or Σq1·u.
+        __m256i i;
+        if constexpr (kWiden)
+          i = s1[r];
+        else if constexpr (T)
+          i = _mm256_add_epi32(_mm256_madd_epi16(s1[r], lv2), _mm256_madd_epi16(s2[r], ones16));
+        else
+          i = _mm256_madd_epi16(s1[r], ones16);
+        const int64_t xb = (r0 + r) * a.nb + b;
+        if constexpr (F == QFmt::kQ5_0) i = _mm256_sub_epi32(i, _mm256_set1_epi32(a.s128[xb] / 8));
+        __m256 t = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(i));
+        if constexpr (F != QFmt::kQ5_0) t = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[xb]), t);
+        float* ap = acc[r] + 8 * h;
+        _mm256_storeu_ps(ap, _mm256_fmadd_ps(t, _mm256_set1_ps(a.d[xb]), _mm256_loadu_ps(ap)));
+      }
+    }
+  }
+  if (rem < kGroup)
+    for (int r = 0; r < R; ++r)
+      if (rem > 0) std::memcpy(y + (r0 + r) * w.n_out + o, part[r], static_cast<size_t>(rem) * sizeof(float));
+}
+
+// Q8_0 against the activations as one int16 per element, Q = 254·q1 + q2 (two-level; |Q| ≤
+// 32385) or q1: vpmaddwd multiplies the unsigned stored weights u = w + 128 by both levels at
+// once (|u·Q| ≤ 255·32385, a block's sum < 2^31), and 128·S comes off at the end as in tile.
+// A 16-byte quarter of a weight vector (4 outputs × 4 elements) widens to 16 words; its
+// products land in two int32 lanes per output, added pairwise (vphaddd) at the block's end.
+// q16: this tile's first row, rows n_in apart. Rows [r0, r0 + R) × group g.
+template <int R, bool kPf>
+inline void tile_q8(const QWeights& w, const QAct& a, const int16_t* q16, int64_t r0, int64_t g, float* y) {
+  constexpr QFmt F = QFmt::kQ8_0;
+  constexpr int64_t kRec = record_bytes(F), kQo = quant_offset(F);
+  const uint8_t* base = w.data + (g - w.g_base) * w.nb * kRec;
+  const int64_t o = g * kGroup;
+  const int64_t rem = w.n_out - o;
+  alignas(32) float part[R][kGroup];
+  float* acc[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = rem >= kGroup ? y + (r0 + r) * w.n_out + o : part[r];
+    _mm256_storeu_ps(acc[r], _mm256_setzero_ps());
+    _mm256_storeu_ps(acc[r] + 8, _mm256_setzero_ps());
+  }
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const uint8_t* blk = base + b * kRec;
+    if constexpr (kPf)
+      for (int64_t l = 0; l < kRec; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + l), _MM_HINT_T0);
+    __m256i is[R][4];  // [row][quarter k: outputs 4k..4k+3, two lanes each]
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < 4; ++k) is[r][k] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      __m256i xv[R];
+      for (int r = 0; r < R; ++r) {
+        int64_t v;
+        std::memcpy(&v, q16 + r * a.n_in + b * 32 + 4 * j, 8);
+        xv[r] = _mm256_set1_epi64x(v);
+      }
+      for (int k = 0; k < 4; ++k) {
+        const __m256i u = _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(blk + kQo + 64 * j + 16 * k)));
+        for (int r = 0; r < R; ++r) {
+          is[r][k] = _mm256_add_epi32(is[r][k], _mm256_madd_epi16(u, xv[r]));
+          opaque(is[r][k]);
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
+      for (int r = 0; r < R; ++r) {
+        // [o0 o1 o4 o5 | o2 o3 o6 o7] of this half → output order.
+        __m256i i = _mm256_permute4x64_epi64(_mm256_hadd_epi32(is[r][2 * h], is[r][2 * h + 1]), 0xD8);
+        const int64_t xb = (r0 + r) * a.nb + b;
+        i = _mm256_sub_epi32(i, _mm256_set1_epi32(a.s128[xb]));
+        const __m256 t = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(i));
+        float* ap = acc[r] + 8 * h;
+        _mm256_storeu_ps(ap, _mm256_fmadd_ps(t, _mm256_set1_ps(a.d[xb]), _mm256_loadu_ps(ap)));
+      }
+    }
+  }
+  if (rem < kGroup)
+    for (int r = 0; r < R; ++r)
+      if (rem > 0) std::memcpy(y + (r0 + r) * w.n_out + o, part[r], static_cast<size_t>(rem) * sizeof(float));
+}
+
+// Rows [0, n_rows) of a as int16 Q (see tile_q8), into a per-thread buffer that only grows.
+const int16_t* q16_rows(const QAct& a, int64_t n_rows) {
+  thread_local std::vector<int16_t> buf;
+  const size_t need = static_cast<size_t>(n_rows * a.n_in);
+  if (buf.size() < need) buf.resize(need);
+  const __m256i lv2 = _mm256_set1_epi16(static_cast<int16_t>(kLevel2));
+  for (int64_t r = 0; r < n_rows; ++r)
+    for (int64_t i = 0; i < a.n_in; i += 16) {
+      const int64_t off = r * a.n_in + i;
+      __m256i q = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.q + off)));
+      if (a.two)
+        q = _mm256_add_epi16(_mm256_mullo_epi16(q, lv2),
+                             _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.q2 + off))));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.data() + off), q);
+    }
+  return buf.data();
+}
+
+// Rows per tile_nib in a batch (3 measured the same; 6 slower).
+constexpr int kNibRows = 4;
+
+// Rows [r, r + n) with 0 < n < kNibRows as one tile_nib of n rows.
+template <QFmt F, bool kPf, bool T, int N = 1>
+inline void nib_rest(const QWeights& w, const QAct& a, int64_t r, int64_t n, int64_t g, float* y) {
+  if constexpr (N < kNibRows) {
+    if (n == N) return tile_nib<F, N, kPf, T>(w, a, r, g, y);
+    nib_rest<F, kPf, T, N + 1>(w, a, r, n, g, y);
+  }
+}
+
 template <QFmt F, bool T>
 void run(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1, float* y) {
   constexpr int64_t kRowChunk = 64;
+  constexpr bool kNib = F == QFmt::kQ4_0 || F == QFmt::kQ4_1 || F == QFmt::kQ4_K || F == QFmt::kQ5_0;
+  if constexpr (F == QFmt::kQ8_0) {
+    if (n_rows > 1) {
+      // Batches: 2-row tiles of tile_q8 over int16 activations made once per call.
+      const int16_t* q16 = q16_rows(a, n_rows);
+      for (int64_t rc = 0; rc < n_rows; rc += kRowChunk) {
+        const int64_t re = std::min(n_rows, rc + kRowChunk);
+        for (int64_t g = g0; g < g1; ++g) {
+          int64_t r = rc;
+          bool first = true;
+          for (; r + 2 <= re; r += 2, first = false) {
+            if (first)
+              tile_q8<2, true>(w, a, q16 + r * a.n_in, r, g, y);
+            else
+              tile_q8<2, false>(w, a, q16 + r * a.n_in, r, g, y);
+          }
+          if (r < re) {
+            if (first)
+              tile_q8<1, true>(w, a, q16 + r * a.n_in, r, g, y);
+            else
+              tile_q8<1, false>(w, a, q16 + r * a.n_in, r, g, y);
+          }
+        }
+      }
+      return;
+    }
+  }
+  if constexpr (kNib) {
+    if (n_rows > 1) {
+      // Batches: 4-row tiles of tile_nib; the first over a group streams it from RAM.
+      constexpr int kRT = kNibRows;
+      for (int64_t rc = 0; rc < n_rows; rc += kRowChunk) {
+        const int64_t re = std::min(n_rows, rc + kRowChunk);
+        for (int64_t g = g0; g < g1; ++g) {
+          int64_t r = rc;
+          if (r + kRT <= re) {
+            tile_nib<F, kRT, true, T>(w, a, r, g, y);
+            r += kRT;
+          } else {
+            nib_rest<F, true, T>(w, a, r, re - r, g, y);
+            continue;
+          }
+          for (; r + kRT <= re; r += kRT) tile_nib<F, kRT, false, T>(w, a, r, g, y);
+          if (r < re) nib_rest<F, false, T>(w, a, r, re - r, g, y);
+        }
+      }
+      return;
+    }
+  }
   for (int64_t rc = 0; rc < n_rows; rc += kRowChunk) {
     const int64_t re = std::min(n_rows, rc + kRowChunk);
     for (int64_t g = g0; g < g1; ++g) {
