@@ -301,15 +301,19 @@ inline void tile_nib(const QWeights& w, const QAct& a, int64_t r0, int64_t g, fl
       if (rem > 0) std::memcpy(y + (r0 + r) * w.n_out + o, part[r], static_cast<size_t>(rem) * sizeof(float));
 }
 
-// Q8_0 against the activations as one int16 per element, Q = 254·q1 + q2 (two-level; |Q| ≤
-// 32385) or q1: vpmaddwd multiplies the unsigned stored weights u = w + 128 by both levels at
-// once (|u·Q| ≤ 255·32385, a block's sum < 2^31), and 128·S comes off at the end as in tile.
+// The byte formats (Q8_0, Q6_K) against the activations as one int16 per element,
+// Q = 254·q1 + q2 (two-level; |Q| ≤ 32385) or q1: vpmaddwd multiplies the stored unsigned
+// weights u by both levels at once (Q8_0: u = w + 128, |u·Q| ≤ 255·32385, a block's sum < 2^31,
+// 128·S off at the end; Q6_K: u = q ≤ 63, a sum per 16 elements, 32·S16 off each, as in tile).
 // A 16-byte quarter of a weight vector (4 outputs × 4 elements) widens to 16 words; its
-// products land in two int32 lanes per output, added pairwise (vphaddd) at the block's end.
+// products land in two int32 lanes per output, added pairwise (vphaddd) at the end of the
+// block (Q6_K: of each half-block, the first half's product with da kept for the second's fma).
 // q16: this tile's first row, rows n_in apart. Rows [r0, r0 + R) × group g.
-template <int R, bool kPf>
+template <QFmt F, int R, bool kPf>
 inline void tile_q8(const QWeights& w, const QAct& a, const int16_t* q16, int64_t r0, int64_t g, float* y) {
-  constexpr QFmt F = QFmt::kQ8_0;
+  static_assert(F == QFmt::kQ8_0 || F == QFmt::kQ6_K);
+  constexpr bool kQ6 = F == QFmt::kQ6_K;
+  constexpr int kParts = kQ6 ? 2 : 1, kVecs = 8 / kParts;  // vectors per integer sum
   constexpr int64_t kRec = record_bytes(F), kQo = quant_offset(F);
   const uint8_t* base = w.data + (g - w.g_base) * w.nb * kRec;
   const int64_t o = g * kGroup;
@@ -325,34 +329,49 @@ inline void tile_q8(const QWeights& w, const QAct& a, const int16_t* q16, int64_
     const uint8_t* blk = base + b * kRec;
     if constexpr (kPf)
       for (int64_t l = 0; l < kRec; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + l), _MM_HINT_T0);
-    __m256i is[R][4];  // [row][quarter k: outputs 4k..4k+3, two lanes each]
-    for (int r = 0; r < R; ++r)
-      for (int k = 0; k < 4; ++k) is[r][k] = _mm256_setzero_si256();
-    for (int j = 0; j < 8; ++j) {
-      __m256i xv[R];
-      for (int r = 0; r < R; ++r) {
-        int64_t v;
-        std::memcpy(&v, q16 + r * a.n_in + b * 32 + 4 * j, 8);
-        xv[r] = _mm256_set1_epi64x(v);
-      }
-      for (int k = 0; k < 4; ++k) {
-        const __m256i u = _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(blk + kQo + 64 * j + 16 * k)));
+    __m256 ta[R][2];  // Q6_K: da·float(i_a) per row and half
+    for (int r = 0; r < R; ++r) ta[r][0] = ta[r][1] = _mm256_setzero_ps();
+    for (int p = 0; p < kParts; ++p) {
+      __m256i is[R][4];  // [row][quarter k: outputs 4k..4k+3, two lanes each]
+      for (int r = 0; r < R; ++r)
+        for (int k = 0; k < 4; ++k) is[r][k] = _mm256_setzero_si256();
+      for (int j = p * kVecs; j < (p + 1) * kVecs; ++j) {
+        __m256i xv[R];
         for (int r = 0; r < R; ++r) {
-          is[r][k] = _mm256_add_epi32(is[r][k], _mm256_madd_epi16(u, xv[r]));
-          opaque(is[r][k]);
+          int64_t v;
+          std::memcpy(&v, q16 + r * a.n_in + b * 32 + 4 * j, 8);
+          xv[r] = _mm256_set1_epi64x(v);
+        }
+        for (int k = 0; k < 4; ++k) {
+          const __m256i u = _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(blk + kQo + 64 * j + 16 * k)));
+          for (int r = 0; r < R; ++r) {
+            is[r][k] = _mm256_add_epi32(is[r][k], _mm256_madd_epi16(u, xv[r]));
+            opaque(is[r][k]);
+          }
         }
       }
-    }
-    for (int h = 0; h < 2; ++h) {
-      const __m256 dw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
-      for (int r = 0; r < R; ++r) {
-        // [o0 o1 o4 o5 | o2 o3 o6 o7] of this half → output order.
-        __m256i i = _mm256_permute4x64_epi64(_mm256_hadd_epi32(is[r][2 * h], is[r][2 * h + 1]), 0xD8);
-        const int64_t xb = (r0 + r) * a.nb + b;
-        i = _mm256_sub_epi32(i, _mm256_set1_epi32(a.s128[xb]));
-        const __m256 t = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(i));
-        float* ap = acc[r] + 8 * h;
-        _mm256_storeu_ps(ap, _mm256_fmadd_ps(t, _mm256_set1_ps(a.d[xb]), _mm256_loadu_ps(ap)));
+      for (int h = 0; h < 2; ++h) {
+        const __m256 dw = kQ6 ? _mm256_load_ps(reinterpret_cast<const float*>(blk + 64 * p) + 8 * h)
+                              : _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
+        for (int r = 0; r < R; ++r) {
+          // [o0 o1 o4 o5 | o2 o3 o6 o7] of this half → output order.
+          __m256i i = _mm256_permute4x64_epi64(_mm256_hadd_epi32(is[r][2 * h], is[r][2 * h + 1]), 0xD8);
+          const int64_t xb = (r0 + r) * a.nb + b;
+          __m256 t;
+          if constexpr (kQ6) {
+            i = _mm256_sub_epi32(i, _mm256_set1_epi32(32 * a.s16[(r0 + r) * (a.n_in / 16) + 2 * b + p]));
+            if (p == 0) {
+              ta[r][h] = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(i));
+              continue;
+            }
+            t = _mm256_fmadd_ps(dw, _mm256_cvtepi32_ps(i), ta[r][h]);
+          } else {
+            i = _mm256_sub_epi32(i, _mm256_set1_epi32(a.s128[xb]));
+            t = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(i));
+          }
+          float* ap = acc[r] + 8 * h;
+          _mm256_storeu_ps(ap, _mm256_fmadd_ps(t, _mm256_set1_ps(a.d[xb]), _mm256_loadu_ps(ap)));
+        }
       }
     }
   }
@@ -379,6 +398,17 @@ const int16_t* q16_rows(const QAct& a, int64_t n_rows) {
   return buf.data();
 }
 
+// Rows per tile_q8 in a batch (3 measured slower).
+constexpr int kQ8Rows = 2;
+// Rows [r, r + n) with 0 < n < kQ8Rows as one tile_q8 of n rows.
+template <QFmt F, bool kPf, int N = 1>
+inline void q8_rest(const QWeights& w, const QAct& a, const int16_t* q16, int64_t r, int64_t n, int64_t g, float* y) {
+  if constexpr (N < kQ8Rows) {
+    if (n == N) return tile_q8<F, N, kPf>(w, a, q16, r, g, y);
+    q8_rest<F, kPf, N + 1>(w, a, q16, r, n, g, y);
+  }
+}
+
 // Rows per tile_nib in a batch (3 measured the same; 6 slower).
 constexpr int kNibRows = 4;
 
@@ -395,26 +425,26 @@ template <QFmt F, bool T>
 void run(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1, float* y) {
   constexpr int64_t kRowChunk = 64;
   constexpr bool kNib = F == QFmt::kQ4_0 || F == QFmt::kQ4_1 || F == QFmt::kQ4_K || F == QFmt::kQ5_0;
-  if constexpr (F == QFmt::kQ8_0) {
+  if constexpr (F == QFmt::kQ8_0 || F == QFmt::kQ6_K) {
     if (n_rows > 1) {
-      // Batches: 2-row tiles of tile_q8 over int16 activations made once per call.
+      // Batches: tiles of kQ8Rows rows of tile_q8 over int16 activations made once per call.
       const int16_t* q16 = q16_rows(a, n_rows);
       for (int64_t rc = 0; rc < n_rows; rc += kRowChunk) {
         const int64_t re = std::min(n_rows, rc + kRowChunk);
         for (int64_t g = g0; g < g1; ++g) {
           int64_t r = rc;
           bool first = true;
-          for (; r + 2 <= re; r += 2, first = false) {
+          for (; r + kQ8Rows <= re; r += kQ8Rows, first = false) {
             if (first)
-              tile_q8<2, true>(w, a, q16 + r * a.n_in, r, g, y);
+              tile_q8<F, kQ8Rows, true>(w, a, q16 + r * a.n_in, r, g, y);
             else
-              tile_q8<2, false>(w, a, q16 + r * a.n_in, r, g, y);
+              tile_q8<F, kQ8Rows, false>(w, a, q16 + r * a.n_in, r, g, y);
           }
           if (r < re) {
             if (first)
-              tile_q8<1, true>(w, a, q16 + r * a.n_in, r, g, y);
+              q8_rest<F, true>(w, a, q16 + r * a.n_in, r, re - r, g, y);
             else
-              tile_q8<1, false>(w, a, q16 + r * a.n_in, r, g, y);
+              q8_rest<F, false>(w, a, q16 + r * a.n_in, r, re - r, g, y);
           }
         }
       }
