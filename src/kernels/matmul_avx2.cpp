@@ -1,13 +1,14 @@
 // AVX2 matmul kernels over the kInterleaved16 layout (see matmul.h), for CPUs without
 // AVX-512 VNNI. A 64-byte weight vector is two 32-byte halves (outputs 0-7 and 8-15); the
-// vpdpbusd of the AVX-512 kernel becomes vpmaddubsw + vpmaddwd. Same integer sums, same
-// float steps: the output is bit-identical to the scalar and AVX-512 kernels.
+// vpdpbusd of the AVX-512 kernel becomes vpmaddubsw + vpmaddwd. One row (decode at batch 1)
+// runs `tile`; batches run `tile_nib` (4-bit formats, Q5_0) and `tile_q8` (Q8_0, Q6_K), laid
+// out so that their sums fit the 16 ymm registers. Same integer sums, same float steps: the
+// output is bit-identical to the scalar and AVX-512 kernels.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstring>
 #include <vector>
-#include <cstdlib>
 
 #include "kernels/matmul.h"
 
