@@ -30,6 +30,7 @@ ISA_NAMESPACE = re.compile(r"\bkv::(avx2|avx512)::")
 ALLOWED_TARGET_FUNCTIONS = {
     "kv::(anonymous namespace)::to_f16_f16c",  # src/kernels/kv_tile.cpp, behind kernel_isa()
     "kvtools::(anonymous namespace)::read_sum_avx512",  # tools/cmd_bench.cpp, behind cpu_supports("avx512f")
+    "kvtools::(anonymous namespace)::read_sum_avx2",  # tools/cmd_bench.cpp, behind cpu_supports("avx2")
 }
 # Beyond the x86-64 baseline (SSE2) without a VEX prefix. (tzcnt is left out: GCC emits `rep
 # bsf` for __builtin_ctz, which objdump prints as tzcnt and every x86-64 CPU runs as bsf.)
