@@ -206,7 +206,7 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
 
 // The 4-bit formats (and Q5_0) for rows [r0, r0 + R) × group g, one 8-output half at a time:
 // a block's int16 sums for R rows and both levels, the unpacked weight vector and a temporary
-// fit the 16 ymm registers (the tile above spills once R > 1). The float accumulators live in
+// fit the 16 ymm registers (the tile above, now used for one row only, spilled with two). The float accumulators live in
 // y itself (each (row, output) belongs to this call alone; a partial last group goes through a
 // local copy). Same integer sums, same float steps as tile: bit-identical output.
 template <QFmt F, int R, bool kPf, bool T>
@@ -424,69 +424,49 @@ inline void nib_rest(const QWeights& w, const QAct& a, int64_t r, int64_t n, int
 
 template <QFmt F, bool T>
 void run(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1, float* y) {
+  if (n_rows == 1) {
+    // One row (decode at batch 1): tile, one group after another, prefetching ahead.
+    for (int64_t g = g0; g < g1; ++g) tile<F, 1, true, T>(w, a, 0, g, y);
+    return;
+  }
+  // Batches, 64 rows at a time; the first tile over a group streams it from RAM (prefetch).
   constexpr int64_t kRowChunk = 64;
-  constexpr bool kNib = F == QFmt::kQ4_0 || F == QFmt::kQ4_1 || F == QFmt::kQ4_K || F == QFmt::kQ5_0;
   if constexpr (F == QFmt::kQ8_0 || F == QFmt::kQ6_K) {
-    if (n_rows > 1) {
-      // Batches: tiles of kQ8Rows rows of tile_q8 over int16 activations made once per call.
-      const int16_t* q16 = q16_rows(a, n_rows);
-      for (int64_t rc = 0; rc < n_rows; rc += kRowChunk) {
-        const int64_t re = std::min(n_rows, rc + kRowChunk);
-        for (int64_t g = g0; g < g1; ++g) {
-          int64_t r = rc;
-          bool first = true;
-          for (; r + kQ8Rows <= re; r += kQ8Rows, first = false) {
-            if (first)
-              tile_q8<F, kQ8Rows, true>(w, a, q16 + r * a.n_in, r, g, y);
-            else
-              tile_q8<F, kQ8Rows, false>(w, a, q16 + r * a.n_in, r, g, y);
-          }
-          if (r < re) {
-            if (first)
-              q8_rest<F, true>(w, a, q16 + r * a.n_in, r, re - r, g, y);
-            else
-              q8_rest<F, false>(w, a, q16 + r * a.n_in, r, re - r, g, y);
-          }
+    // Tiles of kQ8Rows rows of tile_q8 over int16 activations made once per call.
+    const int16_t* q16 = q16_rows(a, n_rows);
+    for (int64_t rc = 0; rc < n_rows; rc += kRowChunk) {
+      const int64_t re = std::min(n_rows, rc + kRowChunk);
+      for (int64_t g = g0; g < g1; ++g) {
+        int64_t r = rc;
+        bool first = true;
+        for (; r + kQ8Rows <= re; r += kQ8Rows, first = false) {
+          if (first)
+            tile_q8<F, kQ8Rows, true>(w, a, q16 + r * a.n_in, r, g, y);
+          else
+            tile_q8<F, kQ8Rows, false>(w, a, q16 + r * a.n_in, r, g, y);
+        }
+        if (r < re) {
+          if (first)
+            q8_rest<F, true>(w, a, q16 + r * a.n_in, r, re - r, g, y);
+          else
+            q8_rest<F, false>(w, a, q16 + r * a.n_in, r, re - r, g, y);
         }
       }
-      return;
     }
-  }
-  if constexpr (kNib) {
-    if (n_rows > 1) {
-      // Batches: 4-row tiles of tile_nib; the first over a group streams it from RAM.
-      constexpr int kRT = kNibRows;
-      for (int64_t rc = 0; rc < n_rows; rc += kRowChunk) {
-        const int64_t re = std::min(n_rows, rc + kRowChunk);
-        for (int64_t g = g0; g < g1; ++g) {
-          int64_t r = rc;
-          if (r + kRT <= re) {
-            tile_nib<F, kRT, true, T>(w, a, r, g, y);
-            r += kRT;
-          } else {
-            nib_rest<F, true, T>(w, a, r, re - r, g, y);
-            continue;
-          }
-          for (; r + kRT <= re; r += kRT) tile_nib<F, kRT, false, T>(w, a, r, g, y);
-          if (r < re) nib_rest<F, false, T>(w, a, r, re - r, g, y);
+  } else {
+    // Tiles of kNibRows rows of tile_nib.
+    for (int64_t rc = 0; rc < n_rows; rc += kRowChunk) {
+      const int64_t re = std::min(n_rows, rc + kRowChunk);
+      for (int64_t g = g0; g < g1; ++g) {
+        int64_t r = rc;
+        if (r + kNibRows > re) {
+          nib_rest<F, true, T>(w, a, r, re - r, g, y);
+          continue;
         }
+        tile_nib<F, kNibRows, true, T>(w, a, r, g, y);
+        for (r += kNibRows; r + kNibRows <= re; r += kNibRows) tile_nib<F, kNibRows, false, T>(w, a, r, g, y);
+        if (r < re) nib_rest<F, false, T>(w, a, r, re - r, g, y);
       }
-      return;
-    }
-  }
-  for (int64_t rc = 0; rc < n_rows; rc += kRowChunk) {
-    const int64_t re = std::min(n_rows, rc + kRowChunk);
-    for (int64_t g = g0; g < g1; ++g) {
-      int64_t r = rc;
-      if (r + 2 <= re) {
-        tile<F, 2, true, T>(w, a, r, g, y);
-        r += 2;
-      } else {
-        tile<F, 1, true, T>(w, a, r, g, y);
-        r += 1;
-      }
-      for (; r + 2 <= re; r += 2) tile<F, 2, false, T>(w, a, r, g, y);
-      if (r < re) tile<F, 1, false, T>(w, a, r, g, y);
     }
   }
 }
