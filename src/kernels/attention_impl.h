@@ -1030,7 +1030,14 @@ void attend(const PagedKvView& kv, int kv_head, int n_group, const float* q, int
   // prefetcht1 is 15% and prefetchnta 3x slower there; every cache line must be asked for, not
   // every other one.) The tiles for page j + kPrefetchAhead are asked for while page j's group
   // computes, spread over its loops (TilePrefetch); on AMD Zen 4, 8 or 12 pages ahead were slower.
+  // The AVX2 build (AVX2-only hosts) asks 2 pages ahead: AMD Zen 3 VM, 2026-11-28, 8k f16
+  // decode attention (bench_ops, 7 rounds) medians 18.8 ms per token at 2 pages, 24.5 at 4;
+  // `kvserve bench -d 8192` medians 62% of the read loop at 2, 54% at 4 (docs/ARCHITECTURE.md).
+#if defined(__AVX512F__) && defined(__AVX512BW__)
   constexpr int kPrefetchAhead = 4;
+#else
+  constexpr int kPrefetchAhead = 2;
+#endif
   const int64_t k_bytes = kv_k_tile_bytes(kv.elem, bs, hd);
   const int64_t v_bytes = kv.v_from_k ? 0 : kv_v_tile_bytes(kv.elem, bs, hd);
   auto kq = [&](int32_t page, int h) { return kv.k_base + page * kv.k_page_bytes + (kv_head + h) * k_bytes; };
