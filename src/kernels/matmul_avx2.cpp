@@ -206,9 +206,10 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
 
 // The 4-bit formats (and Q5_0) for rows [r0, r0 + R) × group g, one 8-output half at a time:
 // a block's int16 sums for R rows and both levels, the unpacked weight vector and a temporary
-// fit the 16 ymm registers (the tile above, now used for one row only, spilled with two). The float accumulators live in
-// y itself (each (row, output) belongs to this call alone; a partial last group goes through a
-// local copy). Same integer sums, same float steps as tile: bit-identical output.
+// fit the 16 ymm registers (the tile above, now run for one row only, spilled with two). The
+// float accumulators live in y itself (each (row, output) belongs to this call alone; a partial
+// last group goes through a local copy). Same integer sums, same float steps as tile:
+// bit-identical output.
 template <QFmt F, int R, bool kPf, bool T>
 inline void tile_nib(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float* y) {
   static_assert(F == QFmt::kQ4_0 || F == QFmt::kQ4_1 || F == QFmt::kQ4_K || F == QFmt::kQ5_0);
@@ -438,19 +439,13 @@ void run(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g
       const int64_t re = std::min(n_rows, rc + kRowChunk);
       for (int64_t g = g0; g < g1; ++g) {
         int64_t r = rc;
-        bool first = true;
-        for (; r + kQ8Rows <= re; r += kQ8Rows, first = false) {
-          if (first)
-            tile_q8<F, kQ8Rows, true>(w, a, q16 + r * a.n_in, r, g, y);
-          else
-            tile_q8<F, kQ8Rows, false>(w, a, q16 + r * a.n_in, r, g, y);
+        if (r + kQ8Rows > re) {
+          q8_rest<F, true>(w, a, q16 + r * a.n_in, r, re - r, g, y);
+          continue;
         }
-        if (r < re) {
-          if (first)
-            q8_rest<F, true>(w, a, q16 + r * a.n_in, r, re - r, g, y);
-          else
-            q8_rest<F, false>(w, a, q16 + r * a.n_in, r, re - r, g, y);
-        }
+        tile_q8<F, kQ8Rows, true>(w, a, q16 + r * a.n_in, r, g, y);
+        for (r += kQ8Rows; r + kQ8Rows <= re; r += kQ8Rows) tile_q8<F, kQ8Rows, false>(w, a, q16 + r * a.n_in, r, g, y);
+        if (r < re) q8_rest<F, false>(w, a, q16 + r * a.n_in, r, re - r, g, y);
       }
     }
   } else {
