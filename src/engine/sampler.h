@@ -60,6 +60,11 @@ class Sampler {
   int32_t sample(float* logits, int32_t n_vocab, const std::vector<int32_t>& history, size_t n_prompt = 0,
                  SamplerScratch* scratch = nullptr);
   const SamplingParams& params() const { return p_; }
+  // Whether sample() reads the row only: greedy without penalties, when it is argmax(logits).
+  bool reads_only() const {
+    return p_.temperature <= 0.f && p_.presence_penalty == 0.f && p_.frequency_penalty == 0.f &&
+           p_.repetition_penalty == 1.f;
+  }
   // The history lost n_dropped of its already counted tokens (StreamingLLM re-indexing drops
   // evicted tokens from a sequence's list) and its prompt is now n_prompt long: the penalty
   // counts keep every token seen, and counting goes on from the shorter history.
@@ -88,6 +93,7 @@ class Sampler {
   SamplerScratch own_;
 };
 
+// The first index of x's largest value; NaN entries are ignored; 0 when no entry is above -inf.
 int32_t argmax(const float* x, int32_t n);
 
 // The k highest entries of x[n] by (value desc, index asc), written to out sorted that way.

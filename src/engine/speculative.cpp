@@ -11,8 +11,13 @@ void verify_draft(Sampler& sampler, const float* rows, int32_t n_rows, int32_t n
   const size_t n0 = history.size();
   for (int32_t j = 0; j < n_rows; ++j) {
     const float* lg = rows + int64_t(j) * nv;
-    std::copy(lg, lg + nv, row_buf);  // the sampler rewrites its row
-    const int32_t tok = sampler.sample(row_buf, nv, history, n_prompt, scratch);
+    int32_t tok;
+    if (sampler.reads_only()) {
+      tok = argmax(lg, nv);  // what sample() returns, without a copy of the row
+    } else {
+      std::copy(lg, lg + nv, row_buf);  // the sampler rewrites its row
+      tok = sampler.sample(row_buf, nv, history, n_prompt, scratch);
+    }
     if (on_draw) on_draw(j, lg, tok);
     out->push_back(tok);
     if (!draft || j + 1 >= n_rows || j >= static_cast<int32_t>(draft->size()) || tok != (*draft)[j]) break;

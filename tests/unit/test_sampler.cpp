@@ -18,6 +18,37 @@ TEST(Sampler, GreedyPicksArgmaxFirstOnTies) {
   EXPECT_EQ(s.sample(l.data(), 4, {}), 1);
 }
 
+// argmax runs two vector scans; against the serial definition on rows of every length mod 16,
+// with ties, infinities and NaNs (ignored) anywhere.
+TEST(Sampler, ArgmaxIsTheFirstLargestNonNaN) {
+  auto serial = [](const std::vector<float>& x) {
+    int32_t best = -1;
+    for (int32_t i = 0; i < static_cast<int32_t>(x.size()); ++i)
+      if (!std::isnan(x[i]) && (best < 0 || x[i] > x[best])) best = i;
+    return best < 0 || x[best] == -INFINITY ? 0 : best;
+  };
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> ud(-30, 30);  // many ties
+  std::uniform_int_distribution<int> special(0, 40);
+  for (int n = 1; n <= 200; ++n)
+    for (int trial = 0; trial < 20; ++trial) {
+      std::vector<float> x(static_cast<size_t>(n));
+      for (auto& f : x) {
+        const int s = special(rng);
+        f = s == 0 ? NAN : s == 1 ? -INFINITY : s == 2 && trial % 5 == 0 ? INFINITY : static_cast<float>(ud(rng)) * 0.25f;
+      }
+      ASSERT_EQ(argmax(x.data(), n), serial(x)) << "n " << n << " trial " << trial;
+    }
+  EXPECT_EQ(argmax(nullptr, 0), 0);
+  const std::vector<float> none = {NAN, -INFINITY, NAN};
+  EXPECT_EQ(argmax(none.data(), 3), 0);
+  const std::vector<float> nan_first = {NAN, 1.f, 2.f, 2.f};
+  EXPECT_EQ(argmax(nan_first.data(), 4), 2);
+  std::vector<float> big(262144, -3.f);  // Gemma 3's vocabulary: the maximum at the very end
+  big.back() = std::nextafter(-3.f, 0.f);
+  EXPECT_EQ(argmax(big.data(), 262144), 262143);
+}
+
 TEST(Sampler, SeedReproducesAndDiffers) {
   SamplingParams p;
   p.temperature = 1.f;
