@@ -53,10 +53,10 @@ inline void unpack_nibbles(const uint8_t* blk, int j, int h, __m256i m4, __m256i
   }
 }
 
-// Rows [r0, r0 + R) × the 16 outputs of group g. kPf: first pass over this group's weights,
-// which come from RAM: prefetch ahead. T: two-level activations (see QAct).
-template <QFmt F, int R, bool kPf, bool T>
-inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float* y) {
+// One row (decode at batch 1) × the 16 outputs of group g, prefetching ahead in the weight
+// stream (its first and only pass, from RAM). T: two-level activations (see QAct).
+template <QFmt F, bool T>
+inline void tile(const QWeights& w, const QAct& a, int64_t g, float* y) {
   constexpr int64_t kRec = record_bytes(F), kQo = quant_offset(F);
   constexpr bool kF32 = F == QFmt::kQ4_K || F == QFmt::kQ6_K;
   const uint8_t* base = w.data + (g - w.g_base) * w.nb * kRec;
@@ -64,14 +64,14 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
   const __m256i ones16 = _mm256_set1_epi16(1);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
 
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
 
   for (int64_t b = 0; b < w.nb; ++b) {
     const uint8_t* blk = base + b * kRec;
     const uint8_t* qs = blk + kQo;
-    if constexpr (kPf)
-      for (int64_t l = 0; l < kRec; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + l), _MM_HINT_T0);
+    const int8_t* xb = a.q + b * 32;
+    const int8_t* xb2 = T ? a.q2 + b * 32 : nullptr;
+    for (int64_t l = 0; l < kRec; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + l), _MM_HINT_T0);
     __m256 dw[2], mw[2];  // Q6_K: da, db
     for (int h = 0; h < 2; ++h) {
       if constexpr (kF32) {
@@ -87,10 +87,9 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
           mw[h] = dw[h];
       }
     }
-    // Per row and 8-output half h: the block's integer sum (Q6_K: of elements 0-15; isb: 16-31).
-    __m256i is[R][2], is2[R][2], isb[R][2], isb2[R][2];
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < 2; ++h) is[r][h] = is2[r][h] = isb[r][h] = isb2[r][h] = _mm256_setzero_si256();
+    // Per 8-output half h: the block's integer sum (Q6_K: of elements 0-15; isb: 16-31).
+    __m256i is[2], is2[2], isb[2], isb2[2];
+    for (int h = 0; h < 2; ++h) is[h] = is2[h] = isb[h] = isb2[h] = _mm256_setzero_si256();
     if constexpr (F == QFmt::kQ8_0) {
       for (int j = 0; j < 8; ++j)
         for (int h = 0; h < 2; ++h) {
@@ -98,27 +97,23 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
           const __m256i ws = _mm256_xor_si256(
               _mm256_load_si256(reinterpret_cast<const __m256i*>(qs + 64 * j + 32 * h)), flip);
           const __m256i wa = _mm256_sign_epi8(ws, ws);
-          for (int r = 0; r < R; ++r) {
-            const __m256i xs = _mm256_sign_epi8(bcast4(a.q + (r0 + r) * a.n_in + b * 32 + 4 * j), ws);
-            is[r][h] = _mm256_add_epi32(is[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones16));
-            if constexpr (T) {
-              const __m256i xs2 = _mm256_sign_epi8(bcast4(a.q2 + (r0 + r) * a.n_in + b * 32 + 4 * j), ws);
-              is2[r][h] = _mm256_add_epi32(is2[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs2), ones16));
-            }
+          const __m256i xs = _mm256_sign_epi8(bcast4(xb + 4 * j), ws);
+          is[h] = _mm256_add_epi32(is[h], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones16));
+          if constexpr (T) {
+            const __m256i xs2 = _mm256_sign_epi8(bcast4(xb2 + 4 * j), ws);
+            is2[h] = _mm256_add_epi32(is2[h], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs2), ones16));
           }
         }
     } else if constexpr (F == QFmt::kQ6_K) {
       // u ≤ 63: a vpmaddubsw pair is ≤ 2·63·127 < 32768; widened to int32 at once. Vectors 0-3
       // (elements 0-15) sum into is, 4-7 into isb: two loops, so the sums stay in registers.
-      auto vectors = [&](int j0, __m256i (&s1)[R][2], __m256i (&s2)[R][2]) {
+      auto vectors = [&](int j0, __m256i (&s1)[2], __m256i (&s2)[2]) {
         for (int j = j0; j < j0 + 4; ++j)
           for (int h = 0; h < 2; ++h) {
             const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(qs + 64 * j + 32 * h));
-            for (int r = 0; r < R; ++r) {
-              s1[r][h] = _mm256_add_epi32(s1[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(v, bcast4(a.q + (r0 + r) * a.n_in + b * 32 + 4 * j)), ones16));
-              if constexpr (T)
-                s2[r][h] = _mm256_add_epi32(s2[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(v, bcast4(a.q2 + (r0 + r) * a.n_in + b * 32 + 4 * j)), ones16));
-            }
+            s1[h] = _mm256_add_epi32(s1[h], _mm256_madd_epi16(_mm256_maddubs_epi16(v, bcast4(xb + 4 * j)), ones16));
+            if constexpr (T)
+              s2[h] = _mm256_add_epi32(s2[h], _mm256_madd_epi16(_mm256_maddubs_epi16(v, bcast4(xb2 + 4 * j)), ones16));
           }
       };
       vectors(0, is, is2);
@@ -127,80 +122,69 @@ inline void tile(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float*
       // Nibbles: 16 products per int16 lane of one block, |sum| ≤ 16·15·127 < 32768. Q5_0's
       // 5-bit values would overflow that: widened after every vector (≤ 4·31·127).
       constexpr bool kWiden = F == QFmt::kQ5_0;
-      __m256i s16[R][2], s16b[R][2];
-      for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = s16b[r][0] = s16b[r][1] = _mm256_setzero_si256();
+      __m256i s16[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, s16b[2] = {s16[0], s16[0]};
       for (int j = 0; j < 4; ++j)
         for (int h = 0; h < 2; ++h) {
           __m256i lo, hi;
           unpack_nibbles<F>(blk, j, h, m4, &lo, &hi);
-          for (int r = 0; r < R; ++r) {
-            const int8_t* xb = a.q + (r0 + r) * a.n_in + b * 32;
-            __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xb + 4 * j)),
-                                         _mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * j)));
+          __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xb + 4 * j)),
+                                       _mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * j)));
+          if constexpr (kWiden)
+            is[h] = _mm256_add_epi32(is[h], _mm256_madd_epi16(p, ones16));
+          else
+            s16[h] = _mm256_add_epi16(s16[h], p);
+          if constexpr (T) {
+            __m256i p2 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xb2 + 4 * j)),
+                                          _mm256_maddubs_epi16(hi, bcast4(xb2 + 16 + 4 * j)));
             if constexpr (kWiden)
-              is[r][h] = _mm256_add_epi32(is[r][h], _mm256_madd_epi16(p, ones16));
+              is2[h] = _mm256_add_epi32(is2[h], _mm256_madd_epi16(p2, ones16));
             else
-              s16[r][h] = _mm256_add_epi16(s16[r][h], p);
-            if constexpr (T) {
-              const int8_t* xb2 = a.q2 + (r0 + r) * a.n_in + b * 32;
-              __m256i p2 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xb2 + 4 * j)),
-                                            _mm256_maddubs_epi16(hi, bcast4(xb2 + 16 + 4 * j)));
-              if constexpr (kWiden)
-                is2[r][h] = _mm256_add_epi32(is2[r][h], _mm256_madd_epi16(p2, ones16));
-              else
-                s16b[r][h] = _mm256_add_epi16(s16b[r][h], p2);
-            }
+              s16b[h] = _mm256_add_epi16(s16b[h], p2);
           }
         }
       if constexpr (!kWiden)
-        for (int r = 0; r < R; ++r)
-          for (int h = 0; h < 2; ++h) {
-            is[r][h] = _mm256_madd_epi16(s16[r][h], ones16);
-            if constexpr (T) is2[r][h] = _mm256_madd_epi16(s16b[r][h], ones16);
-          }
+        for (int h = 0; h < 2; ++h) {
+          is[h] = _mm256_madd_epi16(s16[h], ones16);
+          if constexpr (T) is2[h] = _mm256_madd_epi16(s16b[h], ones16);
+        }
     }
     if constexpr (T)
-      for (int r = 0; r < R; ++r)
-        for (int h = 0; h < 2; ++h) {
-          is[r][h] = _mm256_add_epi32(_mm256_mullo_epi32(is[r][h], _mm256_set1_epi32(kLevel2)), is2[r][h]);
-          if constexpr (F == QFmt::kQ6_K)
-            isb[r][h] = _mm256_add_epi32(_mm256_mullo_epi32(isb[r][h], _mm256_set1_epi32(kLevel2)), isb2[r][h]);
-        }
-    for (int r = 0; r < R; ++r) {
-      const __m256 dx = _mm256_set1_ps(a.d[(r0 + r) * a.nb + b]);
-      const __m256 sx = _mm256_set1_ps(a.s[(r0 + r) * a.nb + b]);
-      const int32_t s128 = a.s128[(r0 + r) * a.nb + b];
       for (int h = 0; h < 2; ++h) {
-        __m256 t;
-        if constexpr (F == QFmt::kQ6_K) {
-          const int32_t* s16 = a.s16 + (r0 + r) * (a.n_in / 16) + 2 * b;
-          const __m256i ia = _mm256_sub_epi32(is[r][h], _mm256_set1_epi32(32 * s16[0]));
-          const __m256i ib = _mm256_sub_epi32(isb[r][h], _mm256_set1_epi32(32 * s16[1]));
-          t = _mm256_fmadd_ps(mw[h], _mm256_cvtepi32_ps(ib), _mm256_mul_ps(dw[h], _mm256_cvtepi32_ps(ia)));
-        } else {
-          __m256i i = is[r][h];
-          // (Q8_0 needs no offset: its sums above use the signed weights.)
-          if constexpr (F == QFmt::kQ5_0) i = _mm256_sub_epi32(i, _mm256_set1_epi32(s128 / 8));
-          t = _mm256_mul_ps(dw[h], _mm256_cvtepi32_ps(i));
-          if constexpr (F == QFmt::kQ4_0 || F == QFmt::kQ4_1 || F == QFmt::kQ4_K) t = _mm256_fmadd_ps(mw[h], sx, t);
-        }
-        acc[r][h] = _mm256_fmadd_ps(t, dx, acc[r][h]);
+        is[h] = _mm256_add_epi32(_mm256_mullo_epi32(is[h], _mm256_set1_epi32(kLevel2)), is2[h]);
+        if constexpr (F == QFmt::kQ6_K)
+          isb[h] = _mm256_add_epi32(_mm256_mullo_epi32(isb[h], _mm256_set1_epi32(kLevel2)), isb2[h]);
       }
+    const __m256 dx = _mm256_set1_ps(a.d[b]);
+    const __m256 sx = _mm256_set1_ps(a.s[b]);
+    const int32_t s128 = a.s128[b];
+    for (int h = 0; h < 2; ++h) {
+      __m256 t;
+      if constexpr (F == QFmt::kQ6_K) {
+        const int32_t* s16 = a.s16 + 2 * b;
+        const __m256i ia = _mm256_sub_epi32(is[h], _mm256_set1_epi32(32 * s16[0]));
+        const __m256i ib = _mm256_sub_epi32(isb[h], _mm256_set1_epi32(32 * s16[1]));
+        t = _mm256_fmadd_ps(mw[h], _mm256_cvtepi32_ps(ib), _mm256_mul_ps(dw[h], _mm256_cvtepi32_ps(ia)));
+      } else {
+        __m256i i = is[h];
+        // (Q8_0 needs no offset: its sums above use the signed weights.)
+        if constexpr (F == QFmt::kQ5_0) i = _mm256_sub_epi32(i, _mm256_set1_epi32(s128 / 8));
+        t = _mm256_mul_ps(dw[h], _mm256_cvtepi32_ps(i));
+        if constexpr (F == QFmt::kQ4_0 || F == QFmt::kQ4_1 || F == QFmt::kQ4_K) t = _mm256_fmadd_ps(mw[h], sx, t);
+      }
+      acc[h] = _mm256_fmadd_ps(t, dx, acc[h]);
     }
   }
 
   const int64_t o = g * kGroup, rem = w.n_out - o;
-  for (int r = 0; r < R; ++r) {
-    float* yp = y + (r0 + r) * w.n_out + o;
-    if (rem >= kGroup) {
-      _mm256_storeu_ps(yp, acc[r][0]);
-      _mm256_storeu_ps(yp + 8, acc[r][1]);
-    } else {
-      alignas(32) float tmp[kGroup];
-      _mm256_store_ps(tmp, acc[r][0]);
-      _mm256_store_ps(tmp + 8, acc[r][1]);
-      std::memcpy(yp, tmp, static_cast<size_t>(rem) * sizeof(float));
-    }
+  float* yp = y + o;
+  if (rem >= kGroup) {
+    _mm256_storeu_ps(yp, acc[0]);
+    _mm256_storeu_ps(yp + 8, acc[1]);
+  } else {
+    alignas(32) float tmp[kGroup];
+    _mm256_store_ps(tmp, acc[0]);
+    _mm256_store_ps(tmp + 8, acc[1]);
+    std::memcpy(yp, tmp, static_cast<size_t>(rem) * sizeof(float));
   }
 }
 
@@ -427,7 +411,7 @@ template <QFmt F, bool T>
 void run(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g1, float* y) {
   if (n_rows == 1) {
     // One row (decode at batch 1): tile, one group after another, prefetching ahead.
-    for (int64_t g = g0; g < g1; ++g) tile<F, 1, true, T>(w, a, 0, g, y);
+    for (int64_t g = g0; g < g1; ++g) tile<F, T>(w, a, g, y);
     return;
   }
   // Batches, 64 rows at a time; the first tile over a group streams it from RAM (prefetch).
