@@ -157,6 +157,10 @@ void run_serve(const ServeOptions& o) {
                kv::format_bytes(engine.pool().total_bytes()).c_str(), layout.describe().c_str(), static_cast<long long>(n_pages),
                ec.block_size, static_cast<long long>(n_tokens), kv::format_bytes(layout.bytes_per_token()).c_str(),
                static_cast<long long>(n_pages / pages_per_seq), ec.max_model_len);
+  if (ec.kv_policy.evicts())  // a sequence holds its prompt, then at most the budget
+    std::fprintf(stderr, "KV cache under --kv-eviction %s: %lld sequences of %lld tokens (the budget, once their prompts are cut down to it) fit\n",
+                 kv::eviction_policy_name(ec.kv_policy.policy), static_cast<long long>(n_pages / ((ec.kv_policy.budget + ec.block_size - 1) / ec.block_size + 1)),
+                 static_cast<long long>(ec.kv_policy.budget));
   if (const kv::PagePool* g1 = engine.pool_g1())
     std::fprintf(stderr, "KV cache, sliding-window layers (window %d): %s, %d pages (the window of %lld sequences); the prefix cache keeps these pages too while they fit\n",
                  (*model)->kv_groups()[1].window, kv::format_bytes(g1->total_bytes()).c_str(), g1->n_pages(),

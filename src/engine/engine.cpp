@@ -209,16 +209,21 @@ Rejection Engine::submit(Request req) {
                       std::to_string(n_prompt + p.max_tokens) + " tokens (" + std::to_string(n_prompt) + " in the messages, " +
                       std::to_string(p.max_tokens) + " in the completion). Please reduce the length of the messages or completion.",
                   n_prompt >= cfg_.max_model_len ? "messages" : "max_tokens");
-  int64_t pages_one = BlockTable::pages_for(std::min<int64_t>(n_prompt + p.max_tokens, cfg_.max_model_len), cfg_.block_size);
+  // The most KV one sequence of this request holds at once: its whole context, or under an
+  // evicting policy the prompt (computed whole, then cut down) and after it the budget (the
+  // page being filled counts in it; one page of slack).
+  int64_t tokens_one = std::min<int64_t>(n_prompt + p.max_tokens, cfg_.max_model_len);
+  if (ev.evicts()) tokens_one = std::min<int64_t>(tokens_one, std::max<int64_t>(n_prompt + 1, ev.budget + cfg_.block_size));
+  int64_t pages_one = BlockTable::pages_for(tokens_one, cfg_.block_size);
   if (cold_ && !p.kv_policy_set)  // RAM holds the budget and what one step reads back
     pages_one = std::min<int64_t>(pages_one, BlockTable::pages_for(cfg_.kv_policy.budget, cfg_.block_size) +
                                                  cfg_.kv_policy.quest_pages_read(cfg_.block_size) + 2);
   if (pages_one > pool_->n_pages())
     return reject(400,
-                  "The request needs " + std::to_string(pages_one) + " KV pages (" +
-                      std::to_string(std::min<int64_t>(n_prompt + p.max_tokens, cfg_.max_model_len)) +
-                      " tokens) but the whole KV cache has " + std::to_string(pool_->n_pages()) + "; raise --kv-cache-memory.",
-                  "max_tokens");
+                  "The request needs " + std::to_string(pages_one) + " KV pages (" + std::to_string(tokens_one) +
+                      " tokens" + (ev.evicts() ? " at once under its KV policy" : "") + ") but the whole KV cache has " +
+                      std::to_string(pool_->n_pages()) + "; raise --kv-cache-memory.",
+                  n_prompt + 1 > pool_->n_pages() * cfg_.block_size ? "messages" : "max_tokens");
   {
     std::lock_guard<std::mutex> l(in_mu_);
     if (n_waiting_total_.load() >= cfg_.max_queue)

@@ -211,3 +211,27 @@ def test_router_lets_max_tokens_pass_max_model_len_with_the_backends_default_pol
         for x in routers:
             x.stop()
         s.stop()
+
+
+def test_a_small_pool_admits_by_the_budget():
+    """A pool of 11 pages (176 tokens) runs a 300-token completion under --kv-eviction sinks
+    --kv-budget 64, and under a request's own policy: admission counts what a sequence holds at
+    once (the prompt, then the budget), not its whole context. Without a policy the same request
+    is refused with a 400 naming max_tokens."""
+    s = Server("--debug", "--kv-eviction", "sinks", "--kv-budget", "64", kv_memory="4MiB")
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none")
+        kw = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=300, temperature=0, extra_body={"ignore_eos": True})
+        r = client.completions.create(**kw)
+        assert r.usage.completion_tokens == 300
+        assert r.usage.model_extra["kv_eviction"]["tokens_kept"] <= 64
+        r = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "kv_eviction": {"policy": "h2o", "budget": 96}}})
+        assert r.usage.completion_tokens == 300
+        assert r.usage.model_extra["kv_eviction"]["tokens_kept"] <= 96
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**{**kw, "extra_body": {"kv_eviction": {"policy": "none"}}})
+        assert e.value.body["param"] == "max_tokens" and "raise --kv-cache-memory" in e.value.body["message"], e.value.body
+        s.wait_clean()
+    finally:
+        s.stop()
+    assert s.proc.returncode == 0

@@ -234,6 +234,54 @@ TEST(KvEviction, EngineEvictsAndAccountsForEveryPage) {
   EXPECT_EQ(e.pages_in_use(), 0);
 }
 
+// A request under an evicting policy is admitted by what it holds at once (the prompt, then the
+// budget), not by its whole context: 12 pages (192 tokens) run 40 + 300 tokens, with the
+// server's policy and with the request's own; without a policy the same request is refused.
+TEST(KvEviction, EngineAdmitsByTheBudgetNotTheWholeContext) {
+  LlamaModel* m = kvtest::smollm2_model();
+  ASSERT_TRUE(m);
+  EngineConfig c = smol_engine(512, 12, 4, 64);
+  c.kv_policy = cfg_of(EvictionPolicy::kSinks, 64);
+  auto tok = Tokenizer::from_gguf(*kvtest::smollm2_file());
+  ASSERT_TRUE(tok);
+  Engine e(*m, **tok, c);
+  ASSERT_EQ(e.pool().n_pages(), 12);
+  auto request = [&](int n_prompt, int max_tokens, int policy_override, EvictionPolicy p, int32_t budget) {
+    Request r;
+    r.id = e.next_request_id();
+    r.prompt.resize(static_cast<size_t>(n_prompt));
+    for (size_t i = 0; i < r.prompt.size(); ++i) r.prompt[i] = static_cast<int32_t>(1000 + (i * 7919) % 20000);
+    r.params.max_tokens = max_tokens;
+    r.params.ignore_eos = true;
+    if (policy_override) {
+      r.params.kv_policy_set = true;
+      r.params.kv_policy = cfg_of(p, budget);
+    }
+    r.stream = std::make_shared<RequestStream>();
+    return std::make_pair(e.submit(r), r.stream);
+  };
+  auto [ra, a] = request(40, 300, 0, EvictionPolicy::kNone, 0);
+  auto [rb, b] = request(40, 300, 1, EvictionPolicy::kSnapKV, 96);
+  EXPECT_EQ(ra.http_status, 0) << ra.message;
+  EXPECT_EQ(rb.http_status, 0) << rb.message;
+  // Refused: no policy (340 tokens at once), a budget beyond the pool, a prompt beyond the pool.
+  auto [rc, c1] = request(40, 300, 1, EvictionPolicy::kNone, 0);
+  EXPECT_EQ(rc.http_status, 400);
+  EXPECT_EQ(rc.param, "max_tokens");
+  auto [rd, d] = request(40, 300, 1, EvictionPolicy::kSinks, 256);
+  EXPECT_EQ(rd.http_status, 400);
+  auto [re, e1] = request(200, 10, 0, EvictionPolicy::kNone, 0);
+  EXPECT_EQ(re.http_status, 400);
+  EXPECT_EQ(re.param, "messages");
+  for (int i = 0; i < 100000 && e.step(); ++i) ASSERT_TRUE(e.check_integrity().is_ok()) << e.check_integrity().message();
+  EXPECT_EQ(a->usage().completion_tokens, 300);
+  EXPECT_EQ(b->usage().completion_tokens, 300);
+  EXPECT_LE(a->usage().kv_tokens_kept, 64);
+  EXPECT_LE(b->usage().kv_tokens_kept, 96);
+  EXPECT_GT(a->usage().kv_tokens_evicted, 200);
+  EXPECT_EQ(e.pages_in_use(), 0);
+}
+
 // Quest's page score uses the expected maximum of n standard normals: known values (n = 2, 3 in
 // closed form; 16 and 32 by numpy: trapezoid rule over [-12, 12], and 400k draws agree to 1e-3).
 TEST(KvEviction, QuestSpreadIsTheExpectedMaximumOfNormals) {
