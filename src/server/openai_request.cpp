@@ -40,6 +40,14 @@ std::string type_word(const json& v) {
   throw bad_request("Invalid value for '" + name + "': " + why, name, "invalid_value");
 }
 
+// An integer literal beyond 64 bits parses as a decimal: refused as out of [lo, hi], not as a type.
+void huge_integer_check(const std::string& name, const json& v, int64_t lo, int64_t hi) {
+  if (!v.is_number_float()) return;
+  const double d = v.get<double>();
+  if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) >= 0x1p63)
+    value_error(name, v.dump() + (d > 0 ? " is above the maximum of " + std::to_string(hi) : " is below the minimum of " + std::to_string(lo)) + ".");
+}
+
 std::string num_text(double x) {
   if (std::isfinite(x) && x == std::floor(x) && std::fabs(x) < 1e15) return std::to_string(static_cast<long long>(x));
   json j = x;
@@ -73,6 +81,7 @@ class Fields {
   std::optional<int64_t> integer(const char* name, int64_t lo, int64_t hi) const {
     const json* v = get(name);
     if (!v) return std::nullopt;
+    huge_integer_check(name, *v, lo, hi);
     if (!v->is_number_integer()) type_error(name, "an integer", *v);
     if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
       value_error(name, v->dump() + " is above the maximum of " + std::to_string(hi) + ".");
@@ -239,6 +248,7 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
 int32_t parse_max_tokens(const Fields& f, const char* name, const ApiContext& ctx, int64_t dflt, const RequestParams& p) {
   const json* v = f.get(name);
   if (!v) return static_cast<int32_t>(std::clamp<int64_t>(dflt, 1, ctx.max_model_len));
+  huge_integer_check(name, *v, 1, std::numeric_limits<int32_t>::max());
   if (!v->is_number_integer()) type_error(name, "an integer", *v);
   // nlohmann stores 0 and other non-negative literals as unsigned: 0 must be caught there too.
   if (v->is_number_unsigned() ? v->get<uint64_t>() == 0 : v->get<int64_t>() < 1)

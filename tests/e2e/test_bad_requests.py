@@ -111,6 +111,8 @@ CORPUS = [
     ("repetition_penalty zero", "POST", C, JSON, comp(repetition_penalty=0), 400, "repetition_penalty"),
     ("seed string", "POST", C, JSON, comp(seed="abc"), 400, "seed"),
     ("seed float", "POST", C, JSON, comp(seed=1.5), 400, "seed"),
+    ("seed beyond 64 bits", "POST", C, JSON, comp(seed=2**64), 400, "seed"),
+    ("max_tokens beyond 64 bits", "POST", C, JSON, comp(max_tokens=-(10**30)), 400, "max_tokens"),
     # --- n
     ("n zero", "POST", C, JSON, comp(n=0), 400, "n"),
     ("n over limit", "POST", C, JSON, comp(n=MAX_N + 1), 400, "n"),
@@ -204,3 +206,13 @@ def test_still_serves_after_corpus(server):
     assert r.status_code == 200
     assert r.json()["usage"]["completion_tokens"] == 3
     assert server.proc.poll() is None
+
+
+def test_integers_beyond_64_bits_are_out_of_range(server):
+    """JSON integers past 64 bits parse as decimals; the error says the value is out of range."""
+    import requests
+    for field, value, word in [("seed", 2**64, "above the maximum"), ("max_tokens", -(10**30), "below the minimum")]:
+        r = requests.post(server.url + C, data=comp(**{field: value}), headers=JSON, timeout=30)
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert err["param"] == field and word in err["message"] and err["code"] == "invalid_value", err
