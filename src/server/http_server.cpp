@@ -109,9 +109,7 @@ HttpServer::~HttpServer() = default;
 
 
 bool HttpServer::bind(const std::string& host, int port) {
-  if (!svr_->bind_to_port(host, port)) return false;
-  raise_listen_backlog(port);
-  return true;
+  return bind_exclusive(*svr_, host, port);
 }
 
 void HttpServer::run() { svr_->listen_after_bind(); }

@@ -89,6 +89,16 @@ void raise_listen_backlog(int port) {
   }
 }
 
+bool bind_exclusive(httplib::Server& svr, const std::string& host, int port) {
+  svr.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
+  if (!svr.bind_to_port(host, port)) return false;
+  raise_listen_backlog(port);
+  return true;
+}
+
 namespace {
 // addr's port and numeric address, as cpp-httplib writes them into Request::remote_addr.
 bool endpoint(const sockaddr_storage& addr, std::string* host, int* port) {

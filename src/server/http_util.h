@@ -32,6 +32,11 @@ std::function<void(const httplib::Request&, httplib::Response&)> safe_handler(
 // connecting at once overflow it. Raises the backlog of this process's socket bound to `port`.
 void raise_listen_backlog(int port);
 
+// Binds like bind_to_port, but never shares the port: cpp-httplib's default socket options set
+// SO_REUSEPORT on Linux, with which a second server on a busy port starts and takes a share of
+// its connections. SO_REUSEADDR alone still allows a restart over TIME_WAIT. Raises the backlog.
+bool bind_exclusive(httplib::Server& svr, const std::string& host, int port);
+
 // The socket of the connection `req` arrived on (its peer and local address), or -1. cpp-httplib
 // 0.11 gives a handler no way to see that its client left while the response is not being
 // written (a non-streamed request); the handler watches the socket itself with peer_closed.

@@ -252,3 +252,18 @@ def test_router_drains_on_sigterm_then_ends_what_is_left():
             s.wait_clean(timeout=10)
     finally:
         s.stop()
+
+
+def test_a_busy_port_is_refused_not_shared(server):
+    """A second server, or a router, on a port a server listens on exits with an error, as vLLM
+    and llama-server do (cpp-httplib's default SO_REUSEPORT would let it start and take a share
+    of the first one's connections); the first keeps answering every request."""
+    import subprocess
+    from kvserve_server import KVSERVE, MODEL
+    for cmd in ([KVSERVE, "serve", "-m", MODEL, "--port", str(server.port), "--served-model-name", "impostor"],
+                [KVSERVE, "router", "-m", MODEL, "--listen", f"127.0.0.1:{server.port}", "--replica", server.url]):
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert p.returncode != 0, p.stderr
+        assert "cannot listen on 127.0.0.1:%d" % server.port in p.stderr, p.stderr
+    ids = {requests.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"] for _ in range(20)}
+    assert "impostor" not in ids
