@@ -173,12 +173,14 @@ Router::Router(RouterOptions opts, ApiContext ctx)
   svr_->set_keep_alive_max_count(1000);
   routes();
   health_ = std::thread([this] { health_loop(); });
+  watch_ = std::thread([this] { watch_loop(); });
 }
 
 Router::~Router() {
   stop();
   health_cv_.notify_all();
   if (health_.joinable()) health_.join();
+  if (watch_.joinable()) watch_.join();
   // Streamed requests' upstream threads see stopping_ at their next chunk; wait for them.
   for (int i = 0; i < 2000 && upstreams_.load() > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
 }
@@ -193,7 +195,7 @@ void Router::stop() {
   stopping_.store(true);
   {
     std::lock_guard<std::mutex> l(clients_mu_);
-    for (auto [c, streamed] : clients_) c->stop();  // upstream requests end now, not at their timeout
+    for (const Upstream& u : clients_) u.cli->stop();  // upstream requests end now, not at their timeout
   }
   svr_->stop();
   health_cv_.notify_all();
@@ -213,11 +215,29 @@ bool Router::drain(double timeout_s) {
   aborting_.store(true);
   {
     std::lock_guard<std::mutex> l(clients_mu_);
-    for (auto [c, streamed] : clients_)
-      if (!streamed) c->stop();  // a stream's provider ends it and cancels its upstream itself
+    for (const Upstream& u : clients_)
+      if (!u.streamed) u.cli->stop();  // a stream's provider ends it and cancels its upstream itself
   }
   until(5.0);
   return false;
+}
+
+// Every 50 ms: a non-streamed request whose client closed its connection has its upstream
+// request closed, which the backend takes as a cancel (its pages come back at once).
+void Router::watch_loop() {
+  while (!stopping_.load()) {
+    {
+      std::lock_guard<std::mutex> l(clients_mu_);
+      for (Upstream& u : clients_)
+        if (u.client_fd >= 0 && !u.client_gone && peer_closed(u.client_fd)) {
+          u.client_gone = true;
+          n_client_gone_.fetch_add(1);
+          u.cli->stop();
+        }
+    }
+    std::unique_lock<std::mutex> l(health_mu_);
+    health_cv_.wait_for(l, std::chrono::milliseconds(50), [this] { return stopping_.load(); });
+  }
 }
 
 void Router::health_loop() {
@@ -289,7 +309,9 @@ void Router::handle_generate(const httplib::Request& req, httplib::Response& res
     if (static_cast<int64_t>(ar.prompt.size()) >= opts_.prefill_min_tokens) prefill(key, path, req.body, auth);
     else n_prefill_skipped_.fetch_add(1);
   }
-  forward(*serve_, key, path, req.body, auth, ar.stream, res, guard);
+  // A non-streamed request's client is watched while the backend answers (a stream notices a
+  // gone client when it writes the next chunk).
+  forward(*serve_, key, path, req.body, auth, ar.stream, res, guard, ar.stream ? -1 : find_client_socket(req));
 }
 
 RouteChoice Router::choose(Pool& pool, uint64_t key, const std::vector<int32_t>& tried) {
@@ -332,7 +354,7 @@ void Router::run_upstream(Backend* b, const std::string& path, const std::string
   set_timeouts(cli, opts_);
   {
     std::lock_guard<std::mutex> l(clients_mu_);
-    clients_.emplace_back(&cli, true);  // stop() closes it
+    clients_.push_back({&cli, true});  // stop() closes it
   }
   httplib::Request ureq;
   ureq.method = "POST";
@@ -358,7 +380,7 @@ void Router::run_upstream(Backend* b, const std::string& path, const std::string
   const bool ok = cli.send(ureq, ures, err);
   {
     std::lock_guard<std::mutex> l(clients_mu_);
-    clients_.erase(std::find(clients_.begin(), clients_.end(), std::pair{&cli, true}));
+    clients_.erase(std::find_if(clients_.begin(), clients_.end(), [&](const Upstream& u) { return u.cli == &cli; }));
   }
   {
     std::lock_guard<std::mutex> l(pipe.mu);
@@ -370,7 +392,7 @@ void Router::run_upstream(Backend* b, const std::string& path, const std::string
 }
 
 void Router::forward(Pool& pool, uint64_t key, const std::string& path, const std::string& body, const std::string& auth, bool stream,
-                     httplib::Response& res, std::shared_ptr<void> in_flight) {
+                     httplib::Response& res, std::shared_ptr<void> in_flight, int client_fd) {
   std::vector<int32_t> tried;
   for (size_t attempt = 0; attempt < pool.backends.size(); ++attempt) {
     const RouteChoice c = choose(pool, key, tried);
@@ -391,14 +413,21 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
       {
         std::lock_guard<std::mutex> l(clients_mu_);
         if (aborting_.load()) throw stopped_error();
-        clients_.emplace_back(&cli, false);
+        clients_.push_back({&cli, false, client_fd});
       }
       auto r = cli.Post(path, upstream_headers(auth), body, "application/json");
+      bool client_gone = false;
       {
         std::lock_guard<std::mutex> l(clients_mu_);
-        clients_.erase(std::find(clients_.begin(), clients_.end(), std::pair{&cli, false}));
+        auto it = std::find_if(clients_.begin(), clients_.end(), [&](const Upstream& u) { return u.cli == &cli; });
+        client_gone = it->client_gone;
+        clients_.erase(it);
       }
       if (aborting_.load()) throw stopped_error();
+      if (client_gone) {  // nobody to answer, and the backend has cancelled the request
+        res.status = 499;
+        return;
+      }
       if (!r) {
         gave_no_answer(*b, c.backend, tried, n_retries_);
         continue;
@@ -511,6 +540,9 @@ std::string Router::render_metrics() const {
   line("router_affinity_total", "result=\"owner_busy\"", double(n_owner_busy_.load()));
   help("router_retries_total", "counter", "Requests sent again to another backend after one did not answer.");
   line("router_retries_total", "", double(n_retries_.load()));
+  help("router_client_disconnects_total", "counter",
+       "Non-streamed requests whose client left before the answer: their upstream request was closed (the backend cancels it).");
+  line("router_client_disconnects_total", "", double(n_client_gone_.load()));
   help("router_unavailable_total", "counter", "Requests answered 503: no backend up.");
   line("router_unavailable_total", "", double(n_unavailable_.load()));
   help("router_prefills_total", "counter",

@@ -95,7 +95,7 @@ class Router {
   void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat);
   void prefill(uint64_t key, const std::string& path, const std::string& body, const std::string& auth);
   void forward(Pool& pool, uint64_t key, const std::string& path, const std::string& body, const std::string& auth, bool stream,
-               httplib::Response& res, std::shared_ptr<void> in_flight);
+               httplib::Response& res, std::shared_ptr<void> in_flight, int client_fd);
   void run_upstream(Backend* b, const std::string& path, const std::string& body, const std::string& auth, Pipe& pipe);
   std::string render_metrics() const;
   static uint64_t round_robin_key(const Pool& pool, uint64_t turn);
@@ -111,9 +111,18 @@ class Router {
   std::atomic<bool> draining_{false};  // no new requests
   std::atomic<bool> aborting_{false};  // drain timed out: end what is in flight
   std::atomic<int32_t> in_flight_{0};  // client requests not yet answered (streams until their end)
+  // Upstream requests in progress: drain's abort and stop() close them; a non-streamed one is
+  // closed too when its client leaves (client_fd, watched by watch_loop), so the backend cancels.
+  struct Upstream {
+    httplib::Client* cli;
+    bool streamed;
+    int client_fd = -1;        // the client's connection (non-streamed requests), -1: not watched
+    bool client_gone = false;  // watch_loop closed the upstream request because the client left
+  };
   std::mutex clients_mu_;
-  std::vector<std::pair<httplib::Client*, bool>> clients_;  // upstream requests in progress (streamed?): drain's abort and stop() close them
-  std::thread health_;
+  std::vector<Upstream> clients_;
+  void watch_loop();
+  std::thread health_, watch_;
   std::mutex health_mu_;
   std::condition_variable health_cv_;
   std::atomic<int32_t> upstreams_{0};  // streamed requests' upstream threads alive
@@ -121,7 +130,7 @@ class Router {
 
   // Counters for /metrics.
   std::atomic<uint64_t> n_owner_{0}, n_owner_down_{0}, n_owner_busy_{0}, n_new_{0};
-  std::atomic<uint64_t> n_retries_{0}, n_unavailable_{0};
+  std::atomic<uint64_t> n_retries_{0}, n_unavailable_{0}, n_client_gone_{0};
   std::atomic<uint64_t> n_prefill_ok_{0}, n_prefill_failed_{0}, n_prefill_skipped_{0};
 };
 

@@ -154,6 +154,35 @@ def test_a_client_that_leaves_a_non_streamed_request_cancels_it(server):
         time.sleep(0.05)
 
 
+def test_a_client_that_leaves_a_non_streamed_request_cancels_it_through_the_router():
+    """The same through a router: it watches the client's connection while the backend answers
+    and closes the upstream request when the client leaves, so the backend cancels it too."""
+    s = Server("--debug", max_model_len=LONG_LEN, kv_memory="128MiB")
+    try:
+        r = Router("--replica", s.url, max_model_len=LONG_LEN)
+        try:
+            body = json.dumps({"prompt": "Tell me everything", "max_tokens": LONG, "ignore_eos": True, "n": 2}).encode()
+            sock = socket.create_connection(("127.0.0.1", r.port))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            wait_busy(s)
+            sock.close()
+            t0 = time.time()
+            while s.debug_kv()["pages_in_use"] != 0:
+                assert time.time() - t0 < 3, "the backend kept running the request after its client left the router"
+                time.sleep(0.02)
+            assert s.metrics().get("kvserve:request_aborted_total", 0) >= 1
+            assert r.metrics()["kvserve:router_client_disconnects_total"] == 1
+            # the router still answers, and a finished request is not counted as a disconnect
+            ok = requests.post(r.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
+            assert ok.status_code == 200
+            assert r.metrics()["kvserve:router_client_disconnects_total"] == 1
+        finally:
+            r.stop()
+    finally:
+        s.stop()
+
+
 def test_request_timeout_ends_requests_with_504():
     s = Server("--debug", "--request-timeout", "1", max_model_len=LONG_LEN, kv_memory="128MiB")
     try:
