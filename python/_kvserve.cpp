@@ -69,6 +69,9 @@ class PyEngine {
            bool enable_prefix_caching, int max_num_seqs, int max_num_batched_tokens, int max_model_len, int max_n, int threads,
            const std::string& kv_cache_dtype_layers, const std::string& act_quant, const std::string& served_model_name, bool quiet,
            const std::string& speculative_config) {
+    // Before the model loads: as the CLI's ranges (0 = the default: every core, the model's context).
+    if (threads < 0 || threads > 256) fail("threads must be in [1, 256] (or None: every core), got " + std::to_string(threads));
+    if (max_model_len < 0) fail("max_model_len must be positive (or None: the model's context), got " + std::to_string(max_model_len));
     if (!act_quant.empty()) {
       if (act_quant != "q8" && act_quant != "q8x2") fail("act_quant must be \"q8x2\" or \"q8\", got \"" + act_quant + "\"");
       kv::set_act_quant(act_quant == "q8" ? kv::ActQuant::kQ8 : kv::ActQuant::kQ8x2);

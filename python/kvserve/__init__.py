@@ -12,6 +12,7 @@ limits, seeds and error messages are the server's: the same seed gives the same 
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -68,6 +69,14 @@ class SamplingParams:
     logprobs: Optional[int] = None
     cache_salt: Optional[str] = None
     kv_eviction: Optional[Dict[str, Any]] = None
+
+    def __post_init__(self) -> None:
+        # JSON has no NaN or infinity: say which field, not what the request body could not hold.
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise RequestError(f"Invalid value for '{name}': {v} is not a finite number.", param=name,
+                                   code="invalid_value")
 
     def _stops(self) -> List[str]:
         if self.stop is None:

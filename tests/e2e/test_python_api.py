@@ -188,6 +188,18 @@ def test_a_bad_model_file_is_an_exception_not_a_crash(tmp_path):
         LLM(MODEL, kv_cache_dtype="int3", quiet=True)
     with pytest.raises(ValueError):
         LLM(str(tmp_path / "missing.gguf"), quiet=True)
+    for kw, word in [({"threads": -1}, "threads"), ({"threads": 1000}, "threads"), ({"max_model_len": -5}, "max_model_len")]:
+        with pytest.raises(ValueError, match=word):
+            LLM(MODEL, quiet=True, **kw)
+
+
+def test_a_value_json_cannot_carry_is_refused_where_it_is_set():
+    # NaN and infinity have no JSON form: the error names the field when the parameters are built.
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        for v in (float("nan"), float("inf"), -float("inf")):
+            with pytest.raises(RequestError, match=f"'{name}'") as ei:
+                SamplingParams(**{name: v})
+            assert ei.value.param == name
 
 
 def test_200_prompts_in_one_call_match_200_calls(llm):
