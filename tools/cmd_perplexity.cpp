@@ -30,6 +30,7 @@
 // (4% at K = 256); log-probs stay f32 because KLs of 1e-7 are what the precise dtypes show.
 // Top-1 agreement compares the base's first id with this run's argmax. A base file is
 // untrusted input: its header must match this run and its ids must be in the vocabulary.
+#include <filesystem>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -302,7 +303,7 @@ void run_perplexity(const PerplexityOptions& o) {
     text = ss.str();
   }
   if (!text.empty() && text.back() == '\n') text.pop_back();  // as llama.cpp's -f
-  if (text.empty()) fail("text file " + o.text + " is empty");
+  if (text.empty()) fail(std::filesystem::is_directory(o.text) ? o.text + " is a directory, not a text file" : "text file " + o.text + " is empty");
 
   const bool progress_tty = isatty(fileno(stderr));
   LoadedModel lm = load_model(o.model, o.threads, o.kvo, false);

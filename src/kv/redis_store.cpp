@@ -24,6 +24,8 @@ using Reply = std::unique_ptr<redisReply, ReplyDeleter>;
 Result<RedisStore::Endpoint> parse_addr(const std::string& a) {
   std::string s = a;
   if (s.rfind("redis://", 0) == 0) s = s.substr(8);
+  if (const size_t scheme = s.find("://"); scheme != std::string::npos)  // http://, rediss:// (TLS), ...
+    return Result<RedisStore::Endpoint>::error("--kv-redis " + a + ": " + s.substr(0, scheme) + ":// is not a plain Redis address; want redis://HOST:PORT");
   while (!s.empty() && s.back() == '/') s.pop_back();
   const size_t colon = s.rfind(':');
   RedisStore::Endpoint e;

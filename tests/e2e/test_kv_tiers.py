@@ -165,6 +165,17 @@ def test_bad_disk_dir_is_a_clear_error(tmp_path):
     assert "--kv-disk-dir" in r.stderr and "cannot create" in r.stderr, r.stderr[-2000:]
 
 
+def test_bad_redis_address_is_a_clear_error():
+    from kvserve_server import KVSERVE, MODEL
+    for addr, words in [("http://127.0.0.1:6379", "http:// is not a plain Redis address"),
+                        ("rediss://127.0.0.1:6379", "rediss:// is not a plain Redis address"),
+                        ("redis://127.0.0.1:port", "bad port")]:
+        r = subprocess.run([KVSERVE, "serve", "-m", MODEL, "--port", str(free_port()), "--kv-redis", addr],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0
+        assert words in r.stderr, r.stderr[-2000:]
+
+
 # ---- L3: Redis ---------------------------------------------------------------------------------
 
 def test_a_prefix_computed_on_one_instance_is_a_hit_on_another(redis):

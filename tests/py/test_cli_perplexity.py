@@ -196,6 +196,7 @@ def test_mismatched_base_is_refused(small_text, base_run, tmp_path):
         last = r.stderr.strip().splitlines()[-1]
         assert last.startswith("error:") and all(w in last for w in words), last
 
+    refused(["perplexity", "-m", MODEL, "-f", str(tmp_path), "--ctx", str(CTX), *MEM], "is a directory")
     kld = ["--kld-base", str(base)]
     refused(["perplexity", "-m", MODEL, "-f", str(small_text), "--ctx", str(CTX // 2), "--chunks", str(N_WIN), *MEM, *kld], "--ctx")
     refused(["perplexity", "-m", MODEL, "-f", str(small_text), "--ctx", str(CTX), "--chunks", str(N_WIN - 1), *MEM, *kld], "windows")
