@@ -996,7 +996,11 @@ void Engine::lookup_tiers() {
     if (s.evict.wants_scores()) n_match = std::max<int64_t>(0, n_match - s.evict.obs_window);
     const int64_t max_pages = n_match > 0 ? (n_match - 1) / bs : 0;
     const int64_t ram = cache_->match_length(ns, s.tokens.data(), n_match) / bs;
-    if (max_pages - ram < cfg_.tiers.min_pages) continue;
+    // A decode instance whose RAM holds every full page still asks for the tail (a prompt seen
+    // before, prefilled again): else it recomputes the tail, and the tail stays in Redis.
+    const int32_t t_own = cfg_.tier_prompt_tails == EngineConfig::PromptTails::kFetch && !s.swapped ? prompt_tail(s) : 0;
+    const bool tail_only = t_own > 1 && ram == max_pages && max_pages >= cfg_.tiers.min_pages;
+    if (max_pages - ram < cfg_.tiers.min_pages && !tail_only) continue;
     if (s.tier_miss_at >= 0 && ram >= s.tier_miss_at) continue;  // swapped: nothing new to find
     // Swapped: load only when the pool could take the whole sequence back; loading earlier would
     // evict pages the running sequences need, and they would evict these again (thrashing).

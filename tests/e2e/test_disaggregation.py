@@ -113,13 +113,24 @@ def test_prefill_and_decode_give_the_output_of_one_instance(redis):
         assert m_dec['kvserve:kv_tier_prompt_tails_total{result="unused"}'] == 0
         assert m_pre['kvserve:kv_tier_prompt_tails_total{result="stored"}'] == tails
         assert m_pre['kvserve:kv_tier_prompt_tails_total{result="dropped"}'] == 0
+        # The same prompts again: the decode instance holds their full pages in RAM and still takes
+        # each tail the prefill instance stores anew (read once: Redis keeps no tail behind).
+        n_keys = len(redis.keys())
+        again = 0
+        for i, p in enumerate(prompts):
+            text, n_prompt, cached = complete(router.url, p)
+            assert text == expected[i] and cached == n_prompt - 1, (i, n_prompt, cached)
+            again += 2 <= n_prompt - (n_prompt - 1) // 16 * 16  # a full last page is a tail here too
+        m_dec = dec.metrics()
+        assert m_dec['kvserve:kv_tier_prompt_tails_total{result="loaded"}'] == tails + full_tails + again
+        assert len(redis.keys()) == n_keys
         # A prefill instance answers one token, whatever was asked, once its pages are stored.
         r = requests.post(pre.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": doc(20000, 1500), "max_tokens": 50,
                                                              "temperature": 0})
         assert r.status_code == 200 and r.headers["X-KVServe-Prefill-Stored"] == "1"
         assert r.json()["usage"]["completion_tokens"] == 1
         m = router.metrics()
-        assert m['kvserve:router_prefills_total{result="ok"}'] == 3
+        assert m['kvserve:router_prefills_total{result="ok"}'] == 6  # each prompt twice
         assert m['kvserve:router_prefills_total{result="failed"}'] == 0
         assert dec.metrics()['kvserve:kv_tier_hits_total{tier="redis"}'] >= 3
         # Keys live in the shared Redis, under the model's fingerprint and format.
