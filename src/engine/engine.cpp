@@ -344,10 +344,14 @@ void Engine::preempt(Sequence& s) {
   // Recompute later: the full pages go to the prefix cache (so resuming is mostly a hit),
   // the rest is freed; the tokens (prompt + generated) stay.
   if (tiers_ && cfg_.preemption == EngineConfig::Preemption::kSwap) swap_out(s);
-  // Past max_model_len the whole token list cannot be recomputed: the tokens of evicted pages
-  // go (as a re-index would drop them), and the kept ones are recomputed at their new positions.
+  // Past max_model_len, or past what the whole pool holds (submit admits an evicting request by
+  // its budget, so its tokens may outgrow the pool), the whole token list cannot be recomputed:
+  // the tokens of evicted pages go (as a re-index would drop them), and the kept ones are
+  // recomputed at their new positions.
   ReindexPlan plan;
-  const bool drop = goes_past_context(s) && static_cast<int64_t>(s.tokens.size()) > cfg_.max_model_len;
+  const int64_t n_tokens = static_cast<int64_t>(s.tokens.size());
+  const bool drop = goes_past_context(s) && (n_tokens > cfg_.max_model_len ||
+                                             BlockTable::pages_for(n_tokens + 1, cfg_.block_size) > pool_->n_pages());
   if (drop) {
     evict_now(s, /*prompt_end=*/true);  // a check the runs may have skipped (see reindex)
     plan = plan_reindex(s.table.pages, s.n_computed, cfg_.block_size);

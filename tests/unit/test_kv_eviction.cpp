@@ -282,6 +282,38 @@ TEST(KvEviction, EngineAdmitsByTheBudgetNotTheWholeContext) {
   EXPECT_EQ(e.pages_in_use(), 0);
 }
 
+// ... and such requests preempt one another and all finish: three on 8 pages (each holds up
+// to 3). (A sequence preempted after its tokens outgrew the pool drops its evicted tokens, as
+// past max_model_len; this schedule preempts them while they are short, so that branch of
+// Engine::preempt is not reached here.)
+TEST(KvEviction, PreemptedSequencesLargerThanThePoolResume) {
+  LlamaModel* m = kvtest::smollm2_model();
+  ASSERT_TRUE(m);
+  EngineConfig c = smol_engine(4096, 8, 4, 64);
+  c.enable_prefix_caching = false;
+  c.kv_policy = cfg_of(EvictionPolicy::kSinks, 48);
+  auto tok = Tokenizer::from_gguf(*kvtest::smollm2_file());
+  ASSERT_TRUE(tok);
+  Engine e(*m, **tok, c);
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (int i = 0; i < 3; ++i) {
+    Request r;
+    r.id = e.next_request_id();
+    r.prompt.resize(20);
+    for (size_t j = 0; j < r.prompt.size(); ++j) r.prompt[j] = static_cast<int32_t>(1000 + (j * 7919 + i * 131) % 20000);
+    r.params.max_tokens = 200;
+    r.params.ignore_eos = true;
+    r.stream = std::make_shared<RequestStream>();
+    ASSERT_EQ(e.submit(r).http_status, 0);
+    streams.push_back(r.stream);
+  }
+  for (int i = 0; i < 20000 && e.step(); ++i) ASSERT_TRUE(e.check_integrity().is_ok()) << e.check_integrity().message();
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(streams[i]->usage().completion_tokens, 200) << i;
+  EXPECT_GT(e.metrics().num_preemptions_total, 0);
+  EXPECT_EQ(e.pages_in_use(), 0);
+  EXPECT_EQ(e.pool().n_used(), 0);
+}
+
 // Quest's page score uses the expected maximum of n standard normals: known values (n = 2, 3 in
 // closed form; 16 and 32 by numpy: trapezoid rule over [-12, 12], and 400k draws agree to 1e-3).
 TEST(KvEviction, QuestSpreadIsTheExpectedMaximumOfNormals) {
@@ -610,7 +642,6 @@ TEST(KvReindex, EngineGoesPastMaxModelLenThroughPreemption) {
     EXPECT_GT(u.kv_tokens_reindexed, 0) << i;
   }
   EXPECT_GT(e.metrics().num_preemptions_total, 0);
-  EXPECT_GT(e.metrics().kv_reindexed_tokens_total, 0);
   EXPECT_EQ(e.pages_in_use(), 0);
   EXPECT_EQ(e.pool().n_used(), 0);
 }
