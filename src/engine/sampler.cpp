@@ -62,7 +62,7 @@ void count_into(const std::vector<int32_t>& tokens, size_t begin, size_t end, st
 
 int32_t argmax(const float* x, int32_t n) {
   // Two vector scans (the max, then its first index) instead of a serial compare chain: on
-  // Gemma 3's 262,144 logits 0.5 ms per token became a few tens of µs.
+  // Gemma 3's 262,144 logits the sample phase went from 0.63 to 0.17 ms per token.
   const float ninf = -std::numeric_limits<float>::infinity();
   const float mx = n > 0 ? max_value(x, n) : ninf;
   if (!(mx > ninf)) return 0;  // empty, all -inf or all NaN
