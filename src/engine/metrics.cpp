@@ -100,16 +100,15 @@ void Metrics::observe_step(const double* phase_seconds) {
 MetricsSnapshot Metrics::snapshot() const { std::lock_guard<std::mutex> l(mu_); return m_; }
 
 namespace {
-void gauge(std::string& out, const char* name, const char* help, double v) {
-  char buf[256];
-  std::snprintf(buf, sizeof buf, "# HELP %s %s\n# TYPE %s gauge\n%s %.17g\n", name, help, name, name, v);
-  out += buf;
+// HELP texts of any length (a fixed buffer once cut a long one, and the value line with it).
+void series(std::string& out, const char* type, const char* name, const char* help, double v) {
+  char value[32];
+  std::snprintf(value, sizeof value, "%.17g", v);
+  out.append("# HELP ").append(name).append(" ").append(help).append("\n# TYPE ").append(name).append(" ").append(type);
+  out.append("\n").append(name).append(" ").append(value).append("\n");
 }
-void counter(std::string& out, const char* name, const char* help, double v) {
-  char buf[256];
-  std::snprintf(buf, sizeof buf, "# HELP %s %s\n# TYPE %s counter\n%s %.17g\n", name, help, name, name, v);
-  out += buf;
-}
+void gauge(std::string& out, const char* name, const char* help, double v) { series(out, "gauge", name, help, v); }
+void counter(std::string& out, const char* name, const char* help, double v) { series(out, "counter", name, help, v); }
 // The series of one histogram; label is "" or `key="value",` (placed before le).
 void histogram_series(std::string& out, const char* name, const std::string& label, const Histogram& h) {
   char buf[320];
@@ -128,9 +127,7 @@ void histogram_series(std::string& out, const char* name, const std::string& lab
   out += buf;
 }
 void histogram(std::string& out, const char* name, const char* help, const Histogram& h) {
-  char buf[256];
-  std::snprintf(buf, sizeof buf, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
-  out += buf;
+  out.append("# HELP ").append(name).append(" ").append(help).append("\n# TYPE ").append(name).append(" histogram\n");
   histogram_series(out, name, "", h);
 }
 }  // namespace

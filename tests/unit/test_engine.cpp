@@ -1,7 +1,10 @@
 // The continuous-batching engine on the real model, driven step by step (no thread).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstring>
 #include <map>
+#include <sstream>
 
 #include "engine/engine.h"
 #include "model_fixture.h"
@@ -915,4 +918,47 @@ TEST(Engine, SpeculationTurnsOffWhenTheBatchIsWide) {
   // Sixteen together: drafts only in the last steps, when most have finished (prefills end at
   // different steps); far fewer than sixteen times one sequence's.
   EXPECT_LT(wide.spec_draft_tokens_total, 4 * narrow.spec_draft_tokens_total);
+}
+
+// The Prometheus text: every sample line is `name value` with a number, every metric has its
+// HELP and TYPE and at least one sample, whatever the HELP text's length (a fixed buffer once
+// cut a long HELP, and the value line with it).
+TEST(Metrics, EveryLineOfTheExpositionParses) {
+  MetricsSnapshot m;
+  m.prompt_tokens_total = 12345;
+  m.tiers.resize(1);
+  m.tiers[0].s.tier = "redis";
+  const std::string text = render_prometheus(m);
+  std::istringstream in(text);
+  std::string line;
+  std::map<std::string, int> samples;
+  std::vector<std::string> typed;
+  int n_help = 0;
+  while (std::getline(in, line)) {
+    ASSERT_FALSE(line.empty());
+    if (line.rfind("# HELP ", 0) == 0) {
+      ++n_help;
+      continue;
+    }
+    if (line.rfind("# TYPE ", 0) == 0) {
+      typed.push_back(line.substr(7, line.find(' ', 7) - 7));
+      continue;
+    }
+    const size_t sp = line.rfind(' ');
+    ASSERT_NE(sp, std::string::npos) << line;
+    char* end = nullptr;
+    const std::string value = line.substr(sp + 1);
+    std::strtod(value.c_str(), &end);
+    ASSERT_EQ(*end, '\0') << "not a number: " << line;
+    std::string name = line.substr(0, std::min(sp, line.find('{')));
+    for (const char* suffix : {"_bucket", "_sum", "_count"})
+      if (name.size() > std::strlen(suffix) && name.compare(name.size() - std::strlen(suffix), std::string::npos, suffix) == 0 &&
+          std::find(typed.begin(), typed.end(), name) == typed.end())
+        name.resize(name.size() - std::strlen(suffix));
+    ++samples[name];
+  }
+  EXPECT_EQ(n_help, static_cast<int>(typed.size()));
+  EXPECT_GT(typed.size(), 30u);
+  for (const std::string& t : typed) EXPECT_GT(samples[t], 0) << t << " has no sample";
+  EXPECT_NE(text.find("kvserve:prompt_tokens_total 12345\n"), std::string::npos);
 }
