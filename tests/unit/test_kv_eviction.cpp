@@ -286,7 +286,7 @@ TEST(KvEviction, EngineAdmitsByTheBudgetNotTheWholeContext) {
 // to 3). (A sequence preempted after its tokens outgrew the pool drops its evicted tokens, as
 // past max_model_len; this schedule preempts them while they are short, so that branch of
 // Engine::preempt is not reached here.)
-TEST(KvEviction, PreemptedSequencesLargerThanThePoolResume) {
+TEST(KvEviction, BudgetAdmittedRequestsPreemptOneAnotherAndFinish) {
   LlamaModel* m = kvtest::smollm2_model();
   ASSERT_TRUE(m);
   EngineConfig c = smol_engine(4096, 8, 4, 64);
