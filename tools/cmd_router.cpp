@@ -160,6 +160,11 @@ void add_router_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--health-interval", o->ro.health_interval_s, "seconds between health checks")->check(CLI::Range(0.05, 3600.0))->capture_default_str();
   cmd->add_option("--timeout", o->ro.read_timeout_s, "seconds a backend may stay silent mid-request")->check(CLI::Range(1.0, 86400.0))->capture_default_str();
+  cmd->add_option("--stall-timeout", o->ro.stall_timeout_s,
+                  "seconds a backend that fails its health check may stay silent before its requests are left (non-streamed ones "
+                  "go to another backend); 0: wait for --timeout")
+      ->check(CLI::Range(0.0, 86400.0))
+      ->capture_default_str();
   cmd->add_option("--http-threads", o->ro.http_threads, "connection threads")->check(CLI::Range(1, 4096))->capture_default_str();
   cmd->add_option("--max-model-len", o->max_model_len, "as the backends' (default: the model's context)")->check(CLI::Range(1, 1 << 24));
   cmd->add_option("--max-n", o->max_n, "as the backends'")->check(CLI::Range(1, 256))->capture_default_str();

@@ -20,6 +20,7 @@ struct Router::Backend {
   std::string url, host;
   int port = 0;
   std::atomic<bool> up{true};
+  std::atomic<int64_t> down_since_ns{0};  // steady clock when it went down; 0 while up
   std::atomic<int32_t> in_flight{0};
   std::atomic<uint64_t> requests{0}, failures{0};
 };
@@ -79,15 +80,35 @@ struct Router::Pipe {
   std::deque<std::string> chunks;
   bool done = false;
   bool failed_midway = false;     // the backend went away after answering
+  bool stalled = false;           // ... or froze: down and silent for --stall-timeout
   std::atomic<bool> cancel{false};  // the client went away, or the router stops
+  std::atomic<int64_t> last_byte_ns{0};  // steady clock of the upstream's last byte (or its start)
 };
 
 namespace {
 
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::string seconds_text(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g s", s);
+  return buf;
+}
+
+// Up or down, and since when (the stall check needs how long a backend has been down).
+bool set_up(Router::Backend& b, bool ok) {
+  const bool was = b.up.exchange(ok);
+  if (was && !ok) b.down_since_ns.store(now_ns());
+  if (ok) b.down_since_ns.store(0);
+  return was;
+}
+
 // A backend that did not answer: down until its health check passes; the request goes elsewhere.
 void gave_no_answer(Router::Backend& b, int32_t index, std::vector<int32_t>& tried, std::atomic<uint64_t>& retries) {
   b.failures.fetch_add(1);
-  b.up.store(false);
+  set_up(b, false);
   tried.push_back(index);
   retries.fetch_add(1);
 }
@@ -223,17 +244,35 @@ bool Router::drain(double timeout_s) {
 }
 
 // Every 50 ms: a non-streamed request whose client closed its connection has its upstream
-// request closed, which the backend takes as a cancel (its pages come back at once).
+// request closed, which the backend takes as a cancel (its pages come back at once). And an
+// upstream request to a backend that has failed its health checks for --stall-timeout and sent
+// nothing for as long is closed: a frozen or partitioned backend keeps its TCP connections open,
+// so only --timeout (600 s) would end them. A slow backend that still answers its health check,
+// or still streams, is never cut. A closed non-streamed request goes to another backend; a
+// stream ends with an error event.
 void Router::watch_loop() {
+  const auto stall_ns = static_cast<int64_t>(opts_.stall_timeout_s * 1e9);
   while (!stopping_.load()) {
     {
+      const int64_t now = now_ns();
       std::lock_guard<std::mutex> l(clients_mu_);
-      for (Upstream& u : clients_)
+      for (Upstream& u : clients_) {
         if (u.client_fd >= 0 && !u.client_gone && peer_closed(u.client_fd)) {
           u.client_gone = true;
           n_client_gone_.fetch_add(1);
           u.cli->stop();
         }
+        if (stall_ns <= 0 || u.backend == nullptr || u.stalled || u.client_gone) continue;
+        const int64_t down = u.backend->down_since_ns.load();
+        const int64_t last = u.last_byte_ns != nullptr ? u.last_byte_ns->load() : u.started_ns;
+        if (down != 0 && now - down >= stall_ns && now - last >= stall_ns) {
+          u.stalled = true;
+          n_stalled_.fetch_add(1);
+          std::fprintf(stderr, "router: %s is down and silent for %.0f s: its request is left\n", u.backend->url.c_str(),
+                       opts_.stall_timeout_s);
+          u.cli->stop();
+        }
+      }
     }
     std::unique_lock<std::mutex> l(health_mu_);
     health_cv_.wait_for(l, std::chrono::milliseconds(50), [this] { return stopping_.load(); });
@@ -249,7 +288,7 @@ void Router::health_loop() {
         c.set_read_timeout(std::chrono::seconds(2));
         auto r = c.Get("/health");
         const bool ok = r && r->status == 200;
-        if (b->up.exchange(ok) != ok)
+        if (set_up(*b, ok) != ok)
           std::fprintf(stderr, "router: %s %s is %s\n", p->role, b->url.c_str(), ok ? "up" : "down");
       }
     std::unique_lock<std::mutex> l(health_mu_);
@@ -332,7 +371,16 @@ void Router::prefill(uint64_t key, const std::string& path, const std::string& b
     b.requests.fetch_add(1);
     httplib::Client cli(b.host, b.port);
     set_timeouts(cli, opts_);
+    {
+      std::lock_guard<std::mutex> l(clients_mu_);
+      if (aborting_.load()) break;
+      clients_.push_back({&cli, false, -1, false, &b, nullptr, now_ns()});  // stop() and the stall check close it
+    }
     auto r = cli.Post(path, upstream_headers(auth), body, "application/json");
+    {
+      std::lock_guard<std::mutex> l(clients_mu_);
+      clients_.erase(std::find_if(clients_.begin(), clients_.end(), [&](const Upstream& u) { return u.cli == &cli; }));
+    }
     if (r && r->status == 200) {
       n_prefill_ok_.fetch_add(1);
       return;
@@ -352,9 +400,10 @@ void Router::run_upstream(Backend* b, const std::string& path, const std::string
   InFlight f(b->in_flight);
   httplib::Client cli(b->host, b->port);
   set_timeouts(cli, opts_);
+  pipe.last_byte_ns.store(now_ns());
   {
     std::lock_guard<std::mutex> l(clients_mu_);
-    clients_.push_back({&cli, true});  // stop() closes it
+    clients_.push_back({&cli, true, -1, false, b, &pipe.last_byte_ns, 0});  // stop() and the stall check close it
   }
   httplib::Request ureq;
   ureq.method = "POST";
@@ -370,6 +419,7 @@ void Router::run_upstream(Backend* b, const std::string& path, const std::string
     return !pipe.cancel.load() && !stopping_.load();
   };
   ureq.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+    pipe.last_byte_ns.store(now_ns());
     std::lock_guard<std::mutex> l(pipe.mu);
     pipe.chunks.emplace_back(data, n);
     pipe.cv.notify_all();
@@ -378,14 +428,18 @@ void Router::run_upstream(Backend* b, const std::string& path, const std::string
   httplib::Response ures;
   httplib::Error err = httplib::Error::Success;
   const bool ok = cli.send(ureq, ures, err);
+  bool stalled = false;
   {
     std::lock_guard<std::mutex> l(clients_mu_);
-    clients_.erase(std::find_if(clients_.begin(), clients_.end(), [&](const Upstream& u) { return u.cli == &cli; }));
+    auto it = std::find_if(clients_.begin(), clients_.end(), [&](const Upstream& u) { return u.cli == &cli; });
+    stalled = it->stalled;
+    clients_.erase(it);
   }
   {
     std::lock_guard<std::mutex> l(pipe.mu);
     if (pipe.status < 0) pipe.status = 0;
     if (!ok && !pipe.cancel.load()) pipe.failed_midway = true;
+    pipe.stalled = stalled;
     pipe.done = true;
     pipe.cv.notify_all();
   }
@@ -413,7 +467,7 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
       {
         std::lock_guard<std::mutex> l(clients_mu_);
         if (aborting_.load()) throw stopped_error();
-        clients_.push_back({&cli, false, client_fd});
+        clients_.push_back({&cli, false, client_fd, false, b, nullptr, now_ns()});
       }
       auto r = cli.Post(path, upstream_headers(auth), body, "application/json");
       bool client_gone = false;
@@ -490,7 +544,10 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
           if (pipe->done) {
             if (pipe->failed_midway) {  // the backend died mid-answer: say so, the client cannot tell otherwise
               b->failures.fetch_add(1);
-              const std::string e = sse_event(ApiError{502, "The backend " + b->url + " failed during the response.", "server_error", "", "bad_gateway"}.to_json());
+              const std::string why = pipe->stalled ? " stopped answering (down and silent for " + seconds_text(opts_.stall_timeout_s) + ")"
+                                                    : " failed";
+              const std::string e = sse_event(ApiError{502, "The backend " + b->url + why + " during the response.", "server_error", "", "bad_gateway"}.to_json()) +
+                                    "data: [DONE]\n\n";  // the stream ends as the server's own error streams do
               sink.write(e.data(), e.size());
             }
             sink.done();
@@ -543,6 +600,10 @@ std::string Router::render_metrics() const {
   help("router_client_disconnects_total", "counter",
        "Non-streamed requests whose client left before the answer: their upstream request was closed (the backend cancels it).");
   line("router_client_disconnects_total", "", double(n_client_gone_.load()));
+  help("router_stalled_total", "counter",
+       "Requests left because their backend failed its health checks and sent nothing for --stall-timeout (non-streamed ones are "
+       "retried elsewhere; streams end with an error event).");
+  line("router_stalled_total", "", double(n_stalled_.load()));
   help("router_unavailable_total", "counter", "Requests answered 503: no backend up.");
   line("router_unavailable_total", "", double(n_unavailable_.load()));
   help("router_prefills_total", "counter",

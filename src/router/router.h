@@ -64,6 +64,7 @@ struct RouterOptions {
   double health_interval_s = 1.0;
   double connect_timeout_s = 2.0;
   double read_timeout_s = 600.0;      // longest silence from a backend mid-request
+  double stall_timeout_s = 10.0;      // ... once its health check fails: down and silent this long, it is left (0: never)
   int32_t http_threads = 128;
   size_t max_body_bytes = size_t(8) << 20;
 };
@@ -118,6 +119,10 @@ class Router {
     bool streamed;
     int client_fd = -1;        // the client's connection (non-streamed requests), -1: not watched
     bool client_gone = false;  // watch_loop closed the upstream request because the client left
+    Backend* backend = nullptr;
+    const std::atomic<int64_t>* last_byte_ns = nullptr;  // streams: the pipe's; else the start counts
+    int64_t started_ns = 0;
+    bool stalled = false;  // watch_loop closed it: the backend is down and has been silent (--stall-timeout)
   };
   std::mutex clients_mu_;
   std::vector<Upstream> clients_;
@@ -130,7 +135,7 @@ class Router {
 
   // Counters for /metrics.
   std::atomic<uint64_t> n_owner_{0}, n_owner_down_{0}, n_owner_busy_{0}, n_new_{0};
-  std::atomic<uint64_t> n_retries_{0}, n_unavailable_{0}, n_client_gone_{0};
+  std::atomic<uint64_t> n_retries_{0}, n_unavailable_{0}, n_client_gone_{0}, n_stalled_{0};
   std::atomic<uint64_t> n_prefill_ok_{0}, n_prefill_failed_{0}, n_prefill_skipped_{0};
 };
 

@@ -183,6 +183,79 @@ def test_a_client_that_leaves_a_non_streamed_request_cancels_it_through_the_rout
         s.stop()
 
 
+def test_a_frozen_backend_is_left_after_the_stall_timeout():
+    """A backend that freezes (SIGSTOP: a hung host or a network partition keeps its TCP
+    connections open) fails its health checks; after --stall-timeout of silence the router
+    leaves its requests instead of waiting for --timeout (600 s): a non-streamed one is sent to
+    the other replica and answers 200, a stream ends with a 502 error event and [DONE]. Once
+    the frozen backend runs again it cancels what it was running; every page comes back."""
+    servers = [Server("--debug", max_model_len=LONG_LEN, kv_memory="128MiB") for _ in range(2)]
+    try:
+        r = Router(*[f for s in servers for f in ("--replica", s.url)], "--stall-timeout", "2", max_model_len=LONG_LEN)
+
+        def busy() -> Server:
+            deadline = time.time() + 15
+            while True:
+                for s in servers:
+                    if s.debug_kv()["pages_in_use"] > 0:
+                        return s
+                assert time.time() < deadline, "no request started"
+                time.sleep(0.02)
+
+        def up(s: Server):
+            deadline = time.time() + 15
+            while not next(b["up"] for b in requests.get(r.url + "/health", timeout=5).json()["backends"] if b["url"] == s.url):
+                assert time.time() < deadline, "the router did not see the backend come back"
+                time.sleep(0.05)
+
+        try:
+            got = {}
+
+            def plain():
+                resp = requests.post(r.url + "/v1/completions", timeout=120,
+                                     json={"prompt": "Tell me everything", "max_tokens": 256, "ignore_eos": True})
+                got["plain"] = (resp.status_code, resp.json())
+
+            t = threading.Thread(target=plain)
+            t.start()
+            frozen = busy()
+            frozen.proc.send_signal(signal.SIGSTOP)
+            try:
+                t.join(timeout=120)
+                code, body = got["plain"]
+                assert code == 200 and body["usage"]["completion_tokens"] == 256, body
+                other = next(s for s in servers if s is not frozen)
+                assert other.metrics()["kvserve:request_success_total"] >= 1
+                assert r.metrics()["kvserve:router_stalled_total"] == 1
+                assert r.metrics()["kvserve:router_retries_total"] >= 1
+            finally:
+                frozen.proc.send_signal(signal.SIGCONT)
+            frozen.wait_clean(timeout=10)  # it saw its connection closed and cancelled
+
+            up(frozen)
+            stream = requests.post(r.url + "/v1/completions", stream=True, timeout=120,
+                                   json={"prompt": "Tell me more", "max_tokens": LONG, "ignore_eos": True, "stream": True})
+            frozen = busy()
+            frozen.proc.send_signal(signal.SIGSTOP)
+            t0 = time.time()
+            try:
+                ev = sse_events(stream)
+                assert time.time() - t0 < 15, "the stream waited for the frozen backend"
+                assert ev[-1] == "[DONE]"
+                errors = [e["error"] for e in ev[:-1] if "error" in e]
+                assert len(errors) == 1 and errors[0]["code"] == "bad_gateway" and "stopped answering" in errors[0]["message"], errors
+                assert r.metrics()["kvserve:router_stalled_total"] == 2
+            finally:
+                frozen.proc.send_signal(signal.SIGCONT)
+            for s in servers:
+                s.wait_clean(timeout=10)
+        finally:
+            r.stop()
+    finally:
+        for s in servers:
+            s.stop()
+
+
 def test_request_timeout_ends_requests_with_504():
     s = Server("--debug", "--request-timeout", "1", max_model_len=LONG_LEN, kv_memory="128MiB")
     try:
