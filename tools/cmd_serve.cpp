@@ -34,6 +34,7 @@ struct ServeOptions {
   int max_n = 16;
   int threads = 0;
   int http_threads = 0;
+  int max_dashboards = 8;
   double shutdown_timeout = 30;
   double request_timeout = 600;
   std::string max_body = "8MiB";
@@ -190,6 +191,7 @@ void run_serve(const ServeOptions& o) {
   so.max_body_bytes = static_cast<size_t>(*max_body);
   so.debug = o.debug;
   so.http_threads = o.http_threads;
+  so.max_dashboard_clients = o.max_dashboards;
   so.request_timeout_s = o.request_timeout;
   so.role = role;
   kv::HttpServer server(engine, ctx, so);
@@ -224,10 +226,21 @@ void run_serve(const ServeOptions& o) {
   std::fprintf(stderr, "serving %s at %s%s%s\n", ctx.model_names[0].c_str(), url.c_str(), o.debug ? " (debug: /debug/kv)" : "",
                role == kv::ServerRole::kBoth ? "" : (std::string(", role ") + o.role).c_str());
   std::fprintf(stderr, "chat in a browser: %s/   KV dashboard: %s/dashboard\n", url.c_str(), url.c_str());
-  std::fprintf(stderr,
-               "try:\n  curl %s/v1/chat/completions -H 'Content-Type: application/json'%s \\\n"
-               "    -d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 64}'\n",
-               url.c_str(), o.api_keys.empty() ? "" : " -H \"Authorization: Bearer $KVSERVE_API_KEY\"", ctx.model_names[0].c_str());
+  // The example must work as printed: a model without a chat template gets a completion, and
+  // with keys the shell needs KVSERVE_API_KEY (a key is never printed to the log).
+  const bool keys_from_env = std::getenv("KVSERVE_API_KEY") != nullptr;
+  if (!o.api_keys.empty() && !keys_from_env) std::fprintf(stderr, "(the example reads KVSERVE_API_KEY: set it to one of the --api-key values)\n");
+  const char* auth = o.api_keys.empty() ? "" : " -H \"Authorization: Bearer $KVSERVE_API_KEY\"";
+  if (ctx.chat_template != nullptr)
+    std::fprintf(stderr,
+                 "try:\n  curl %s/v1/chat/completions -H 'Content-Type: application/json'%s \\\n"
+                 "    -d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 64}'\n",
+                 url.c_str(), auth, ctx.model_names[0].c_str());
+  else
+    std::fprintf(stderr,
+                 "try:\n  curl %s/v1/completions -H 'Content-Type: application/json'%s \\\n"
+                 "    -d '{\"model\": \"%s\", \"prompt\": \"The capital of France is\", \"max_tokens\": 32}'\n",
+                 url.c_str(), auth, ctx.model_names[0].c_str());
   std::fflush(stderr);
 
   server.run();
@@ -266,7 +279,12 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--max-queue", o->max_queue, "waiting requests before 429")->check(CLI::Range(1, 1 << 20))->capture_default_str();
   cmd->add_option("--max-n", o->max_n, "largest n (choices per request)")->check(CLI::Range(1, 256))->capture_default_str();
   cmd->add_option("-t,--threads", o->threads, "compute threads (default: all cores)")->check(CLI::Range(1, 256));
-  cmd->add_option("--http-threads", o->http_threads, "connection threads (default: max-num-seqs + 16)")->check(CLI::Range(1, 4096));
+  cmd->add_option("--http-threads", o->http_threads, "connection threads (default: max-num-seqs + 8 + the dashboards that may be open)")
+      ->check(CLI::Range(1, 4096));
+  cmd->add_option("--max-dashboards", o->max_dashboards,
+                  "KV dashboards (/dashboard/events streams) open at once; with API keys each key gets an equal share, at least one")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
   cmd->add_option("--max-body-size", o->max_body, "largest request body (413 above)")->capture_default_str();
   cmd->add_option("--shutdown-timeout", o->shutdown_timeout,
                   "seconds in-flight requests get to finish after SIGTERM/SIGINT before they are ended")

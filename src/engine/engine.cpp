@@ -1228,7 +1228,8 @@ void Engine::maybe_finish_request(Sequence& s) {
   const bool at_length = rs.completion_tokens >= int64_t(rs.req.params.max_tokens) * rs.req.params.n ||
                          (!goes_past_context(s) && static_cast<int64_t>(s.tokens.size()) >= cfg_.max_model_len);
   dash_.timelines().finished(rs.req.id, rs.req.params.cache_namespace, rs.req.arrival, dash_.since_epoch(Clock::now()),
-                             aborted ? "abort" : at_length ? "length" : "stop", u.prompt_tokens, u.completion_tokens, u.cached_tokens);
+                             aborted ? "abort" : at_length ? "length" : "stop", u.prompt_tokens, u.completion_tokens, u.cached_tokens,
+                             rs.req.params.max_tokens * rs.req.params.n, rs.req.params.n);
 }
 
 void Engine::end_finished_streams() {
@@ -1365,6 +1366,7 @@ void Engine::publish_dashboard(Clock::time_point started) {
       v.n_prompt = s->n_prompt;
       v.n_generated = s->n_generated;
       v.max_tokens = s->rs->req.params.max_tokens;
+      v.n_choices = s->rs->req.params.n;
       v.n_computed = s->n_computed;
       v.cached_tokens = s->rs->cached_tokens;
       v.arrival = dash_.since_epoch(s->rs->req.arrival);

@@ -124,7 +124,8 @@ void RequestTimelines::preempted(uint64_t id, double t) {
 }
 
 void RequestTimelines::finished(uint64_t id, const std::string& ns, std::chrono::steady_clock::time_point arrival, double t,
-                                const char* reason, int32_t n_prompt, int32_t n_generated, int32_t cached_tokens) {
+                                const char* reason, int32_t n_prompt, int32_t n_generated, int32_t cached_tokens, int32_t max_tokens,
+                                int32_t n_choices) {
   Timeline tl;
   if (auto it = active_.find(id); it != active_.end()) {
     tl = std::move(it->second);
@@ -147,6 +148,8 @@ void RequestTimelines::finished(uint64_t id, const std::string& ns, std::chrono:
   tl.finish_reason = reason;
   tl.n_prompt = n_prompt;
   tl.n_generated = n_generated;
+  tl.max_tokens = max_tokens;
+  tl.n_choices = n_choices;
   tl.cached_tokens = cached_tokens;
   finished_.push_back(std::move(tl));
   if (finished_.size() > kMaxFinished) finished_.pop_front();
@@ -245,6 +248,8 @@ void DashboardRecorder::publish(std::vector<Live> live, const PagePool& pool, co
     v.state = RequestView::kFinished;
     v.n_prompt = f.n_prompt;
     v.n_generated = f.n_generated;
+    v.max_tokens = f.max_tokens;
+    v.n_choices = f.n_choices;
     v.cached_tokens = f.cached_tokens;
     v.arrival = f.arrival;
     v.timeline = f;

@@ -84,7 +84,8 @@ struct Timeline {
   double finished = -1;
   std::string finish_reason;
   int32_t n_preemptions = 0;
-  int32_t n_prompt = 0, n_generated = 0, cached_tokens = 0;  // set when it finishes
+  int32_t n_prompt = 0, n_generated = 0, cached_tokens = 0;  // set when it finishes (generated: all choices)
+  int32_t max_tokens = 0, n_choices = 1;                      // ... max_tokens: all choices'
   bool truncated = false;  // older events were dropped (at most kMaxEvents are kept)
   std::vector<TimelineEvent> events;
 };
@@ -107,7 +108,7 @@ class RequestTimelines {
   void preempted(uint64_t id, double t);
   // The request's last choice ended: moves it to the finished list.
   void finished(uint64_t id, const std::string& ns, std::chrono::steady_clock::time_point arrival, double t, const char* reason,
-                int32_t n_prompt, int32_t n_generated, int32_t cached_tokens);
+                int32_t n_prompt, int32_t n_generated, int32_t cached_tokens, int32_t max_tokens, int32_t n_choices);
 
   const Timeline* find(uint64_t id) const;  // a request that ran and has not finished, or null
   const std::deque<Timeline>& recent_finished() const { return finished_; }
@@ -158,6 +159,7 @@ class RateWindow {
 struct RequestView {
   uint64_t id = 0;
   int32_t index = 0;  // choice
+  int32_t n_choices = 1;  // the request's n (a finished row is the whole request: its counts sum the choices)
   std::string ns;
   enum State : uint8_t { kWaiting, kLoading, kRunning, kFinished } state = kWaiting;
   int32_t n_prompt = 0, n_generated = 0, max_tokens = 0;

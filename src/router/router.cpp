@@ -304,7 +304,8 @@ void Router::routes() {
   svr_->Get("/v1/models", safe_handler([this](const httplib::Request&, httplib::Response& res) {
               write_json(res, json{{"object", "list"},
                                    {"data", json::array({json{{"id", ctx_.model_names.at(0)}, {"object", "model"}, {"created", unix_now()},
-                                                              {"owned_by", "kvserve"}, {"max_model_len", ctx_.max_model_len}}})}});
+                                                              {"owned_by", "kvserve"}, {"max_model_len", ctx_.max_model_len},
+                                                              {"chat_template", ctx_.chat_template != nullptr}}})}});
             }));
   svr_->Get("/health", safe_handler([this](const httplib::Request&, httplib::Response& res) {
               json backends = json::array();
@@ -486,6 +487,10 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
         gave_no_answer(*b, c.backend, tried, n_retries_);
         continue;
       }
+      if (r->status == 429 && attempt + 1 < pool.backends.size()) {  // its queue is full: another replica may have room
+        tried.push_back(c.backend), n_retries_.fetch_add(1), n_full_.fetch_add(1);
+        continue;
+      }
       res.status = r->status;
       if (r->has_header("Retry-After")) res.set_header("Retry-After", r->get_header_value("Retry-After"));
       const std::string ct = r->get_header_value("Content-Type", 0);
@@ -509,11 +514,18 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
       gave_no_answer(*b, c.backend, tried, n_retries_);
       continue;
     }
+    if (pipe->status == 429 && attempt + 1 < pool.backends.size()) {  // full: nothing was sent yet, try another
+      pipe->cv.wait(l, [&] { return pipe->done; });
+      l.unlock();
+      tried.push_back(c.backend), n_retries_.fetch_add(1), n_full_.fetch_add(1);
+      continue;
+    }
     if (pipe->status != 200) {  // an error answer: whole, with its status
       pipe->cv.wait(l, [&] { return pipe->done; });
       std::string out;
       for (auto& ch : pipe->chunks) out += ch;
       res.status = pipe->status;
+      if (pipe->status == 429 || pipe->status == 503) res.set_header("Retry-After", "1");
       res.set_content(out, pipe->content_type.empty() ? std::string("application/json") : pipe->content_type);
       return;
     }
@@ -604,6 +616,8 @@ std::string Router::render_metrics() const {
        "Requests left because their backend failed its health checks and sent nothing for --stall-timeout (non-streamed ones are "
        "retried elsewhere; streams end with an error event).");
   line("router_stalled_total", "", double(n_stalled_.load()));
+  help("router_backend_full_total", "counter", "Requests a backend refused with 429 (its queue full) that went to another backend.");
+  line("router_backend_full_total", "", double(n_full_.load()));
   help("router_unavailable_total", "counter", "Requests answered 503: no backend up.");
   line("router_unavailable_total", "", double(n_unavailable_.load()));
   help("router_prefills_total", "counter",

@@ -22,7 +22,7 @@ json maybe4(double v) { return v < 0 ? json(nullptr) : json(std::round(v * 1e4) 
 
 std::string tenant_prefix(const std::string& api_key) {
   char buf[32];
-  std::snprintf(buf, sizeof buf, "key:%016llx/", static_cast<unsigned long long>(XXH3_64bits(api_key.data(), api_key.size())));
+  std::snprintf(buf, sizeof buf, "%s%016llx/", kTenantPrefixTag, static_cast<unsigned long long>(XXH3_64bits(api_key.data(), api_key.size())));
   return buf;
 }
 
@@ -46,7 +46,7 @@ std::string dashboard_json(const KvSnapshot& s, const DashboardViewer& viewer, c
   for (const RequestView& r : s.requests) {
     const Timeline& tl = r.timeline;
     const bool mine = viewer.sees(r.ns);
-    json o = {{"id", r.id}, {"choice", r.index}, {"mine", mine}};
+    json o = {{"id", r.id}, {"choice", r.index}, {"choices", r.n_choices}, {"mine", mine}};
     if (mine) o["ns"] = r.ns.substr(n_prefix);
     o["state"] = request_state_name(r.state);
     o["prompt"] = r.n_prompt;

@@ -11,7 +11,7 @@
 // Payload (times in seconds since the engine started; see web/dashboard.html for the drawing):
 //   {seq, t, build_ms, block_size,
 //    pools: [{name, n_pages, runs (encode_runs of the page states), counts {free, running, shared, cached}}],
-//    requests: [{id, choice, mine, ns?, state, prompt, computed, generated, max_tokens, pages, cached,
+//    requests: [{id, choice, choices (the request's n), mine, ns?, state, prompt, computed, generated, max_tokens, pages, cached,
 //                arrival, first_token, finished, reason, preemptions, truncated,
 //                events: [[kind, t0, t1, n], ...]}],
 //    tree: {nodes_total, namespaces: [{name?, mine, pages, nodes}],
@@ -33,6 +33,7 @@ struct DashboardViewer {
 };
 
 // The namespace prefix of an API key's requests: "key:<XXH3-64 of the key, 16 hex digits>/".
+constexpr const char* kTenantPrefixTag = "key:";  // a server without keys refuses salts that start with it
 std::string tenant_prefix(const std::string& api_key);
 
 // One event's JSON (one line). rates_after: only rate points with t > rates_after.

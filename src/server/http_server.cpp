@@ -98,7 +98,11 @@ const char* role_name(ServerRole r) {
 
 HttpServer::HttpServer(Engine& engine, ApiContext ctx, ServerOptions opts)
     : engine_(engine), ctx_(std::move(ctx)), opts_(std::move(opts)), svr_(std::make_unique<httplib::Server>()) {
-  const int32_t n_threads = opts_.http_threads > 0 ? opts_.http_threads : engine_.config().max_num_seqs + 16;
+  // A thread per running request, 8 for the rest (health, metrics, queued requests' refusals),
+  // and one per dashboard that may be open.
+  const auto n_keys = static_cast<int32_t>(opts_.api_keys.size());
+  const int32_t n_dashboards = std::max(opts_.max_dashboard_clients, n_keys);
+  const int32_t n_threads = opts_.http_threads > 0 ? opts_.http_threads : engine_.config().max_num_seqs + 8 + n_dashboards;
   svr_->new_task_queue = [n_threads] { return new httplib::ThreadPool(static_cast<size_t>(n_threads)); };
   svr_->set_payload_max_length(opts_.max_body_bytes);
   svr_->set_keep_alive_max_count(1000);
@@ -200,7 +204,7 @@ void HttpServer::routes() {
 
   auto model_object = [this] {
     return json{{"id", ctx_.model_names.at(0)}, {"object", "model"}, {"created", unix_now()}, {"owned_by", "kvserve"},
-                {"max_model_len", ctx_.max_model_len}};
+                {"max_model_len", ctx_.max_model_len}, {"chat_template", ctx_.chat_template != nullptr}};
   };
   svr_->Get("/v1/models", safe([model_object](const httplib::Request&, httplib::Response& res) {
               write_json(res, json{{"object", "list"}, {"data", json::array({model_object()})}});
@@ -262,13 +266,26 @@ void HttpServer::handle_debug_kv(httplib::Response& res) {
                        {"integrity", {{"ok", st.is_ok()}, {"message", st.message()}}}});
 }
 
+int32_t HttpServer::dashboards_per_tenant() const {
+  const auto n_keys = static_cast<int32_t>(opts_.api_keys.size());
+  return n_keys == 0 ? opts_.max_dashboard_clients : std::max(1, opts_.max_dashboard_clients / n_keys);
+}
+
 void HttpServer::handle_dashboard_events(const httplib::Request& req, httplib::Response& res) {
-  // Each viewer holds an HTTP thread for as long as it watches: a few, not the pool.
-  if (dashboard_clients_.fetch_add(1) >= opts_.max_dashboard_clients) {
-    dashboard_clients_.fetch_sub(1);
-    res.set_header("Retry-After", kRetryAfterSeconds);
-    throw ApiError{429, "Too many KV dashboards are open (at most " + std::to_string(opts_.max_dashboard_clients) + "); close one or retry later.",
-                   "rate_limit_error", "", "rate_limit_exceeded"};
+  // Each viewer holds an HTTP thread for as long as it watches: a few, not the pool; with keys,
+  // an equal share per tenant.
+  const std::string tenant = opts_.api_keys.empty() ? std::string() : tenant_prefix(req.get_header_value("Authorization").substr(7));
+  {
+    std::lock_guard<std::mutex> l(dashboards_mu_);
+    int32_t& open = dashboards_[tenant];
+    if (open >= dashboards_per_tenant()) {
+      res.set_header("Retry-After", kRetryAfterSeconds);
+      const std::string who = opts_.api_keys.empty() ? "" : " for this API key";
+      throw ApiError{429, "Too many KV dashboards are open" + who + " (at most " + std::to_string(dashboards_per_tenant()) +
+                              "); close one or retry later.",
+                     "rate_limit_error", "", "rate_limit_exceeded"};
+    }
+    ++open;
   }
   struct Watch {
     DashboardViewer viewer;
@@ -277,7 +294,7 @@ void HttpServer::handle_dashboard_events(const httplib::Request& req, httplib::R
     bool started = false;
   };
   auto w = std::make_shared<Watch>();
-  if (!opts_.api_keys.empty()) w->viewer.ns_prefix = tenant_prefix(req.get_header_value("Authorization").substr(7));
+  w->viewer.ns_prefix = tenant;
   SnapshotFeed* feed = &engine_.dashboard_feed();
   feed->subscribe();
   // Only snapshots taken from now on: one published before (while nobody watched) is stale.
@@ -310,9 +327,10 @@ void HttpServer::handle_dashboard_events(const httplib::Request& req, httplib::R
           return false;
         }
       },
-      [this, feed](bool) {
+      [this, feed, tenant](bool) {
         feed->unsubscribe();
-        dashboard_clients_.fetch_sub(1);
+        std::lock_guard<std::mutex> l(dashboards_mu_);
+        if (--dashboards_[tenant] == 0) dashboards_.erase(tenant);
       });
 }
 
@@ -339,11 +357,18 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
   // Prefix-cache namespace: the caller's cache_salt, and with auth on, the key itself (hashed,
   // never stored raw), so tenants with different keys never share a page.
   if (!opts_.api_keys.empty()) r.params.cache_namespace = tenant_prefix(req.get_header_value("Authorization").substr(7)) + r.params.cache_namespace;
+  // Without keys a salt is the whole namespace: one spelled as a tenant's prefix would reach that
+  // tenant's pages in a disk or Redis tier shared with servers that check keys.
+  else if (r.params.cache_namespace.rfind(kTenantPrefixTag, 0) == 0)
+    throw ApiError{400, std::string("Invalid value for 'cache_salt': it may not start with \"") + kTenantPrefixTag +
+                            "\", which names the namespaces of API-key tenants.",
+                   "invalid_request_error", "cache_salt", "invalid_value"};
   r.stream = std::make_shared<RequestStream>();
   std::shared_ptr<RequestStream> stream = r.stream;
   const int32_t n = ar.params.n;
   if (Rejection rej = engine_.submit(std::move(r)); rej.http_status != 0) {
     if (!chat && rej.param == "messages") rej.param = "prompt";  // the engine names the chat field
+    if (rej.http_status == 429 || rej.http_status == 503) res.set_header("Retry-After", "1");  // the queue is full: soon
     throw from_rejection(rej);
   }
   CancelGuard guard{stream};

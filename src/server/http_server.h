@@ -31,7 +31,9 @@
 #include <cstddef>
 #include <memory>
 #include <optional>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "server/openai_request.h"
@@ -66,7 +68,9 @@ struct ServerOptions {
   bool debug = false;                     // /debug/kv and one log line per request
   int32_t http_threads = 0;               // 0: max_num_seqs + 16
   double request_timeout_s = 0;           // > 0: a generation request running longer is cancelled (504)
-  int32_t max_dashboard_clients = 8;      // /dashboard/events streams at once (each holds an HTTP thread)
+  // /dashboard/events streams at once (each holds an HTTP thread). With API keys each tenant gets
+  // an equal share, at least one: max(1, this / keys), so no tenant can lock out the others.
+  int32_t max_dashboard_clients = 8;
 };
 
 class HttpServer {
@@ -100,7 +104,9 @@ class HttpServer {
   std::atomic<bool> stopping_{false};
   std::atomic<bool> draining_{false};
   std::atomic<int32_t> in_flight_{0};  // generation requests admitted and not yet answered
-  std::atomic<int32_t> dashboard_clients_{0};  // /dashboard/events streams open
+  int32_t dashboards_per_tenant() const;
+  std::mutex dashboards_mu_;
+  std::unordered_map<std::string, int32_t> dashboards_;  // /dashboard/events streams open, per tenant prefix ("" without keys)
 };
 
 }  // namespace kv

@@ -150,6 +150,9 @@ CORPUS = [
     ("audio modality", "POST", CH, JSON, chat(modalities=["text", "audio"]), 400, "modalities"),
     ("cache_salt empty", "POST", C, JSON, comp(cache_salt=""), 400, "cache_salt"),
     ("cache_salt number", "POST", C, JSON, comp(cache_salt=3), 400, "cache_salt"),
+    # Without keys a salt spelled as a tenant's namespace could reach that tenant's pages in a
+    # shared disk or Redis tier.
+    ("cache_salt a tenant's prefix", "POST", C, JSON, comp(cache_salt="key:0123456789abcdef/"), 400, "cache_salt"),
     # --- routes and methods
     ("unknown route", "GET", "/v1/nothing", {}, b"", 404, None),
     ("unknown POST route", "POST", "/v2/completions", JSON, comp(), 404, None),

@@ -245,6 +245,40 @@ def test_replicas_keep_each_prefix_on_one_replica(redis):
         stop_all(router, a, b)
 
 
+def test_a_full_replica_sends_its_requests_to_the_other():
+    """A replica whose queue is full answers 429; nothing has reached the client yet, so the
+    router tries the other replica (a user test saw 5 of 8 requests refused while one replica
+    sat idle: cache-aware routing kept the shared prefix on its owner). Streamed and not."""
+    a = b = router = None
+    try:
+        a = Server("--debug", "--max-num-seqs", "1", "--max-queue", "1", max_model_len=MAX_LEN, kv_memory="64MiB")
+        b = Server("--debug", "--max-num-seqs", "1", "--max-queue", "1", max_model_len=MAX_LEN, kv_memory="64MiB")
+        router = Router("--replica", a.url, "--replica", b.url, max_model_len=MAX_LEN)
+        system = "You answer questions about rivers, briefly and exactly. " * 4
+
+        def one(i: int):
+            body = {"model": MODEL_NAME, "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"River {i}?"}],
+                    "max_tokens": 48, "ignore_eos": True, "temperature": 0, "stream": i % 2 == 1}
+            r = requests.post(router.url + "/v1/chat/completions", json=body, timeout=120)
+            return r.status_code, r.headers.get("Retry-After")
+
+        with cf.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(one, range(4)))
+        assert [c for c, _ in got] == [200] * 4, got
+        m = router.metrics()
+        assert m["kvserve:router_backend_full_total"] >= 1, m
+        per = [m[f'kvserve:router_requests_total{{backend="{s.url}",role="replica"}}'] for s in (a, b)]
+        assert min(per) > 0, per
+        # Both full: the 429 reaches the client, with Retry-After.
+        with cf.ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(one, range(8)))
+        assert any(c == 429 and ra for c, ra in got), got
+        for s in (a, b):
+            s.wait_clean(timeout=30)
+    finally:
+        stop_all(router, a, b)
+
+
 def test_router_answers_bad_requests_and_503_without_backends():
     router = Router("--replica", f"http://127.0.0.1:{free_port()}", max_model_len=MAX_LEN, wait_up=False)
     try:

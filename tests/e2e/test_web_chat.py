@@ -4,12 +4,14 @@ second turn shows cached prompt tokens; stop cancels the request on the server (
 back); a wrong API key shows the server's error, the right one works."""
 from __future__ import annotations
 
+import os
 import time
 
 from kvserve_server import MODEL_NAME, Server
-from web_pages import ask, last_stats, needs_chromium, screenshot, set_key, sync_api
+from web_pages import ROOT, ask, last_stats, needs_chromium, screenshot, set_key, sync_api
 
 pytestmark = needs_chromium
+GEMMA = os.path.join(ROOT, "models", "gemma-3-270m-Q4_K_M.gguf")
 
 
 def test_a_chat_round_trip_streams_the_apis_answer(server, client, browser):
@@ -106,6 +108,63 @@ def test_a_wrong_api_key_shows_the_error_and_the_right_one_works(browser):
         # The key is kept in the page (localStorage) across a reload.
         page.reload()
         assert page.input_value("#apikey") == "sk-right"
+        page.close()
+    finally:
+        s.stop()
+
+
+def test_the_sampling_fields_and_the_enter_key_send_what_the_user_means(server, browser):
+    """A blank field is left out of the request (the server's default), not sent as 0; a value out
+    of a field's range stops the send and keeps the message; Enter that confirms an input
+    method's composition does not send; a one-token answer shows no rate ("–"): its one token
+    has no inter-token time (the page once showed 166 tok/s)."""
+    page = browser.new_page()
+    page.goto(server.url + "/")
+    sync_api.expect(page.locator("#model")).to_contain_text(MODEL_NAME)
+    sent = []
+    page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/v1/chat/completions") else None)
+    page.fill("#temperature", "")
+    page.fill("#max_tokens", "1")
+    page.fill("#input", "Say yes.")
+    page.click("#send")
+    stats = last_stats(page).text_content()
+    assert "temperature" not in sent[0] and sent[0]["max_tokens"] == 1 and sent[0]["top_p"] == 0.95, sent[0]
+    assert stats.startswith("1 tokens · – tok/s"), stats
+    # Out of range: nothing is sent, the message stays in the box.
+    page.fill("#temperature", "5")
+    page.fill("#input", "Again.")
+    page.click("#send")
+    time.sleep(0.5)
+    assert len(sent) == 1 and page.input_value("#input") == "Again."
+    # Enter while composing (keyCode 229, isComposing) confirms the composition only.
+    page.fill("#temperature", "0")
+    page.evaluate("""() => document.getElementById('input').dispatchEvent(new KeyboardEvent('keydown',
+                       { key: 'Enter', keyCode: 229, isComposing: true, bubbles: true, cancelable: true }))""")
+    time.sleep(0.5)
+    assert len(sent) == 1 and page.input_value("#input") == "Again."
+    page.close()
+
+
+def test_a_model_without_a_chat_template_continues_text(browser):
+    """Gemma 3 270M's GGUF has no chat template: /v1/models says so, the page says so and sends
+    the text as a completion (it once sent chat requests that all failed), and the banner's
+    curl example is a completion."""
+    s = Server(model=GEMMA, kv_memory="32MiB", max_model_len=1024)
+    try:
+        banner = s.output().split("try:")[1]
+        assert "/v1/completions -H" in banner and "/v1/chat/completions" not in banner, banner
+        page = browser.new_page()
+        errors = []
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.goto(s.url + "/")
+        sync_api.expect(page.locator("#mode")).to_be_visible()
+        sent = []
+        page.on("request", lambda r: sent.append(r.url) if "/v1/" in r.url and r.method == "POST" else None)
+        ask(page, "The capital of France is", 4)
+        stats = last_stats(page).text_content()
+        assert "error" not in stats and sent == [s.url + "/v1/completions"], (stats, sent)
+        assert page.locator(".assistant .body").last.text_content()
+        assert errors == [], errors
         page.close()
     finally:
         s.stop()

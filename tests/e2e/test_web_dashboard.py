@@ -18,7 +18,7 @@ from kvserve_server import MODEL_NAME, SLOWDOWN, Server
 from web_pages import ask, last_stats, needs_chromium, screenshot, set_key, sync_api
 
 KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
-MAX_DASHBOARDS = 8  # ServerOptions::max_dashboard_clients
+MAX_DASHBOARDS = 8  # ServerOptions::max_dashboard_clients (--max-dashboards)
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +239,28 @@ def test_a_wrong_key_shows_the_error(dash, browser):
 
 
 @needs_chromium
+def test_a_changed_key_ends_the_old_keys_view(dash, browser):
+    # While snapshots flow for key A, the key becomes a wrong one: the page shows the 401 and
+    # keeps showing it (the old stream's next snapshot once set "live" again and redrew A's
+    # requests and prefix tree), and nothing A saw stays on screen.
+    t = in_thread(chat, dash.url, KEY_A, [{"role": "user", "content": "Count to a hundred."}], 200)
+    page = open_dashboard(browser, dash, KEY_A)
+    try:
+        page.wait_for_function("() => document.getElementById('tree').textContent.length > 0", timeout=10_000)
+        set_key(page, "sk-wrong")
+        sync_api.expect(page.locator("#status")).to_contain_text("Incorrect API key")
+        events = int(page.evaluate("document.body.dataset.events"))
+        time.sleep(1.5)  # several snapshots' time for key A
+        assert "Incorrect API key" in page.text_content("#status") and page.get_attribute("#status", "class") == "error"
+        assert int(page.evaluate("document.body.dataset.events")) == events
+        assert page.evaluate("window.kvLast") is None
+        assert page.text_content("#tree") == "" and page.locator("#requests tbody tr").count() == 0
+    finally:
+        page.close()
+        t.join(timeout=120)
+
+
+@needs_chromium
 def test_64_concurrent_streams_the_dashboard_keeps_up_and_the_chat_page_answers(dash, browser):
     system = {"role": "system", "content": "You are a terse assistant for a load test: short facts only. " * 2}
     with ThreadPoolExecutor(64) as pool:
@@ -261,11 +283,16 @@ def test_64_concurrent_streams_the_dashboard_keeps_up_and_the_chat_page_answers(
             rate = 3 / (time.time() - t0)
             page.wait_for_function("() => Number(document.getElementById('count-running').textContent) > 0", timeout=5_000)
             screenshot(page, "dashboard.png")
-            # The cap: MAX_DASHBOARDS viewers at once, the next one 429.
-            watchers += [Watch(dash.url, KEY_B) for _ in range(MAX_DASHBOARDS - 2)]
+            # The cap: MAX_DASHBOARDS viewers at once, an equal share per key (two keys: half
+            # each), so one tenant's tabs cannot lock the other out.
+            watchers += [Watch(dash.url, KEY_A) for _ in range(MAX_DASHBOARDS // 2 - 2)]
             assert all(w.status == 200 for w in watchers)
             extra = Watch(dash.url, KEY_A)
-            assert extra.status == 429 and "Too many KV dashboards" in extra.body
+            assert extra.status == 429 and "Too many KV dashboards are open for this API key" in extra.body
+            watchers += [Watch(dash.url, KEY_B) for _ in range(MAX_DASHBOARDS // 2)]
+            assert all(w.status == 200 for w in watchers)
+            extra = Watch(dash.url, KEY_B)
+            assert extra.status == 429 and "(at most 4)" in extra.body
             assert "tok/s" in last_stats(chat_page, timeout_ms=60_000).text_content()
         finally:
             for w in watchers:

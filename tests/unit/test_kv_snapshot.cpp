@@ -95,7 +95,7 @@ TEST(KvSnapshot, TimelinesMergeDecodeStepsAndStayBounded) {
 
   // Finishing inside a step closes its run and moves it to the finished list.
   tl.ran(7, "ns", arrival, 1.6, 1, false, true);
-  tl.finished(7, "ns", arrival, 1.65, "stop", 89, 7, 32);
+  tl.finished(7, "ns", arrival, 1.65, "stop", 89, 7, 32, 3 * 16, 3);
   tl.end_step(1.7);
   EXPECT_EQ(tl.find(7), nullptr);
   ASSERT_EQ(tl.recent_finished().size(), 1u);
@@ -104,9 +104,11 @@ TEST(KvSnapshot, TimelinesMergeDecodeStepsAndStayBounded) {
   EXPECT_NEAR(f.events[f.events.size() - 2].t1, 1.65, 1e-9);
   EXPECT_EQ(f.finish_reason, "stop");
   EXPECT_EQ(f.cached_tokens, 32);
+  EXPECT_EQ(f.max_tokens, 48);  // the request's, over its 3 choices (the dashboard showed 0)
+  EXPECT_EQ(f.n_choices, 3);
 
   // A request cancelled while waiting still shows up; only the last kMaxFinished are kept.
-  for (uint64_t id = 100; id < 100 + RequestTimelines::kMaxFinished + 3; ++id) tl.finished(id, "", arrival, 2.0, "abort", 5, 0, 0);
+  for (uint64_t id = 100; id < 100 + RequestTimelines::kMaxFinished + 3; ++id) tl.finished(id, "", arrival, 2.0, "abort", 5, 0, 0, 16, 1);
   EXPECT_EQ(tl.recent_finished().size(), RequestTimelines::kMaxFinished);
   EXPECT_EQ(tl.recent_finished().back().events.size(), 1u);
   EXPECT_EQ(tl.n_active(), 0u);
