@@ -362,26 +362,26 @@ void add_bench_command(CLI::App& app) {
   auto o = std::make_shared<BenchOptions>();
   CLI::App* cmd = app.add_subcommand("bench", "measure prefill and decode speed (JSON)");
   cmd->add_option("-m,--model", o->model, "GGUF model path")->capture_default_str();
-  cmd->add_option("--prompt-tokens,-p", o->prompt_tokens, "prefill test length (0 = skip)")->check(CLI::Range(0, 1 << 20))->capture_default_str();
-  cmd->add_option("--gen-tokens,-n", o->gen_tokens, "decode test length (0 = skip)")->check(CLI::Range(0, 1 << 20))->capture_default_str();
-  cmd->add_option("--context,-d", o->context, "tokens already in the KV cache before decoding")->check(CLI::Range(0, 1 << 20))->capture_default_str();
-  cmd->add_option("-t,--threads", o->threads, "threads (default: all cores)")->check(CLI::Range(1, 256));
-  cmd->add_option("--repeat,-r", o->repeat, "repeats (medians reported)")->check(CLI::Range(1, 1000))->capture_default_str();
-  cmd->add_option("--chunk", o->chunk, "prefill chunk size")->check(CLI::Range(1, 1 << 16))->capture_default_str();
+  cmd->add_option("--prompt-tokens,-p", o->prompt_tokens, "prefill test length (0 = skip)")->check(number_in(0, 1 << 20))->capture_default_str();
+  cmd->add_option("--gen-tokens,-n", o->gen_tokens, "decode test length (0 = skip)")->check(number_in(0, 1 << 20))->capture_default_str();
+  cmd->add_option("--context,-d", o->context, "tokens already in the KV cache before decoding")->check(number_in(0, 1 << 20))->capture_default_str();
+  cmd->add_option("-t,--threads", o->threads, "threads (default: all cores)")->check(number_in(1, 256));
+  cmd->add_option("--repeat,-r", o->repeat, "repeats (medians reported)")->check(number_in(1, 1000))->capture_default_str();
+  cmd->add_option("--chunk", o->chunk, "prefill chunk size")->check(number_in(1, 1 << 16))->capture_default_str();
   cmd->add_flag("--json", o->json, "one JSON object on stdout, no progress");
   cmd->add_flag("--measure-bandwidth", o->measure_bandwidth,
                 "also measure the machine's read bandwidth (a read loop over a large buffer, same threads)");
-  cmd->add_option("--bandwidth-mib", o->bandwidth_mib, "buffer of the bandwidth loop, MiB")->check(CLI::Range(1, 1 << 16))->capture_default_str();
-  cmd->add_option("--bandwidth-passes", o->bandwidth_passes, "timed passes of the bandwidth loop (median)")->check(CLI::Range(1, 1000))->capture_default_str();
+  cmd->add_option("--bandwidth-mib", o->bandwidth_mib, "buffer of the bandwidth loop, MiB")->check(number_in(1, 1 << 16))->capture_default_str();
+  cmd->add_option("--bandwidth-passes", o->bandwidth_passes, "timed passes of the bandwidth loop (median)")->check(number_in(1, 1000))->capture_default_str();
   cmd->add_option("--batch,-b", o->batch,
                   "sequences decoding together through the engine (continuous batching, sampling, step profile); 0 = one "
                   "sequence, greedy, llama-bench style")
-      ->check(CLI::Range(0, 4096))
+      ->check(number_in(0, 4096))
       ->capture_default_str();
-  cmd->add_option("--temp", o->sp.temperature, "--batch: sampling temperature")->check(CLI::Range(0.0, 100.0))->capture_default_str();
-  cmd->add_option("--top-k", o->sp.top_k, "--batch: top-k (0 = off)")->check(CLI::Range(0, 1 << 30))->capture_default_str();
-  cmd->add_option("--top-p", o->sp.top_p, "--batch: top-p (1 = off)")->check(CLI::Range(0.0, 1.0))->capture_default_str();
-  cmd->add_option("--min-p", o->sp.min_p, "--batch: min-p (0 = off)")->check(CLI::Range(0.0, 1.0))->capture_default_str();
+  cmd->add_option("--temp", o->sp.temperature, "--batch: sampling temperature")->check(number_in(0.0, 100.0))->capture_default_str();
+  cmd->add_option("--top-k", o->sp.top_k, "--batch: top-k (0 = off)")->check(number_in(0, 1 << 30))->capture_default_str();
+  cmd->add_option("--top-p", o->sp.top_p, "--batch: top-p (1 = off)")->check(number_in(0.0, 1.0))->capture_default_str();
+  cmd->add_option("--min-p", o->sp.min_p, "--batch: min-p (0 = off)")->check(number_in(0.0, 1.0))->capture_default_str();
   cmd->add_option("--seed", o->sp.seed, "--batch: base seed (sequence i of repeat r uses seed + 1000 r + i)")->capture_default_str();
   add_kv_options(cmd, &o->kvo);
   cmd->add_option("--speculative-config", o->speculative_config,

@@ -147,16 +147,16 @@ void add_generate_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("generate", "generate a continuation of a prompt, streamed to stdout");
   cmd->add_option("-m,--model", o->model, "GGUF model path")->capture_default_str();
   cmd->add_option("-p,--prompt", o->prompt, "prompt text")->required();
-  cmd->add_option("-n,--n-predict", o->n_predict, "tokens to generate")->check(CLI::Range(0, 1 << 20))->capture_default_str();
-  cmd->add_option("--temp", o->sp.temperature, "temperature (0 = greedy)")->check(CLI::Range(0.0, 100.0))->capture_default_str();
-  cmd->add_option("--top-k", o->sp.top_k, "top-k (0 = off)")->check(CLI::NonNegativeNumber);
-  cmd->add_option("--top-p", o->sp.top_p, "top-p (1 = off)")->check(CLI::Range(0.0, 1.0));
-  cmd->add_option("--min-p", o->sp.min_p, "min-p (0 = off)")->check(CLI::Range(0.0, 1.0));
-  cmd->add_option("--repeat-penalty", o->sp.repetition_penalty, "repetition penalty (1 = off)")->check(CLI::Range(0.01, 10.0));
+  cmd->add_option("-n,--n-predict", o->n_predict, "tokens to generate")->check(number_in(0, 1 << 20))->capture_default_str();
+  cmd->add_option("--temp", o->sp.temperature, "temperature (0 = greedy)")->check(number_in(0.0, 100.0))->capture_default_str();
+  cmd->add_option("--top-k", o->sp.top_k, "top-k (0 = off)")->check(non_negative());
+  cmd->add_option("--top-p", o->sp.top_p, "top-p (1 = off)")->check(number_in(0.0, 1.0));
+  cmd->add_option("--min-p", o->sp.min_p, "min-p (0 = off)")->check(number_in(0.0, 1.0));
+  cmd->add_option("--repeat-penalty", o->sp.repetition_penalty, "repetition penalty (1 = off)")->check(number_in(0.01, 10.0));
   cmd->add_option("--seed", o->sp.seed, "sampling seed");
-  cmd->add_option("-t,--threads", o->threads, "threads (default: all cores)")->check(CLI::Range(1, 256));
-  cmd->add_option("--chunk", o->chunk, "prefill chunk size in tokens")->check(CLI::Range(1, 1 << 16))->capture_default_str();
-  cmd->add_option("--ctx", o->ctx, "context length (default: the model's)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("-t,--threads", o->threads, "threads (default: all cores)")->check(number_in(1, 256));
+  cmd->add_option("--chunk", o->chunk, "prefill chunk size in tokens")->check(number_in(1, 1 << 16))->capture_default_str();
+  cmd->add_option("--ctx", o->ctx, "context length (default: the model's)")->check(non_negative());
   add_eviction_options(cmd, &o->evo);  // --kv-eviction sinks --kv-budget N: past --ctx with re-indexing
   cmd->add_flag("--no-special", o->no_special, "treat special-token text in the prompt as plain text");
   cmd->add_option("--speculative-config", o->speculative_config,

@@ -552,16 +552,16 @@ void add_perplexity_command(CLI::App& app) {
   cmd->add_option("-m,--model", o->model, "GGUF model path")->capture_default_str();
   cmd->add_option("-f,--file", o->text, "text file (UTF-8)")->required();
   cmd->add_option("-c,--ctx", o->ctx, "window length in tokens (even; the second half is scored)")->capture_default_str();
-  cmd->add_option("--chunks", o->chunks, "score at most this many windows (default: all)")->check(CLI::PositiveNumber);
-  cmd->add_option("-b,--batch-size,--chunk", o->batch, "prefill chunk size in tokens")->check(CLI::Range(1, 1 << 16))->capture_default_str();
-  cmd->add_option("-t,--threads", o->threads, "threads (default: all cores)")->check(CLI::Range(1, 256));
+  cmd->add_option("--chunks", o->chunks, "score at most this many windows (default: all)")->check(positive());
+  cmd->add_option("-b,--batch-size,--chunk", o->batch, "prefill chunk size in tokens")->check(number_in(1, 1 << 16))->capture_default_str();
+  cmd->add_option("-t,--threads", o->threads, "threads (default: all cores)")->check(number_in(1, 256));
   cmd->add_option("--save-logits", o->save_logits, "save this run's top-K log-probs per scored token (the base for --kld-base)");
-  cmd->add_option("--save-top-k", o->top_k, "K for --save-logits")->check(CLI::Range(1, 4096))->capture_default_str();
+  cmd->add_option("--save-top-k", o->top_k, "K for --save-logits")->check(number_in(1, 4096))->capture_default_str();
   cmd->add_option("--kld-base", o->kld_base, "compare with a --save-logits file: KL divergence, top-1 agreement, PPL difference");
   cmd->add_option("--max-model-len", o->max_model_len,
                   "positions the model may use (default: no limit); past them an evicting --kv-eviction re-indexes the kept "
                   "pages (StreamingLLM), else the run fails")
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative());
   cmd->add_flag("--past-trained-context", o->past_trained, "allow positions past the model's trained context (to measure what happens there)");
   cmd->add_flag("--json", o->json, "one JSON object on stdout (progress stays on stderr)");
   add_kv_options(cmd, &o->kvo);  // --kv-cache-memory, --block-size, --kv-cache-dtype, --kv-cache-dtype-layers

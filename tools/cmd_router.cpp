@@ -137,18 +137,18 @@ void add_router_command(CLI::App& app) {
   cmd->add_option("--replica", o->ro.replicas, "a kvserve instance (http://HOST:PORT); repeat");
   cmd->add_option("--prefill", o->ro.prefill, "a `serve --role prefill` instance; repeat");
   cmd->add_option("--decode", o->ro.decode, "a `serve --role decode` instance; repeat");
-  cmd->add_option("--block-size", o->ro.block_size, "the backends' KV page size")->check(CLI::Range(1, 1024))->capture_default_str();
+  cmd->add_option("--block-size", o->ro.block_size, "the backends' KV page size")->check(number_in(1, 1024))->capture_default_str();
   cmd->add_option("--affinity-tokens", o->ro.affinity_tokens, "leading prompt tokens (whole pages) that pick the replica")
-      ->check(CLI::Range(1, 1 << 20))
+      ->check(number_in(1, 1 << 20))
       ->capture_default_str();
   cmd->add_option("--load-factor", o->ro.load_factor,
                   "bounded-load hashing: a backend takes a request only while it has fewer than this × the average requests in flight")
-      ->check(CLI::Range(1.0, 100.0))
+      ->check(number_in(1.0, 100.0))
       ->capture_default_str();
   cmd->add_option("--balance-threshold", o->ro.balance_abs,
                   "cache-aware: a prefix's replica keeps its requests unless it is over --load-factor and this many requests ahead of "
                   "the least loaded (a request sent elsewhere recomputes its prefix there)")
-      ->check(CLI::Range(0, 1 << 20))
+      ->check(number_in(0, 1 << 20))
       ->capture_default_str();
   cmd->add_option("--routing", o->routing,
                   "cache-aware (a new prefix goes to the least loaded replica, which keeps it), ring (consistent hashing: "
@@ -156,18 +156,18 @@ void add_router_command(CLI::App& app) {
       ->check(CLI::IsMember({"cache-aware", "affinity", "ring", "round-robin"}))
       ->capture_default_str();
   cmd->add_option("--prefill-min-tokens", o->ro.prefill_min_tokens, "shorter prompts skip the prefill instance")
-      ->check(CLI::Range(0, 1 << 24))
+      ->check(number_in(0, 1 << 24))
       ->capture_default_str();
-  cmd->add_option("--health-interval", o->ro.health_interval_s, "seconds between health checks")->check(CLI::Range(0.05, 3600.0))->capture_default_str();
-  cmd->add_option("--timeout", o->ro.read_timeout_s, "seconds a backend may stay silent mid-request")->check(CLI::Range(1.0, 86400.0))->capture_default_str();
+  cmd->add_option("--health-interval", o->ro.health_interval_s, "seconds between health checks")->check(number_in(0.05, 3600.0))->capture_default_str();
+  cmd->add_option("--timeout", o->ro.read_timeout_s, "seconds a backend may stay silent mid-request")->check(number_in(1.0, 86400.0))->capture_default_str();
   cmd->add_option("--stall-timeout", o->ro.stall_timeout_s,
                   "seconds a backend that fails its health check may stay silent before its requests are left (non-streamed ones "
                   "go to another backend); 0: wait for --timeout")
-      ->check(CLI::Range(0.0, 86400.0))
+      ->check(number_in(0.0, 86400.0))
       ->capture_default_str();
-  cmd->add_option("--http-threads", o->ro.http_threads, "connection threads")->check(CLI::Range(1, 4096))->capture_default_str();
-  cmd->add_option("--max-model-len", o->max_model_len, "as the backends' (default: the model's context)")->check(CLI::Range(1, 1 << 24));
-  cmd->add_option("--max-n", o->max_n, "as the backends'")->check(CLI::Range(1, 256))->capture_default_str();
+  cmd->add_option("--http-threads", o->ro.http_threads, "connection threads")->check(number_in(1, 4096))->capture_default_str();
+  cmd->add_option("--max-model-len", o->max_model_len, "as the backends' (default: the model's context)")->check(number_in(1, 1 << 24));
+  cmd->add_option("--max-n", o->max_n, "as the backends'")->check(number_in(1, 256))->capture_default_str();
   cmd->add_option("--kv-eviction", o->kv_eviction,
                   "as the backends' default (none|window|sinks|h2o|snapkv): an evicting policy lets max_tokens pass "
                   "--max-model-len, as it does on the backends")
@@ -175,7 +175,7 @@ void add_router_command(CLI::App& app) {
   cmd->add_option("--max-body-size", o->max_body, "largest request body (413 above)")->capture_default_str();
   cmd->add_option("--shutdown-timeout", o->shutdown_timeout,
                   "seconds in-flight requests get to finish after SIGTERM/SIGINT (new ones get 503); a second signal exits at once")
-      ->check(CLI::Range(0.0, 86400.0))->capture_default_str();
+      ->check(number_in(0.0, 86400.0))->capture_default_str();
   cmd->callback([o] { run_router(*o); });
 }
 

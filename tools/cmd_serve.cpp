@@ -258,7 +258,7 @@ void add_serve_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("serve", "OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)");
   cmd->add_option("-m,--model", o->model, "GGUF model path")->capture_default_str();
   cmd->add_option("--host", o->host, "address to bind")->capture_default_str();
-  cmd->add_option("--port", o->port, "port")->check(CLI::Range(1, 65535))->capture_default_str();
+  cmd->add_option("--port", o->port, "port")->check(number_in(1, 65535))->capture_default_str();
   cmd->add_option("--api-key", o->api_keys,
                   "require Authorization: Bearer <key> on /v1/* and /dashboard/events (env KVSERVE_API_KEY); repeat for several "
                   "tenants, whose prefix-cache pages are never shared and whose dashboards show only their own")
@@ -267,32 +267,32 @@ void add_serve_command(CLI::App& app) {
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   cmd->add_option("--served-model-name", o->served_model_name, "model id in the API (default: the file's stem)");
   cmd->add_option("--max-num-batched-tokens", o->max_num_batched_tokens, "token budget per engine step")
-      ->check(CLI::Range(1, 1 << 20))
+      ->check(number_in(1, 1 << 20))
       ->capture_default_str();
   cmd->add_option("--long-prefill-token-threshold", o->long_prefill_tokens,
                   "a prompt with more tokens left than this gets at most this many per step before waiting "
                   "requests are admitted, then what the step leaves (default: 0 = no cap; a quarter of --max-num-batched-tokens with --role prefill)")
-      ->check(CLI::Range(0, 1 << 20));
-  cmd->add_option("--max-num-seqs", o->max_num_seqs, "sequences per engine step")->check(CLI::Range(1, 4096))->capture_default_str();
+      ->check(number_in(0, 1 << 20));
+  cmd->add_option("--max-num-seqs", o->max_num_seqs, "sequences per engine step")->check(number_in(1, 4096))->capture_default_str();
   cmd->add_option("--max-model-len", o->max_model_len, "prompt + completion tokens per sequence (default: the model's context)")
-      ->check(CLI::Range(1, 1 << 24));
-  cmd->add_option("--max-queue", o->max_queue, "waiting requests before 429")->check(CLI::Range(1, 1 << 20))->capture_default_str();
-  cmd->add_option("--max-n", o->max_n, "largest n (choices per request)")->check(CLI::Range(1, 256))->capture_default_str();
-  cmd->add_option("-t,--threads", o->threads, "compute threads (default: all cores)")->check(CLI::Range(1, 256));
+      ->check(number_in(1, 1 << 24));
+  cmd->add_option("--max-queue", o->max_queue, "waiting requests before 429")->check(number_in(1, 1 << 20))->capture_default_str();
+  cmd->add_option("--max-n", o->max_n, "largest n (choices per request)")->check(number_in(1, 256))->capture_default_str();
+  cmd->add_option("-t,--threads", o->threads, "compute threads (default: all cores)")->check(number_in(1, 256));
   cmd->add_option("--http-threads", o->http_threads, "connection threads (default: max-num-seqs + 8 + the dashboards that may be open)")
-      ->check(CLI::Range(1, 4096));
+      ->check(number_in(1, 4096));
   cmd->add_option("--max-dashboards", o->max_dashboards,
                   "KV dashboards (/dashboard/events streams) open at once; with API keys each key gets an equal share, at least one")
-      ->check(CLI::Range(1, 1024))
+      ->check(number_in(1, 1024))
       ->capture_default_str();
   cmd->add_option("--max-body-size", o->max_body, "largest request body (413 above)")->capture_default_str();
   cmd->add_option("--shutdown-timeout", o->shutdown_timeout,
                   "seconds in-flight requests get to finish after SIGTERM/SIGINT before they are ended")
-      ->check(CLI::NonNegativeNumber)
+      ->check(non_negative())
       ->capture_default_str();
   cmd->add_option("--request-timeout", o->request_timeout,
                   "seconds a generation request may run before it is cancelled (504; streams end with an error event); 0: no limit")
-      ->check(CLI::NonNegativeNumber)
+      ->check(non_negative())
       ->capture_default_str();
   cmd->add_flag("--debug", o->debug, "enable /debug/kv and log one line per request");
   cmd->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", o->prefix_caching,
@@ -306,15 +306,15 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--kv-disk-bytes", o->kv_disk_bytes, "L2 size; least recently used pages go first")->capture_default_str();
   cmd->add_option("--kv-redis", o->kv_redis,
                   "L3 KV tier shared by instances: redis://HOST:PORT (repeat or comma-separate; a Redis Cluster is followed)");
-  cmd->add_option("--kv-redis-ttl", o->kv_redis_ttl, "seconds a page stays in Redis (0: no expiry)")->check(CLI::Range(0, 1 << 30))->capture_default_str();
+  cmd->add_option("--kv-redis-ttl", o->kv_redis_ttl, "seconds a page stays in Redis (0: no expiry)")->check(number_in(0, 1 << 30))->capture_default_str();
   cmd->add_option("--kv-redis-timeout-ms", o->kv_redis_timeout_ms, "Redis connect / command timeout")
-      ->check(CLI::Range(1, 60000))
+      ->check(number_in(1, 60000))
       ->capture_default_str();
   cmd->add_option("--kv-tier-write", o->kv_tier_write, "back: write a page down when RAM evicts it; through: as soon as it is full")
       ->check(CLI::IsMember({"back", "through"}))
       ->capture_default_str();
   cmd->add_option("--kv-tier-min-tokens", o->kv_tier_min_tokens, "look below RAM only when at least this many prompt tokens could come from there")
-      ->check(CLI::Range(1, 1 << 24))
+      ->check(number_in(1, 1 << 24))
       ->capture_default_str();
   cmd->add_option("--speculative-config", o->speculative_config,
                   "speculative decoding for every request (a request's \"speculative\": false turns it off), vLLM's JSON: "

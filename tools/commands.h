@@ -3,6 +3,8 @@
 // stderr with a non-zero exit.
 #pragma once
 #include <CLI/CLI.hpp>
+#include <cmath>
+#include <string>
 
 namespace kvtools {
 
@@ -19,5 +21,35 @@ inline constexpr const char* kDefaultModel = "models/SmolLM2-135M-Instruct.Q4_1.
 std::string missing_model_hint(const std::string& path);
 // File strings are untrusted: error lines stay single-line and printable.
 std::string one_line(const std::string& s);
+
+// Numeric flag checks. CLI11's Range lets NaN through (every comparison with NaN is false), so
+// `--temp nan` reached the sampler and hung or crashed it; and its PositiveNumber says "0 not in
+// range 0 to 1.79…e308". These refuse anything that is not a finite number in [lo, hi].
+inline CLI::Validator number_in(double lo, double hi, bool lo_open = false) {
+  auto text = [](double v) {
+    if (v >= 1e300) return std::string("∞");
+    std::string t = std::to_string(v);
+    t.erase(t.find_last_not_of('0') + 1);
+    if (!t.empty() && t.back() == '.') t.pop_back();
+    return t;
+  };
+  const std::string range = (lo_open ? "(" : "[") + text(lo) + ", " + text(hi) + "]";
+  return CLI::Validator(
+      [lo, hi, lo_open, range](std::string& s) -> std::string {
+        double v = 0;
+        size_t used = 0;
+        try {
+          v = std::stod(s, &used);
+        } catch (...) {
+          used = 0;
+        }
+        if (used == 0 || used != s.size() || !std::isfinite(v)) return "'" + s + "' is not a finite number";
+        if (v < lo || v > hi || (lo_open && v == lo)) return s + " is not in " + range;
+        return std::string();
+      },
+      range);
+}
+inline CLI::Validator positive() { return number_in(0, 1e308, true); }
+inline CLI::Validator non_negative() { return number_in(0, 1e308); }
 
 }  // namespace kvtools

@@ -17,7 +17,7 @@ void add_kv_options(CLI::App* cmd, KvOptions* kvo) {
   cmd->add_option("--kv-cache-memory", kvo->memory, "KV cache budget: bytes (2GiB, 512MiB) or a fraction of RAM (0.25)")
       ->capture_default_str();
   cmd->add_option("--block-size", kvo->block_size, "token positions per KV page")
-      ->check(CLI::Range(1, kv::kAttnMaxBlockSize))
+      ->check(number_in(1, kv::kAttnMaxBlockSize))
       ->capture_default_str();
   cmd->add_option("--kv-cache-dtype", kvo->dtype,
                   "KV page element type: auto (= f16), f32, f16, bf16, fp8_e4m3 (fp8), fp8_e5m2, int8, int4")
@@ -36,20 +36,20 @@ void add_eviction_options(CLI::App* cmd, EvictionOptions* eo) {
                   "h2o (heavy hitters by accumulated attention), snapkv (the last queries vote)")
       ->check(CLI::IsMember({"none", "window", "sinks", "h2o", "snapkv"}))
       ->capture_default_str();
-  cmd->add_option("--kv-budget", eo->budget, "tokens of KV kept per sequence (whole pages; the global layers); with --kv-offload-cold, kept in RAM")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--kv-budget", eo->budget, "tokens of KV kept per sequence (whole pages; the global layers); with --kv-offload-cold, kept in RAM")->check(non_negative());
   cmd->add_option("--kv-sink-tokens", eo->sink_tokens, "tokens kept from the start (sinks, h2o, snapkv)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(non_negative())
       ->capture_default_str();
   cmd->add_option("--kv-recent-tokens", eo->recent_tokens,
                   "tokens kept at the end (default: the budget after sinks for window/sinks, half for h2o, a quarter for snapkv)");
   cmd->add_option("--kv-obs-window", eo->obs_window, "SnapKV: prompt queries that vote at the end of a prompt")
-      ->check(CLI::PositiveNumber)
+      ->check(positive())
       ->capture_default_str();
   cmd->add_option("--kv-sparse", eo->sparse, "sparse reads: none or quest (read the pages whose keys can score high)")
       ->check(CLI::IsMember({"none", "quest"}))
       ->capture_default_str();
   cmd->add_option("--kv-sparse-pages", eo->sparse_pages, "Quest: pages read per decode query beyond sink and recent pages")
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative());
   cmd->add_flag("--kv-offload-cold", eo->offload_cold,
                 "hot and cold pages (with --kv-sparse quest): a sequence keeps --kv-budget tokens of KV in RAM, the least recently "
                 "read pages go to a spill file on disk and come back when Quest picks them");

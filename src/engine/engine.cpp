@@ -193,6 +193,11 @@ Rejection Engine::submit(Request req) {
     if (t < 0 || t >= model_.config().n_vocab) return reject(400, "Token id " + std::to_string(t) + " is out of range.", "prompt");
   if (p.n < 1 || p.n > cfg_.max_n) return reject(400, "n must be between 1 and " + std::to_string(cfg_.max_n) + ".", "n");
   if (p.max_tokens < 1) return reject(400, "max_tokens must be at least 1.", "max_tokens");
+  // Every front end checks these; a non-finite one would hang or crash the sampler.
+  for (auto [v, name] : {std::pair{p.sampling.temperature, "temperature"}, {p.sampling.top_p, "top_p"}, {p.sampling.min_p, "min_p"},
+                         {p.sampling.repetition_penalty, "repetition_penalty"}, {p.sampling.presence_penalty, "presence_penalty"},
+                         {p.sampling.frequency_penalty, "frequency_penalty"}})
+    if (!std::isfinite(v)) return reject(400, std::string(name) + " must be a finite number.", name);
   if (p.kv_policy_set) {
     if (Status st = p.kv_policy.validate(cfg_.block_size); !st) return reject(400, st.message(), "kv_eviction");
     if (p.kv_policy.active() && model_.config().mla) return reject(400, "KV eviction and sparse reads are not supported for this model (MLA).", "kv_eviction");

@@ -74,6 +74,17 @@ def test_bad_flags_exit_nonzero():
     assert run("frobnicate").returncode != 0
 
 
+def test_non_finite_sampling_flags_are_refused():
+    # CLI11's ranges let NaN through: `--min-p nan` hung the sampler, `--temp nan --top-p 0.9`
+    # crashed it. Each is now a message and exit code 105 (CLI11's validation error), in a moment.
+    for cmd in (["generate", "-m", MODEL, "-p", "hi", "-n", "2"], ["bench", "-m", MODEL, "-p", "8", "-n", "2", "-b", "2", "-r", "1"]):
+        for flags in (["--temp", "1", "--min-p", "nan"], ["--temp", "nan", "--top-p", "0.9"], ["--top-p", "inf"], ["--temp", "1e400"]):
+            r = run(*cmd, *flags, timeout=30)
+            assert r.returncode == 105 and "not a finite number" in r.stderr, (cmd, flags, r.returncode, r.stderr)
+    r = run("perplexity", "-m", MODEL, "--chunks", "0", timeout=30)
+    assert r.returncode != 0 and "--chunks: 0 is not in (0, " in r.stderr, r.stderr
+
+
 def test_bench_json_has_the_fields():
     r = run("bench", "-m", MODEL, "--prompt-tokens", "64", "--gen-tokens", "8", "--repeat", "1", "--json")
     assert r.returncode == 0, r.stderr

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <sstream>
@@ -255,6 +256,17 @@ TEST(Engine, RejectsWhatCanNeverFit) {
   r.params.n = 0;
   EXPECT_EQ(e.submit(r).http_status, 400);
   r.params.n = 1;
+  // Non-finite sampling values (a CLI once passed `--min-p nan` through, which hung the sampler).
+  for (float bad : {std::nanf(""), INFINITY}) {
+    r.params.sampling.min_p = bad;
+    Rejection nan_rej = e.submit(r);
+    EXPECT_EQ(nan_rej.http_status, 400);
+    EXPECT_EQ(nan_rej.param, "min_p");
+  }
+  r.params.sampling.min_p = 0.f;
+  r.params.sampling.temperature = std::nanf("");
+  EXPECT_EQ(e.submit(r).param, "temperature");
+  r.params.sampling.temperature = 0.f;
   EXPECT_EQ(e.submit(r).http_status, 0);
   EXPECT_EQ(e.submit(r).http_status, 0);
   EXPECT_EQ(e.submit(r).http_status, 429);  // queue full
