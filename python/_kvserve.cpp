@@ -115,7 +115,7 @@ class PyEngine {
       }
     }
     ec.n_threads = threads > 0 ? threads : kv::default_thread_count();
-    auto bytes = kv::parse_memory_size(kv_cache_memory);
+    auto bytes = kv::parse_kv_cache_memory(kv_cache_memory);
     if (!bytes) fail("kv_cache_memory: " + bytes.message());
     ec.kv_cache_bytes = *bytes;
     auto dtype = kv::parse_kv_dtype(kv_cache_dtype);

@@ -147,7 +147,7 @@ void run_bench_batch(const BenchOptions& o) {
   ec.max_model_len = n_prompt + o.gen_tokens + 1;
   ec.max_queue = n_seq;
   ec.block_size = o.kvo.block_size;
-  auto bytes = kv::parse_memory_size(o.kvo.memory);
+  auto bytes = kv::parse_kv_cache_memory(o.kvo.memory);
   if (!bytes) fail(bytes.message());
   ec.kv_cache_bytes = *bytes;
   ec.n_threads = o.threads > 0 ? o.threads : kv::default_thread_count();

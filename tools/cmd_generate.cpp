@@ -40,7 +40,7 @@ void run_generate_engine(const GenerateOptions& o, const kv::SpecConfig& spec) {
   ec.max_num_batched_tokens = o.chunk;
   ec.max_num_seqs = 1;
   ec.block_size = o.kvo.block_size;
-  auto bytes = kv::parse_memory_size(o.kvo.memory);
+  auto bytes = kv::parse_kv_cache_memory(o.kvo.memory);
   if (!bytes) fail(bytes.message());
   ec.kv_cache_bytes = *bytes;
   ec.n_threads = o.threads > 0 ? o.threads : kv::default_thread_count();
@@ -101,9 +101,10 @@ void run_generate(const GenerateOptions& o) {
   const int64_t ctx = o.ctx > 0 ? o.ctx : cfg.n_ctx_train;
   if (static_cast<int64_t>(toks.size()) >= ctx)
     fail("prompt is " + std::to_string(toks.size()) + " tokens, the context is " + std::to_string(ctx) + " (use a shorter prompt or --ctx)");
+  std::unique_ptr<kv::ColdStore> cold = make_cold_store(o.evo, *lm.pool);  // outlives seq, which holds its slots
   kv::SequenceRunner seq(*lm.model, *lm.pool, lm.pool_g1.get(), *lm.threads, o.chunk);
   const kv::EvictionConfig evc = make_eviction(o.evo, lm.pool->layout().block_size);
-  if (kv::Status st = seq.set_eviction(evc); !st) fail(st.message());
+  if (kv::Status st = seq.set_eviction(evc, cold.get()); !st) fail(st.message());
   // An evicting policy whose budget is below the context goes on past it (re-indexing).
   const bool past_context = evc.evicts() && evc.budget < ctx;
   if (past_context) seq.set_max_positions(ctx);

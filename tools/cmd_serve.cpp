@@ -91,7 +91,7 @@ void run_serve(const ServeOptions& o) {
   ec.max_queue = o.max_queue;
   ec.max_n = o.max_n;
   ec.block_size = o.kvo.block_size;
-  auto bytes = kv::parse_memory_size(o.kvo.memory);
+  auto bytes = kv::parse_kv_cache_memory(o.kvo.memory);
   if (!bytes) fail(bytes.message());
   ec.kv_cache_bytes = *bytes;
   ec.n_threads = o.threads > 0 ? o.threads : kv::default_thread_count();

@@ -141,7 +141,7 @@ LoadedModel load_model(const std::string& path, int n_threads, const KvOptions& 
   if (!m) fail(path + ": " + m.message());
   lm.model = std::move(*m);
   if (!with_runtime) return lm;
-  auto bytes = kv::parse_memory_size(kvo.memory);
+  auto bytes = kv::parse_kv_cache_memory(kvo.memory);
   if (!bytes) fail(bytes.message());
   kv::KvLayout layout = make_kv_layout(*lm.model, kvo);
   int64_t budget = *bytes;

@@ -2,6 +2,7 @@
 #include <sys/stat.h>
 
 #include <cstdio>
+#include <new>
 
 #include "commands.h"
 
@@ -29,6 +30,9 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  } catch (const std::bad_alloc&) {  // a budget under MemAvailable can still not fit beside the rest
+    std::fprintf(stderr, "error: out of memory: give a smaller --kv-cache-memory (or free memory)\n");
+    return 1;
   }
   return 0;
 }

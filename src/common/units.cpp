@@ -14,6 +14,28 @@ int64_t physical_ram_bytes() {
   return pages > 0 && page > 0 ? int64_t(pages) * page : 0;
 }
 
+int64_t available_ram_bytes() {
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (!f) return 0;
+  char line[256];
+  long long kib = 0;
+  while (std::fgets(line, sizeof line, f))
+    if (std::sscanf(line, "MemAvailable: %lld kB", &kib) == 1) break;
+  std::fclose(f);
+  return int64_t(kib) * 1024;
+}
+
+Result<int64_t> parse_kv_cache_memory(const std::string& s) {
+  auto bytes = parse_memory_size(s);
+  if (!bytes) return bytes;
+  const int64_t avail = available_ram_bytes();
+  if (avail > 0 && *bytes > avail)
+    return Result<int64_t>::error("KV cache budget " + s + " (" + format_bytes(double(*bytes)) + ") is more than the memory available (" +
+                                  format_bytes(double(avail)) + " of " + format_bytes(double(physical_ram_bytes())) +
+                                  " RAM); give less, e.g. 0.25 for a quarter of RAM");
+  return bytes;
+}
+
 Result<int64_t> parse_memory_size(const std::string& s) {
   auto bad = [&] { return Result<int64_t>::error("cannot read memory size '" + s + "' (examples: 2GiB, 512MiB, 0.25 for a quarter of RAM)"); };
   if (s.empty()) return bad();

@@ -11,6 +11,10 @@ namespace kv {
 // budgets are about RAM), or a fraction of physical RAM in (0, 1] such as "0.25".
 Result<int64_t> parse_memory_size(const std::string& s);
 int64_t physical_ram_bytes();
+int64_t available_ram_bytes();  // /proc/meminfo MemAvailable; 0 if unknown
+// A KV cache budget: parse_memory_size, refused when more than the memory available now (the
+// pool is allocated whole at start: a larger one threw bad_alloc or was OOM-killed).
+Result<int64_t> parse_kv_cache_memory(const std::string& s);
 std::string format_bytes(double bytes);  // "512 B", "0.5 B", "22.50 KiB", "10.00 GiB" (1024-based)
 
 }  // namespace kv

@@ -188,6 +188,12 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
     if (!lb->is_object()) type_error("logit_bias", "an object", *lb);
     if (!lb->empty()) unsupported("logit_bias", "");
   }
+  // vLLM's extensions that would change the answer and that this server does not implement:
+  // refused, not ignored (an ignored one answers 200 with a different answer than asked for).
+  if (const json* v = f.get("min_tokens"); v && !(v->is_number_integer() && v->get<int64_t>() == 0))
+    unsupported("min_tokens", "generation stops at the first stop string or end of text.");
+  if (f.requested("stop_token_ids")) unsupported("stop_token_ids", "use stop strings.");
+  if (f.requested("include_stop_str_in_output")) unsupported("include_stop_str_in_output", "the stop string is never part of the output.");
 
   // {"policy": "snapkv", "budget": 2048, "sink_tokens": 4, "recent_tokens": 512, "obs_window": 32,
   //  "sparse": "quest", "sparse_pages": 64}: this request's long-context KV policy (kv/kv_eviction.h);
@@ -513,6 +519,7 @@ ApiRequest parse_chat_request(const json& body, const ApiContext& ctx) {
   r.chat = true;
   parse_common(f, ctx, &r);
   if (f.requested("tools")) unsupported("tools", "tool calling is not available.");
+  if (f.requested("continue_final_message")) unsupported("continue_final_message", "the prompt always ends with a new assistant turn.");
   if (f.requested("functions")) unsupported("functions", "function calling is not available.");
   if (const json* tc = f.get("tool_choice"); tc && !(tc->is_string() && tc->get<std::string>() == "none"))
     unsupported("tool_choice", "only \"none\" is accepted.");

@@ -147,6 +147,11 @@ CORPUS = [
     ("logit_bias", "POST", C, JSON, comp(logit_bias={"50256": -100}), 400, "logit_bias"),
     ("echo", "POST", C, JSON, comp(echo=True), 400, "echo"),
     ("suffix", "POST", C, JSON, comp(suffix="end"), 400, "suffix"),
+    # vLLM extensions not implemented: refused, not ignored (they answered 200 without effect).
+    ("min_tokens", "POST", C, JSON, comp(min_tokens=10), 400, "min_tokens"),
+    ("stop_token_ids", "POST", C, JSON, comp(stop_token_ids=[5279]), 400, "stop_token_ids"),
+    ("include_stop_str_in_output", "POST", C, JSON, comp(include_stop_str_in_output=True, stop=["a"]), 400, "include_stop_str_in_output"),
+    ("continue_final_message", "POST", CH, JSON, chat(continue_final_message=True), 400, "continue_final_message"),
     ("audio modality", "POST", CH, JSON, chat(modalities=["text", "audio"]), 400, "modalities"),
     ("cache_salt empty", "POST", C, JSON, comp(cache_salt=""), 400, "cache_salt"),
     ("cache_salt number", "POST", C, JSON, comp(cache_salt=3), 400, "cache_salt"),

@@ -111,3 +111,23 @@ def test_bench_batch_runs_the_engine_and_profiles_its_steps():
     # A pool too small for the batch is a clear error, not a crash.
     bad = run("bench", "-m", MODEL, "--batch", "64", "-p", "512", "-n", "512", "--kv-cache-memory", "8MiB", "--json")
     assert bad.returncode != 0 and "does not hold" in bad.stderr
+
+
+def test_a_kv_budget_beyond_the_machines_memory_is_refused():
+    # The pool is allocated whole at start: 30GiB threw an uncaught bad_alloc (abort), 1.0 (all
+    # of RAM) the same, 0.99 was OOM-killed. Now a message naming the memory available, exit 1.
+    for budget in ("200GiB", "1.0"):
+        r = run("generate", "-m", MODEL, "-p", "Hi", "-n", "2", "--kv-cache-memory", budget, timeout=60)
+        assert r.returncode == 1 and "more than the memory available" in r.stderr, (budget, r.returncode, r.stderr)
+
+
+def test_generate_offloads_cold_pages_and_gives_quests_text():
+    # `generate --kv-offload-cold` always failed ("cold pages need a cold store"): generate never
+    # made one. Cold pages come back bit for bit, so the text is Quest's without offloading.
+    prompt = "The quick brown fox jumps over the lazy dog. " * 12
+    quest = ["-p", prompt, "-n", "24", "--temp", "0", "--kv-sparse", "quest", "--kv-sparse-pages", "2"]
+    cold = run("generate", "-m", MODEL, *quest, "--kv-offload-cold", "--kv-budget", "112")
+    warm = run("generate", "-m", MODEL, *quest)
+    assert cold.returncode == 0 and warm.returncode == 0, cold.stderr
+    assert "cold pages to disk beyond 112 tokens" in cold.stderr
+    assert cold.stdout == warm.stdout and cold.stdout.strip()
