@@ -109,6 +109,9 @@ void run_generate(const GenerateOptions& o) {
   const bool past_context = evc.evicts() && evc.budget < ctx;
   if (past_context) seq.set_max_positions(ctx);
   const int64_t max_new = past_context ? o.n_predict : std::min<int64_t>(o.n_predict, ctx - static_cast<int64_t>(toks.size()));
+  if (ctx > cfg.n_ctx_train)
+    std::fprintf(stderr, "note: --ctx %lld is past the model's training context (%lld tokens): expect worse text beyond it\n",
+                 static_cast<long long>(ctx), static_cast<long long>(cfg.n_ctx_train));
   kv::Sampler sampler(o.sp);
   kv::IncrementalDetokenizer detok(*lm.tokenizer);
   std::vector<int32_t> history = toks;
@@ -131,6 +134,9 @@ void run_generate(const GenerateOptions& o) {
   std::string rest = detok.flush();
   std::fwrite(rest.data(), 1, rest.size(), stdout);
   std::fputc('\n', stdout);
+  if (max_new < o.n_predict && n_gen == max_new)  // not -n, not the end of text: say why it stopped
+    std::fprintf(stderr, "stopped after %lld tokens: the context (--ctx %lld) is full\n", static_cast<long long>(n_gen),
+                 static_cast<long long>(ctx));
   auto t2 = std::chrono::steady_clock::now();
   double pf = std::chrono::duration<double>(t1 - t0).count(), dc = std::chrono::duration<double>(t2 - t1).count();
   std::fprintf(stderr, "prompt: %zu tokens in %.3f s (%.1f tok/s); generated: %lld tokens in %.3f s (%.1f tok/s)\n", toks.size(), pf,

@@ -1,6 +1,7 @@
 #include "kv/disk_store.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -73,9 +74,39 @@ Result<std::unique_ptr<DiskStore>> DiskStore::open(const std::string& dir, int64
   if (ec) return Result<std::unique_ptr<DiskStore>>::error("--kv-disk-dir " + dir + ": cannot create " + root + ": " + ec.message());
   if (::access(root.c_str(), W_OK) != 0)
     return Result<std::unique_ptr<DiskStore>>::error("--kv-disk-dir " + dir + ": " + root + " is not writable");
-  std::unique_ptr<DiskStore> s(new DiskStore(root, max_bytes));
+  const std::string lock_path = root + "/lock";
+  const int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return Result<std::unique_ptr<DiskStore>>::error("--kv-disk-dir " + dir + ": cannot open " + lock_path + ": " + std::strerror(errno));
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    char pid[32] = {0};
+    (void)!::pread(fd, pid, sizeof pid - 1, 0);
+    ::close(fd);
+    return Result<std::unique_ptr<DiskStore>>::error(
+        "--kv-disk-dir " + dir + " is in use by another kvserve process" + (pid[0] ? std::string(" (pid ") + pid + ")" : std::string()) +
+        " for this model and KV format: give each server its own directory (servers share pages through --kv-redis)");
+  }
+  const std::string me = std::to_string(::getpid());
+  if (::ftruncate(fd, 0) == 0) (void)!::pwrite(fd, me.data(), me.size(), 0);
+  std::unique_ptr<DiskStore> s(new DiskStore(root, max_bytes, fd));
   s->scan(id);
+  // Other models' or formats' pages share the directory but not the budget: say so.
+  int64_t other_bytes = 0;
+  int n_other = 0;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    if (!e.is_directory(ec) || e.path() == fs::path(root)) continue;
+    ++n_other;
+    for (const auto& f : fs::recursive_directory_iterator(e.path(), ec))
+      if (f.is_regular_file(ec) && f.path().extension() == ".kvp") other_bytes += static_cast<int64_t>(f.file_size(ec));
+  }
+  if (n_other > 0 && other_bytes > 0)
+    std::fprintf(stderr, "kv tier: %s also holds %d other models' or KV formats' page directories (%.1f MiB), outside --kv-disk-bytes "
+                 "and never read by this server; delete them to free the space\n",
+                 dir.c_str(), n_other, double(other_bytes) / (1 << 20));
   return s;
+}
+
+DiskStore::~DiskStore() {
+  if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the flock
 }
 
 std::string DiskStore::path_of(const PageHash& h) const {
@@ -138,9 +169,12 @@ void DiskStore::erase_locked(const PageHash& hash) {
   ::unlink(path_of(h).c_str());
 }
 
-bool DiskStore::put(std::span<const PageHash> hashes, std::span<const uint64_t>, std::span<const std::string> blobs) {
-  bool any = false;
-  for (size_t i = 0; i < hashes.size(); ++i) {
+// Last page first: a prefix's first page ends up the most recent (and its file the newest, for the
+// next start's scan), so the byte budget evicts a prefix from its tail. Evicting its head first
+// left the rest on disk and unreachable: a lookup stops at the first gap.
+std::vector<bool> DiskStore::put(std::span<const PageHash> hashes, std::span<const uint64_t>, std::span<const std::string> blobs) {
+  std::vector<bool> stored(hashes.size(), false);
+  for (size_t i = hashes.size(); i-- > 0;) {
     const PageHash& h = hashes[i];
     const std::string& b = blobs[i];
     uint64_t n;
@@ -151,7 +185,7 @@ bool DiskStore::put(std::span<const PageHash> hashes, std::span<const uint64_t>,
       // hybrid model's window page, which a blob of the position may lack): then replace it.
       if (it != index_.end() && int64_t(b.size()) <= it->second.bytes) {
         lru_.splice(lru_.end(), lru_, it->second.lru);
-        any = true;
+        stored[i] = true;
         continue;
       }
       if (int64_t(b.size()) > max_bytes_) continue;
@@ -162,13 +196,33 @@ bool DiskStore::put(std::span<const PageHash> hashes, std::span<const uint64_t>,
     const std::string tmp = root_ + "/tmp/" + h.hex() + "." + std::to_string(n) + ".tmp";
     std::error_code ec;
     fs::create_directories(fs::path(final_path).parent_path(), ec);
-    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    bool ok = fd >= 0 && write_all(fd, b.data(), b.size());
-    if (fd >= 0) ok = (::close(fd) == 0) && ok;
-    ok = ok && ::rename(tmp.c_str(), final_path.c_str()) == 0;
+    auto write_file = [&] {
+      const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+      bool ok = fd >= 0 && write_all(fd, b.data(), b.size());
+      const int err = errno;
+      if (fd >= 0) ok = (::close(fd) == 0) && ok;
+      ok = ok && ::rename(tmp.c_str(), final_path.c_str()) == 0;
+      if (!ok) ::unlink(tmp.c_str());
+      return ok ? 0 : err != 0 ? err : EIO;
+    };
+    int err = write_file();
+    if (err == ENOSPC) {
+      // The filesystem filled before the byte budget did (other files share it): make room from
+      // the least recently used pages, as the budget would, and try once more. Without this a
+      // full disk dropped every later write.
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        int64_t freed = 0;
+        while (freed < 2 * int64_t(b.size()) && lru_.size() > 1 && !(lru_.front() == h)) {
+          freed += index_.at(lru_.front()).bytes;
+          erase_locked(lru_.front());
+        }
+      }
+      err = write_file();
+    }
+    const bool ok = err == 0;
     std::lock_guard<std::mutex> l(mu_);
     if (!ok) {
-      ::unlink(tmp.c_str());
       ++errors_;
       continue;
     }
@@ -183,9 +237,9 @@ bool DiskStore::put(std::span<const PageHash> hashes, std::span<const uint64_t>,
       lru_.splice(lru_.end(), lru_, it->second.lru);
     }
     while (bytes_ > max_bytes_ && lru_.size() > 1) erase_locked(lru_.front());
-    any = true;
+    stored[i] = true;
   }
-  return any;
+  return stored;
 }
 
 std::vector<std::optional<std::string>> DiskStore::get(uint64_t, std::span<const PageHash> hashes) {
@@ -195,7 +249,6 @@ std::vector<std::optional<std::string>> DiskStore::get(uint64_t, std::span<const
       std::lock_guard<std::mutex> l(mu_);
       auto it = index_.find(hashes[i]);
       if (it == index_.end()) break;  // a prefix ends at its first gap
-      lru_.splice(lru_.end(), lru_, it->second.lru);
     }
     out[i] = read_file(path_of(hashes[i]));
     if (!out[i]) {  // deleted behind our back, or unreadable
@@ -205,6 +258,11 @@ std::vector<std::optional<std::string>> DiskStore::get(uint64_t, std::span<const
       break;
     }
   }
+  // Recency last page first, as put() does: the prefix's head is the most recent.
+  std::lock_guard<std::mutex> l(mu_);
+  for (size_t i = hashes.size(); i-- > 0;)
+    if (out[i])
+      if (auto it = index_.find(hashes[i]); it != index_.end()) lru_.splice(lru_.end(), lru_, it->second.lru);
   return out;
 }
 

@@ -97,8 +97,9 @@ class PageStore {
   virtual const char* name() const = 0;
   // Stores blobs[i] under hashes[i] (replacing); ns_tags[i] is the page's namespace tag (the
   // hash already depends on it; a store may also name its keys by it). False when nothing could
-  // be written.
-  virtual bool put(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags, std::span<const std::string> blobs) = 0;
+  // be written. Returns, per page, whether it was stored (a failed page is counted as a drop,
+  // never as written). hashes come in chain order: a prefix's first page first.
+  virtual std::vector<bool> put(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags, std::span<const std::string> blobs) = 0;
   // The blobs of hashes, in order: nullopt where absent or unreachable. Implementations may
   // stop early and leave the rest nullopt after the first absent one (a prefix is only
   // usable up to its first gap).

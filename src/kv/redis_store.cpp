@@ -26,6 +26,10 @@ Result<RedisStore::Endpoint> parse_addr(const std::string& a) {
   if (s.rfind("redis://", 0) == 0) s = s.substr(8);
   if (const size_t scheme = s.find("://"); scheme != std::string::npos)  // http://, rediss:// (TLS), ...
     return Result<RedisStore::Endpoint>::error("--kv-redis " + a + ": " + s.substr(0, scheme) + ":// is not a plain Redis address; want redis://HOST:PORT");
+  if (s.find('@') != std::string::npos)  // the message leaves the password out of the log
+    return Result<RedisStore::Endpoint>::error("--kv-redis redis://…@" + s.substr(s.rfind('@') + 1) +
+                                               ": credentials in the address are not supported (no AUTH is sent); use a Redis "
+                                               "without requirepass, reachable only by the servers");
   while (!s.empty() && s.back() == '/') s.pop_back();
   const size_t colon = s.rfind(':');
   RedisStore::Endpoint e;
@@ -139,6 +143,15 @@ void RedisStore::fail(ThreadConns& tc, const Endpoint& e) {
   ++errors_;
 }
 
+void RedisStore::reply_error(const std::string& err) {
+  const std::string kind = err.substr(0, err.find(' '));
+  std::lock_guard<std::mutex> l(mu_);
+  ++errors_;
+  if (errors_told_.insert(kind).second)
+    std::fprintf(stderr, "kv tier: redis answered an error: %s (pages it refuses are not stored or read; told once per kind)\n",
+                 err.c_str());
+}
+
 void RedisStore::discover(ThreadConns& tc) {
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -221,11 +234,13 @@ std::vector<std::optional<std::string>> RedisStore::run(const std::vector<std::s
       out[i] = std::string(r->str, r->len);
     } else if (r->type == REDIS_REPLY_STATUS || r->type == REDIS_REPLY_INTEGER) {
       if (!want_value) out[i] = std::string();
-    } else if (r->type == REDIS_REPLY_ERROR && collect_redirect) {
+    } else if (r->type == REDIS_REPLY_ERROR) {
       const std::string err(r->str, r->len);  // "MOVED 3999 127.0.0.1:6381" / "ASK ..."
       const bool moved = err.rfind("MOVED ", 0) == 0, ask = err.rfind("ASK ", 0) == 0;
       const size_t sp = err.rfind(' ');
-      if ((moved || ask) && sp != std::string::npos) {
+      if (!moved && !ask) {  // OOM, NOAUTH, READONLY, ...: the page is not stored (or not read)
+        reply_error(err);
+      } else if (collect_redirect && sp != std::string::npos) {
         auto ep = parse_addr(err.substr(sp + 1));
         if (ep) redirects.push_back({i, *ep, ask});
         if (moved) {
@@ -264,7 +279,7 @@ std::vector<std::optional<std::string>> RedisStore::run(const std::vector<std::s
   return out;
 }
 
-bool RedisStore::put(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags, std::span<const std::string> blobs) {
+std::vector<bool> RedisStore::put(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags, std::span<const std::string> blobs) {
   std::vector<std::string> keys;
   std::vector<std::vector<std::string>> argvs;
   for (size_t i = 0; i < hashes.size(); ++i) {
@@ -277,7 +292,9 @@ bool RedisStore::put(std::span<const PageHash> hashes, std::span<const uint64_t>
     argvs.push_back(std::move(a));
   }
   const auto res = run(keys, argvs, false);
-  return std::any_of(res.begin(), res.end(), [](const auto& r) { return r.has_value(); });
+  std::vector<bool> ok(res.size());
+  for (size_t i = 0; i < res.size(); ++i) ok[i] = res[i].has_value();
+  return ok;
 }
 
 std::vector<std::optional<std::string>> RedisStore::get(uint64_t ns_tag, std::span<const PageHash> hashes) {

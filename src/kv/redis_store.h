@@ -23,6 +23,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -42,7 +43,7 @@ class RedisStore : public PageStore {
   ~RedisStore() override;
 
   const char* name() const override { return "redis"; }
-  bool put(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags, std::span<const std::string> blobs) override;
+  std::vector<bool> put(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags, std::span<const std::string> blobs) override;
   std::vector<std::optional<std::string>> get(uint64_t ns_tag, std::span<const PageHash> hashes) override;
   bool may_contain(const PageHash&) const override { return true; }
   void remove(uint64_t ns_tag, const PageHash& h) override;
@@ -63,6 +64,7 @@ class RedisStore : public PageStore {
   ThreadConns& conns();
   Conn* conn(ThreadConns& tc, const Endpoint& e);  // connected, or null (down / backing off)
   void fail(ThreadConns& tc, const Endpoint& e);   // drop the connection, start a backoff
+  void reply_error(const std::string& err);         // an error reply (OOM, NOAUTH, ...): counted; each kind told once
   void discover(ThreadConns& tc);                  // cluster or not; slot map
   Endpoint node_for(const std::string& key) const;
   // Runs one command per key (argv built by make), pipelined per node, following MOVED/ASK
@@ -82,6 +84,7 @@ class RedisStore : public PageStore {
   std::map<std::thread::id, std::unique_ptr<ThreadConns>> threads_;
   int64_t errors_ = 0;
   int64_t redirects_ = 0;
+  std::set<std::string> errors_told_;  // first words of the error replies already logged
 };
 
 }  // namespace kv

@@ -211,14 +211,16 @@ void TierManager::writer_loop() {
           bs.push_back(blobs[k]);
         }
       if (hs.empty()) continue;
-      const bool ok = stores_[i]->put(hs, ts, bs);
+      const std::vector<bool> ok = stores_[i]->put(hs, ts, bs);
       std::lock_guard<std::mutex> l(mu_);
       TierStats& st = stats_[i].s;
-      if (ok) {
-        st.pages_written += static_cast<int64_t>(hs.size());
-        for (const auto& b : bs) st.bytes_out += static_cast<int64_t>(b.size());
-      } else {
-        st.write_drops += static_cast<int64_t>(hs.size());
+      for (size_t k = 0; k < hs.size(); ++k) {  // only what the store took counts as written
+        if (ok[k]) {
+          ++st.pages_written;
+          st.bytes_out += static_cast<int64_t>(bs[k].size());
+        } else {
+          ++st.write_drops;
+        }
       }
     }
     {

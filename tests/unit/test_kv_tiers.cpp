@@ -266,7 +266,7 @@ std::unique_ptr<DiskStore> open_disk(const std::string& dir, int64_t max_bytes =
 bool put1(PageStore& s, uint64_t i, const std::string& blob, uint64_t ns = kId.ns_tag) {
   const PageHash h = hash_of(i);
   const std::string b = blob;
-  return s.put(std::span<const PageHash>(&h, 1), std::span<const uint64_t>(&ns, 1), std::span<const std::string>(&b, 1));
+  return s.put(std::span<const PageHash>(&h, 1), std::span<const uint64_t>(&ns, 1), std::span<const std::string>(&b, 1)).at(0);
 }
 std::optional<std::string> get1(PageStore& s, uint64_t i, uint64_t ns = kId.ns_tag) {
   const PageHash h = hash_of(i);
@@ -288,7 +288,7 @@ TEST(KvTierDiskStore, PutGetRoundTrip) {
     bs.push_back(make_blob(i, 500 + i));
   }
   EXPECT_FALSE(s->may_contain(hs[0]));
-  ASSERT_TRUE(s->put(hs, ns, bs));
+  ASSERT_EQ(s->put(hs, ns, bs), std::vector<bool>(hs.size(), true));
   EXPECT_EQ(s->n_pages(), 5);
   int64_t total = 0;
   for (const auto& b : bs) total += static_cast<int64_t>(b.size());
@@ -470,6 +470,64 @@ TEST(KvTierDiskStore, LruByBytes) {
   EXPECT_LE(s->bytes(), 2 * n);
 }
 
+TEST(KvTierDiskStore, OverBudgetAPrefixLosesItsTailNotItsHead) {
+  // A prefix's pages come in chain order. Plain LRU evicted the first page first, which left the
+  // rest on disk and unreachable (a lookup stops at the first gap; a user test saw a 26-page
+  // prompt keep 14 useless pages). The head must be what stays, also across a restart.
+  TmpDir t("disk");
+  const int64_t n = static_cast<int64_t>(make_blob(0, 1000).size());
+  auto s = open_disk(t.path, 3 * n);
+  ASSERT_TRUE(s);
+  std::vector<PageHash> hs;
+  std::vector<uint64_t> ns;
+  std::vector<std::string> bs;
+  for (int i = 0; i < 5; ++i) {
+    hs.push_back(hash_of(i));
+    ns.push_back(kId.ns_tag);
+    bs.push_back(make_blob(i, 1000));
+  }
+  s->put(hs, ns, bs);
+  EXPECT_EQ(s->n_pages(), 3);
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(s->may_contain(hash_of(i))) << i;
+  auto got = s->get(kId.ns_tag, hs);
+  EXPECT_TRUE(got[0] && got[1] && got[2] && !got[3]);
+  // A later prefix pushes this one out from its tail too.
+  std::vector<PageHash> hs2 = {hash_of(10), hash_of(11)};
+  s->put(hs2, std::vector<uint64_t>(2, kId.ns_tag), std::vector<std::string>{make_blob(10, 1000), make_blob(11, 1000)});
+  EXPECT_TRUE(s->may_contain(hash_of(0)));
+  EXPECT_FALSE(s->may_contain(hash_of(1)));
+  EXPECT_FALSE(s->may_contain(hash_of(2)));
+  // Reopened with room for one: the newest file is the newest prefix's head.
+  s.reset();
+  s = open_disk(t.path, n);
+  ASSERT_TRUE(s);
+  EXPECT_TRUE(s->may_contain(hash_of(10)));
+  EXPECT_FALSE(s->may_contain(hash_of(11)));
+}
+
+TEST(KvTierDiskStore, AFullFilesystemMakesRoomFromTheOldestPages) {
+  // The filesystem fills before --kv-disk-bytes does (a small tmpfs here): the store evicts its
+  // least recently used pages and writes. It used to drop every later write.
+  TmpDir t("diskfull");
+  const std::string mnt = t.path + "/mnt";
+  fs::create_directories(mnt);
+  if (std::system(("mount -t tmpfs -o size=600k tmpfs " + mnt + " 2>/dev/null").c_str()) != 0)
+    GTEST_SKIP() << "cannot mount a tmpfs here (needs root)";
+  struct Unmount {
+    std::string m;
+    ~Unmount() { (void)!std::system(("umount " + m).c_str()); }
+  } unmount{mnt};
+  {
+    auto s = open_disk(mnt, int64_t(1) << 30);
+    ASSERT_TRUE(s);
+    for (int i = 0; i < 30; ++i) EXPECT_TRUE(put1(*s, i, make_blob(i, 64 * 1024))) << i;  // 64 KiB each, ~1.9 MiB in all
+    EXPECT_GT(s->n_pages(), 2);
+    EXPECT_LT(s->n_pages(), 30);
+    EXPECT_TRUE(get1(*s, 29).has_value());
+    EXPECT_FALSE(s->may_contain(hash_of(0)));
+  }
+}
+
 TEST(KvTierDiskStore, IdentityPicksSubdirectory) {
   TmpDir t("disk");
   PageIdentity other_fp = kId, other_fmt = kId, other_ns = kId;
@@ -479,12 +537,27 @@ TEST(KvTierDiskStore, IdentityPicksSubdirectory) {
   auto a = open_disk(t.path, int64_t(1) << 30, kId);
   auto b = open_disk(t.path, int64_t(1) << 30, other_fp);
   auto c = open_disk(t.path, int64_t(1) << 30, other_fmt);
-  auto d = open_disk(t.path, int64_t(1) << 30, other_ns);
-  ASSERT_TRUE(a && b && c && d);
+  ASSERT_TRUE(a && b && c);
   EXPECT_NE(a->root(), b->root());
   EXPECT_NE(a->root(), c->root());
   EXPECT_NE(b->root(), c->root());
-  EXPECT_EQ(a->root(), d->root());  // the namespace is in the hash, not the directory
+  {
+    // The namespace is in the hash, not the directory: d's is a's, which a holds locked (two
+    // servers on one directory deleted each other's pages).
+    auto d = DiskStore::open(t.path, int64_t(1) << 30, other_ns);
+    ASSERT_FALSE(d.is_ok());
+    EXPECT_NE(d.message().find("in use by another kvserve process (pid " + std::to_string(::getpid()) + ")"), std::string::npos)
+        << d.message();
+    const std::string root_a = a->root();
+    auto a2 = std::move(a);
+    a2.reset();
+    auto d2 = open_disk(t.path, int64_t(1) << 30, other_ns);
+    ASSERT_TRUE(d2);
+    EXPECT_EQ(d2->root(), root_a);
+    d2.reset();
+    a = open_disk(t.path, int64_t(1) << 30, kId);
+    ASSERT_TRUE(a);
+  }
   char sub[40];
   std::snprintf(sub, sizeof sub, "%016llx-%08x", static_cast<unsigned long long>(kId.fingerprint), kId.format_tag);
   EXPECT_EQ(fs::path(a->root()).filename().string(), sub);
@@ -772,7 +845,8 @@ TEST(KvTierManager, WriteThroughAndNoRewrite) {
   tm->page_cached(hash_of(0), "n", tok.data(), 0);
   tm->flush();
   EXPECT_EQ(tm->stats()[0].s.pages_written, 1);
-  // No pool set: nothing is written (and nothing crashes).
+  // No pool set: nothing is written (and nothing crashes). (One store per directory at a time.)
+  tm.reset();
   auto tm2 = make_tiers(cfg, L);
   tm2->page_cached(hash_of(1), "n", tok.data(), 0);
   tm2->flush();
@@ -1120,7 +1194,7 @@ TEST_F(KvTierRedis, PutGetRoundTrip) {
     bs.push_back(make_blob(i, 3000 + i));
   }
   bs[5] = std::string("\0\r\n$-1\r\n\0", 9) + bs[5];  // binary-safe values
-  ASSERT_TRUE(s->put(hs, ns, bs));
+  ASSERT_EQ(s->put(hs, ns, bs), std::vector<bool>(hs.size(), true));
   auto got = s->get(kId.ns_tag, hs);
   ASSERT_EQ(got.size(), hs.size());
   for (size_t i = 0; i < hs.size(); ++i) {
@@ -1149,6 +1223,30 @@ TEST_F(KvTierRedis, PutGetRoundTrip) {
   auto g = get1(*s2, 7);
   ASSERT_TRUE(g.has_value());
   EXPECT_EQ(*g, bs[7]);
+}
+
+TEST_F(KvTierRedis, RefusedWritesAreNotWritten) {
+  // A full Redis (maxmemory, noeviction) answers SET with an OOM error. Such pages were counted
+  // as written, with no error and no log line; put() now says which pages it stored.
+  ASSERT_TRUE(server_.start(dir_->path, server_.port(), {"--maxmemory", "4mb", "--maxmemory-policy", "noeviction"}));
+  auto s = make_redis({server_.addr()}, 0, 1000);
+  ASSERT_TRUE(s);
+  std::vector<PageHash> hs;
+  std::vector<uint64_t> ns;
+  std::vector<std::string> bs;
+  for (int i = 0; i < 40; ++i) {
+    hs.push_back(hash_of(i));
+    ns.push_back(kId.ns_tag);
+    bs.push_back(make_blob(i, 128 * 1024));
+  }
+  const std::vector<bool> ok = s->put(hs, ns, bs);
+  const auto n_ok = std::count(ok.begin(), ok.end(), true);
+  EXPECT_GT(n_ok, 0);
+  EXPECT_LT(n_ok, 40);
+  for (int i = 0; i < 40; ++i) EXPECT_EQ(get1(*s, i).has_value(), bool(ok[i])) << i;
+  TierStats st;
+  s->fill_stats(&st);
+  EXPECT_GE(st.errors, 40 - n_ok);
 }
 
 TEST_F(KvTierRedis, KeyNamesFingerprintFormatNamespace) {
@@ -1290,7 +1388,7 @@ TEST_F(KvTierRedis, SpreadsOverStandaloneServers) {
     ns.push_back(kId.ns_tag);
     bs.push_back(make_blob(i, 200));
   }
-  ASSERT_TRUE(s->put(hs, ns, bs));
+  ASSERT_EQ(s->put(hs, ns, bs), std::vector<bool>(hs.size(), true));
   auto got = s->get(kId.ns_tag, hs);
   for (int i = 0; i < 32; ++i) {
     ASSERT_TRUE(got[i].has_value()) << i;
@@ -1316,6 +1414,11 @@ TEST_F(KvTierRedis, BadAddressesRejected) {
   EXPECT_FALSE(RedisStore::create({"host:70000"}, kId, 0, 100).is_ok());
   EXPECT_FALSE(RedisStore::create({"redis://:6379"}, kId, 0, 100).is_ok());
   EXPECT_TRUE(RedisStore::create({"redis://localhost"}, kId, 0, 100).is_ok());
+  // Credentials: refused (no AUTH is sent), and the password is not repeated in the message.
+  auto cred = RedisStore::create({"redis://:s3cret@127.0.0.1:6391"}, kId, 0, 100);
+  ASSERT_FALSE(cred.is_ok());
+  EXPECT_NE(cred.message().find("credentials"), std::string::npos) << cred.message();
+  EXPECT_EQ(cred.message().find("s3cret"), std::string::npos) << cred.message();
 }
 
 // The tier manager over Redis: pages written by one instance load in another, are promoted to
@@ -1443,7 +1546,8 @@ TEST_F(KvTierRedis, PromptTailGoesToRedisAloneAndIsReadOnce) {
   ASSERT_TRUE(again.has_value());
   EXPECT_EQ(again->blobs.size(), 2u);
 
-  // Without a shared store there is nowhere to put a tail.
+  // Without a shared store there is nowhere to put a tail. (d1 is pre's until pre ends.)
+  pre.reset();
   TierConfig disk_only;
   disk_only.disk_dir = d1.path;
   auto local = make_tiers(disk_only, L);
@@ -1640,7 +1744,7 @@ TEST_F(KvTierRedisCluster, PagesSpreadOverMastersFromOneSeed) {
     ns.push_back(kId.ns_tag);
     bs.push_back(make_blob(1000 + i, 256));
   }
-  ASSERT_TRUE(s->put(hs, ns, bs));
+  ASSERT_EQ(s->put(hs, ns, bs), std::vector<bool>(hs.size(), true));
   auto got = s->get(kId.ns_tag, hs);
   ASSERT_EQ(got.size(), 64u);
   for (int i = 0; i < 64; ++i) {
