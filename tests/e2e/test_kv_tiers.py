@@ -165,6 +165,27 @@ def test_bad_disk_dir_is_a_clear_error(tmp_path):
     assert "--kv-disk-dir" in r.stderr and "cannot create" in r.stderr, r.stderr[-2000:]
 
 
+def test_a_second_server_on_the_same_disk_dir_is_refused(tmp_path):
+    """Two servers on one --kv-disk-dir deleted each other's pages (a start-up trim) and trusted
+    stale indexes; the second is now refused, naming the first; after the first stops it starts.
+    A Redis address with a password is refused without printing the password."""
+    from kvserve_server import KVSERVE, MODEL
+    disk_dir = str(tmp_path / "disk")
+    a = tier_server("--kv-disk-dir", disk_dir)
+    try:
+        r = subprocess.run([KVSERVE, "serve", "-m", MODEL, "--port", str(free_port()), "--kv-disk-dir", disk_dir],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0
+        assert f"is in use by another kvserve process (pid {a.proc.pid})" in r.stderr, r.stderr[-2000:]
+    finally:
+        a.stop()
+    b = tier_server("--kv-disk-dir", disk_dir)
+    b.stop()
+    r = subprocess.run([KVSERVE, "serve", "-m", MODEL, "--port", str(free_port()), "--kv-redis", "redis://:s3cret@127.0.0.1:6390"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "credentials" in r.stderr and "s3cret" not in r.stderr, r.stderr[-2000:]
+
+
 def test_bad_redis_address_is_a_clear_error():
     from kvserve_server import KVSERVE, MODEL
     for addr, words in [("http://127.0.0.1:6379", "http:// is not a plain Redis address"),
