@@ -1,6 +1,7 @@
 // kvserve generate: stream a continuation of a prompt to stdout.
 #include <chrono>
 #include <cstdio>
+#include <random>
 
 #include "commands.h"
 #include "common/units.h"
@@ -160,7 +161,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--top-p", o->sp.top_p, "top-p (1 = off)")->check(number_in(0.0, 1.0));
   cmd->add_option("--min-p", o->sp.min_p, "min-p (0 = off)")->check(number_in(0.0, 1.0));
   cmd->add_option("--repeat-penalty", o->sp.repetition_penalty, "repetition penalty (1 = off)")->check(number_in(0.01, 10.0));
-  cmd->add_option("--seed", o->sp.seed, "sampling seed");
+  CLI::Option* seed = cmd->add_option("--seed", o->sp.seed, "sampling seed (default, or -1: a random one, printed)");
   cmd->add_option("-t,--threads", o->threads, "threads (default: all cores)")->check(number_in(1, 256));
   cmd->add_option("--chunk", o->chunk, "prefill chunk size in tokens")->check(number_in(1, 1 << 16))->capture_default_str();
   cmd->add_option("--ctx", o->ctx, "context length (default: the model's)")->check(non_negative());
@@ -169,7 +170,14 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--speculative-config", o->speculative_config,
                   "speculative decoding (runs through the engine), vLLM's JSON: '{\"method\": \"ngram\"|\"suffix\", \"num_speculative_tokens\": 5}'");
   add_kv_options(cmd, &o->kvo);
-  cmd->callback([o] { run_generate(*o); });
+  cmd->callback([o, seed] {
+    // As llama.cpp: no seed (or -1) is a fresh one each run, told so that a run can be repeated.
+    if (seed->count() == 0 || o->sp.seed == UINT64_MAX) {
+      o->sp.seed = (uint64_t(std::random_device{}()) << 32) ^ std::random_device{}();
+      if (o->sp.temperature > 0) std::fprintf(stderr, "seed: %llu (--seed to repeat)\n", static_cast<unsigned long long>(o->sp.seed));
+    }
+    run_generate(*o);
+  });
 }
 
 }  // namespace kvtools

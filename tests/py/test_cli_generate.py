@@ -44,6 +44,11 @@ def test_sampling_is_reproducible_with_a_seed():
     assert a.returncode == 0 and b.returncode == 0 and c.returncode == 0
     assert a.stdout == b.stdout
     assert a.stdout != c.stdout
+    # No seed: a fresh one each run (as llama.cpp), printed so that the run can be repeated.
+    d = run(*args)
+    seed = d.stderr.split("seed: ")[1].split()[0]
+    assert run(*args, "--seed", seed).stdout == d.stdout
+    assert run(*args).stdout != d.stdout
 
 
 def test_missing_model_says_how_to_fetch_it(tmp_path):
