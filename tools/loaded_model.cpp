@@ -153,7 +153,9 @@ LoadedModel load_model(const std::string& path, int n_threads, const KvOptions& 
     budget -= lm.pool_g1->total_bytes();
   }
   int64_t n_pages = kv::PagePool::pages_for_bytes(layout, budget);
-  if (n_pages < 1) fail("--kv-cache-memory " + kvo.memory + " holds no page (one page is " + kv::format_bytes(layout.page_bytes()) + ")");
+  if (n_pages < 1)
+    fail("--kv-cache-memory " + kvo.memory + " holds no page (one page is " + kv::format_bytes(layout.page_bytes()) + ")" +
+         (lm.pool_g1 ? "; the sliding-window layers take " + kv::format_bytes(double(lm.pool_g1->total_bytes())) + " of it" : std::string()));
   if (n_pages > (int64_t(1) << 30)) n_pages = int64_t(1) << 30;
   lm.pool = std::make_unique<kv::PagePool>(layout, static_cast<int32_t>(n_pages));
   lm.threads = std::make_unique<kv::ThreadPool>(n_threads > 0 ? n_threads : kv::default_thread_count());

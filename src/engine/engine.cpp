@@ -121,6 +121,11 @@ Engine::Engine(LlamaModel& model, const Tokenizer& tok, const EngineConfig& cfg)
     n_pages = static_cast<int64_t>(double(n_pages) * layout.page_bytes() / (layout.page_bytes() + stats));
   }
   pool_ = std::make_unique<PagePool>(layout, static_cast<int32_t>(std::max<int64_t>(n_pages, 0)), n_staging);
+  if (n_pages < 1)  // every request would be refused: say so at start (a Gemma 3 server once started with 0 pages)
+    init_status_ = Status::error(
+        "--kv-cache-memory " + format_bytes(double(cfg.kv_cache_bytes)) + " holds no page of the KV cache (one page is " +
+        format_bytes(double(layout.page_bytes())) + ")" +
+        (pool_g1_ ? "; the sliding-window layers take " + format_bytes(double(pool_g1_->total_bytes())) + " of it" : std::string()));
   if (cfg.kv_policy.sparse()) pool_->enable_key_stats();
   staged_kv_ = pool_->layout().n_staged_layers() > 0 || (pool_g1_ && pool_g1_->layout().n_staged_layers() > 0);
   threads_ = std::make_unique<ThreadPool>(cfg.n_threads);

@@ -136,3 +136,13 @@ def test_generate_offloads_cold_pages_and_gives_quests_text():
     assert cold.returncode == 0 and warm.returncode == 0, cold.stderr
     assert "cold pages to disk beyond 112 tokens" in cold.stderr
     assert cold.stdout == warm.stdout and cold.stdout.strip()
+
+
+def test_a_budget_the_window_layers_fill_is_refused_at_start():
+    # Gemma 3's sliding-window layers take ~16 MiB first; with 8 MiB `serve` once started with 0
+    # global pages and refused every request. Both serve and generate now say why, at start.
+    gemma = os.path.join(ROOT, "models", "gemma-3-270m-Q4_K_M.gguf")
+    for cmd in (["serve", "--port", "65432"], ["generate", "-p", "Hi"]):
+        r = run(cmd[0], "-m", gemma, "--kv-cache-memory", "8MiB", *cmd[1:], timeout=60)
+        assert r.returncode == 1, (cmd, r.returncode, r.stderr[-500:])
+        assert "holds no page" in r.stderr and "the sliding-window layers take" in r.stderr, r.stderr[-500:]
