@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <deque>
+#include <optional>
 
 #include <httplib.h>
 
@@ -449,6 +450,7 @@ void Router::run_upstream(Backend* b, const std::string& path, const std::string
 void Router::forward(Pool& pool, uint64_t key, const std::string& path, const std::string& body, const std::string& auth, bool stream,
                      httplib::Response& res, std::shared_ptr<void> in_flight, int client_fd) {
   std::vector<int32_t> tried;
+  std::optional<std::pair<std::string, std::string>> full;  // a 429's body and type, if no other backend answers
   for (size_t attempt = 0; attempt < pool.backends.size(); ++attempt) {
     const RouteChoice c = choose(pool, key, tried);
     if (c.backend < 0) break;
@@ -489,6 +491,7 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
       }
       if (r->status == 429 && attempt + 1 < pool.backends.size()) {  // its queue is full: another replica may have room
         tried.push_back(c.backend), n_retries_.fetch_add(1), n_full_.fetch_add(1);
+        full.emplace(r->body, r->get_header_value("Content-Type", 0));
         continue;
       }
       res.status = r->status;
@@ -516,6 +519,9 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
     }
     if (pipe->status == 429 && attempt + 1 < pool.backends.size()) {  // full: nothing was sent yet, try another
       pipe->cv.wait(l, [&] { return pipe->done; });
+      std::string out;
+      for (auto& ch : pipe->chunks) out += ch;
+      full.emplace(std::move(out), pipe->content_type);
       l.unlock();
       tried.push_back(c.backend), n_retries_.fetch_add(1), n_full_.fetch_add(1);
       continue;
@@ -570,6 +576,12 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
           pipe->cancel.store(true);
           (void)in_flight;  // held until the response ends
         });
+    return;
+  }
+  if (full) {  // the others were down: the full backend's own answer
+    res.status = 429;
+    res.set_header("Retry-After", "1");
+    res.set_content(full->first, full->second.empty() ? std::string("application/json") : full->second);
     return;
   }
   n_unavailable_.fetch_add(1);
