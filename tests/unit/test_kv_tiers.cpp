@@ -263,6 +263,23 @@ std::unique_ptr<DiskStore> open_disk(const std::string& dir, int64_t max_bytes =
   return r ? std::move(*r) : nullptr;
 }
 
+// Pages 0..n-1 of kId's namespace as put() takes them, page i with a payload of payload(i) bytes.
+struct Batch {
+  std::vector<PageHash> hs;
+  std::vector<uint64_t> ns;
+  std::vector<std::string> bs;
+};
+template <class F>
+Batch batch_of(int n, F payload) {
+  Batch b;
+  for (int i = 0; i < n; ++i) {
+    b.hs.push_back(hash_of(i));
+    b.ns.push_back(kId.ns_tag);
+    b.bs.push_back(make_blob(i, payload(i)));
+  }
+  return b;
+}
+
 bool put1(PageStore& s, uint64_t i, const std::string& blob, uint64_t ns = kId.ns_tag) {
   const PageHash h = hash_of(i);
   const std::string b = blob;
@@ -279,14 +296,7 @@ TEST(KvTierDiskStore, PutGetRoundTrip) {
   auto s = open_disk(t.path);
   ASSERT_TRUE(s);
   EXPECT_STREQ(s->name(), "disk");
-  std::vector<PageHash> hs;
-  std::vector<uint64_t> ns;
-  std::vector<std::string> bs;
-  for (int i = 0; i < 5; ++i) {
-    hs.push_back(hash_of(i));
-    ns.push_back(kId.ns_tag);
-    bs.push_back(make_blob(i, 500 + i));
-  }
+  auto [hs, ns, bs] = batch_of(5, [](int i) { return size_t(500 + i); });
   EXPECT_FALSE(s->may_contain(hs[0]));
   ASSERT_EQ(s->put(hs, ns, bs), std::vector<bool>(hs.size(), true));
   EXPECT_EQ(s->n_pages(), 5);
@@ -478,14 +488,7 @@ TEST(KvTierDiskStore, OverBudgetAPrefixLosesItsTailNotItsHead) {
   const int64_t n = static_cast<int64_t>(make_blob(0, 1000).size());
   auto s = open_disk(t.path, 3 * n);
   ASSERT_TRUE(s);
-  std::vector<PageHash> hs;
-  std::vector<uint64_t> ns;
-  std::vector<std::string> bs;
-  for (int i = 0; i < 5; ++i) {
-    hs.push_back(hash_of(i));
-    ns.push_back(kId.ns_tag);
-    bs.push_back(make_blob(i, 1000));
-  }
+  auto [hs, ns, bs] = batch_of(5, [](int) { return size_t(1000); });
   s->put(hs, ns, bs);
   EXPECT_EQ(s->n_pages(), 3);
   for (int i = 0; i < 3; ++i) EXPECT_TRUE(s->may_contain(hash_of(i))) << i;
@@ -1185,14 +1188,7 @@ TEST_F(KvTierRedis, PutGetRoundTrip) {
   auto s = make_redis({server_.addr()});
   ASSERT_TRUE(s);
   EXPECT_STREQ(s->name(), "redis");
-  std::vector<PageHash> hs;
-  std::vector<uint64_t> ns;
-  std::vector<std::string> bs;
-  for (int i = 0; i < 20; ++i) {
-    hs.push_back(hash_of(i));
-    ns.push_back(kId.ns_tag);
-    bs.push_back(make_blob(i, 3000 + i));
-  }
+  auto [hs, ns, bs] = batch_of(20, [](int i) { return size_t(3000 + i); });
   bs[5] = std::string("\0\r\n$-1\r\n\0", 9) + bs[5];  // binary-safe values
   ASSERT_EQ(s->put(hs, ns, bs), std::vector<bool>(hs.size(), true));
   auto got = s->get(kId.ns_tag, hs);
@@ -1231,14 +1227,7 @@ TEST_F(KvTierRedis, RefusedWritesAreNotWritten) {
   ASSERT_TRUE(server_.start(dir_->path, server_.port(), {"--maxmemory", "4mb", "--maxmemory-policy", "noeviction"}));
   auto s = make_redis({server_.addr()}, 0, 1000);
   ASSERT_TRUE(s);
-  std::vector<PageHash> hs;
-  std::vector<uint64_t> ns;
-  std::vector<std::string> bs;
-  for (int i = 0; i < 40; ++i) {
-    hs.push_back(hash_of(i));
-    ns.push_back(kId.ns_tag);
-    bs.push_back(make_blob(i, 128 * 1024));
-  }
+  auto [hs, ns, bs] = batch_of(40, [](int) { return size_t(128 * 1024); });
   const std::vector<bool> ok = s->put(hs, ns, bs);
   const auto n_ok = std::count(ok.begin(), ok.end(), true);
   EXPECT_GT(n_ok, 0);
@@ -1380,14 +1369,7 @@ TEST_F(KvTierRedis, SpreadsOverStandaloneServers) {
   ASSERT_TRUE(second_.start(dir_->path, free_port()));
   auto s = make_redis({server_.addr(), second_.addr()});
   ASSERT_TRUE(s);
-  std::vector<PageHash> hs;
-  std::vector<uint64_t> ns;
-  std::vector<std::string> bs;
-  for (int i = 0; i < 32; ++i) {
-    hs.push_back(hash_of(i));
-    ns.push_back(kId.ns_tag);
-    bs.push_back(make_blob(i, 200));
-  }
+  auto [hs, ns, bs] = batch_of(32, [](int) { return size_t(200); });
   ASSERT_EQ(s->put(hs, ns, bs), std::vector<bool>(hs.size(), true));
   auto got = s->get(kId.ns_tag, hs);
   for (int i = 0; i < 32; ++i) {
