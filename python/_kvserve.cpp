@@ -68,7 +68,7 @@ class PyEngine {
   PyEngine(const std::string& model, const std::string& kv_cache_dtype, const std::string& kv_cache_memory, int block_size,
            bool enable_prefix_caching, int max_num_seqs, int max_num_batched_tokens, int max_model_len, int max_n, int threads,
            const std::string& kv_cache_dtype_layers, const std::string& act_quant, const std::string& served_model_name, bool quiet,
-           const std::string& speculative_config) {
+           const std::string& speculative_config, const std::string& chat_template) {
     // Before the model loads: as the CLI's ranges (0 = the default: every core, the model's context).
     if (threads < 0 || threads > 256) fail("threads must be in [1, 256] (or None: every core), got " + std::to_string(threads));
     if (max_model_len < 0) fail("max_model_len must be positive (or None: the model's context), got " + std::to_string(max_model_len));
@@ -82,16 +82,18 @@ class PyEngine {
     auto tok = kv::Tokenizer::from_gguf(*file_);
     if (!tok) fail(model + ": tokenizer: " + tok.message());
     tok_ = std::move(*tok);
+    // The template before the weights: a bad chat_template fails at once.
+    std::string no_chat;
+    auto chat = kv::model_chat_template(*file_, chat_template, &no_chat);
+    if (!chat) fail("chat_template " + chat.message());
+    chat_ = std::move(*chat);
+    if (!chat_ && !quiet && no_chat.find("does not parse") != std::string::npos)
+      std::fprintf(stderr, "kvserve: warning: %s; chat() is off (chat_template= picks one)\n", no_chat.c_str());
     StderrProgress progress;
     auto m = kv::LlamaModel::load(*file_, kv::detect_isa(), quiet ? nullptr : &progress);
     if (!m) fail(model + ": " + m.message());
     model_ = std::move(*m);
     const kv::ModelConfig& mc = model_->config();
-    if (const kv::GgufValue* src = file_->find("tokenizer.chat_template"); src && !src->str.empty()) {
-      auto t = kv::ChatTemplate::parse(src->str);
-      if (t) chat_ = std::move(*t);
-      else if (!quiet) std::fprintf(stderr, "kvserve: warning: the model's chat template does not parse (%s); chat() is off\n", t.message().c_str());
-    }
 
     kv::EngineConfig ec;
     if (block_size < 1 || block_size > 256) fail("block_size must be in [1, 256], got " + std::to_string(block_size));
@@ -173,14 +175,23 @@ class PyEngine {
 
   // bodies: OpenAI request bodies (completions, or chat when `chat`). progress(k) is called
   // with the GIL held each time k more requests are done.
-  py::list generate(const std::vector<std::string>& bodies, bool chat, py::object progress) {
+  // chat_template (chat only): this call's template instead of the engine's, as load_chat_template takes it.
+  py::list generate(const std::vector<std::string>& bodies, bool chat, py::object progress, const std::string& chat_template) {
     kv::Engine& engine = eng();
+    std::optional<kv::ChatTemplate> own_template;
+    kv::ApiContext ctx = ctx_;
+    if (chat && !chat_template.empty()) {
+      auto t = kv::load_chat_template(chat_template);
+      if (!t) throw RequestFailure{kv::ApiError{400, "chat_template " + t.message(), "invalid_request_error", "chat_template", "invalid_chat_template"}, -1};
+      own_template = std::move(*t);
+      ctx.chat_template = &*own_template;
+    }
     std::vector<Pending> items(bodies.size());
     // Every body is checked before anything runs: a bad one fails the call, and nothing is lost.
     for (size_t i = 0; i < bodies.size(); ++i) {
       try {
-        const nlohmann::json body = kv::parse_json_body(bodies[i], ctx_);
-        items[i].ar = chat ? kv::parse_chat_request(body, ctx_) : kv::parse_completion_request(body, ctx_);
+        const nlohmann::json body = kv::parse_json_body(bodies[i], ctx);
+        items[i].ar = chat ? kv::parse_chat_request(body, ctx) : kv::parse_completion_request(body, ctx);
       } catch (const kv::ApiError& e) {
         throw RequestFailure{e, static_cast<int64_t>(i)};
       }
@@ -369,12 +380,12 @@ PYBIND11_MODULE(_kvserve, m) {
   });
   py::class_<PyEngine>(m, "Engine")
       .def(py::init<const std::string&, const std::string&, const std::string&, int, bool, int, int, int, int, int, const std::string&,
-                    const std::string&, const std::string&, bool, const std::string&>(),
+                    const std::string&, const std::string&, bool, const std::string&, const std::string&>(),
            py::arg("model"), py::arg("kv_cache_dtype") = "auto", py::arg("kv_cache_memory") = "1GiB", py::arg("block_size") = 16,
            py::arg("enable_prefix_caching") = true, py::arg("max_num_seqs") = 64, py::arg("max_num_batched_tokens") = 512,
            py::arg("max_model_len") = 0, py::arg("max_n") = 16, py::arg("threads") = 0, py::arg("kv_cache_dtype_layers") = "",
            py::arg("act_quant") = "", py::arg("served_model_name") = "", py::arg("quiet") = false,
-           py::arg("speculative_config") = "")
+           py::arg("speculative_config") = "", py::arg("chat_template") = "")
       .def("close", &PyEngine::close)
       .def_property_readonly("model_name", &PyEngine::model_name)
       .def_property_readonly("max_model_len", &PyEngine::max_model_len)
@@ -383,7 +394,8 @@ PYBIND11_MODULE(_kvserve, m) {
       .def("detokenize_bytes", &PyEngine::detokenize_bytes, py::arg("ids"), py::arg("special") = false)
       .def("token_bytes", &PyEngine::token_bytes, py::arg("id"))
       .def("is_eog", &PyEngine::is_eog, py::arg("id"))
-      .def("generate", &PyEngine::generate, py::arg("bodies"), py::arg("chat"), py::arg("progress") = py::none())
+      .def("generate", &PyEngine::generate, py::arg("bodies"), py::arg("chat"), py::arg("progress") = py::none(),
+           py::arg("chat_template") = "")
       .def("stats", &PyEngine::stats)
       .def("check_integrity", &PyEngine::check_integrity);
 }

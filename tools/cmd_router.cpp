@@ -24,6 +24,7 @@ namespace {
 struct RouterCliOptions {
   std::string model = kDefaultModel;
   std::string served_model_name;
+  std::string chat_template;
   std::string listen = "127.0.0.1:8000";
   int max_model_len = 0;
   int max_n = 16;
@@ -50,11 +51,10 @@ void run_router(RouterCliOptions o) {
   if (!tok) fail(o.model + ": tokenizer: " + tok.message());
   auto mc = kv::ModelConfig::from_gguf(**file);
   if (!mc) fail(o.model + ": " + mc.message());
-  std::optional<kv::ChatTemplate> chat;
-  if (const kv::GgufValue* src = (*file)->find("tokenizer.chat_template"); src && !src->str.empty())
-    if (auto t = kv::ChatTemplate::parse(src->str)) chat = std::move(*t);
+  auto chat = kv::model_chat_template(**file, o.chat_template, nullptr);
+  if (!chat) fail("--chat-template " + chat.message());
 
-  kv::ApiContext ctx = kv::make_api_context(**tok, chat ? &*chat : nullptr, o.model, o.served_model_name,
+  kv::ApiContext ctx = kv::make_api_context(**tok, *chat ? &**chat : nullptr, o.model, o.served_model_name,
                                             o.max_model_len > 0 ? o.max_model_len : (mc->n_ctx_train > 0 ? mc->n_ctx_train : 4096), o.max_n);
   // The backends' default policy: an evicting one lets a request's max_tokens pass max_model_len
   // (the backend re-indexes); the router validates requests as the backends will.
@@ -133,6 +133,8 @@ void add_router_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("router", "OpenAI-compatible front over kvserve instances: replicas by prefix, or prefill + decode");
   cmd->add_option("-m,--model", o->model, "GGUF model the backends serve (its tokenizer and chat template are used)")->capture_default_str();
   cmd->add_option("--served-model-name", o->served_model_name, "model id in the API (default: the file's stem)");
+  cmd->add_option("--chat-template", o->chat_template,
+                  "the chat template instead of the model's, as the backends' --chat-template (the router renders chats itself)");
   cmd->add_option("--listen", o->listen, "HOST:PORT to serve on")->capture_default_str();
   cmd->add_option("--replica", o->ro.replicas, "a kvserve instance (http://HOST:PORT); repeat");
   cmd->add_option("--prefill", o->ro.prefill, "a `serve --role prefill` instance; repeat");

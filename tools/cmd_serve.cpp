@@ -26,6 +26,7 @@ struct ServeOptions {
   int port = 8080;
   std::vector<std::string> api_keys;
   std::string served_model_name;
+  std::string chat_template;
   int max_num_batched_tokens = 512;
   int long_prefill_tokens = -1;  // -1: 0, or a quarter of max_num_batched_tokens on a prefill instance
   int max_num_seqs = 64;
@@ -68,6 +69,10 @@ void run_serve(const ServeOptions& o) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
+  // A --chat-template that does not load fails before the weights do (it is loaded again below).
+  if (!o.chat_template.empty())
+    if (auto t = kv::load_chat_template(o.chat_template); !t) fail("--chat-template " + t.message());
+
   // Weights and tokenizer only: the engine allocates the KV pool itself from EngineConfig.
   LoadedModel lm = load_model(o.model, o.threads, o.kvo, false, /*with_runtime=*/false);
   auto* file = &lm.file;
@@ -75,14 +80,12 @@ void run_serve(const ServeOptions& o) {
   auto* model = &lm.model;
   const auto& mc = (*model)->config();
 
-  std::optional<kv::ChatTemplate> chat;
-  if (const kv::GgufValue* src = (*file)->find("tokenizer.chat_template"); src && !src->str.empty()) {
-    auto t = kv::ChatTemplate::parse(src->str);
-    if (t) chat = std::move(*t);
-    else std::fprintf(stderr, "warning: the model's chat template does not parse (%s); /v1/chat/completions is off\n", t.message().c_str());
-  } else {
-    std::fprintf(stderr, "warning: the model has no chat template; /v1/chat/completions is off\n");
-  }
+  std::string no_chat;
+  auto chat = kv::model_chat_template(**file, o.chat_template, &no_chat);
+  if (!chat) fail("--chat-template " + chat.message());
+  if (!*chat)
+    std::fprintf(stderr, "warning: %s; /v1/chat/completions is off (--chat-template picks one: chatml, gemma3, a file)\n",
+                 no_chat.c_str());
 
   kv::EngineConfig ec;
   ec.max_num_batched_tokens = o.max_num_batched_tokens;
@@ -183,7 +186,7 @@ void run_serve(const ServeOptions& o) {
                  ec.tiers.write_through ? "through" : "back", o.preemption_mode.c_str());
   }
 
-  kv::ApiContext ctx = kv::make_api_context(**tok, chat ? &*chat : nullptr, o.model, o.served_model_name, ec.max_model_len, ec.max_n);
+  kv::ApiContext ctx = kv::make_api_context(**tok, *chat ? &**chat : nullptr, o.model, o.served_model_name, ec.max_model_len, ec.max_n);
   ctx.default_policy_evicts = ec.kv_policy.evicts();
 
   kv::ServerOptions so;
@@ -266,6 +269,8 @@ void add_serve_command(CLI::App& app) {
       ->expected(1)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   cmd->add_option("--served-model-name", o->served_model_name, "model id in the API (default: the file's stem)");
+  cmd->add_option("--chat-template", o->chat_template,
+                  "the chat template instead of the model's: a built-in name (chatml, gemma3), a Jinja file, or the template itself");
   cmd->add_option("--max-num-batched-tokens", o->max_num_batched_tokens, "token budget per engine step")
       ->check(number_in(1, 1 << 20))
       ->capture_default_str();

@@ -167,7 +167,7 @@ PromptType = Union[str, Dict[str, Any], List[int]]
 _ENGINE_ARGS = {
     "kv_cache_dtype", "kv_cache_memory", "block_size", "enable_prefix_caching", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "max_n", "threads", "kv_cache_dtype_layers",
-    "act_quant", "served_model_name", "quiet", "speculative_config",
+    "act_quant", "served_model_name", "quiet", "speculative_config", "chat_template",
 }
 
 
@@ -199,7 +199,7 @@ class LLM:
         for key in ("max_model_len", "threads"):
             if args.get(key) is None:
                 args.pop(key, None)
-        for key in ("kv_cache_dtype_layers", "act_quant", "served_model_name", "speculative_config"):
+        for key in ("kv_cache_dtype_layers", "act_quant", "served_model_name", "speculative_config", "chat_template"):
             if args.get(key) is None:
                 args.pop(key, None)
         if isinstance(args.get("speculative_config"), dict):
@@ -247,9 +247,11 @@ class LLM:
 
     def chat(self, messages: Union[List[Dict[str, Any]], List[List[Dict[str, Any]]]],
              sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
-             *, use_tqdm: bool = True, add_generation_prompt: bool = True) -> List[RequestOutput]:
+             *, use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: Optional[str] = None) -> List[RequestOutput]:
         """Answers one conversation (a list of {"role", "content"} messages) or a list of
-        them, through the model's chat template; one RequestOutput per conversation."""
+        them, through the model's chat template (or `chat_template`: a Jinja template, a file,
+        or a built-in name, chatml or gemma3); one RequestOutput per conversation."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         params = self._params_for(sampling_params, len(convs))
         bodies = []
@@ -258,7 +260,8 @@ class LLM:
             body["messages"] = conv
             body["add_generation_prompt"] = add_generation_prompt
             bodies.append(json.dumps(body))
-        return self._run(bodies, params, [None] * len(convs), chat=True, use_tqdm=use_tqdm)
+        return self._run(bodies, params, [None] * len(convs), chat=True, use_tqdm=use_tqdm,
+                         chat_template=chat_template or "")
 
     def get_tokenizer(self) -> Tokenizer:
         return Tokenizer(self._engine)
@@ -302,7 +305,7 @@ class LLM:
         return body
 
     def _run(self, bodies: List[str], params: List[SamplingParams], texts: List[Optional[str]],
-             chat: bool, use_tqdm: bool) -> List[RequestOutput]:
+             chat: bool, use_tqdm: bool, chat_template: str = "") -> List[RequestOutput]:
         bar = None
         if use_tqdm and bodies:
             try:
@@ -311,7 +314,7 @@ class LLM:
             except ImportError:
                 bar = None
         try:
-            raw = self._engine.generate(bodies, chat, bar.update if bar is not None else None)
+            raw = self._engine.generate(bodies, chat, bar.update if bar is not None else None, chat_template)
         finally:
             if bar is not None:
                 bar.close()

@@ -1,5 +1,10 @@
 #include "tokenizer/chat_template.h"
 
+#include <fstream>
+#include <sstream>
+
+#include "builtin_chat_templates.h"
+#include "gguf/gguf.h"
 #include "tokenizer/jinja_interp.h"
 #include "tokenizer/jinja_parser.h"
 
@@ -63,6 +68,57 @@ Result<std::string> ChatTemplate::render_json(const nlohmann::ordered_json& mess
   if (!messages.is_array()) return Result<std::string>::error("chat template: messages must be a JSON array");
   return render_values(*tmpl_, jinja::Value::from_json(messages), add_generation_prompt, bos_token, eos_token,
                        jinja::Value::from_json(extra));
+}
+
+std::vector<std::string> builtin_chat_template_names() {
+  std::vector<std::string> names;
+  for (const auto& t : builtin::k_chat_templates) names.emplace_back(t.name);
+  return names;
+}
+
+Result<ChatTemplate> load_chat_template(const std::string& spec) {
+  for (const auto& t : builtin::k_chat_templates)
+    if (spec == t.name) return ChatTemplate::parse(t.source);
+  const bool looks_inline = spec.find("{{") != std::string::npos || spec.find("{%") != std::string::npos;
+  std::ifstream in(spec, std::ios::binary);
+  if (!in) {
+    if (looks_inline) {
+      Result<ChatTemplate> t = ChatTemplate::parse(spec);
+      if (!t) return Result<ChatTemplate>::error("(taken as the template itself) " + t.message());
+      return t;
+    }
+    std::string names;
+    for (const auto& n : builtin_chat_template_names()) names += (names.empty() ? "" : ", ") + n;
+    return Result<ChatTemplate>::error(spec + ": no such file, and not a built-in template (" +
+                                       names + ") nor a template (no {{ or {%)");
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return Result<ChatTemplate>::error(spec + ": cannot read the file");
+  Result<ChatTemplate> t = ChatTemplate::parse(text.str());
+  if (!t) return Result<ChatTemplate>::error(spec + ": " + t.message());
+  return t;
+}
+
+Result<std::optional<ChatTemplate>> model_chat_template(const GgufFile& file, const std::string& spec,
+                                                        std::string* warning) {
+  using R = Result<std::optional<ChatTemplate>>;
+  if (!spec.empty()) {
+    Result<ChatTemplate> t = load_chat_template(spec);
+    if (!t) return R::error(t.message());
+    return std::optional<ChatTemplate>(std::move(*t));
+  }
+  const GgufValue* src = file.find("tokenizer.chat_template");
+  if (!src || src->str.empty()) {
+    if (warning) *warning = "the model has no chat template (tokenizer.chat_template)";
+    return std::optional<ChatTemplate>();
+  }
+  Result<ChatTemplate> t = ChatTemplate::parse(src->str);
+  if (!t) {
+    if (warning) *warning = "the model's chat template does not parse (" + t.message() + ")";
+    return std::optional<ChatTemplate>();
+  }
+  return std::optional<ChatTemplate>(std::move(*t));
 }
 
 }  // namespace kv

@@ -17,12 +17,15 @@
 #pragma once
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "common/status.h"
 
 namespace kv {
+
+class GgufFile;
 
 namespace jinja {
 struct Template;
@@ -61,5 +64,20 @@ class ChatTemplate {
   std::string source_;
   std::shared_ptr<const jinja::Template> tmpl_;
 };
+
+// The templates compiled into the binary (templates/*.jinja), by name: "chatml", "gemma3".
+std::vector<std::string> builtin_chat_template_names();
+
+// What `--chat-template SPEC` names, as vLLM's --chat-template and llama.cpp's --chat-template(-file)
+// take it: a built-in name, else a readable file, else (if it holds "{{" or "{%") the template itself.
+// Errors start with SPEC (a file or a name) or "(taken as the template itself)"; callers prefix their
+// option's name.
+Result<ChatTemplate> load_chat_template(const std::string& spec);
+
+// The chat template a front end uses: `spec` when it is not empty (an error if it does not load), else
+// the GGUF's tokenizer.chat_template, else none. A GGUF template that does not parse is not an error:
+// *warning says why there is none (it is also set when the model simply has none).
+Result<std::optional<ChatTemplate>> model_chat_template(const GgufFile& file, const std::string& spec,
+                                                        std::string* warning);
 
 }  // namespace kv

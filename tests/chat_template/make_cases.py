@@ -9,8 +9,10 @@ trim_blocks=True, lstrip_blocks=True, loopcontrols, HF's tojson, raise_exception
 
 Templates:
   smollm2   read from models/SmolLM2-135M-Instruct.Q4_1.gguf (tokenizer.chat_template).
-  gemma3    Gemma 3 IT's template (google/gemma-3-*-it tokenizer_config.json). models/gemma-3-270m-Q4_K_M.gguf
-            is the *base* model and carries no tokenizer.chat_template, so the IT template is embedded here.
+  gemma3    Gemma 3 IT's template (google/gemma-3-*-it tokenizer_config.json), templates/gemma3.jinja (built
+            into the binary: `--chat-template gemma3`). models/gemma-3-270m-Q4_K_M.gguf is the *base* model and
+            carries no tokenizer.chat_template.
+  chatml    templates/chatml.jinja, the plain ChatML template built into the binary (`--chat-template chatml`).
   llama3, chatml_qwen, mistral, phi3
             REPRESENTATIVE templates written from memory of the structure of Llama 3.x, Qwen 2.5 (ChatML, tools),
             Mistral (v1-style [INST]) and Phi-3 templates. They are not byte copies of the originals; they exist
@@ -42,47 +44,13 @@ def gguf_template(path):
     return bytes(f.parts[f.data[0]]).decode("utf-8")
 
 
-GEMMA3 = """{{ bos_token }}
-{%- if messages[0]['role'] == 'system' -%}
-    {%- if messages[0]['content'] is string -%}
-        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
-    {%- else -%}
-        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
-    {%- endif -%}
-    {%- set loop_messages = messages[1:] -%}
-{%- else -%}
-    {%- set first_user_prefix = "" -%}
-    {%- set loop_messages = messages -%}
-{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
-    {%- endif -%}
-    {%- if (message['role'] == 'assistant') -%}
-        {%- set role = "model" -%}
-    {%- else -%}
-        {%- set role = message['role'] -%}
-    {%- endif -%}
-    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
-    {%- if message['content'] is string -%}
-        {{ message['content'] | trim }}
-    {%- elif message['content'] is iterable -%}
-        {%- for item in message['content'] -%}
-            {%- if item['type'] == 'image' -%}
-                {{ '<start_of_image>' }}
-            {%- elif item['type'] == 'text' -%}
-                {{ item['text'] | trim }}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- else -%}
-        {{ raise_exception("Invalid content type") }}
-    {%- endif -%}
-    {{ '<end_of_turn>\n' }}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{'<start_of_turn>model\n'}}
-{%- endif -%}
-"""
+def builtin_template(name):
+    """A template compiled into the binary (templates/<name>.jinja; `--chat-template <name>`)."""
+    with open(os.path.join(ROOT, "templates", name + ".jinja"), encoding="utf-8") as f:
+        return f.read()
+
+
+GEMMA3 = builtin_template("gemma3")
 
 # Representative (from memory of Llama 3.1's structure: date header, tools as JSON, ipython role).
 LLAMA3 = """{{- bos_token }}
@@ -462,12 +430,13 @@ def main():
     templates["smollm2"] = smol
     gemma_gguf = gguf_template(os.path.join(ROOT, "models", "gemma-3-270m-Q4_K_M.gguf"))
     templates["gemma3"] = gemma_gguf if gemma_gguf is not None else GEMMA3
+    templates["chatml"] = builtin_template("chatml")
     templates["llama3"] = LLAMA3
     templates["chatml_qwen"] = CHATML_QWEN
     templates["mistral"] = MISTRAL
     templates["phi3"] = PHI3
 
-    tokens = {"smollm2": ("<|im_start|>", "<|im_end|>"), "gemma3": ("<bos>", "<eos>"),
+    tokens = {"smollm2": ("<|im_start|>", "<|im_end|>"), "gemma3": ("<bos>", "<eos>"), "chatml": ("", "<|im_end|>"),
               "llama3": ("<|begin_of_text|>", "<|eot_id|>"), "chatml_qwen": ("", "<|im_end|>"),
               "mistral": ("<s>", "</s>"), "phi3": ("<s>", "<|endoftext|>")}
     cases = []

@@ -123,6 +123,27 @@ def test_chat_applies_the_template(llm):
     assert len(outs) == 2 and outs[0].prompt != outs[1].prompt
 
 
+def test_chat_template_per_call_and_per_engine(llm):
+    # vLLM's LLM.chat(chat_template=...): this call's template (a built-in name here), rendered as
+    # transformers renders it (templates/chatml.jinja), instead of SmolLM2's own (default system prompt).
+    from transformers.utils.chat_template_utils import render_jinja_template
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    with open(os.path.join(ROOT, "templates", "chatml.jinja"), encoding="utf-8") as f:
+        want, _ = render_jinja_template(conversations=[msgs], chat_template=f.read(), add_generation_prompt=True)
+    (o,) = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False, chat_template="chatml")
+    assert o.prompt == want[0] == "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    (own,) = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert own.prompt != o.prompt  # the next call is back on the model's template
+    with pytest.raises(RequestError, match="not a built-in template"):
+        llm.chat(msgs, chat_template="nope", use_tqdm=False)
+    # Per engine (the server's --chat-template); a bad one fails before the weights load.
+    with LLM(MODEL, chat_template="chatml", kv_cache_memory="16MiB", quiet=True) as other:
+        (o2,) = other.chat(msgs, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+        assert o2.prompt == want[0] and o2.outputs[0].token_ids == o.outputs[0].token_ids
+    with pytest.raises(ValueError, match="chat_template nope: no such file, and not a built-in template"):
+        LLM(MODEL, chat_template="nope", quiet=True)
+
+
 def test_same_seed_same_text_as_the_server(llm, server, client):
     # The server and the Python API parse the same request the same way; with a seed, sampling
     # is reproducible, so text and token counts agree exactly.

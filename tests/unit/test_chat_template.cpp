@@ -2,6 +2,7 @@
 // tests/data/chat_template/cases.json, made by tests/chat_template/make_cases.py), byte for byte; plus
 // syntax-error positions, raise_exception messages, and bounds on hostile templates.
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <gtest/gtest.h>
 
@@ -89,6 +90,55 @@ TEST(ChatTemplateGolden, ChatmlQwenRepresentative) { run_golden("chatml_qwen", 2
 TEST(ChatTemplateGolden, MistralRepresentative) { run_golden("mistral", 20); }
 TEST(ChatTemplateGolden, Phi3Representative) { run_golden("phi3", 20); }
 TEST(ChatTemplateGolden, Features) { run_golden("feature_", 40); }
+TEST(ChatTemplateGolden, ChatmlBuiltin) { run_golden("chatml", 40); }  // and chatml_qwen
+
+// The templates compiled into the binary (templates/*.jinja, `--chat-template NAME`) are the ones the
+// golden cases render, byte for byte, so the golden tests above cover them.
+TEST(ChatTemplate, BuiltinsAreTheGoldenCasesTemplates) {
+  const ojson& j = cases();
+  ASSERT_TRUE(j.is_object());
+  const std::vector<std::string> names = builtin_chat_template_names();
+  ASSERT_EQ(names, (std::vector<std::string>{"chatml", "gemma3"}));
+  for (const std::string& name : names) {
+    auto t = load_chat_template(name);
+    ASSERT_TRUE(t) << name << ": " << t.message();
+    ASSERT_TRUE(j["templates"].contains(name)) << name;
+    EXPECT_EQ(t->source(), j["templates"][name].get<std::string>()) << name;
+  }
+}
+
+TEST(ChatTemplate, LoadTakesANameAFileOrTheTemplate) {
+  const std::string dir = ::testing::TempDir();
+  const std::string path = dir + "/kv_chat_template_test.jinja";
+  {
+    std::ofstream(path) << "{% for m in messages %}[{{ m.content }}]{% endfor %}";
+  }
+  auto from_file = load_chat_template(path);
+  ASSERT_TRUE(from_file) << from_file.message();
+  auto r = from_file->render({{"user", "a"}, {"assistant", "b"}}, false, "", "");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(*r, "[a][b]");
+
+  auto inline_t = load_chat_template("{{ messages[0].content }}!");
+  ASSERT_TRUE(inline_t) << inline_t.message();
+  EXPECT_EQ(*inline_t->render({{"user", "hi"}}, false, "", ""), "hi!");
+
+  auto missing = load_chat_template(dir + "/no_such_template.jinja");
+  ASSERT_FALSE(missing);
+  EXPECT_NE(missing.message().find("no such file, and not a built-in template (chatml, gemma3)"), std::string::npos)
+      << missing.message();
+  auto bad_inline = load_chat_template("{% if x %}");
+  ASSERT_FALSE(bad_inline);
+  EXPECT_EQ(bad_inline.message().rfind("(taken as the template itself) chat template syntax error", 0), 0u)
+      << bad_inline.message();
+  {
+    std::ofstream(path) << "{% for m in messages %}";
+  }
+  auto bad_file = load_chat_template(path);
+  ASSERT_FALSE(bad_file);
+  EXPECT_EQ(bad_file.message().rfind(path + ": chat template syntax error", 0), 0u) << bad_file.message();
+  std::remove(path.c_str());
+}
 
 const std::string& smol_template() {
   static const std::string s = cases()["templates"]["smollm2"].get<std::string>();

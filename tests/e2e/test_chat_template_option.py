@@ -1,0 +1,119 @@
+"""`--chat-template` (vLLM's flag; llama.cpp's --chat-template / --chat-template-file): a chat
+template for a GGUF that carries none (our Gemma 3 270M is the base model) or the wrong one.
+
+Oracles: transformers' own Jinja renderer (render_jinja_template, what apply_chat_template uses)
+renders the same template source, and transformers' Gemma tokenizer (tests/tokenizer/oracle_gemma.py)
+tokenizes the text; the server's chat tokenization and usage must give exactly those ids.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import requests
+
+from kvserve_server import KVSERVE, MODEL, ROOT, Server
+
+sys.path.insert(0, os.path.join(ROOT, "tests", "tokenizer"))
+import oracle_gemma  # noqa: E402
+
+GEMMA = os.path.join(ROOT, "models", oracle_gemma.GGUF_NAME)
+GEMMA_ID = "gemma-3-270m-Q4_K_M"
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Answer in one word."},
+     {"role": "user", "content": "  Name a red fruit.  "}],
+    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello. How can I help?"},
+     {"role": "user", "content": [{"type": "text", "text": "Count to three."}]}],
+]
+
+
+def template_source(name: str) -> str:
+    with open(os.path.join(ROOT, "templates", name + ".jinja"), encoding="utf-8") as f:
+        return f.read()
+
+
+@pytest.fixture(scope="module")
+def gemma_tok():
+    return oracle_gemma.build_transformers(os.path.join(ROOT, "models"))
+
+
+def oracle_ids(gemma_tok, source: str, messages) -> list[int]:
+    from transformers.utils.chat_template_utils import render_jinja_template
+    rendered, _ = render_jinja_template(conversations=[messages], chat_template=source, add_generation_prompt=True,
+                                        bos_token="<bos>", eos_token="<eos>")
+    # The template writes <bos> itself: no special tokens added (apply_chat_template(tokenize=True) does the same).
+    return gemma_tok.encode(rendered[0], add_special_tokens=False).ids
+
+
+@pytest.fixture(scope="module")
+def gemma_chat():
+    s = Server("--debug", "--chat-template", "gemma3", model=GEMMA, max_model_len=1024, kv_memory="64MiB")
+    yield s
+    s.stop()
+    assert s.proc.returncode == 0, s.output()
+
+
+def test_a_builtin_template_makes_the_model_chat_as_the_oracle_renders_it(gemma_chat, gemma_tok):
+    from openai import OpenAI
+    assert requests.get(gemma_chat.url + "/v1/models").json()["data"][0]["chat_template"] is True
+    client = OpenAI(base_url=gemma_chat.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    source = template_source("gemma3")
+    for conv in CONVERSATIONS:
+        want = oracle_ids(gemma_tok, source, conv)
+        got = requests.post(gemma_chat.url + "/tokenize", json={"messages": conv}).json()["tokens"]
+        assert got == want, conv
+        r = client.chat.completions.create(model=GEMMA_ID, messages=conv, max_tokens=4, temperature=0)
+        assert r.usage.prompt_tokens == len(want)
+        assert r.choices[0].finish_reason in ("stop", "length")
+    client.close()
+    assert gemma_chat.wait_clean()["pages_in_use"] == 0
+
+
+def test_the_templates_own_error_is_a_400(gemma_chat):
+    # Gemma's template refuses two user turns in a row with raise_exception: its words, a 400.
+    r = requests.post(gemma_chat.url + "/v1/chat/completions",
+                      json={"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+                            "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert "Conversation roles must alternate" in r.json()["error"]["message"]
+
+
+def test_a_template_file(tmp_path, gemma_tok):
+    path = tmp_path / "plain.jinja"
+    source = ("{%- for m in messages -%}[{{ m['role'] | upper }}] {{ m['content'] }}\n{%- endfor -%}"
+              "{%- if add_generation_prompt -%}[ASSISTANT] {%- endif -%}")
+    path.write_text(source)
+    s = Server("--chat-template", str(path), model=GEMMA, max_model_len=1024, kv_memory="64MiB")
+    try:
+        conv = CONVERSATIONS[0]
+        got = requests.post(s.url + "/tokenize", json={"messages": conv}).json()["tokens"]
+        assert got == oracle_ids(gemma_tok, source, conv)
+    finally:
+        s.stop()
+
+
+def test_an_inline_template_replaces_the_models_own():
+    # SmolLM2 carries a ChatML template (with a default system prompt); the option wins over it.
+    s = Server("--chat-template", "{% for m in messages %}<<{{ m.content }}>>{% endfor %}", model=MODEL)
+    try:
+        got = requests.post(s.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+        want = requests.post(s.url + "/tokenize", json={"prompt": "<<hi>>", "add_special_tokens": False}).json()
+        assert got["tokens"] == want["tokens"]
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("spec,words", [
+    ("gemma", "no such file, and not a built-in template (chatml, gemma3)"),
+    ("{% for m in messages %}", "taken as the template itself"),
+])
+def test_a_bad_template_fails_before_the_weights_load(spec, words):
+    r = subprocess.run([KVSERVE, "serve", "-m", GEMMA, "--port", "1", "--chat-template", spec],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert words in r.stderr, r.stderr[-2000:]
+    assert "loading weights" not in r.stderr
