@@ -129,6 +129,10 @@ std::string one_line(const std::string& s) {
 LoadedModel load_model(const std::string& path, int n_threads, const KvOptions& kvo, bool quiet, bool with_runtime) {
   if (std::string hint = missing_model_hint(path); !hint.empty()) fail(hint);
   if (!kvo.act_quant.empty()) kv::set_act_quant(kvo.act_quant == "q8" ? kv::ActQuant::kQ8 : kv::ActQuant::kQ8x2);
+  // What can be checked without the model fails before the weights load.
+  if (auto d = kv::parse_kv_dtype(kvo.dtype); !d) fail("--kv-cache-dtype: " + d.message());
+  if (with_runtime)
+    if (auto b = kv::parse_kv_cache_memory(kvo.memory); !b) fail(b.message());
   LoadedModel lm;
   auto f = kv::GgufFile::open(path);
   if (!f) fail(f.message());

@@ -13,7 +13,8 @@ namespace kv {
 // formats are in kernels/kv_tile.h.
 using KvDtype = KvElem;
 const char* kv_dtype_name(KvDtype d);
-// "auto" = f16. Names as in kv_elem_name(), plus "fp8" = fp8_e4m3.
+// "auto" = f16. Names as in kv_elem_name(), plus "fp8" = fp8_e4m3 and the spellings fp16/float16/half,
+// fp32/float32, bfloat16, fp8_e4m3fn/e4m3, e5m2, i8, i4 (any case). kv-size takes the same names.
 Result<KvDtype> parse_kv_dtype(const std::string& s);
 // Per-layer overrides, "0-1:f16,28-29:f16" (ranges or single layers, comma-separated), applied
 // over `base` for n_layer layers. Overlaps: the later entry wins. Empty string: all `base`.

@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "gguf/gguf.h"
+#include "kv/kv_layout.h"
 
 namespace kv {
 
@@ -42,20 +43,13 @@ const std::vector<KvSizeDtype>& kv_size_dtypes() {
   return d;
 }
 
+// The engine's names (parse_kv_dtype), so that kv-size takes exactly what serve and generate take.
 Result<KvSizeDtype> kv_size_dtype(const std::string& name) {
-  std::string n = lower(name);
-  if (n == "fp32" || n == "float32") n = "f32";
-  else if (n == "fp16" || n == "float16" || n == "half" || n == "auto") n = "f16";
-  else if (n == "bfloat16") n = "bf16";
-  else if (n == "fp8" || n == "fp8_e4m3fn" || n == "e4m3") n = "fp8_e4m3";
-  else if (n == "e5m2") n = "fp8_e5m2";
-  else if (n == "i8" || n == "q8") n = "int8";
-  else if (n == "i4" || n == "q4") n = "int4";
-  for (const auto& d : kv_size_dtypes())
-    if (d.name == n) return d;
-  std::string names;
-  for (const auto& d : kv_size_dtypes()) names += (names.empty() ? "" : ", ") + d.name;
-  return Result<KvSizeDtype>::error("unknown KV cache dtype '" + name + "' (one of: " + names + ")");
+  Result<KvDtype> d = parse_kv_dtype(name);
+  if (!d) return Result<KvSizeDtype>::error(d.message());
+  for (const auto& s : kv_size_dtypes())
+    if (s.name == kv_dtype_name(*d)) return s;
+  return Result<KvSizeDtype>::error(std::string("kv-size has no entry for ") + kv_dtype_name(*d));
 }
 
 // ---------------------------------------------------------------------------------------------

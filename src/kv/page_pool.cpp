@@ -3,6 +3,7 @@
 #include <cassert>
 #include <cstdlib>
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <new>
@@ -18,12 +19,22 @@ namespace kv {
 const char* kv_dtype_name(KvDtype d) { return kv_elem_name(d); }
 
 Result<KvDtype> parse_kv_dtype(const std::string& s) {
-  if (s == "auto") return KvDtype::kF16;
-  if (s == "fp8") return KvDtype::kFp8E4M3;
+  std::string n;
+  for (char c : s) n += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (n == "auto" || n == "fp16" || n == "float16" || n == "half") n = "f16";
+  else if (n == "fp32" || n == "float32") n = "f32";
+  else if (n == "bfloat16") n = "bf16";
+  else if (n == "fp8" || n == "fp8_e4m3fn" || n == "e4m3") n = "fp8_e4m3";
+  else if (n == "e5m2") n = "fp8_e5m2";
+  else if (n == "i8") n = "int8";
+  else if (n == "i4") n = "int4";
   for (int i = 0; i < kKvElemCount; ++i)
-    if (s == kv_elem_name(static_cast<KvElem>(i))) return static_cast<KvDtype>(i);
+    if (n == kv_elem_name(static_cast<KvElem>(i))) return static_cast<KvDtype>(i);
+  std::string hint;
+  if (n.rfind("q8", 0) == 0 || n.rfind("q4", 0) == 0 || n.rfind("q5", 0) == 0)
+    hint = "; llama.cpp's " + s + " is a different format: kvserve's quantized pages are int8, int4, fp8";
   return Result<KvDtype>::error("unknown KV cache dtype '" + s +
-                                "' (expected auto, f32, f16, bf16, fp8, fp8_e4m3, fp8_e5m2, int8 or int4)");
+                                "' (expected auto, f32, f16, bf16, fp8, fp8_e4m3, fp8_e5m2, int8 or int4" + hint + ")");
 }
 
 Result<std::vector<KvDtype>> parse_kv_dtype_layers(const std::string& spec, int32_t n_layer, KvDtype base) {

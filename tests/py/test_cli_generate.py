@@ -79,6 +79,26 @@ def test_bad_flags_exit_nonzero():
     assert run("frobnicate").returncode != 0
 
 
+def test_version_and_an_unknown_command():
+    r = run("--version", timeout=10)
+    assert r.returncode == 0 and r.stdout.startswith("kvserve git ") and "kernels for this CPU" in r.stdout, r
+    r = run("frobnicate", timeout=10)
+    assert r.returncode != 0 and "no command 'frobnicate'" in r.stderr and "serve" in r.stderr, r.stderr
+
+
+def test_what_needs_no_model_fails_before_the_weights_load():
+    # A KV dtype or budget that cannot parse used to fail only after the weights had loaded.
+    for cmd in (["generate", "-m", MODEL, "-p", "hi", "-n", "2"], ["bench", "-m", MODEL, "-p", "8", "-n", "2", "-r", "1"]):
+        r = run(*cmd, "--kv-cache-dtype", "q4_0", timeout=30)
+        assert r.returncode != 0 and "llama.cpp's q4_0 is a different format" in r.stderr, r.stderr
+        assert "loading weights" not in r.stderr
+        r = run(*cmd, "--kv-cache-memory", "3XB", timeout=30)
+        assert r.returncode != 0 and "cannot read memory size '3XB'" in r.stderr and "loading weights" not in r.stderr, r.stderr
+    # kv-size takes the engine's names, no more (it took q4, which generate refused).
+    assert run("kv-size", "--preset", "llama-2-7b", "--kv-cache-dtype", "q4", timeout=10).returncode != 0
+    assert run("kv-size", "--preset", "llama-2-7b", "--kv-cache-dtype", "FP16", timeout=10).returncode == 0
+
+
 def test_non_finite_sampling_flags_are_refused():
     # CLI11's ranges let NaN through: `--min-p nan` hung the sampler, `--temp nan --top-p 0.9`
     # crashed it. Each is now a message and exit code 105 (CLI11's validation error), in a moment.

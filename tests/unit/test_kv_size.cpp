@@ -171,6 +171,8 @@ TEST(KvSize, FormattingUsesBinaryPrefixes) {
 TEST(KvSize, Errors) {
   EXPECT_FALSE(kv::kv_size_preset("llama-9000b"));
   EXPECT_FALSE(kv::kv_size_dtype("q3_k"));
+  EXPECT_FALSE(kv::kv_size_dtype("q4"));  // the engine refuses it too (parse_kv_dtype): one set of names
+  EXPECT_EQ(kv::kv_size_dtype("FP8")->name, "fp8_e4m3");
   auto spec = *kv::kv_size_preset("llama-2-7b");
   kv::KvSizeOptions o;
   o.seq_len = 0;

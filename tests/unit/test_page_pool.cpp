@@ -121,6 +121,16 @@ TEST(PagePool, DtypeParsingAndPerLayerOverrides) {
   for (const char* n : {"f32", "f16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"})
     EXPECT_STREQ(kv_dtype_name(*parse_kv_dtype(n)), n);
   EXPECT_FALSE(parse_kv_dtype("int3").is_ok());
+  // Other spellings, any case; llama.cpp's block formats are not ours and say so.
+  EXPECT_EQ(*parse_kv_dtype("FP16"), KvDtype::kF16);
+  EXPECT_EQ(*parse_kv_dtype("bfloat16"), KvDtype::kBF16);
+  EXPECT_EQ(*parse_kv_dtype("e5m2"), KvDtype::kFp8E5M2);
+  EXPECT_EQ(*parse_kv_dtype("i4"), KvDtype::kInt4);
+  for (const char* n : {"q4", "q8", "q8_0", "q4_0"}) {
+    auto r = parse_kv_dtype(n);
+    ASSERT_FALSE(r.is_ok()) << n;
+    EXPECT_NE(r.message().find("llama.cpp's"), std::string::npos) << r.message();
+  }
   auto l = parse_kv_dtype_layers("0-1:f16,28-29:f16", 30, KvDtype::kInt4);
   ASSERT_TRUE(l.is_ok());
   for (int i = 0; i < 30; ++i) EXPECT_EQ((*l)[i], (i < 2 || i >= 28) ? KvDtype::kF16 : KvDtype::kInt4) << i;
