@@ -854,6 +854,9 @@ void Engine::postprocess(Plan& plan, const float* logits) {
       if (!p.ignore_eos && tok_.is_eog(tok)) {
         reason = "stop";
         ev.eog_logprobs.swap(ev.logprobs);  // the end-of-generation token is not part of the text
+        // Text held back because it could begin a stop string is the answer's end after all.
+        e->held += e->detok.flush();
+        ev.text.swap(e->held);
       } else {
         e->held += e->detok.push(tok);
         const bool at_limit = e->n_generated >= p.max_tokens ||

@@ -204,6 +204,33 @@ def test_stop_string_across_tokens(client):
         assert stop not in got
 
 
+def test_a_stop_string_that_never_comes_loses_no_text_at_the_end(client):
+    # Text that could begin a stop string is held back; when the model then ends its answer
+    # (end of generation, not max_tokens), the held text is the answer's end and must be sent.
+    # It was dropped: stop=["4!"] turned "2 + 2 = 4" into "2 + 2 = ".
+    questions = ["What is 2+2? Answer with a number only.", "Say the word 'hello' and nothing else.",
+                 "Name one primary colour, one word."]
+    checked = 0
+    for q in questions:
+        msgs = [{"role": "user", "content": q}]
+        plain = chat(client, messages=msgs, max_tokens=40)
+        text = plain.choices[0].message.content
+        if plain.choices[0].finish_reason != "stop" or len(text) < 2:
+            continue
+        checked += 1
+        for stop in (text[-1:] + "\u2603", text[-2:] + "!?", "never-" + text[-1:]):
+            for stream in (False, True):
+                if stream:
+                    chunks = list(chat(client, messages=msgs, max_tokens=40, stop=[stop], stream=True))
+                    got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                    reason = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+                else:
+                    r = chat(client, messages=msgs, max_tokens=40, stop=[stop])
+                    got, reason = r.choices[0].message.content, [r.choices[0].finish_reason]
+                assert (got, reason) == (text, ["stop"]), (q, stop, stream)
+    assert checked >= 2
+
+
 def test_max_tokens_length(client):
     for n in (1, 5):
         r = chat(client, max_tokens=n)
