@@ -81,7 +81,7 @@ struct SseState {
   bool finished = false;             // [DONE] written
   std::optional<ApiError> ended;     // the server ended it (shutdown, deadline): cancelled, ends with this error event
   std::chrono::steady_clock::time_point deadline;
-  std::vector<int64_t> text_offset;  // per choice, completions' logprobs.text_offset
+  std::vector<TextOffset> text_offset;  // per choice, completions' logprobs.text_offset
   std::vector<std::string> finish_reasons;  // per choice, once finished
   std::vector<StreamEvent> events;
 };
@@ -432,7 +432,7 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
   st->meta = meta;
   st->n = n;
   st->with_logprobs = ar.logprobs;
-  st->text_offset.assign(n, 0);
+  st->text_offset.assign(n, TextOffset{});
   st->finish_reasons.assign(n, "");
   st->deadline = deadline;
   guard.armed = false;  // from here the releaser owns cancellation

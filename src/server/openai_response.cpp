@@ -34,18 +34,19 @@ json chat_logprobs(const std::vector<TokenLogprob>& lps, const Tokenizer& tok) {
 }
 
 // Completions (legacy): {"tokens", "token_logprobs", "top_logprobs": [{tok: lp}], "text_offset"}
-json completion_logprobs(const std::vector<TokenLogprob>& lps, int64_t* offset, const Tokenizer& tok) {
+json completion_logprobs(const std::vector<TokenLogprob>& lps, TextOffset* offset, const Tokenizer& tok) {
   json tokens = json::array(), token_lps = json::array(), tops = json::array(), offsets = json::array();
   for (const auto& lp : lps) {
-    std::string s = tok.token_bytes(lp.token);
+    const std::string bytes = tok.token_bytes(lp.token);
+    const std::string s = logprob_token_string(bytes);
     tokens.push_back(s);
     token_lps.push_back(lp.logprob);
     json top = json::object();
-    for (const auto& [id, l] : lp.top) top[tok.token_bytes(id)] = l;
+    for (const auto& [id, l] : lp.top) top[logprob_token_string(tok.token_bytes(id))] = l;
     if (lp.top.empty()) top[s] = lp.logprob;  // logprobs=0: the chosen token alone, as vLLM
     tops.push_back(top);
-    offsets.push_back(*offset);
-    *offset += static_cast<int64_t>(s.size());
+    offsets.push_back(offset->chars);
+    offset->add(bytes);
   }
   return {{"tokens", tokens}, {"token_logprobs", token_lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
 }
@@ -63,6 +64,46 @@ json with_choice(const ResponseMeta& m, json choice) {
 }
 
 }  // namespace
+
+// The length of the UTF-8 sequence `lead` starts (1 for a byte that cannot start one: it stands alone,
+// as U+FFFD does in the decoded text), and whether it is a continuation byte.
+static int utf8_len(unsigned char lead) {
+  if (lead < 0xC2) return 1;  // ASCII, a stray continuation byte, or an overlong lead
+  if (lead < 0xE0) return 2;
+  if (lead < 0xF0) return 3;
+  if (lead < 0xF5) return 4;
+  return 1;
+}
+
+void TextOffset::add(const std::string& bytes) {
+  for (unsigned char b : bytes) {
+    if (pending > 0 && (b & 0xC0) == 0x80) {
+      if (--pending == 0) ++chars;
+      continue;
+    }
+    if (pending > 0) ++chars, pending = 0;  // a character cut short: one U+FFFD
+    const int n = utf8_len(b);
+    if (n == 1) ++chars;
+    else pending = n - 1;
+  }
+}
+
+std::string logprob_token_string(const std::string& bytes) {
+  bool valid = true;
+  for (size_t i = 0; i < bytes.size() && valid;) {
+    const unsigned char b = static_cast<unsigned char>(bytes[i]);
+    const int n = b < 0x80 ? 1 : utf8_len(b);
+    if (n == 1 && b >= 0x80) valid = false;
+    if (i + n > bytes.size()) valid = false;
+    for (int k = 1; valid && k < n; ++k) valid = (static_cast<unsigned char>(bytes[i + k]) & 0xC0) == 0x80;
+    i += n;
+  }
+  if (valid) return bytes;
+  static const char* kHex = "0123456789abcdef";
+  std::string out = "bytes:";
+  for (unsigned char b : bytes) out += std::string("\\x") + kHex[b >> 4] + kHex[b & 15];
+  return out;
+}
 
 json usage_json(const Usage& u) {
   json j = {{"prompt_tokens", u.prompt_tokens},
@@ -82,7 +123,7 @@ json full_response(const ResponseMeta& meta, const std::vector<ChoiceResult>& ch
     const ChoiceResult& c = choices[i];
     json lp = nullptr;
     if (with_logprobs) {
-      int64_t offset = 0;
+      TextOffset offset;
       lp = meta.chat ? chat_logprobs(c.logprobs, tok) : completion_logprobs(c.logprobs, &offset, tok);
     }
     json finish = c.finish_reason.empty() ? json(nullptr) : json(c.finish_reason);
@@ -111,7 +152,7 @@ json chat_role_chunk(const ResponseMeta& meta, int32_t index) {
 }
 
 json text_chunk(const ResponseMeta& meta, int32_t index, const std::string& text, const std::vector<TokenLogprob>* logprobs,
-                int64_t* text_offset, const Tokenizer& tok) {
+                TextOffset* text_offset, const Tokenizer& tok) {
   json lp = nullptr;
   if (logprobs) lp = meta.chat ? chat_logprobs(*logprobs, tok) : completion_logprobs(*logprobs, text_offset, tok);
   if (meta.chat)

@@ -28,6 +28,19 @@ struct ChoiceResult {
   std::string finish_reason;
 };
 
+// Completions' logprobs.text_offset: the offset of each token in the choice's text in characters (code
+// points, as OpenAI and vLLM count: Python's len), not bytes. A character split across tokens counts once
+// its last byte has come, so a token that completes a character has the offset of that character.
+struct TextOffset {
+  int64_t chars = 0;    // characters complete so far
+  int32_t pending = 0;  // continuation bytes the last character still needs
+  void add(const std::string& bytes);
+};
+
+// A token's text where the API has a string: the text when its bytes are valid UTF-8 alone, else
+// OpenAI's "bytes:\xe3\x81" form (so two byte tokens do not both become U+FFFD and collide as keys).
+std::string logprob_token_string(const std::string& bytes);
+
 nlohmann::ordered_json usage_json(const Usage& u);
 
 // The whole response. with_logprobs: the request asked for logprobs (else "logprobs": null).
@@ -38,7 +51,7 @@ nlohmann::ordered_json full_response(const ResponseMeta& meta, const std::vector
 // (advanced by this call).
 nlohmann::ordered_json chat_role_chunk(const ResponseMeta& meta, int32_t index);
 nlohmann::ordered_json text_chunk(const ResponseMeta& meta, int32_t index, const std::string& text, const std::vector<TokenLogprob>* logprobs,
-                          int64_t* text_offset, const Tokenizer& tok);
+                          TextOffset* text_offset, const Tokenizer& tok);
 nlohmann::ordered_json finish_chunk(const ResponseMeta& meta, int32_t index, const std::string& reason);
 nlohmann::ordered_json usage_chunk(const ResponseMeta& meta, const Usage& usage);
 

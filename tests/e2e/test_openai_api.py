@@ -2,6 +2,7 @@
 stop, max_tokens, seeds, usage, concurrency, disconnects, /metrics, /v1/models."""
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import socket
@@ -161,6 +162,42 @@ def test_completion_logprobs(client):
         assert math.isclose(max(top.values()), l, abs_tol=1e-4)
         assert tok in top
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+def token_bytes_of(t: str) -> bytes:
+    # A token that is not valid UTF-8 alone is written "bytes:\\xe3\\x81" (OpenAI's form).
+    if t.startswith("bytes:"):
+        return bytes(int(h, 16) for h in t[len("bytes:"):].split("\\x")[1:])
+    return t.encode("utf-8")
+
+
+def test_completion_logprobs_of_multibyte_text(client):
+    # Byte tokens (parts of a UTF-8 character) all decoded to U+FFFD, so as top_logprobs keys
+    # they collided (2 entries of 5, the chosen token's value another's), and text_offset
+    # counted bytes where OpenAI and vLLM count characters.
+    prompt = "<|im_start|>user\nSay hello in Japanese, Chinese and Korean.<|im_end|>\n<|im_start|>assistant\n"
+    for stream in (False, True):
+        if stream:
+            chunks = list(complete(client, prompt=prompt, max_tokens=24, logprobs=5, stream=True))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            toks, lps, tops, offs = [], [], [], []
+            for c in chunks:
+                if c.choices and c.choices[0].logprobs:
+                    lp = c.choices[0].logprobs
+                    toks += lp.tokens; lps += lp.token_logprobs; tops += lp.top_logprobs; offs += lp.text_offset
+        else:
+            r = complete(client, prompt=prompt, max_tokens=24, logprobs=5)
+            text, lp = r.choices[0].text, r.choices[0].logprobs
+            toks, lps, tops, offs = lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset
+        assert any(t.startswith("bytes:") for t in toks), toks  # the case under test happened
+        assert b"".join(token_bytes_of(t) for t in toks).decode("utf-8", "replace") == text
+        done = b""
+        for t, l, top, off in zip(toks, lps, tops, offs):
+            assert len(top) == 5 and t in top and math.isclose(top[t], l, abs_tol=1e-6), (t, top)
+            assert list(top.values()) == sorted(top.values(), reverse=True)
+            # The characters complete before this token.
+            assert off == len(codecs.getincrementaldecoder("utf-8")("replace").decode(done, final=False)), (t, off, done)
+            done += token_bytes_of(t)
 
 
 def test_chat_logprobs(client):
