@@ -194,6 +194,21 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
     unsupported("min_tokens", "generation stops at the first stop string or end of text.");
   if (f.requested("stop_token_ids")) unsupported("stop_token_ids", "use stop strings.");
   if (f.requested("include_stop_str_in_output")) unsupported("include_stop_str_in_output", "the stop string is never part of the output.");
+  for (const char* name : {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "grammar", "json_schema"})
+    if (f.requested(name)) unsupported(name, "structured output (a grammar, regex or JSON schema) is not implemented; the answer would be free-form.");
+  if (const json* v = f.get("prompt_logprobs"); v && !v->is_null()) unsupported("prompt_logprobs", "");
+  if (const json* v = f.get("truncate_prompt_tokens"); v && !v->is_null())
+    unsupported("truncate_prompt_tokens", "a prompt is never truncated (one over max_model_len is refused).");
+  if (f.requested("use_beam_search")) unsupported("use_beam_search", "");
+  for (const char* name : {"bad_words", "allowed_token_ids", "logits_processors"})
+    if (f.requested(name)) unsupported(name, "");
+  if (const json* v = f.get("skip_special_tokens"); v && v->is_boolean() && !v->get<bool>())
+    unsupported("skip_special_tokens", "special tokens are never part of the text.");
+  if (f.requested("return_tokens_as_token_ids")) unsupported("return_tokens_as_token_ids", "");
+  // Samplers of llama.cpp and others that this one does not have, unless at their "off" value.
+  for (auto [name, off] : {std::pair<const char*, double>{"typical_p", 1.0}, {"tfs_z", 1.0}, {"mirostat", 0.0},
+                           {"dry_multiplier", 0.0}, {"xtc_probability", 0.0}, {"top_a", 0.0}})
+    if (const json* v = f.get(name); v && !v->is_null() && !(v->is_number() && v->get<double>() == off)) unsupported(name, "");
 
   // {"policy": "snapkv", "budget": 2048, "sink_tokens": 4, "recent_tokens": 512, "obs_window": 32,
   //  "sparse": "quest", "sparse_pages": 64}: this request's long-context KV policy (kv/kv_eviction.h);
@@ -483,10 +498,26 @@ namespace {
 // tokenized, as transformers' apply_chat_template(tokenize=True): the template writes any BOS.
 std::vector<int32_t> chat_prompt(const Fields& f, const ApiContext& ctx) {
   std::vector<ChatMessage> msgs = parse_messages(f);
-  if (!ctx.chat_template)
-    throw bad_request("This model has no chat template (tokenizer.chat_template); use /v1/completions.", "messages", "no_chat_template");
+  // vLLM's request fields: this request's template (its text) and extra template variables.
+  std::optional<ChatTemplate> own;
+  if (auto src = f.string("chat_template")) {
+    Result<ChatTemplate> t = ChatTemplate::parse(*src);
+    if (!t) throw bad_request(t.message(), "chat_template", "chat_template_error");
+    own = std::move(*t);
+  }
+  const ChatTemplate* tmpl = own ? &*own : ctx.chat_template;
+  if (!tmpl)
+    throw bad_request("This model has no chat template (tokenizer.chat_template); use /v1/completions, or give one "
+                      "(the server's --chat-template, or the request's chat_template).", "messages", "no_chat_template");
+  nlohmann::json extra = nlohmann::json::object();
+  if (const json* kw = f.get("chat_template_kwargs"); kw && !kw->is_null()) {
+    if (!kw->is_object()) type_error("chat_template_kwargs", "an object", *kw);
+    for (const char* reserved : {"messages", "add_generation_prompt", "bos_token", "eos_token"})
+      if (kw->contains(reserved)) value_error("chat_template_kwargs", std::string("'") + reserved + "' is set by the server.");
+    extra = *kw;
+  }
   bool add_generation_prompt = f.boolean("add_generation_prompt").value_or(true);
-  Result<std::string> text = ctx.chat_template->render(msgs, add_generation_prompt, ctx.bos_text, ctx.eos_text);
+  Result<std::string> text = tmpl->render(msgs, add_generation_prompt, ctx.bos_text, ctx.eos_text, extra);
   if (!text) throw bad_request(text.message(), "messages", "chat_template_error");
   std::vector<int32_t> ids = ctx.tok->encode(*text, /*add_special=*/false, /*parse_special=*/true);
   if (ids.empty()) value_error("messages", "the conversation renders to an empty prompt.");
@@ -534,6 +565,7 @@ ApiRequest parse_chat_request(const json& body, const ApiContext& ctx) {
   if (const json* mod = f.get("modalities"); mod && !(mod->is_array() && mod->size() == 1 && (*mod)[0] == "text"))
     unsupported("modalities", "only [\"text\"] is accepted.");
   if (f.requested("prediction")) unsupported("prediction", "");
+  if (f.requested("echo")) unsupported("echo", "");
 
   const bool logprobs = f.boolean("logprobs").value_or(false);
   auto top = f.integer("top_logprobs", 0, ctx.max_logprobs);

@@ -117,3 +117,23 @@ def test_a_bad_template_fails_before_the_weights_load(spec, words):
     assert r.returncode != 0
     assert words in r.stderr, r.stderr[-2000:]
     assert "loading weights" not in r.stderr
+
+
+def test_a_requests_own_template_and_kwargs(server):
+    # vLLM's request fields: chat_template (the template's text) and chat_template_kwargs (variables).
+    source = "{{ greeting }}{% for m in messages %}|{{ m.role }}:{{ m.content }}{% endfor %}{% if add_generation_prompt %}|>{% endif %}"
+    conv = [{"role": "user", "content": "hi"}]
+    body = {"messages": conv, "chat_template": source, "chat_template_kwargs": {"greeting": "Hello"}, "max_tokens": 2,
+            "temperature": 0}
+    got = requests.post(server.url + "/tokenize", json=body).json()["tokens"]
+    from transformers.utils.chat_template_utils import render_jinja_template
+    rendered, _ = render_jinja_template(conversations=[conv], chat_template=source, add_generation_prompt=True, greeting="Hello")
+    want = requests.post(server.url + "/tokenize", json={"prompt": rendered[0], "add_special_tokens": False}).json()["tokens"]
+    assert rendered[0] == "Hello|user:hi|>" and got == want
+    r = requests.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want), r.text
+    # The next request is back on the model's own template; the samplers' "off" values are accepted.
+    plain = requests.post(server.url + "/v1/chat/completions",
+                          json={"messages": conv, "max_tokens": 2, "typical_p": 1.0, "mirostat": 0, "skip_special_tokens": True,
+                                "prompt_logprobs": None})
+    assert plain.status_code == 200 and plain.json()["usage"]["prompt_tokens"] > len(want), plain.text
