@@ -25,6 +25,7 @@ struct RouterCliOptions {
   std::string model = kDefaultModel;
   std::string served_model_name;
   std::string chat_template;
+  std::string allowed_origins = "[\"*\"]";
   std::string listen = "127.0.0.1:8000";
   int max_model_len = 0;
   int max_n = 16;
@@ -64,6 +65,7 @@ void run_router(RouterCliOptions o) {
   auto max_body = kv::parse_memory_size(o.max_body);
   if (!max_body) fail("--max-body-size: " + max_body.message());
   o.ro.max_body_bytes = static_cast<size_t>(*max_body);
+  o.ro.allowed_origins = parse_allowed_origins(o.allowed_origins);
   // "affinity" is the ring's name from before cache-aware routing: a deployment that asked for it
   // keeps the stateless ring (several routers behind a load balancer agree only on the ring).
   if (o.routing == "affinity") {
@@ -133,6 +135,7 @@ void add_router_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("router", "OpenAI-compatible front over kvserve instances: replicas by prefix, or prefill + decode");
   cmd->add_option("-m,--model", o->model, "GGUF model the backends serve (its tokenizer and chat template are used)")->capture_default_str();
   cmd->add_option("--served-model-name", o->served_model_name, "model id in the API (default: the file's stem)");
+  add_allowed_origins_option(cmd, &o->allowed_origins);
   cmd->add_option("--chat-template", o->chat_template,
                   "the chat template instead of the model's, as the backends' --chat-template (the router renders chats itself)");
   cmd->add_option("--listen", o->listen, "HOST:PORT to serve on")->capture_default_str();

@@ -27,6 +27,7 @@ struct ServeOptions {
   std::vector<std::string> api_keys;
   std::string served_model_name;
   std::string chat_template;
+  std::string allowed_origins = "[\"*\"]";
   int max_num_batched_tokens = 512;
   int long_prefill_tokens = -1;  // -1: 0, or a quarter of max_num_batched_tokens on a prefill instance
   int max_num_seqs = 64;
@@ -195,6 +196,7 @@ void run_serve(const ServeOptions& o) {
   so.debug = o.debug;
   so.http_threads = o.http_threads;
   so.max_dashboard_clients = o.max_dashboards;
+  so.allowed_origins = parse_allowed_origins(o.allowed_origins);
   so.request_timeout_s = o.request_timeout;
   so.role = role;
   kv::HttpServer server(engine, ctx, so);
@@ -263,12 +265,13 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--host", o->host, "address to bind")->capture_default_str();
   cmd->add_option("--port", o->port, "port")->check(number_in(1, 65535))->capture_default_str();
   cmd->add_option("--api-key", o->api_keys,
-                  "require Authorization: Bearer <key> on /v1/* and /dashboard/events (env KVSERVE_API_KEY); repeat for several "
+                  "require Authorization: Bearer <key> on every route but /, /dashboard, /health and /metrics (env KVSERVE_API_KEY); repeat for several "
                   "tenants, whose prefix-cache pages are never shared and whose dashboards show only their own")
       ->envname("KVSERVE_API_KEY")
       ->expected(1)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   cmd->add_option("--served-model-name", o->served_model_name, "model id in the API (default: the file's stem)");
+  add_allowed_origins_option(cmd, &o->allowed_origins);
   cmd->add_option("--chat-template", o->chat_template,
                   "the chat template instead of the model's: a built-in name (chatml, gemma3), a Jinja file, or the template itself");
   cmd->add_option("--max-num-batched-tokens", o->max_num_batched_tokens, "token budget per engine step")

@@ -4,7 +4,9 @@
 #pragma once
 #include <CLI/CLI.hpp>
 #include <cmath>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace kvtools {
 
@@ -51,5 +53,23 @@ inline CLI::Validator number_in(double lo, double hi, bool lo_open = false) {
 }
 inline CLI::Validator positive() { return number_in(0, 1e308, true); }
 inline CLI::Validator non_negative() { return number_in(0, 1e308); }
+
+// --allowed-origins (serve, router): vLLM's JSON list ('["*"]', '[]') or a comma-separated list.
+// Throws std::invalid_argument (the message) on a malformed list.
+std::vector<std::string> parse_allowed_origins(const std::string& s);
+inline void add_allowed_origins_option(CLI::App* cmd, std::string* value) {
+  cmd->add_option("--allowed-origins", *value,
+                  "origins whose web pages may call the API (CORS), as vLLM's: '[\"*\"]' (any, the default), "
+                  "'[\"http://localhost:3000\"]', or '[]' (none); a comma-separated list works too")
+      ->capture_default_str()
+      ->check([](const std::string& s) {
+        try {
+          parse_allowed_origins(s);
+          return std::string();
+        } catch (const std::invalid_argument& e) {
+          return std::string(e.what());
+        }
+      });
+}
 
 }  // namespace kvtools

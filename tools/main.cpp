@@ -6,6 +6,8 @@
 #include <new>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "commands.h"
 #include "kernels/isa.h"
 #include "kv_version.h"
@@ -17,6 +19,32 @@ std::string missing_model_hint(const std::string& path) {
   std::string hint = "model file not found: " + path;
   if (path == kDefaultModel) hint += " (run `make models` to fetch it)";
   return hint;
+}
+
+std::vector<std::string> parse_allowed_origins(const std::string& s) {
+  std::vector<std::string> out;
+  const size_t first = s.find_first_not_of(" \t");
+  if (first != std::string::npos && s[first] == '[') {
+    nlohmann::json j = nlohmann::json::parse(s, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_array()) throw std::invalid_argument("'" + s + "' is not a JSON list of strings");
+    for (const auto& o : j) {
+      if (!o.is_string() || o.get<std::string>().empty())
+        throw std::invalid_argument("'" + s + "' is not a JSON list of strings");
+      out.push_back(o.get<std::string>());
+    }
+    return out;
+  }
+  size_t i = 0;
+  while (i <= s.size()) {
+    size_t j = s.find(',', i);
+    if (j == std::string::npos) j = s.size();
+    std::string item = s.substr(i, j - i);
+    item.erase(0, item.find_first_not_of(" \t"));
+    item.erase(item.find_last_not_of(" \t") + 1);
+    if (!item.empty()) out.push_back(item);
+    i = j + 1;
+  }
+  return out;
 }
 }  // namespace kvtools
 

@@ -300,6 +300,11 @@ void Router::health_loop() {
 
 void Router::routes() {
   install_json_errors(*svr_, opts_.max_body_bytes);
+  install_cors(*svr_, opts_.allowed_origins);
+  svr_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    return cors_preflight(req, res, opts_.allowed_origins) ? httplib::Server::HandlerResponse::Handled
+                                                           : httplib::Server::HandlerResponse::Unhandled;
+  });
   svr_->Post("/v1/completions", safe_handler([this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); }));
   svr_->Post("/v1/chat/completions", safe_handler([this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); }));
   svr_->Get("/v1/models", safe_handler([this](const httplib::Request&, httplib::Response& res) {

@@ -52,6 +52,7 @@ namespace kv {
 
 struct RouterOptions {
   std::vector<std::string> replicas;  // http://HOST:PORT each
+  std::vector<std::string> allowed_origins = {"*"};  // CORS, as the server's (http_util.h)
   std::vector<std::string> prefill;   // P/D: prefill instances ...
   std::vector<std::string> decode;    // ... and decode instances (replicas must then be empty)
   int32_t block_size = 16;            // the backends' KV page size

@@ -163,7 +163,9 @@ void HttpServer::routes() {
       {"/dashboard", "GET"},       {"/dashboard/events", "GET"},
   };
 
+  install_cors(*svr_, opts_.allowed_origins);
   svr_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    if (cors_preflight(req, res, opts_.allowed_origins)) return httplib::Server::HandlerResponse::Handled;
     std::string path = req.path;
     if (path == "/debug/kv" && !opts_.debug) return httplib::Server::HandlerResponse::Unhandled;  // → 404
     // Everything but the liveness and metrics probes and the two pages (which ask for the key)

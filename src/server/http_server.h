@@ -71,6 +71,7 @@ struct ServerOptions {
   // /dashboard/events streams at once (each holds an HTTP thread). With API keys each tenant gets
   // an equal share, at least one: max(1, this / keys), so no tenant can lock out the others.
   int32_t max_dashboard_clients = 8;
+  std::vector<std::string> allowed_origins = {"*"};  // CORS (http_util.h install_cors); empty: none
 };
 
 class HttpServer {

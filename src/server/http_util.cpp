@@ -24,6 +24,39 @@ void write_json(httplib::Response& res, const nlohmann::ordered_json& j) {
   res.set_content(dump_json(j), "application/json");
 }
 
+namespace {
+// The value for Access-Control-Allow-Origin, or "" when `origin` is not allowed.
+std::string allowed_origin(const std::string& origin, const std::vector<std::string>& origins) {
+  if (origin.empty()) return "";
+  for (const std::string& o : origins)
+    if (o == "*" || o == origin) return origin;  // echoed (with Vary): also right for credentialed requests
+  return "";
+}
+}  // namespace
+
+void install_cors(httplib::Server& svr, std::vector<std::string> origins) {
+  if (origins.empty()) return;
+  svr.set_post_routing_handler([origins = std::move(origins)](const httplib::Request& req, httplib::Response& res) {
+    const std::string allow = allowed_origin(req.get_header_value("Origin"), origins);
+    if (allow.empty()) return;
+    res.set_header("Access-Control-Allow-Origin", allow);
+    res.set_header("Vary", "Origin");
+    res.set_header("Access-Control-Expose-Headers", "Retry-After");
+  });
+}
+
+bool cors_preflight(const httplib::Request& req, httplib::Response& res, const std::vector<std::string>& origins) {
+  if (req.method != "OPTIONS") return false;
+  res.status = 204;
+  res.set_header("Allow", "GET, POST, OPTIONS");
+  if (allowed_origin(req.get_header_value("Origin"), origins).empty()) return true;  // no CORS headers: refused
+  res.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+  const std::string asked = req.get_header_value("Access-Control-Request-Headers");
+  res.set_header("Access-Control-Allow-Headers", asked.empty() ? "Authorization, Content-Type" : asked);
+  res.set_header("Access-Control-Max-Age", "600");
+  return true;
+}
+
 int64_t unix_now() {
   return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
 }

@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -23,6 +24,14 @@ void write_json(httplib::Response& res, const nlohmann::ordered_json& j);
 // Statuses httplib produces itself (no route, body too large, unparsable HTTP) and exceptions
 // that escape a handler get an OpenAI-shaped JSON body.
 void install_json_errors(httplib::Server& svr, size_t max_body_bytes);
+
+// CORS, for web pages served from another origin (vLLM's --allowed-origins; vLLM and llama-server
+// allow any by default). `origins`: exact origins ("http://localhost:3000") or "*"; empty: none.
+// install_cors adds Access-Control-Allow-Origin (with Vary: Origin) to every response to an allowed
+// origin; cors_preflight answers a browser's OPTIONS preflight (204, the methods and headers it may
+// use) and returns true, before any key is checked: a preflight never carries the key.
+void install_cors(httplib::Server& svr, std::vector<std::string> origins);
+bool cors_preflight(const httplib::Request& req, httplib::Response& res, const std::vector<std::string>& origins);
 
 // Wraps a handler: ApiError → its status; any other exception → 500. Nothing escapes.
 std::function<void(const httplib::Request&, httplib::Response&)> safe_handler(
