@@ -1,5 +1,7 @@
 #include "model/config.h"
 
+#include <cmath>
+
 #include "kv/kv_size.h"
 
 #include "gguf/gguf.h"
@@ -38,6 +40,12 @@ Result<ModelConfig> ModelConfig::from_gguf(const GgufFile& f) {
   float scale = 1.f;
   getf("rope.scaling.factor", 1.0, &scale);
   if (!err) return err;
+  // A NaN or negative epsilon (or RoPE base) loads but turns every logit into NaN; say so at load.
+  if (!std::isfinite(c.rms_eps) || c.rms_eps <= 0 || c.rms_eps > 1)
+    return Result<ModelConfig>::error("metadata " + p + "attention.layer_norm_rms_epsilon is " + std::to_string(c.rms_eps) + ", not in (0, 1]");
+  if (!std::isfinite(c.rope_base) || c.rope_base <= 0)
+    return Result<ModelConfig>::error("metadata " + p + "rope.freq_base is " + std::to_string(c.rope_base) + ", not a positive number");
+  if (!std::isfinite(scale)) return Result<ModelConfig>::error("metadata " + p + "rope.scaling.factor is not a finite number");
   c.rope_scale = scale > 0 ? 1.f / scale : 1.f;
   if (c.n_layer <= 0 || c.n_embd <= 0 || c.n_ff <= 0 || c.n_head <= 0 || c.n_head_kv <= 0)
     return Result<ModelConfig>::error("model metadata incomplete: block_count, embedding_length, feed_forward_length and head_count must be positive");
@@ -58,6 +66,8 @@ Result<ModelConfig> ModelConfig::from_gguf(const GgufFile& f) {
     getf("rope.freq_base_swa", 10000.0, &c.rope_base_swa);
     getf("final_logit_softcapping", 0.0, &c.final_softcap);
     if (!err) return err;
+    if (!std::isfinite(c.rope_base_swa) || c.rope_base_swa <= 0 || !std::isfinite(c.final_softcap) || c.final_softcap < 0)
+      return Result<ModelConfig>::error("gemma3: rope.freq_base_swa or final_logit_softcapping is not a usable number");
     std::vector<bool> local;
     auto win = sliding_window_layers(f, c.n_layer, &local, nullptr);
     if (!win) return win.status();

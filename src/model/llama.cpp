@@ -176,6 +176,10 @@ Result<std::unique_ptr<LlamaModel>> LlamaModel::load(const GgufFile& f, Isa isa,
   const GgufTensor* emb = f.find_tensor("token_embd.weight");
   if (!emb || emb->ne.size() != 2 || emb->ne[0] != c.n_embd)
     return Result<std::unique_ptr<LlamaModel>>::error("tensor 'token_embd.weight' is missing or not [n_embd, n_vocab]");
+  // More rows than tokens is a padded vocabulary; fewer would let a token id read past the matrix.
+  if (const GgufValue* toks = f.find("tokenizer.ggml.tokens"); toks && emb->ne[1] < static_cast<int64_t>(toks->arr.size()))
+    return Result<std::unique_ptr<LlamaModel>>::error("token_embd.weight has " + std::to_string(emb->ne[1]) +
+                                                      " rows but the vocabulary has " + std::to_string(toks->arr.size()) + " tokens");
   if (c.n_vocab != emb->ne[1]) m->cfg_.n_vocab = static_cast<int32_t>(emb->ne[1]);
   TypeTraits tt;
   if (!type_traits(static_cast<uint32_t>(emb->type), &tt) || !tt.supported)

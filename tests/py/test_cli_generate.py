@@ -67,6 +67,40 @@ def test_corrupt_model_is_a_clear_error(tmp_path):
     assert "error:" in r.stderr
 
 
+def patched_model(tmp_path, name: str, patch) -> str:
+    """A copy of the model with bytes changed in place (metadata or a tensor's shape)."""
+    data = bytearray(open(MODEL, "rb").read())
+    patch(data)
+    out = tmp_path / name
+    out.write_bytes(bytes(data))
+    return str(out)
+
+
+def test_unusable_metadata_and_shapes_are_refused_at_load(tmp_path):
+    import struct
+
+    def nan_eps(data):
+        key = b"llama.attention.layer_norm_rms_epsilon"
+        at = data.index(key) + len(key)
+        assert struct.unpack_from("<I", data, at)[0] == 6  # GGUF float32
+        struct.pack_into("<f", data, at + 4, float("nan"))
+
+    def short_embedding(data):
+        # tensor info: name, n_dims (u32), ne[] (u64 each), type, offset. 49,152 rows become 49,000.
+        key = b"token_embd.weight"
+        at = data.index(key) + len(key)
+        assert struct.unpack_from("<I", data, at)[0] == 2
+        assert struct.unpack_from("<Q", data, at + 12)[0] == 49152
+        struct.pack_into("<Q", data, at + 12, 49000)
+
+    for name, patch, words in (("nan_eps.gguf", nan_eps, "layer_norm_rms_epsilon is nan, not in (0, 1]"),
+                               ("short_embd.gguf", short_embedding, "token_embd.weight has 49000 rows but the vocabulary has 49152 tokens")):
+        path = patched_model(tmp_path, name, patch)
+        r = run("generate", "-m", path, "-p", "hi", "-n", "2", timeout=60)
+        assert r.returncode != 0 and words in r.stderr, r.stderr[-2000:]
+        os.remove(path)
+
+
 def test_prompt_longer_than_the_context_is_refused():
     r = run("generate", "-m", MODEL, "-p", "word " * 200, "--ctx", "64")
     assert r.returncode != 0
