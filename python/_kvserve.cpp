@@ -9,8 +9,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
+#include <condition_variable>
 #include <cstdio>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -19,6 +22,7 @@
 #include "common/units.h"
 #include "engine/engine.h"
 #include "gguf/gguf.h"
+#include "kernels/attention.h"
 #include "kernels/matmul.h"
 #include "model/llama.h"
 #include "server/openai_request.h"
@@ -96,7 +100,8 @@ class PyEngine {
     const kv::ModelConfig& mc = model_->config();
 
     kv::EngineConfig ec;
-    if (block_size < 1 || block_size > 256) fail("block_size must be in [1, 256], got " + std::to_string(block_size));
+    if (block_size < 1 || block_size > kv::kAttnMaxBlockSize)  // as --block-size: the attention kernels' page limit
+      fail("block_size must be in [1, " + std::to_string(kv::kAttnMaxBlockSize) + "], got " + std::to_string(block_size));
     if (max_num_seqs < 1) fail("max_num_seqs must be positive");
     if (max_num_batched_tokens < 1) fail("max_num_batched_tokens must be positive");
     if (max_n < 1) fail("max_n must be positive");
@@ -148,9 +153,16 @@ class PyEngine {
   }
 
   // Stops the engine thread and frees the KV pool; later calls raise. Idempotent.
+  // Calls of generate() running on other threads end first: their requests are cancelled and they
+  // raise (the engine they hold must not go away under them).
   void close() {
     if (!engine_) return;
     py::gil_scoped_release nogil;
+    {
+      std::unique_lock<std::mutex> l(calls_mu_);
+      closing_ = true;
+      calls_cv_.wait(l, [&] { return active_calls_ == 0; });
+    }
     engine_->stop();
     engine_.reset();
   }
@@ -178,6 +190,7 @@ class PyEngine {
   // chat_template (chat only): this call's template instead of the engine's, as load_chat_template takes it.
   py::list generate(const std::vector<std::string>& bodies, bool chat, py::object progress, const std::string& chat_template) {
     kv::Engine& engine = eng();
+    CallGuard call(*this);
     std::optional<kv::ChatTemplate> own_template;
     kv::ApiContext ctx = ctx_;
     if (chat && !chat_template.empty()) {
@@ -212,7 +225,7 @@ class PyEngine {
         r.params = it.ar.params;
         r.stream = it.stream;
         if (kv::Rejection rej = engine.submit(std::move(r)); rej.http_status != 0) {
-          refused = RequestFailure{kv::from_rejection(rej), static_cast<int64_t>(n_submitted)};
+          refused = RequestFailure{kv::from_rejection(rej, chat), static_cast<int64_t>(n_submitted)};
           break;
         }
       }
@@ -236,6 +249,14 @@ class PyEngine {
       }
       n_done += newly;
       if (newly > 0 && !progress.is_none()) progress(newly);
+      if (closing_) {  // close() on another thread: this call's requests end here
+        for (size_t i = 0; i < n; ++i) items[i].stream->cancel();
+        {
+          py::gil_scoped_release nogil;
+          wait_all(items, n, *waiter);
+        }
+        throw std::runtime_error("this LLM was closed while generate() ran");
+      }
       if (PyErr_CheckSignals() != 0) {  // Ctrl-C (or another handler that raised)
         py::error_already_set interrupted;
         for (size_t i = 0; i < n; ++i) items[i].stream->cancel();
@@ -275,9 +296,22 @@ class PyEngine {
 
  private:
   kv::Engine& eng() const {
-    if (!engine_) throw std::runtime_error("this LLM was closed");
+    if (!engine_ || closing_) throw std::runtime_error("this LLM was closed");
     return *engine_;
   }
+
+  // Counts a running generate() for close(); taken with the GIL held, after eng() succeeded.
+  struct CallGuard {
+    explicit CallGuard(PyEngine& e) : e(e) {
+      std::lock_guard<std::mutex> l(e.calls_mu_);
+      ++e.active_calls_;
+    }
+    ~CallGuard() {
+      std::lock_guard<std::mutex> l(e.calls_mu_);
+      if (--e.active_calls_ == 0) e.calls_cv_.notify_all();
+    }
+    PyEngine& e;
+  };
 
   // Moves the events of the streams in *ready (keys = item indices; consumed) into their
   // choices; returns how many requests became done.
@@ -360,6 +394,10 @@ class PyEngine {
   std::optional<kv::ChatTemplate> chat_;
   std::unique_ptr<kv::Engine> engine_;
   kv::ApiContext ctx_;
+  std::mutex calls_mu_;
+  std::condition_variable calls_cv_;
+  int active_calls_ = 0;             // generate() calls running (calls_mu_)
+  std::atomic<bool> closing_{false};  // close() began: running calls end, new ones are refused
 };
 
 }  // namespace

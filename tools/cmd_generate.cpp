@@ -94,7 +94,9 @@ void run_generate_engine(const GenerateOptions& o, const kv::SpecConfig& spec) {
 }
 
 void run_generate(const GenerateOptions& o) {
-  if (const kv::SpecConfig spec = parse_speculative_option(o.speculative_config); spec.enabled()) return run_generate_engine(o, spec);
+  // -n 0 only prefills: nothing to draft (the engine's path would produce one token).
+  if (const kv::SpecConfig spec = parse_speculative_option(o.speculative_config); spec.enabled() && o.n_predict > 0)
+    return run_generate_engine(o, spec);
   LoadedModel lm = load_model(o.model, o.threads, o.kvo, false);
   const auto& cfg = lm.model->config();
   std::vector<int32_t> toks = lm.tokenizer->encode(o.prompt, true, !o.no_special);

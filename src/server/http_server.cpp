@@ -369,9 +369,8 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
   std::shared_ptr<RequestStream> stream = r.stream;
   const int32_t n = ar.params.n;
   if (Rejection rej = engine_.submit(std::move(r)); rej.http_status != 0) {
-    if (!chat && rej.param == "messages") rej.param = "prompt";  // the engine names the chat field
     if (rej.http_status == 429 || rej.http_status == 503) res.set_header("Retry-After", "1");  // the queue is full: soon
-    throw from_rejection(rej);
+    throw from_rejection(rej, chat);
   }
   CancelGuard guard{stream};
   const auto deadline = opts_.request_timeout_s > 0

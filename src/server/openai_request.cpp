@@ -403,7 +403,10 @@ SpecConfig parse_spec_config(const json& v, const std::string& param) {
     if (auto m = f.string("method"))
       if (!parse_spec_method(*m, &c.method)) value_error("method", "must be \"ngram\", \"suffix\" or \"none\", got \"" + *m + "\".");
     c.num_speculative_tokens = static_cast<int32_t>(f.integer("num_speculative_tokens", 0, 32).value_or(c.num_speculative_tokens));
-    c.prompt_lookup_min = static_cast<int32_t>(f.integer("prompt_lookup_min", 1, 64).value_or(c.prompt_lookup_min));
+    // As vLLM: a max given alone lowers a larger default min to it (a min alone raises the max).
+    auto max_given = f.integer("prompt_lookup_max", 1, 64);
+    c.prompt_lookup_min = static_cast<int32_t>(
+        f.integer("prompt_lookup_min", 1, 64).value_or(max_given ? std::min<int64_t>(c.prompt_lookup_min, *max_given) : c.prompt_lookup_min));
     c.prompt_lookup_max = static_cast<int32_t>(f.integer("prompt_lookup_max", 1, 64).value_or(std::max(c.prompt_lookup_max, c.prompt_lookup_min)));
     c.suffix_max_depth = static_cast<int32_t>(f.integer("suffix_max_depth", 2, 64).value_or(c.suffix_max_depth));
     c.suffix_min_prob = static_cast<float>(f.number("suffix_min_prob", 0.0, 1.0).value_or(c.suffix_min_prob));
@@ -430,8 +433,9 @@ uint64_t random_seed() {
   return gen();
 }
 
-ApiError from_rejection(const Rejection& r) {
+ApiError from_rejection(const Rejection& r, bool chat) {
   ApiError e{r.http_status, r.message, error_type_for_status(r.http_status), r.param, ""};
+  if (!chat && e.param == "messages") e.param = "prompt";
   if (r.http_status == 429) e.code = "rate_limit_exceeded";
   return e;
 }

@@ -59,7 +59,8 @@ ApiRequest parse_chat_request(const nlohmann::json& body, const ApiContext& ctx)
 
 // What a client sees when Engine::submit refuses (429 has code rate_limit_exceeded), and when
 // a request ends with an error event.
-ApiError from_rejection(const Rejection& r);
+// chat: the request came as messages (the engine names the prompt 'messages'; completions call it 'prompt').
+ApiError from_rejection(const Rejection& r, bool chat);
 ApiError from_event(const StreamEvent& ev);
 
 // /tokenize: {"prompt" | "content": text, "add_special_tokens": true} or {"messages": [...],

@@ -290,3 +290,33 @@ def test_an_evicting_policy_goes_past_max_model_len(llm):
     assert out.kv_tokens_reindexed > 0 and out.kv_tokens_kept <= 128
     with pytest.raises(ValueError, match="maximum context length"):  # without a policy the limit holds
         llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=700), use_tqdm=False)
+
+
+def test_close_while_another_thread_generates():
+    # close() used to free the engine under a running generate(): that thread hung forever and
+    # the interpreter aborted at exit. Now the running call's requests are cancelled and it raises.
+    m = LLM(MODEL, kv_cache_memory="48MiB", quiet=True)
+    outcome = {}
+
+    def work():
+        try:
+            m.generate(["x"] * 2, SamplingParams(max_tokens=2000, ignore_eos=True), use_tqdm=False)
+            outcome["result"] = "finished"
+        except RuntimeError as e:
+            outcome["result"] = str(e)
+
+    t = threading.Thread(target=work)
+    t.start()
+    time.sleep(1.0)
+    m.close()
+    t.join(30)
+    assert not t.is_alive()
+    assert outcome["result"] == "this LLM was closed while generate() ran"
+    with pytest.raises(RuntimeError, match="this LLM was closed"):
+        m.generate("x", use_tqdm=False)
+
+
+def test_block_size_is_the_servers_range():
+    # Python took block sizes up to 256; above the attention kernels' 64 a long prompt segfaulted.
+    with pytest.raises(ValueError, match=r"block_size must be in \[1, 64\], got 128"):
+        LLM(MODEL, block_size=128, quiet=True)

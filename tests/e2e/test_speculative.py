@@ -72,6 +72,17 @@ def test_n_greater_than_one(client):
     assert len(r.choices) == 3 and len(texts) == 1  # greedy: every choice the same
 
 
+def test_a_lookup_max_alone_sets_the_min_as_vllm_does(server):
+    # vLLM takes {"prompt_lookup_max": 1} alone (its min follows); this was a 400 (default min 2 > max 1).
+    r = requests.post(server.url + "/v1/chat/completions", timeout=60,
+                      json={"model": MODEL_NAME, "messages": REPEAT, "max_tokens": 8, "temperature": 0,
+                            "speculative": {"method": "ngram", "prompt_lookup_max": 1}})
+    assert r.status_code == 200, r.text
+    plain = requests.post(server.url + "/v1/chat/completions", timeout=60,
+                          json={"model": MODEL_NAME, "messages": REPEAT, "max_tokens": 8, "temperature": 0})
+    assert r.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["message"]["content"]
+
+
 @pytest.mark.parametrize("spec,param", [
     ({"method": "eagle"}, "speculative.method"),
     ({"num_speculative_tokens": 99}, "speculative.num_speculative_tokens"),
