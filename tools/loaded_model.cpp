@@ -37,14 +37,12 @@ void add_eviction_options(CLI::App* cmd, EvictionOptions* eo) {
       ->check(CLI::IsMember({"none", "window", "sinks", "h2o", "snapkv"}))
       ->capture_default_str();
   cmd->add_option("--kv-budget", eo->budget, "tokens of KV kept per sequence (whole pages; the global layers); with --kv-offload-cold, kept in RAM")->check(non_negative());
-  cmd->add_option("--kv-sink-tokens", eo->sink_tokens, "tokens kept from the start (sinks, h2o, snapkv)")
-      ->check(non_negative())
-      ->capture_default_str();
+  cmd->add_option("--kv-sink-tokens", eo->sink_tokens, "tokens kept from the start (sinks, h2o, snapkv; default 4)")
+      ->check(non_negative());
   cmd->add_option("--kv-recent-tokens", eo->recent_tokens,
                   "tokens kept at the end (default: the budget after sinks for window/sinks, half for h2o, a quarter for snapkv)");
-  cmd->add_option("--kv-obs-window", eo->obs_window, "SnapKV: prompt queries that vote at the end of a prompt")
-      ->check(positive())
-      ->capture_default_str();
+  cmd->add_option("--kv-obs-window", eo->obs_window, "SnapKV: prompt queries that vote at the end of a prompt (default 32)")
+      ->check(positive());
   cmd->add_option("--kv-sparse", eo->sparse, "sparse reads: none or quest (read the pages whose keys can score high)")
       ->check(CLI::IsMember({"none", "quest"}))
       ->capture_default_str();
@@ -77,10 +75,17 @@ kv::EvictionConfig make_eviction(const EvictionOptions& eo, int block_size) {
   auto p = kv::parse_eviction_policy(eo.policy);
   if (!p) fail(p.message());
   c.policy = *p;
+  if (c.policy == kv::EvictionPolicy::kNone) {  // these would do nothing: say so rather than run without them
+    if (eo.budget > 0 && !eo.offload_cold)
+      fail("--kv-budget needs --kv-eviction POLICY (sinks, h2o, snapkv, window), or --kv-offload-cold with --kv-sparse quest");
+    if (eo.sparse != "quest" && (eo.sink_tokens >= 0 || eo.recent_tokens >= 0))  // Quest reads its sink and recent pages
+      fail("--kv-sink-tokens and --kv-recent-tokens need --kv-eviction POLICY or --kv-sparse quest");
+    if (eo.obs_window >= 0) fail("--kv-obs-window needs --kv-eviction snapkv");
+  }
   c.budget = eo.budget;
-  c.sink_tokens = eo.sink_tokens;
+  if (eo.sink_tokens >= 0) c.sink_tokens = eo.sink_tokens;
   c.recent_tokens = eo.recent_tokens;
-  c.obs_window = eo.obs_window;
+  if (eo.obs_window >= 0) c.obs_window = eo.obs_window;
   if (eo.sparse == "quest") {
     if (eo.sparse_pages <= 0) fail("--kv-sparse quest needs --kv-sparse-pages N (pages read per query beyond sink and recent pages)");
     c.sparse_pages = eo.sparse_pages;

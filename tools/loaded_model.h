@@ -29,9 +29,11 @@ struct KvOptions {
 struct EvictionOptions {
   std::string policy = "none";
   int64_t budget = 0;
-  int sink_tokens = 4;
+  // -1: not given (the policy's default: 4 sink tokens, a 32-query observation window); given
+  // where they would do nothing (no policy, and for the first two no Quest either) they are refused.
+  int sink_tokens = -1;
   int recent_tokens = -1;
-  int obs_window = 32;
+  int obs_window = -1;
   std::string sparse = "none";
   int sparse_pages = 0;
   bool offload_cold = false;  // --kv-offload-cold

@@ -133,6 +133,20 @@ def test_what_needs_no_model_fails_before_the_weights_load():
     assert run("kv-size", "--preset", "llama-2-7b", "--kv-cache-dtype", "FP16", timeout=10).returncode == 0
 
 
+def test_policy_flags_without_a_policy_are_refused():
+    # They were ignored: --kv-budget 512 alone ran with the whole cache and said nothing.
+    cases = ((["--kv-budget", "512"], "--kv-budget needs --kv-eviction POLICY"),
+             (["--kv-sink-tokens", "8"], "--kv-sink-tokens and --kv-recent-tokens need --kv-eviction POLICY or --kv-sparse quest"),
+             (["--kv-obs-window", "8", "--kv-eviction", "none"], "--kv-obs-window needs --kv-eviction snapkv"))
+    for flags, words in cases:
+        r = run("generate", "-m", MODEL, "-p", "hi", "-n", "2", *flags, timeout=60)
+        assert r.returncode != 0 and words in r.stderr, r.stderr[-1000:]
+    # Quest reads its sink and recent pages: there they mean something.
+    r = run("generate", "-m", MODEL, "-p", "hi", "-n", "2", "--kv-sparse", "quest", "--kv-sparse-pages", "4",
+            "--kv-sink-tokens", "16", timeout=60)
+    assert r.returncode == 0, r.stderr[-1000:]
+
+
 def test_non_finite_sampling_flags_are_refused():
     # CLI11's ranges let NaN through: `--min-p nan` hung the sampler, `--temp nan --top-p 0.9`
     # crashed it. Each is now a message and exit code 105 (CLI11's validation error), in a moment.
