@@ -9,11 +9,13 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <optional>
 #include <string>
 #include <vector>
@@ -155,14 +157,28 @@ class PyEngine {
   // Stops the engine thread and frees the KV pool; later calls raise. Idempotent.
   // Calls of generate() running on other threads end first: their requests are cancelled and they
   // raise (the engine they hold must not go away under them).
+  // From a signal handler inside generate() (the same thread), close() cannot wait for that call: it
+  // marks the engine closing, and the call, once it has ended its requests, frees the engine.
   void close() {
     if (!engine_) return;
+    {
+      std::lock_guard<std::mutex> l(calls_mu_);
+      closing_ = true;
+      if (std::find(call_threads_.begin(), call_threads_.end(), std::this_thread::get_id()) != call_threads_.end()) return;
+    }
     py::gil_scoped_release nogil;
     {
       std::unique_lock<std::mutex> l(calls_mu_);
-      closing_ = true;
-      calls_cv_.wait(l, [&] { return active_calls_ == 0; });
+      ++waiting_closers_;
+      calls_cv_.wait(l, [&] { return call_threads_.empty(); });
+      --waiting_closers_;
     }
+    free_engine();
+  }
+
+  void free_engine() {
+    std::lock_guard<std::mutex> l(free_mu_);  // two closers: one frees
+    if (!engine_) return;
     engine_->stop();
     engine_.reset();
   }
@@ -300,15 +316,27 @@ class PyEngine {
     return *engine_;
   }
 
-  // Counts a running generate() for close(); taken with the GIL held, after eng() succeeded.
+  // Records a running generate() for close(); taken with the GIL held, after eng() succeeded. The
+  // last call to end after a close() from inside a call frees the engine.
   struct CallGuard {
     explicit CallGuard(PyEngine& e) : e(e) {
       std::lock_guard<std::mutex> l(e.calls_mu_);
-      ++e.active_calls_;
+      e.call_threads_.push_back(std::this_thread::get_id());
     }
     ~CallGuard() {
-      std::lock_guard<std::mutex> l(e.calls_mu_);
-      if (--e.active_calls_ == 0) e.calls_cv_.notify_all();
+      bool free_now = false;
+      {
+        std::lock_guard<std::mutex> l(e.calls_mu_);
+        e.call_threads_.erase(std::find(e.call_threads_.begin(), e.call_threads_.end(), std::this_thread::get_id()));
+        if (e.call_threads_.empty()) {
+          e.calls_cv_.notify_all();
+          free_now = e.closing_ && e.waiting_closers_ == 0;
+        }
+      }
+      if (free_now) {
+        py::gil_scoped_release nogil;
+        e.free_engine();
+      }
     }
     PyEngine& e;
   };
@@ -396,7 +424,9 @@ class PyEngine {
   kv::ApiContext ctx_;
   std::mutex calls_mu_;
   std::condition_variable calls_cv_;
-  int active_calls_ = 0;             // generate() calls running (calls_mu_)
+  std::vector<std::thread::id> call_threads_;  // threads inside generate() (calls_mu_)
+  int waiting_closers_ = 0;                    // close() calls waiting for them (calls_mu_)
+  std::mutex free_mu_;
   std::atomic<bool> closing_{false};  // close() began: running calls end, new ones are refused
 };
 

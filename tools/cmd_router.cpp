@@ -26,6 +26,7 @@ struct RouterCliOptions {
   std::string served_model_name;
   std::string chat_template;
   std::string allowed_origins = "[\"*\"]";
+  bool trust_request_chat_template = false;
   std::string listen = "127.0.0.1:8000";
   int max_model_len = 0;
   int max_n = 16;
@@ -62,6 +63,7 @@ void run_router(RouterCliOptions o) {
   auto policy = kv::parse_eviction_policy(o.kv_eviction);
   if (!policy) fail("--kv-eviction: " + policy.message());
   ctx.default_policy_evicts = *policy != kv::EvictionPolicy::kNone;
+  ctx.trust_request_chat_template = o.trust_request_chat_template;
   auto max_body = kv::parse_memory_size(o.max_body);
   if (!max_body) fail("--max-body-size: " + max_body.message());
   o.ro.max_body_bytes = static_cast<size_t>(*max_body);
@@ -136,8 +138,11 @@ void add_router_command(CLI::App& app) {
   cmd->add_option("-m,--model", o->model, "GGUF model the backends serve (its tokenizer and chat template are used)")->capture_default_str();
   cmd->add_option("--served-model-name", o->served_model_name, "model id in the API (default: the file's stem)");
   add_allowed_origins_option(cmd, &o->allowed_origins);
+  cmd->add_flag("--trust-request-chat-template", o->trust_request_chat_template,
+                "accept a request's own chat_template, as the backends' flag (vLLM's; off: such a request is a 400)");
   cmd->add_option("--chat-template", o->chat_template,
-                  "the chat template instead of the model's, as the backends' --chat-template (the router renders chats itself)");
+                  "the backends' --chat-template: give the router the same (it renders chats to check them and to route by "
+                  "their prefix; the backends render them again for the answer)");
   cmd->add_option("--listen", o->listen, "HOST:PORT to serve on")->capture_default_str();
   cmd->add_option("--replica", o->ro.replicas, "a kvserve instance (http://HOST:PORT); repeat");
   cmd->add_option("--prefill", o->ro.prefill, "a `serve --role prefill` instance; repeat");

@@ -28,6 +28,7 @@ struct ServeOptions {
   std::string served_model_name;
   std::string chat_template;
   std::string allowed_origins = "[\"*\"]";
+  bool trust_request_chat_template = false;
   int max_num_batched_tokens = 512;
   int long_prefill_tokens = -1;  // -1: 0, or a quarter of max_num_batched_tokens on a prefill instance
   int max_num_seqs = 64;
@@ -70,6 +71,7 @@ void run_serve(const ServeOptions& o) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
+  if (auto b = kv::parse_kv_cache_memory(o.kvo.memory); !b) fail(b.message());  // before the weights, as generate
   // A --chat-template that does not load fails before the weights do (it is loaded again below).
   if (!o.chat_template.empty())
     if (auto t = kv::load_chat_template(o.chat_template); !t) fail("--chat-template " + t.message());
@@ -188,6 +190,7 @@ void run_serve(const ServeOptions& o) {
   }
 
   kv::ApiContext ctx = kv::make_api_context(**tok, *chat ? &**chat : nullptr, o.model, o.served_model_name, ec.max_model_len, ec.max_n);
+  ctx.trust_request_chat_template = o.trust_request_chat_template;
   ctx.default_policy_evicts = ec.kv_policy.evicts();
 
   kv::ServerOptions so;
@@ -272,6 +275,8 @@ void add_serve_command(CLI::App& app) {
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   cmd->add_option("--served-model-name", o->served_model_name, "model id in the API (default: the file's stem)");
   add_allowed_origins_option(cmd, &o->allowed_origins);
+  cmd->add_flag("--trust-request-chat-template", o->trust_request_chat_template,
+                "accept a request's own chat_template (vLLM's flag; off: such a request is a 400)");
   cmd->add_option("--chat-template", o->chat_template,
                   "the chat template instead of the model's: a built-in name (chatml, gemma3), a Jinja file, or the template itself");
   cmd->add_option("--max-num-batched-tokens", o->max_num_batched_tokens, "token budget per engine step")

@@ -134,6 +134,10 @@ std::string one_line(const std::string& s) {
 LoadedModel load_model(const std::string& path, int n_threads, const KvOptions& kvo, bool quiet, bool with_runtime) {
   if (std::string hint = missing_model_hint(path); !hint.empty()) fail(hint);
   if (!kvo.act_quant.empty()) kv::set_act_quant(kvo.act_quant == "q8" ? kv::ActQuant::kQ8 : kv::ActQuant::kQ8x2);
+  // More threads than CPUs only take turns with each other (each step waits for the slowest).
+  if (n_threads > kv::default_thread_count())
+    std::fprintf(stderr, "note: -t %d is more threads than this machine's %d CPUs: expect it to be slower than -t %d\n", n_threads,
+                 kv::default_thread_count(), kv::default_thread_count());
   // What can be checked without the model fails before the weights load.
   if (auto d = kv::parse_kv_dtype(kvo.dtype); !d) fail("--kv-cache-dtype: " + d.message());
   if (with_runtime)

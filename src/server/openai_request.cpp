@@ -194,7 +194,13 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
     unsupported("min_tokens", "generation stops at the first stop string or end of text.");
   if (f.requested("stop_token_ids")) unsupported("stop_token_ids", "use stop strings.");
   if (f.requested("include_stop_str_in_output")) unsupported("include_stop_str_in_output", "the stop string is never part of the output.");
-  for (const char* name : {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "grammar", "json_schema"})
+  if (const json* rf = f.get("response_format"); rf && !rf->is_null()) {
+    if (!rf->is_object()) type_error("response_format", "an object", *rf);
+    auto type = Fields(*rf).string("type");
+    if (type && *type != "text") unsupported("response_format", "only {\"type\": \"text\"} is accepted, got '" + *type + "'.");
+  }
+  for (const char* name : {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "grammar", "json_schema",
+                           "structural_tag", "regex", "samplers"})
     if (f.requested(name)) unsupported(name, "structured output (a grammar, regex or JSON schema) is not implemented; the answer would be free-form.");
   if (const json* v = f.get("prompt_logprobs"); v && !v->is_null()) unsupported("prompt_logprobs", "");
   if (const json* v = f.get("truncate_prompt_tokens"); v && !v->is_null())
@@ -207,8 +213,11 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
   if (f.requested("return_tokens_as_token_ids")) unsupported("return_tokens_as_token_ids", "");
   // Samplers of llama.cpp and others that this one does not have, unless at their "off" value.
   for (auto [name, off] : {std::pair<const char*, double>{"typical_p", 1.0}, {"tfs_z", 1.0}, {"mirostat", 0.0},
-                           {"dry_multiplier", 0.0}, {"xtc_probability", 0.0}, {"top_a", 0.0}})
+                           {"dry_multiplier", 0.0}, {"xtc_probability", 0.0}, {"top_a", 0.0}, {"repeat_penalty", 1.0},
+                           {"dynatemp_range", 0.0}, {"n_probs", 0.0}})
     if (const json* v = f.get(name); v && !v->is_null() && !(v->is_number() && v->get<double>() == off)) unsupported(name, "");
+  if (const json* v = f.get("top_n_sigma"); v && !v->is_null() && !(v->is_number() && v->get<double>() <= 0))  // llama.cpp: -1 is off
+    unsupported("top_n_sigma", "");
 
   // {"policy": "snapkv", "budget": 2048, "sink_tokens": 4, "recent_tokens": 512, "obs_window": 32,
   //  "sparse": "quest", "sparse_pages": 64}: this request's long-context KV policy (kv/kv_eviction.h);
@@ -504,15 +513,18 @@ std::vector<int32_t> chat_prompt(const Fields& f, const ApiContext& ctx) {
   std::vector<ChatMessage> msgs = parse_messages(f);
   // vLLM's request fields: this request's template (its text) and extra template variables.
   std::optional<ChatTemplate> own;
-  if (auto src = f.string("chat_template")) {
+  if (auto src = f.string("chat_template"); src && !src->empty()) {  // "" : the default, as vLLM
+    if (!ctx.trust_request_chat_template)
+      throw bad_request("A request's own chat_template is refused unless the server runs with --trust-request-chat-template.",
+                        "chat_template", "unsupported_parameter");
     Result<ChatTemplate> t = ChatTemplate::parse(*src);
     if (!t) throw bad_request(t.message(), "chat_template", "chat_template_error");
     own = std::move(*t);
   }
   const ChatTemplate* tmpl = own ? &*own : ctx.chat_template;
   if (!tmpl)
-    throw bad_request("This model has no chat template (tokenizer.chat_template); use /v1/completions, or give one "
-                      "(the server's --chat-template, or the request's chat_template).", "messages", "no_chat_template");
+    throw bad_request("This model has no chat template (tokenizer.chat_template): give one (--chat-template, chat_template=) "
+                      "or continue text through completions.", "messages", "no_chat_template");
   nlohmann::json extra = nlohmann::json::object();
   if (const json* kw = f.get("chat_template_kwargs"); kw && !kw->is_null()) {
     if (!kw->is_object()) type_error("chat_template_kwargs", "an object", *kw);
@@ -522,7 +534,7 @@ std::vector<int32_t> chat_prompt(const Fields& f, const ApiContext& ctx) {
   }
   bool add_generation_prompt = f.boolean("add_generation_prompt").value_or(true);
   Result<std::string> text = tmpl->render(msgs, add_generation_prompt, ctx.bos_text, ctx.eos_text, extra);
-  if (!text) throw bad_request(text.message(), "messages", "chat_template_error");
+  if (!text) throw bad_request(text.message(), own ? "chat_template" : "messages", "chat_template_error");
   std::vector<int32_t> ids = ctx.tok->encode(*text, /*add_special=*/false, /*parse_special=*/true);
   if (ids.empty()) value_error("messages", "the conversation renders to an empty prompt.");
   return ids;
@@ -560,11 +572,6 @@ ApiRequest parse_chat_request(const json& body, const ApiContext& ctx) {
     unsupported("tool_choice", "only \"none\" is accepted.");
   if (const json* fc = f.get("function_call"); fc && !(fc->is_string() && fc->get<std::string>() == "none"))
     unsupported("function_call", "only \"none\" is accepted.");
-  if (const json* rf = f.get("response_format")) {
-    if (!rf->is_object()) type_error("response_format", "an object", *rf);
-    auto type = Fields(*rf).string("type");
-    if (type && *type != "text") unsupported("response_format", "only {\"type\": \"text\"} is accepted, got '" + *type + "'.");
-  }
   if (f.requested("audio")) unsupported("audio", "");
   if (const json* mod = f.get("modalities"); mod && !(mod->is_array() && mod->size() == 1 && (*mod)[0] == "text"))
     unsupported("modalities", "only [\"text\"] is accepted.");

@@ -33,6 +33,9 @@ struct ApiContext {
   // The server's default KV policy evicts: requests may ask for more than max_model_len tokens
   // (the engine re-indexes past it, kv/kv_reindex.h), as may a request that sets such a policy.
   bool default_policy_evicts = false;
+  // A request's own chat_template runs untrusted code on an HTTP thread (bounded, but seconds of CPU
+  // for a 100-byte body): only with --trust-request-chat-template, as vLLM.
+  bool trust_request_chat_template = false;
 };
 
 // What the HTTP layer needs beyond the engine's Request.

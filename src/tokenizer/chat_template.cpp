@@ -1,5 +1,7 @@
 #include "tokenizer/chat_template.h"
 
+#include <sys/stat.h>
+
 #include <fstream>
 #include <sstream>
 
@@ -92,9 +94,12 @@ Result<ChatTemplate> load_chat_template(const std::string& spec) {
     return Result<ChatTemplate>::error(spec + ": no such file, and not a built-in template (" +
                                        names + ") nor a template (no {{ or {%)");
   }
+  struct stat st {};
+  if (stat(spec.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return Result<ChatTemplate>::error(spec + ": not a regular file");
   std::ostringstream text;
   text << in.rdbuf();
   if (in.bad()) return Result<ChatTemplate>::error(spec + ": cannot read the file");
+  if (text.str().find_first_not_of(" \t\r\n") == std::string::npos) return Result<ChatTemplate>::error(spec + ": the file is empty");
   Result<ChatTemplate> t = ChatTemplate::parse(text.str());
   if (!t) return Result<ChatTemplate>::error(spec + ": " + t.message());
   return t;

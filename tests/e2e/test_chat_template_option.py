@@ -109,6 +109,7 @@ def test_an_inline_template_replaces_the_models_own():
 
 @pytest.mark.parametrize("spec,words", [
     ("gemma", "no such file, and not a built-in template (chatml, gemma3)"),
+    ("/tmp", "/tmp: not a regular file"),
     ("{% for m in messages %}", "taken as the template itself"),
 ])
 def test_a_bad_template_fails_before_the_weights_load(spec, words):
@@ -120,7 +121,20 @@ def test_a_bad_template_fails_before_the_weights_load(spec, words):
 
 
 def test_a_requests_own_template_and_kwargs(server):
-    # vLLM's request fields: chat_template (the template's text) and chat_template_kwargs (variables).
+    # vLLM's request fields: chat_template (the template's text, only with --trust-request-chat-template,
+    # as vLLM: it runs the client's code) and chat_template_kwargs (variables).
+    refused = requests.post(server.url + "/v1/chat/completions",
+                            json={"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 'x' * 30000000 }}"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template", refused.text
+    assert "--trust-request-chat-template" in refused.json()["error"]["message"]
+    trusting = Server("--trust-request-chat-template")
+    try:
+        own_template_and_kwargs(trusting)
+    finally:
+        trusting.stop()
+
+
+def own_template_and_kwargs(server):
     source = "{{ greeting }}{% for m in messages %}|{{ m.role }}:{{ m.content }}{% endfor %}{% if add_generation_prompt %}|>{% endif %}"
     conv = [{"role": "user", "content": "hi"}]
     body = {"messages": conv, "chat_template": source, "chat_template_kwargs": {"greeting": "Hello"}, "max_tokens": 2,
@@ -137,3 +151,8 @@ def test_a_requests_own_template_and_kwargs(server):
                           json={"messages": conv, "max_tokens": 2, "typical_p": 1.0, "mirostat": 0, "skip_special_tokens": True,
                                 "prompt_logprobs": None})
     assert plain.status_code == 200 and plain.json()["usage"]["prompt_tokens"] > len(want), plain.text
+    empty = requests.post(server.url + "/v1/chat/completions", json={"messages": conv, "max_tokens": 2, "chat_template": ""})
+    assert empty.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]  # "": the default, as vLLM
+    bad = requests.post(server.url + "/v1/chat/completions",
+                        json={"messages": conv, "chat_template": "{{ raise_exception('no thanks') }}"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template", bad.text

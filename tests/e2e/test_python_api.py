@@ -316,6 +316,23 @@ def test_close_while_another_thread_generates():
         m.generate("x", use_tqdm=False)
 
 
+def test_close_from_a_signal_handler_inside_generate():
+    # The handler runs on the thread that is inside generate(): close() cannot wait for that call
+    # (it hung forever); the call ends its requests, raises, and frees the engine itself.
+    m = LLM(MODEL, kv_cache_memory="256MiB", quiet=True)
+    old = signal.signal(signal.SIGALRM, lambda *a: m.close())
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.0)
+        with pytest.raises(RuntimeError, match="this LLM was closed while generate"):
+            m.generate(["x"] * 2, SamplingParams(max_tokens=3000, ignore_eos=True), use_tqdm=False)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    with pytest.raises(RuntimeError, match="this LLM was closed"):
+        m.kv_stats()
+    m.close()  # again: nothing left to do
+
+
 def test_block_size_is_the_servers_range():
     # Python took block sizes up to 256; above the attention kernels' 64 a long prompt segfaulted.
     with pytest.raises(ValueError, match=r"block_size must be in \[1, 64\], got 128"):
