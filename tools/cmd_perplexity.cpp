@@ -31,6 +31,7 @@
 // Top-1 agreement compares the base's first id with this run's argmax. A base file is
 // untrusted input: its header must match this run and its ids must be in the vocabulary.
 #include <filesystem>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -294,6 +295,8 @@ void run_perplexity(const PerplexityOptions& o) {
   if (o.ctx < kMinCtx) fail("--ctx " + std::to_string(o.ctx) + " is too small (at least " + std::to_string(kMinCtx) + ")");
   if (o.ctx % 2 != 0) fail("--ctx " + std::to_string(o.ctx) + " is odd: the scored second half starts at ctx/2, use an even --ctx");
   if (!o.save_logits.empty() && o.save_logits == o.kld_base) fail("--save-logits and --kld-base name the same file");
+  if (struct stat st {}; !o.save_logits.empty() && stat(o.save_logits.c_str(), &st) == 0 && S_ISDIR(st.st_mode))
+    fail("--save-logits " + o.save_logits + " is a directory: give a file name");
   std::string text;
   {
     std::ifstream in(o.text, std::ios::binary);
@@ -438,8 +441,10 @@ void run_perplexity(const PerplexityOptions& o) {
     kept_sum += seq.kept_tokens();
     evicted_sum += seq.evicted_tokens();
     reindexed_sum += seq.reindexed_tokens();
-    if (!o.save_logits.empty() && !save_out.write(reinterpret_cast<const char*>(save_block.data()), static_cast<std::streamsize>(save_block.size())))
+    if (!o.save_logits.empty() && !save_out.write(reinterpret_cast<const char*>(save_block.data()), static_cast<std::streamsize>(save_block.size()))) {
+      std::remove(save_tmp.c_str());
       fail("--save-logits: write error on " + save_tmp);
+    }
 
     const auto now = clock::now();
     const bool last = w + 1 == n_win;
@@ -457,7 +462,10 @@ void run_perplexity(const PerplexityOptions& o) {
   const double seconds = std::chrono::duration<double>(clock::now() - t0).count();
   if (!o.save_logits.empty()) {
     save_out.close();
-    if (!save_out || std::rename(save_tmp.c_str(), o.save_logits.c_str()) != 0) fail("--save-logits: cannot finish " + o.save_logits);
+    if (!save_out || std::rename(save_tmp.c_str(), o.save_logits.c_str()) != 0) {
+      std::remove(save_tmp.c_str());
+      fail("--save-logits: cannot finish " + o.save_logits);
+    }
   }
   seq.reset();
   if (kv::Status st = lm.pool->check_integrity(); !st || lm.pool->n_used() != 0) fail("KV pool integrity: " + st.message());

@@ -242,6 +242,11 @@ def test_bad_arguments_are_clear_errors(small_text, tmp_path):
     bad([*base, "-f", str(small_text), "--ctx", "128", "--kv-cache-dtype-layers", "zero:f16"])
     bad([*base, "-f", str(small_text), "--ctx", "128", "--save-logits", str(tmp_path / "x"), "--kld-base", str(tmp_path / "x")],
         "error:", "same file")
+    # A directory failed only after the whole run, and left its .tmp behind.
+    out_dir = tmp_path / "logits_dir"
+    out_dir.mkdir()
+    bad([*base, "-f", str(small_text), "--ctx", "128", "--save-logits", str(out_dir)], "error:", "is a directory")
+    assert not os.path.exists(str(out_dir) + ".tmp")
     bad([*base, "--ctx", "128"])  # -f is required
     bad([*base, "-f", str(small_text), "--chunks", "0"])
 
