@@ -251,8 +251,12 @@ def test_a_full_replica_sends_its_requests_to_the_other():
     sat idle: cache-aware routing kept the shared prefix on its owner). Streamed and not."""
     a = b = router = None
     try:
-        a = Server("--debug", "--max-num-seqs", "1", "--max-queue", "1", max_model_len=MAX_LEN, kv_memory="64MiB")
-        b = Server("--debug", "--max-num-seqs", "1", "--max-queue", "1", max_model_len=MAX_LEN, kv_memory="64MiB")
+        # Room for 3 each (1 running + 2 queued): the owner of the shared prefix cannot take all 4
+        # requests below, and the two together always can. With room for exactly 4 (a queue of 1)
+        # the test was flaky: a request waits in the queue until the engine's next step takes it,
+        # so for a moment both replicas could look full.
+        a = Server("--debug", "--max-num-seqs", "1", "--max-queue", "2", max_model_len=MAX_LEN, kv_memory="64MiB")
+        b = Server("--debug", "--max-num-seqs", "1", "--max-queue", "2", max_model_len=MAX_LEN, kv_memory="64MiB")
         router = Router("--replica", a.url, "--replica", b.url, max_model_len=MAX_LEN)
         system = "You answer questions about rivers, briefly and exactly. " * 4
 
@@ -269,7 +273,7 @@ def test_a_full_replica_sends_its_requests_to_the_other():
         assert m["kvserve:router_backend_full_total"] >= 1, m
         per = [m[f'kvserve:router_requests_total{{backend="{s.url}",role="replica"}}'] for s in (a, b)]
         assert min(per) > 0, per
-        # Both full: the 429 reaches the client, with Retry-After.
+        # Both full (8 > 6): the 429 reaches the client, with Retry-After.
         with cf.ThreadPoolExecutor(8) as pool:
             got = list(pool.map(one, range(8)))
         assert any(c == 429 and ra for c, ra in got), got
