@@ -200,13 +200,13 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
     if (type && *type != "text") unsupported("response_format", "only {\"type\": \"text\"} is accepted, got '" + *type + "'.");
   }
   for (const char* name : {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "grammar", "json_schema",
-                           "structural_tag", "regex", "samplers"})
+                           "structural_tag", "regex"})
     if (f.requested(name)) unsupported(name, "structured output (a grammar, regex or JSON schema) is not implemented; the answer would be free-form.");
   if (const json* v = f.get("prompt_logprobs"); v && !v->is_null()) unsupported("prompt_logprobs", "");
   if (const json* v = f.get("truncate_prompt_tokens"); v && !v->is_null())
     unsupported("truncate_prompt_tokens", "a prompt is never truncated (one over max_model_len is refused).");
   if (f.requested("use_beam_search")) unsupported("use_beam_search", "");
-  for (const char* name : {"bad_words", "allowed_token_ids", "logits_processors"})
+  for (const char* name : {"bad_words", "allowed_token_ids", "logits_processors", "samplers"})  // samplers: llama.cpp's order
     if (f.requested(name)) unsupported(name, "");
   if (const json* v = f.get("skip_special_tokens"); v && v->is_boolean() && !v->get<bool>())
     unsupported("skip_special_tokens", "special tokens are never part of the text.");
