@@ -72,9 +72,13 @@ void run_serve(const ServeOptions& o) {
   signal(SIGPIPE, SIG_IGN);
 
   if (auto b = kv::parse_kv_cache_memory(o.kvo.memory); !b) fail(b.message());  // before the weights, as generate
-  // A --chat-template that does not load fails before the weights do (it is loaded again below).
-  if (!o.chat_template.empty())
-    if (auto t = kv::load_chat_template(o.chat_template); !t) fail("--chat-template " + t.message());
+  // --chat-template before the weights: one that does not load fails at once.
+  std::optional<kv::ChatTemplate> chat;
+  if (!o.chat_template.empty()) {
+    auto t = kv::load_chat_template(o.chat_template);
+    if (!t) fail("--chat-template " + t.message());
+    chat = std::move(*t);
+  }
 
   // Weights and tokenizer only: the engine allocates the KV pool itself from EngineConfig.
   LoadedModel lm = load_model(o.model, o.threads, o.kvo, false, /*with_runtime=*/false);
@@ -83,12 +87,13 @@ void run_serve(const ServeOptions& o) {
   auto* model = &lm.model;
   const auto& mc = (*model)->config();
 
-  std::string no_chat;
-  auto chat = kv::model_chat_template(**file, o.chat_template, &no_chat);
-  if (!chat) fail("--chat-template " + chat.message());
-  if (!*chat)
-    std::fprintf(stderr, "warning: %s; /v1/chat/completions is off (--chat-template picks one: chatml, gemma3, a file)\n",
-                 no_chat.c_str());
+  if (!chat) {
+    std::string no_chat;
+    chat = *kv::model_chat_template(**file, "", &no_chat);  // the GGUF's: never an error
+    if (!chat)
+      std::fprintf(stderr, "warning: %s; /v1/chat/completions is off (--chat-template picks one: chatml, gemma3, a file)\n",
+                   no_chat.c_str());
+  }
 
   kv::EngineConfig ec;
   ec.max_num_batched_tokens = o.max_num_batched_tokens;
@@ -189,7 +194,7 @@ void run_serve(const ServeOptions& o) {
                  ec.tiers.write_through ? "through" : "back", o.preemption_mode.c_str());
   }
 
-  kv::ApiContext ctx = kv::make_api_context(**tok, *chat ? &**chat : nullptr, o.model, o.served_model_name, ec.max_model_len, ec.max_n);
+  kv::ApiContext ctx = kv::make_api_context(**tok, chat ? &*chat : nullptr, o.model, o.served_model_name, ec.max_model_len, ec.max_n);
   ctx.trust_request_chat_template = o.trust_request_chat_template;
   ctx.default_policy_evicts = ec.kv_policy.evicts();
 

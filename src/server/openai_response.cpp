@@ -5,6 +5,7 @@
 #include "server/api_error.h"
 #include "server/openai_request.h"
 #include "tokenizer/tokenizer.h"
+#include "tokenizer/utf8.h"
 
 namespace kv {
 
@@ -65,40 +66,22 @@ json with_choice(const ResponseMeta& m, json choice) {
 
 }  // namespace
 
-// The length of the UTF-8 sequence `lead` starts (1 for a byte that cannot start one: it stands alone,
-// as U+FFFD does in the decoded text), and whether it is a continuation byte.
-static int utf8_len(unsigned char lead) {
-  if (lead < 0xC2) return 1;  // ASCII, a stray continuation byte, or an overlong lead
-  if (lead < 0xE0) return 2;
-  if (lead < 0xF0) return 3;
-  if (lead < 0xF5) return 4;
-  return 1;
-}
-
 void TextOffset::add(const std::string& bytes) {
-  for (unsigned char b : bytes) {
-    if (pending > 0 && (b & 0xC0) == 0x80) {
-      if (--pending == 0) ++chars;
-      continue;
-    }
-    if (pending > 0) ++chars, pending = 0;  // a character cut short: one U+FFFD
-    const int n = utf8_len(b);
-    if (n == 1) ++chars;
-    else pending = n - 1;
+  // Characters as Python's decode(errors="replace") counts them (an ill-formed part is one U+FFFD);
+  // an incomplete character at the end waits for the next token's bytes.
+  tail += bytes;
+  size_t i = 0;
+  while (i < tail.size()) {
+    const utf8::Step st = utf8::next(tail, i);
+    if (st.kind == utf8::Kind::kIncomplete) break;
+    ++chars;
+    i += st.n;
   }
+  tail.erase(0, i);
 }
 
 std::string logprob_token_string(const std::string& bytes) {
-  bool valid = true;
-  for (size_t i = 0; i < bytes.size() && valid;) {
-    const unsigned char b = static_cast<unsigned char>(bytes[i]);
-    const int n = b < 0x80 ? 1 : utf8_len(b);
-    if (n == 1 && b >= 0x80) valid = false;
-    if (i + n > bytes.size()) valid = false;
-    for (int k = 1; valid && k < n; ++k) valid = (static_cast<unsigned char>(bytes[i + k]) & 0xC0) == 0x80;
-    i += n;
-  }
-  if (valid) return bytes;
+  if (utf8::is_valid(bytes)) return bytes;
   static const char* kHex = "0123456789abcdef";
   std::string out = "bytes:";
   for (unsigned char b : bytes) out += std::string("\\x") + kHex[b >> 4] + kHex[b & 15];

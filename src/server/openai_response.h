@@ -32,8 +32,8 @@ struct ChoiceResult {
 // points, as OpenAI and vLLM count: Python's len), not bytes. A character split across tokens counts once
 // its last byte has come, so a token that completes a character has the offset of that character.
 struct TextOffset {
-  int64_t chars = 0;    // characters complete so far
-  int32_t pending = 0;  // continuation bytes the last character still needs
+  int64_t chars = 0;  // characters complete so far
+  std::string tail;   // the bytes of a character not complete yet
   void add(const std::string& bytes);
 };
 
