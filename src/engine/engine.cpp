@@ -171,9 +171,10 @@ Engine::~Engine() {
     // Write-back keeps pages in RAM until evicted: on the way out every cached page goes down,
     // so the next start finds them (the tier manager finishes its queue when destroyed).
     if (!tiers_->config().write_through)
-      cache_->for_each_page([&](const PageHash& h, const std::string& ns, const int32_t* t, int32_t p, int32_t wp) {
-        tiers_->store(h, ns, t, p, wp);
-      });
+      cache_->for_each_page(
+          [&](const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* t, int32_t p, int32_t wp) {
+            tiers_->store(h, parent, ns, t, p, wp);
+          });
     cache_->set_listener(nullptr);
     tiers_.reset();
   }
@@ -1144,7 +1145,7 @@ void Engine::swap_out(Sequence& s) {
   const std::vector<PageHash> hashes = cache_->hash_pages(ns, s.tokens.data(), n / bs * bs);
   for (size_t k = 0; k < hashes.size(); ++k) {
     const int32_t wp = pool_g1_ && k < s.table_g1.pages.size() ? s.table_g1.pages[k] : -1;
-    tiers_->store(hashes[k], ns, s.tokens.data() + k * bs, s.table.pages[k], wp);
+    tiers_->store(hashes[k], k > 0 ? hashes[k - 1] : PageHash{}, ns, s.tokens.data() + k * bs, s.table.pages[k], wp);
   }
   s.tier_checked = false;  // until resumed, it looks for them below RAM when RAM lets them go
   s.swapped = true;
@@ -1174,8 +1175,10 @@ void Engine::store_prompt_tail(Sequence& s) {
   if (last >= static_cast<int64_t>(s.table.pages.size()) || s.table.pages[last] < 0) return;
   const std::string& ns = s.rs->req.params.cache_namespace;
   const std::vector<PageHash> hashes = cache_->hash_pages(ns, toks.data(), static_cast<int64_t>(toks.size()));
-  metrics_.add_tier_tail(tiers_->store_tail(hashes.back(), ns, toks.data() + last * bs, s.table.pages[last]) ? TailEvent::kStored
-                                                                                                              : TailEvent::kDropped);
+  const PageHash parent = last > 0 ? hashes[last - 1] : PageHash{};
+  metrics_.add_tier_tail(tiers_->store_tail(hashes.back(), parent, ns, toks.data() + last * bs, s.table.pages[last])
+                             ? TailEvent::kStored
+                             : TailEvent::kDropped);
 }
 
 bool Engine::install_prompt_tail(Sequence& s, int64_t n_matched) {
@@ -1208,7 +1211,8 @@ void Engine::store_last_window(const Sequence& s) {
   const std::string& ns = s.rs->req.params.cache_namespace;
   const std::vector<PageHash> hashes = cache_->hash_pages(ns, s.tokens.data(), n * bs);
   for (int64_t k = cache_->window_first_page(n - 1); k < n; ++k)
-    if (wpages[k] >= 0) tiers_->store(hashes[k], ns, s.tokens.data() + k * bs, pages[k], wpages[k]);
+    if (wpages[k] >= 0)
+      tiers_->store(hashes[k], k > 0 ? hashes[k - 1] : PageHash{}, ns, s.tokens.data() + k * bs, pages[k], wpages[k]);
 }
 
 void Engine::flush_tiers() {

@@ -124,9 +124,10 @@ void DiskStore::scan(const PageIdentity& id) {
     PageHash h;
     int64_t bytes;
     fs::file_time_type mtime;
+    PageHash parent;
   };
   std::vector<Found> found;
-  // A header is at most this long (84 bytes of fields + 4 per token).
+  // A header is at most this long (100 bytes of fields + 4 per token).
   const int64_t header_max = 128 + 4 * int64_t(id.block_size);
   for (const auto& d : fs::directory_iterator(root_, ec)) {
     if (!d.is_directory() || d.path().filename() == "tmp") continue;
@@ -146,37 +147,80 @@ void DiskStore::scan(const PageIdentity& id) {
         ++dropped_at_open_;
         continue;
       }
-      found.push_back({h, static_cast<int64_t>(f.file_size(ec)), f.last_write_time(ec)});
+      found.push_back({h, static_cast<int64_t>(f.file_size(ec)), f.last_write_time(ec), hdr.parent});
     }
   }
   std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.mtime < b.mtime; });
   std::lock_guard<std::mutex> l(mu_);
-  for (const Found& f : found) {
-    lru_.push_back(f.h);
-    index_[f.h] = Entry{f.bytes, std::prev(lru_.end())};
-    bytes_ += f.bytes;
-  }
-  while (bytes_ > max_bytes_ && !lru_.empty()) erase_locked(lru_.front());
+  for (const Found& f : found) add_locked(f.h, f.bytes, f.parent);
+  trim_locked(max_bytes_, 0);
+}
+
+void DiskStore::add_locked(const PageHash& h, int64_t bytes, const PageHash& parent) {
+  const uint64_t tick = ++tick_;
+  index_[h] = Entry{bytes, tick, parent};
+  bytes_ += bytes;
+  if (!(parent == PageHash{}) && ++n_children_[parent] == 1)
+    if (auto p = index_.find(parent); p != index_.end()) leaves_.erase(p->second.tick);
+  if (n_children_.count(h) == 0) leaves_.emplace(tick, h);
+}
+
+void DiskStore::touch_locked(const PageHash& h) {
+  auto it = index_.find(h);
+  if (it == index_.end()) return;
+  const bool leaf = leaves_.erase(it->second.tick) > 0;
+  it->second.tick = ++tick_;
+  if (leaf) leaves_.emplace(it->second.tick, h);
 }
 
 void DiskStore::erase_locked(const PageHash& hash) {
-  const PageHash h = hash;  // a copy: callers pass lru_.front(), which the erase below frees
+  const PageHash h = hash;  // a copy: callers may pass a reference into leaves_, which the erase below frees
   auto it = index_.find(h);
   if (it == index_.end()) return;
   bytes_ -= it->second.bytes;
-  lru_.erase(it->second.lru);
+  leaves_.erase(it->second.tick);
+  const PageHash parent = it->second.parent;
   index_.erase(it);
+  if (!(parent == PageHash{})) {
+    auto c = n_children_.find(parent);
+    if (c != n_children_.end() && --c->second == 0) {
+      n_children_.erase(c);
+      if (auto p = index_.find(parent); p != index_.end()) leaves_.emplace(p->second.tick, parent);  // a leaf again
+    }
+  }
   ::unlink(path_of(h).c_str());
 }
 
+int64_t DiskStore::trim_locked(int64_t max_bytes, size_t keep) {
+  int64_t freed = 0;
+  // Every finite forest has a leaf: leaves_ is empty only when index_ is.
+  while (bytes_ > max_bytes && index_.size() > keep && !leaves_.empty()) {
+    const PageHash h = leaves_.begin()->second;
+    freed += index_.at(h).bytes;
+    erase_locked(h);
+  }
+  return freed;
+}
+
+void DiskStore::touch(std::span<const PageHash> hashes) {
+  std::lock_guard<std::mutex> l(mu_);
+  for (const PageHash& h : hashes) {
+    if (index_.count(h) == 0) continue;
+    touch_locked(h);
+    ::utimensat(AT_FDCWD, path_of(h).c_str(), nullptr, 0);  // now: the order the next start reads
+  }
+}
+
 // Last page first: a prefix's first page ends up the most recent (and its file the newest, for the
-// next start's scan), so the byte budget evicts a prefix from its tail. Evicting its head first
-// left the rest on disk and unreachable: a lookup stops at the first gap.
+// next start's scan). The budget is enforced once the whole batch is in, leaves first (see the
+// header): trimming after each page could delete a page whose child was still to come.
 std::vector<bool> DiskStore::put(std::span<const PageHash> hashes, std::span<const uint64_t>, std::span<const std::string> blobs) {
   std::vector<bool> stored(hashes.size(), false);
   for (size_t i = hashes.size(); i-- > 0;) {
     const PageHash& h = hashes[i];
     const std::string& b = blobs[i];
+    BlobHeader hdr;  // the parent's hash, for the links (a blob that does not parse has none)
+    if (decode_header(b, &hdr) != BlobCheck::kOk) hdr.parent = PageHash{};
     uint64_t n;
     {
       std::lock_guard<std::mutex> l(mu_);
@@ -184,7 +228,7 @@ std::vector<bool> DiskStore::put(std::span<const PageHash> hashes, std::span<con
       // Same hash, same page: refresh its recency only, unless this blob carries more (a
       // hybrid model's window page, which a blob of the position may lack): then replace it.
       if (it != index_.end() && int64_t(b.size()) <= it->second.bytes) {
-        lru_.splice(lru_.end(), lru_, it->second.lru);
+        touch_locked(h);
         stored[i] = true;
         continue;
       }
@@ -212,11 +256,7 @@ std::vector<bool> DiskStore::put(std::span<const PageHash> hashes, std::span<con
       // full disk dropped every later write.
       {
         std::lock_guard<std::mutex> l(mu_);
-        int64_t freed = 0;
-        while (freed < 2 * int64_t(b.size()) && lru_.size() > 1 && !(lru_.front() == h)) {
-          freed += index_.at(lru_.front()).bytes;
-          erase_locked(lru_.front());
-        }
+        trim_locked(bytes_ - 2 * int64_t(b.size()));
       }
       err = write_file();
     }
@@ -228,17 +268,21 @@ std::vector<bool> DiskStore::put(std::span<const PageHash> hashes, std::span<con
     }
     auto it = index_.find(h);
     if (it == index_.end()) {
-      lru_.push_back(h);
-      index_[h] = Entry{static_cast<int64_t>(b.size()), std::prev(lru_.end())};
-      bytes_ += static_cast<int64_t>(b.size());
-    } else {  // replaced
+      add_locked(h, static_cast<int64_t>(b.size()), hdr.parent);
+    } else {  // replaced (the same parent: the hash covers the whole chain; a version 1 blob did not say)
       bytes_ += static_cast<int64_t>(b.size()) - it->second.bytes;
       it->second.bytes = static_cast<int64_t>(b.size());
-      lru_.splice(lru_.end(), lru_, it->second.lru);
+      if (it->second.parent == PageHash{} && !(hdr.parent == PageHash{})) {
+        it->second.parent = hdr.parent;
+        if (++n_children_[hdr.parent] == 1)
+          if (auto p = index_.find(hdr.parent); p != index_.end()) leaves_.erase(p->second.tick);
+      }
+      touch_locked(h);
     }
-    while (bytes_ > max_bytes_ && lru_.size() > 1) erase_locked(lru_.front());
     stored[i] = true;
   }
+  std::lock_guard<std::mutex> l(mu_);
+  trim_locked(max_bytes_);
   return stored;
 }
 
@@ -261,8 +305,7 @@ std::vector<std::optional<std::string>> DiskStore::get(uint64_t, std::span<const
   // Recency last page first, as put() does: the prefix's head is the most recent.
   std::lock_guard<std::mutex> l(mu_);
   for (size_t i = hashes.size(); i-- > 0;)
-    if (out[i])
-      if (auto it = index_.find(hashes[i]); it != index_.end()) lru_.splice(lru_.end(), lru_, it->second.lru);
+    if (out[i]) touch_locked(hashes[i]);
   return out;
 }
 

@@ -5,14 +5,18 @@
 // to DIR/.../tmp/ and is renamed into place: a crash mid-write leaves only a temp file, which the
 // next start deletes. At start the directory is scanned and every file's header checked (a
 // corrupt or foreign one is deleted); the index (hash -> size, recency) lives in RAM, recency
-// starting from the files' modification times. LRU by bytes: a put past the byte budget
-// deletes the least recently used files first. A batch (a prefix's pages in chain order) is
-// written and refreshed last page first, so a prefix loses its tail, never its head (which would
-// leave the rest unreachable: a lookup stops at the first gap). Across batches plain LRU holds:
-// a prefix extended later (a new turn) can still lose its head before its newer pages.
+// starting from the files' modification times. Over the byte budget, pages are deleted leaves
+// first: a page another stored page continues (its blob names the parent's chain hash, blob
+// version 2) is never deleted before it, so a prefix loses its tail, never its head (which would
+// leave the rest unreachable: a lookup stops at the first gap), however its pages came: in one
+// batch, over several turns, children before parents (write-back evicts RAM's leaves first), or
+// after a restart. Among leaves, the least recently used goes first. Pages whose parent is
+// unknown (version 1 blobs) are leaves; a batch is refreshed last page first, so that such a
+// prefix's head is still its most recent page. The budget is enforced at the end of each put
+// (a batch may pass it for a moment).
 #pragma once
 #include <cstdint>
-#include <list>
+#include <map>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -43,6 +47,9 @@ class DiskStore : public PageStore {
   bool may_contain(const PageHash& h) const override;
   void remove(uint64_t ns_tag, const PageHash& h) override;
   void fill_stats(TierStats* s) const override;
+  // Makes the pages it holds of hashes the most recent, in order (and their files' times, which
+  // the next start reads): the tier manager's refresh of a page RAM let go again.
+  void touch(std::span<const PageHash> hashes);
 
   const std::string& root() const { return root_; }
   std::string path_of(const PageHash& h) const;  // where the page's file is (or would be)
@@ -54,18 +61,29 @@ class DiskStore : public PageStore {
  private:
   DiskStore(std::string root, int64_t max_bytes, int lock_fd) : root_(std::move(root)), max_bytes_(max_bytes), lock_fd_(lock_fd) {}
   void scan(const PageIdentity& id);
+  // Under mu_: index bookkeeping.
+  void add_locked(const PageHash& h, int64_t bytes, const PageHash& parent);
+  void touch_locked(const PageHash& h);
   void erase_locked(const PageHash& h);  // index and file
+  // Deletes leaves, least recently used first, while the store holds more than max_bytes (and
+  // more than keep pages). Returns the bytes freed.
+  int64_t trim_locked(int64_t max_bytes, size_t keep = 1);
 
   struct Entry {
     int64_t bytes;
-    std::list<PageHash>::iterator lru;  // position in lru_ (front: oldest)
+    uint64_t tick;    // recency (larger: more recent); the key in leaves_ when a leaf
+    PageHash parent;  // PageHash{}: a first page, or not known
   };
   std::string root_;
   int64_t max_bytes_;
   int lock_fd_ = -1;  // flock'd root/lock, held for the store's life
   mutable std::mutex mu_;
   std::unordered_map<PageHash, Entry, PageHashKey> index_;
-  std::list<PageHash> lru_;
+  // How many stored pages name each hash as their parent (whether that page is stored or not:
+  // write-back writes children first). Only hashes with at least one.
+  std::unordered_map<PageHash, int32_t, PageHashKey> n_children_;
+  std::map<uint64_t, PageHash> leaves_;  // stored pages no stored page continues, by tick (oldest first)
+  uint64_t tick_ = 0;
   int64_t bytes_ = 0;
   int64_t errors_ = 0;
   int64_t dropped_at_open_ = 0;  // corrupt / foreign / temp files deleted by scan()

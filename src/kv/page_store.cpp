@@ -46,10 +46,10 @@ const char* blob_check_name(BlobCheck c) {
   return "?";
 }
 
-std::string encode_blob(const PageIdentity& id, const PageHash& hash, const int32_t* tokens, uint32_t flags,
-                        std::span<const uint8_t> payload) {
+std::string encode_blob(const PageIdentity& id, const PageHash& hash, const PageHash& parent, const int32_t* tokens,
+                        uint32_t flags, std::span<const uint8_t> payload) {
   std::string s;
-  s.reserve(96 + 4 * size_t(id.block_size) + payload.size());
+  s.reserve(112 + 4 * size_t(id.block_size) + payload.size());
   s.append(kMagic, sizeof kMagic);
   put_u32(&s, kBlobVersion);
   put_u32(&s, PrefixCache::kChainHashVersion);
@@ -60,6 +60,8 @@ std::string encode_blob(const PageIdentity& id, const PageHash& hash, const int3
   put_u64(&s, hash.lo);
   put_u64(&s, hash.hi);
   put_u32(&s, flags);
+  put_u64(&s, parent.lo);
+  put_u64(&s, parent.hi);
   for (int32_t i = 0; i < id.block_size; ++i) put_u32(&s, static_cast<uint32_t>(tokens[i]));
   put_u64(&s, payload.size());
   put_u64(&s, XXH3_64bits(payload.data(), payload.size()));
@@ -75,7 +77,8 @@ BlobCheck decode_header(std::string_view blob, BlobHeader* out) {
   const uint32_t chain_version = r.u32();
   if (!r.ok) return BlobCheck::kCorrupt;
   // Another version's header may have another shape: foreign, not corrupt, and not parsed.
-  if (blob_version != kBlobVersion || chain_version != PrefixCache::kChainHashVersion) return BlobCheck::kForeign;
+  if ((blob_version != kBlobVersion && blob_version != 1) || chain_version != PrefixCache::kChainHashVersion)
+    return BlobCheck::kForeign;
   BlobHeader h;
   h.id.fingerprint = r.u64();
   h.id.format_tag = r.u32();
@@ -84,6 +87,10 @@ BlobCheck decode_header(std::string_view blob, BlobHeader* out) {
   h.hash.lo = r.u64();
   h.hash.hi = r.u64();
   h.flags = r.u32();
+  if (blob_version >= 2) {
+    h.parent.lo = r.u64();
+    h.parent.hi = r.u64();
+  }
   if (!r.ok || h.id.block_size <= 0 || h.id.block_size > 4096) return BlobCheck::kCorrupt;
   h.tokens.resize(h.id.block_size);
   for (auto& t : h.tokens) t = static_cast<int32_t>(r.u32());

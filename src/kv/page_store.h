@@ -11,6 +11,8 @@
 //   u64 hash.lo  u64 hash.hi      (the page's chain hash: its key in every store)
 //   u32 flags (bit 3: Quest key summaries follow the K/V bytes; bit 2: the sliding-window
 //       layer group's K/V of the same position follows, hybrid models)
+//   u64 parent.lo  u64 parent.hi  (version 2: the chain hash of the page before it, all zero for
+//       a namespace's first page; the disk store evicts pages no stored page continues first)
 //   i32 tokens[block_size]        (the page's tokens)
 //   u64 payload bytes             u64 XXH3-64 of the payload
 //   u64 XXH3-64 of every header byte before this one
@@ -29,7 +31,9 @@
 
 namespace kv {
 
-inline constexpr uint32_t kBlobVersion = 1;
+// 2: the parent's chain hash after the flags. Version 1 blobs (without it) are still read: their
+// parent is unknown.
+inline constexpr uint32_t kBlobVersion = 2;
 // Bit 3: Quest's key summaries follow (PagePool::key_stats: 8-bit mean and variance per part of
 // kQuestKeysPerPart slots). Earlier bits, no longer written: bit 0 (min/max bounds per page,
 // before 2026-11-27), bit 1 (f16 mean and variance per page, until 2026-11-28). Such a blob is
@@ -49,9 +53,10 @@ struct PageIdentity {
 
 uint64_t namespace_tag(std::string_view ns);
 
-// Header + payload. payload is the page's bytes in the pool's format.
-std::string encode_blob(const PageIdentity& id, const PageHash& hash, const int32_t* tokens, uint32_t flags,
-                        std::span<const uint8_t> payload);
+// Header + payload. payload is the page's bytes in the pool's format; parent is the chain hash
+// of the page before this one (PageHash{} for a namespace's first page).
+std::string encode_blob(const PageIdentity& id, const PageHash& hash, const PageHash& parent, const int32_t* tokens,
+                        uint32_t flags, std::span<const uint8_t> payload);
 
 enum class BlobCheck { kOk, kCorrupt, kForeign };
 const char* blob_check_name(BlobCheck c);
@@ -60,6 +65,7 @@ const char* blob_check_name(BlobCheck c);
 struct BlobHeader {
   PageIdentity id;
   PageHash hash;
+  PageHash parent;          // PageHash{}: a namespace's first page, or unknown (a version 1 blob)
   uint32_t flags = 0;
   std::vector<int32_t> tokens;
   uint64_t payload_bytes = 0;

@@ -93,12 +93,13 @@ std::vector<PageHash> PrefixCache::hash_pages(std::string_view ns, const int32_t
 }
 
 void PrefixCache::for_each_page(
-    const std::function<void(const PageHash&, const std::string&, const int32_t*, int32_t, int32_t)>& f) const {
+    const std::function<void(const PageHash&, const PageHash&, const std::string&, const int32_t*, int32_t, int32_t)>& f) const {
   for (int32_t x = 0; x < static_cast<int32_t>(nodes_.size()); ++x) {
     const Node& n = nodes_[x];
     if (!n.live || n.parent < 0) continue;
     for (size_t k = 0; k < n.pages.size(); ++k)
-      f(n.hashes[k], ns_of(x), n.tokens.data() + k * block_size_, n.pages[k], n.wpages.empty() ? -1 : n.wpages[k]);
+      f(n.hashes[k], page_parent(x, static_cast<int32_t>(k)), ns_of(x), n.tokens.data() + k * block_size_, n.pages[k],
+        n.wpages.empty() ? -1 : n.wpages[k]);
   }
 }
 
@@ -167,6 +168,7 @@ const std::string& PrefixCache::ns_of(int32_t x) const {
 }
 
 PageHash PrefixCache::parent_hash(int32_t x) const { return node(x).parent < 0 ? PageHash{} : node(x).hashes.back(); }
+PageHash PrefixCache::page_parent(int32_t x, int32_t k) const { return k > 0 ? node(x).hashes[k - 1] : parent_hash(node(x).parent); }
 
 PageHash PrefixCache::page_hash(const PrefixHandle& h) const {
   if (h.empty()) return PageHash{};
@@ -514,6 +516,7 @@ PrefixInsert PrefixCache::insert(const std::string& ns, const int32_t* tokens, i
       assert(p >= 0 && p < pool_.n_pages() && !is_cached(p) && pool_.refcount(p) > 0);
       pool_.retain(p);
       page_node_[p] = y;
+      const PageHash parent = h;
       h = chain_hash(h, t, block_size_, model_fingerprint_, kv_dtype_tag_, ns);
       Y.tokens.insert(Y.tokens.end(), t, t + block_size_);
       Y.pages.push_back(p);
@@ -523,7 +526,7 @@ PrefixInsert PrefixCache::insert(const std::string& ns, const int32_t* tokens, i
         Y.wpages.push_back(-1);
         if (window_pages) adopt_window(Y, y, k, static_cast<int32_t>(Y.wpages.size()) - 1);
       }
-      if (listener_) listener_->page_cached(h, ns, t, p, wpool_ ? Y.wpages.back() : -1);
+      if (listener_) listener_->page_cached(h, parent, ns, t, p, wpool_ ? Y.wpages.back() : -1);
     }
     r.n_new_pages = static_cast<int32_t>(n_pages - w.n_pages);
     nodes_[end].children.emplace(page_key(Y.tokens.data()), y);
@@ -562,8 +565,8 @@ int32_t PrefixCache::evict(int32_t n_pages) {
         }
       if (listener_)
         for (size_t k = 0; k < n.pages.size(); ++k)
-          listener_->page_evicted(n.hashes[k], ns_of(x), n.tokens.data() + k * block_size_, n.pages[k],
-                                  n.wpages.empty() ? -1 : n.wpages[k]);
+          listener_->page_evicted(n.hashes[k], page_parent(x, static_cast<int32_t>(k)), ns_of(x),
+                                  n.tokens.data() + k * block_size_, n.pages[k], n.wpages.empty() ? -1 : n.wpages[k]);
       for (int32_t page : n.pages) {
         page_node_[page] = -1;
         pool_.release(page);
@@ -582,8 +585,8 @@ int32_t PrefixCache::evict(int32_t n_pages) {
       for (int32_t k = 0; k < take; ++k) {
         const int32_t page = n.pages.back();
         if (listener_)
-          listener_->page_evicted(n.hashes.back(), ns_of(x), n.tokens.data() + n.tokens.size() - block_size_, page,
-                                  n.wpages.empty() ? -1 : n.wpages.back());
+          listener_->page_evicted(n.hashes.back(), page_parent(x, static_cast<int32_t>(n.hashes.size()) - 1), ns_of(x),
+                                  n.tokens.data() + n.tokens.size() - block_size_, page, n.wpages.empty() ? -1 : n.wpages.back());
         if (wpool_) {
           if (n.wpages.back() >= 0) drop_wpage(n, static_cast<int32_t>(n.wpages.size()) - 1);
           n.wpages.pop_back();
@@ -632,7 +635,8 @@ bool PrefixCache::ensure_free_window(int32_t n_free) {
         if (n.wpages[k] >= 0 && wpool_->refcount(n.wpages[k]) == 1) {
           // (Pass 0's pages no match can read: not worth writing down.)
           if (listener_ && pass == 1)
-            listener_->window_page_evicted(n.hashes[k], ns_of(x), n.tokens.data() + k * block_size_, n.pages[k], n.wpages[k]);
+            listener_->window_page_evicted(n.hashes[k], page_parent(x, k), ns_of(x), n.tokens.data() + k * block_size_,
+                                           n.pages[k], n.wpages[k]);
           drop_wpage(n, k);
         }
       wlru_update(x);

@@ -149,18 +149,19 @@ struct WindowGroup {
 // Told about pages entering and leaving the cache (the tier manager writes them below RAM).
 // Every call comes while the cache still holds the pages named, so their contents are readable.
 // wpage (hybrid models): the position's window-group page, -1 when the cache holds none.
+// parent: the chain hash of the page before (PageHash{} for a namespace's first page).
 struct PageListener {
   virtual ~PageListener() = default;
   // insert() adopted `page` as the page with chain hash h (its tokens: block_size of them).
-  virtual void page_cached(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page,
-                           int32_t wpage = -1) = 0;
+  virtual void page_cached(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens,
+                           int32_t page, int32_t wpage = -1) = 0;
   // evict() is dropping the cache's reference on `page` (and on wpage with it).
-  virtual void page_evicted(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page,
-                            int32_t wpage = -1) = 0;
+  virtual void page_evicted(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens,
+                            int32_t page, int32_t wpage = -1) = 0;
   // Hybrid models: ensure_free_window() is dropping the window page wpage of a position still
   // cached (global page `page`) while a match ending at a node end could read it (the pages no
   // such match reads go unannounced).
-  virtual void window_page_evicted(const PageHash&, const std::string&, const int32_t*, int32_t, int32_t) {}
+  virtual void window_page_evicted(const PageHash&, const PageHash&, const std::string&, const int32_t*, int32_t, int32_t) {}
 };
 
 class PrefixCache {
@@ -258,7 +259,8 @@ class PrefixCache {
   PageHash page_hash(const PrefixHandle& h) const;
   // Calls f(hash, namespace, tokens, page, window page or -1) for every cached page (a shutdown
   // writing them down).
-  void for_each_page(const std::function<void(const PageHash&, const std::string&, const int32_t*, int32_t, int32_t)>& f) const;
+  void for_each_page(
+      const std::function<void(const PageHash&, const PageHash&, const std::string&, const int32_t*, int32_t, int32_t)>& f) const;
   // Pages on the handle's path, root first.
   std::vector<int32_t> path_pages(const PrefixHandle& h) const;
   // Their window-group pages (hybrid models; -1 where none), root first.
@@ -339,6 +341,7 @@ class PrefixCache {
   void update_lru(int32_t x);  // in the LRU set iff non-root, unpinned and childless
   void remove_node(int32_t x);
   PageHash parent_hash(int32_t x) const;
+  PageHash page_parent(int32_t x, int32_t k) const;  // the chain hash before page k of node x
   const Node& node(int32_t x) const { return nodes_[x]; }
 
   PagePool& pool_;

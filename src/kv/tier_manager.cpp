@@ -81,20 +81,24 @@ int64_t TierManager::payload_bytes(bool window) const {
 
 // ---- down ---------------------------------------------------------------------------------
 
-void TierManager::page_cached(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page, int32_t) {
+void TierManager::page_cached(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens,
+                              int32_t page, int32_t) {
   // Without the window page: only a prefix's last window needs it (see above).
-  if (cfg_.write_through) store(h, ns, tokens, page);
+  if (cfg_.write_through) store(h, parent, ns, tokens, page);
 }
 
-void TierManager::page_evicted(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page, int32_t wpage) {
-  if (!cfg_.write_through) store(h, ns, tokens, page, wpage);
+void TierManager::page_evicted(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens,
+                               int32_t page, int32_t wpage) {
+  if (!cfg_.write_through) return store(h, parent, ns, tokens, page, wpage);
+  // Written when cached: leaving RAM, it is refreshed on disk.
+  if (disk_ && disk_->may_contain(h)) refresh(h);
 }
 
 // A window page leaving a position still cached (write-back): the blob with it replaces one
 // written without.
-void TierManager::window_page_evicted(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page,
-                                      int32_t wpage) {
-  if (!cfg_.write_through) store(h, ns, tokens, page, wpage);
+void TierManager::window_page_evicted(const PageHash& h, const PageHash& parent, const std::string& ns,
+                                      const int32_t* tokens, int32_t page, int32_t wpage) {
+  if (!cfg_.write_through) store(h, parent, ns, tokens, page, wpage);
 }
 
 bool TierManager::may_contain(const PageHash& h) const {
@@ -103,17 +107,18 @@ bool TierManager::may_contain(const PageHash& h) const {
   return false;
 }
 
-void TierManager::store(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page, int32_t wpage) {
+void TierManager::store(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens,
+                        int32_t page, int32_t wpage) {
   if (!pool_ || stores_.empty()) return;
   const bool win = wpage >= 0 && wpool_ && has_window_;
   // Already below (with its window page, if this write has one): the disk's index says so
   // exactly (a blob with the window page is the larger); with Redis, remember what this process
-  // wrote.
+  // wrote. The disk's copy is then refreshed instead.
   const bool disk_only = disk_ && stores_.size() == 1;
   if (disk_only) {
-    if (win ? disk_->blob_bytes(h) >= payload_bytes(true) : disk_->may_contain(h)) return;
+    if (win ? disk_->blob_bytes(h) >= payload_bytes(true) : disk_->may_contain(h)) return refresh(h);
   } else {
-    if ((win ? written_window_ : written_).count(h) > 0) return;
+    if ((win ? written_window_ : written_).count(h) > 0) return refresh(h);
     if (written_.size() >= kWrittenCap) {
       written_.clear();
       written_window_.clear();
@@ -121,21 +126,34 @@ void TierManager::store(const PageHash& h, const std::string& ns, const int32_t*
     written_.insert(h);
     if (win) written_window_.insert(h);
   }
-  queue_write(page_write(h, ns, tokens, page, win ? wpage : -1));
+  queue_write(page_write(h, parent, ns, tokens, page, win ? wpage : -1));
 }
 
-bool TierManager::store_tail(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page) {
+// A prefix used again in RAM since the disk got it is recent again there. Through the queue, so
+// that it lands after the writes of the pages that continue it (RAM evicts those first).
+void TierManager::refresh(const PageHash& h) {
+  if (!disk_) return;
+  Write w;
+  w.hash = h;
+  w.touch = true;
+  w.only_store = 0;
+  queue_write(std::move(w));
+}
+
+bool TierManager::store_tail(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens,
+                             int32_t page) {
   const int32_t shared = static_cast<int32_t>(stores_.size()) - 1;  // L3 (Redis) is the last store
   if (!pool_ || shared < 0 || stores_[shared].get() == disk_) return false;
-  Write w = page_write(h, ns, tokens, page);
+  Write w = page_write(h, parent, ns, tokens, page);
   w.only_store = shared;
   return queue_write(std::move(w));
 }
 
-TierManager::Write TierManager::page_write(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page,
-                                           int32_t wpage) const {
+TierManager::Write TierManager::page_write(const PageHash& h, const PageHash& parent, const std::string& ns,
+                                           const int32_t* tokens, int32_t page, int32_t wpage) const {
   Write w;
   w.hash = h;
+  w.parent = parent;
   w.ns_tag = namespace_tag(ns);
   w.tokens.assign(tokens, tokens + layout_.block_size);
   const bool win = wpage >= 0 && wpool_ && has_window_;
@@ -156,7 +174,7 @@ bool TierManager::queue_write(Write w) {
   const int64_t bytes = static_cast<int64_t>(w.payload.size() + w.blob.size());
   {
     std::lock_guard<std::mutex> l(mu_);
-    if (pending_bytes_ + bytes > cfg_.max_pending_bytes) {
+    if (!w.touch && pending_bytes_ + bytes > cfg_.max_pending_bytes) {  // a refresh costs nothing: never dropped
       for (size_t i = 0; i < stores_.size(); ++i)
         if (w.only_store < 0 || w.only_store == static_cast<int32_t>(i)) ++stats_[i].s.write_drops;
       // written_ is the engine thread's: only its own writes (store()) were added there; a
@@ -190,10 +208,15 @@ void TierManager::writer_loop() {
     std::vector<std::string> blobs;
     std::vector<uint64_t> tags;
     std::vector<int32_t> only;
+    std::vector<PageHash> touches;  // pages the disk holds, to refresh there
     for (Write& w : batch) {
       batch_bytes += static_cast<int64_t>(w.payload.size() + w.blob.size());
+      if (w.touch) {
+        touches.push_back(w.hash);
+        continue;
+      }
       if (w.blob.empty())
-        w.blob = encode_blob(identity(w.ns_tag), w.hash, w.tokens.data(), w.flags,
+        w.blob = encode_blob(identity(w.ns_tag), w.hash, w.parent, w.tokens.data(), w.flags,
                              std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(w.payload.data()), w.payload.size()));
       hashes.push_back(w.hash);
       tags.push_back(w.ns_tag);
@@ -223,6 +246,8 @@ void TierManager::writer_loop() {
         }
       }
     }
+    // After this batch's writes: a refreshed prefix is more recent than the pages written before it.
+    if (disk_ && !touches.empty()) disk_->touch(touches);
     {
       std::lock_guard<std::mutex> l(mu_);
       pending_bytes_ -= batch_bytes;

@@ -5,7 +5,8 @@
 // (PageListener). Write-back (the default) writes a page when the cache evicts it; write-through
 // as soon as the cache adopts it. Either way the engine thread only copies the page's bytes out
 // of the pool (a memcpy) and queues them; a writer thread encodes the blob (header, checksums)
-// and puts it in every store. A page the disk already holds is not written again. When the
+// and puts it in every store. A page the disk already holds is not written again, only refreshed
+// there (in queue order: after the pages that continue it, which RAM evicts first). When the
 // queue holds more than max_pending_bytes, new writes are dropped (counted), never waited for.
 //
 // Up (loads). fetch() queues a lookup of consecutive pages by chain hash (the part of a prompt
@@ -91,16 +92,22 @@ class TierManager : public PageListener {
   void set_notify(std::function<void()> f) { notify_ = std::move(f); }
 
   // PageListener (engine thread): write-through / write-back.
-  void page_cached(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page, int32_t wpage = -1) override;
-  void page_evicted(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page, int32_t wpage = -1) override;
-  void window_page_evicted(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page, int32_t wpage) override;
+  void page_cached(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens, int32_t page,
+                   int32_t wpage = -1) override;
+  void page_evicted(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens, int32_t page,
+                    int32_t wpage = -1) override;
+  void window_page_evicted(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens,
+                           int32_t page, int32_t wpage) override;
   // Queues a write of one pool page (e.g. a preempted sequence's pages, swap mode), with the
-  // window pool's page wpage of the same position when >= 0.
-  void store(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page, int32_t wpage = -1);
+  // window pool's page wpage of the same position when >= 0. parent: the chain hash of the page
+  // before it (PageHash{} for the first). A page the disk holds already is not written again,
+  // but its recency there is refreshed, in queue order with the writes.
+  void store(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens, int32_t page,
+             int32_t wpage = -1);
   // A prompt's partly filled last page for another instance (prefill/decode disaggregation): read
   // once, so it goes to the shared store (Redis) alone, never to a local disk. False when it was
   // not queued (no shared store, or the queue is full).
-  bool store_tail(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page);
+  bool store_tail(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens, int32_t page);
   // Whether some store may hold h (disk: its index; Redis: always).
   bool may_contain(const PageHash& h) const;
 
@@ -142,6 +149,8 @@ class TierManager : public PageListener {
   TierManager(const TierConfig& cfg, const KvLayout& layout, bool key_stats, uint64_t fingerprint, const KvLayout* window);
   struct Write {
     PageHash hash;
+    PageHash parent;         // the chain hash of the page before (PageHash{}: the first)
+    bool touch = false;      // refresh the disk's recency of a page it holds; nothing to write
     uint64_t ns_tag;
     std::vector<int32_t> tokens;
     std::string payload;     // page bytes (encoded into a blob by the writer)
@@ -160,8 +169,10 @@ class TierManager : public PageListener {
   };
   void writer_loop();
   void loader_loop();
-  Write page_write(const PageHash& h, const std::string& ns, const int32_t* tokens, int32_t page, int32_t wpage = -1) const;
+  Write page_write(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens, int32_t page,
+                   int32_t wpage = -1) const;
   bool queue_write(Write w);  // false: dropped (the queue is full)
+  void refresh(const PageHash& h);  // queues a touch of the disk's copy
   PageIdentity identity(uint64_t ns_tag) const;
   int64_t payload_bytes(bool window = false) const;
 

@@ -12,6 +12,7 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <atomic>
 #include <chrono>
@@ -96,7 +97,7 @@ const PageIdentity kId{0x1122334455667788ull, 0xabcdef01u, kBlobBs, 0x0badf00dca
 std::string make_blob(uint64_t i, size_t payload = 1000, const PageIdentity& id = kId) {
   const auto tok = tokens_for(id.block_size, static_cast<int32_t>(i));
   const auto p = payload_for(payload, static_cast<uint32_t>(i));
-  return encode_blob(id, hash_of(i), tok.data(), 0, p);
+  return encode_blob(id, hash_of(i), PageHash{}, tok.data(), 0, p);
 }
 
 BlobCheck check_i(const std::string& blob, uint64_t i, const PageIdentity& id = kId) {
@@ -109,7 +110,7 @@ BlobCheck check_i(const std::string& blob, uint64_t i, const PageIdentity& id = 
 TEST(KvTierBlob, RoundTripAndHeader) {
   const auto tok = tokens_for(kBlobBs, 5);
   const auto p = payload_for(777, 5);
-  const std::string b = encode_blob(kId, hash_of(5), tok.data(), kBlobFlagKeyStats, p);
+  const std::string b = encode_blob(kId, hash_of(5), PageHash{}, tok.data(), kBlobFlagKeyStats, p);
   BlobHeader h;
   ASSERT_EQ(check_blob(b, kId, hash_of(5), tok.data(), &h), BlobCheck::kOk);
   EXPECT_EQ(h.id.fingerprint, kId.fingerprint);
@@ -122,8 +123,9 @@ TEST(KvTierBlob, RoundTripAndHeader) {
   EXPECT_EQ(h.payload_bytes, 777u);
   EXPECT_EQ(h.header_bytes + h.payload_bytes, b.size());
   // The documented layout: magic 8, versions 4 + 4, fingerprint 8, format tag 4, block size 4,
-  // namespace 8, hash 16, flags 4, tokens 4 each, payload size 8, payload XXH3 8, header XXH3 8.
-  EXPECT_EQ(h.header_bytes, 84u + 4u * kBlobBs);
+  // namespace 8, hash 16, flags 4, parent hash 16 (version 2), tokens 4 each, payload size 8,
+  // payload XXH3 8, header XXH3 8.
+  EXPECT_EQ(h.header_bytes, 100u + 4u * kBlobBs);
   EXPECT_EQ(b.compare(0, 8, std::string("KVSPAGE\0", 8)), 0);
   EXPECT_EQ(std::memcmp(b.data() + h.header_bytes, p.data(), p.size()), 0);
   // decode_header alone agrees.
@@ -131,7 +133,7 @@ TEST(KvTierBlob, RoundTripAndHeader) {
   ASSERT_EQ(decode_header(b, &h2), BlobCheck::kOk);
   EXPECT_EQ(h2.header_bytes, h.header_bytes);
   // An empty payload is a valid blob too.
-  const std::string e = encode_blob(kId, hash_of(5), tok.data(), 0, {});
+  const std::string e = encode_blob(kId, hash_of(5), PageHash{}, tok.data(), 0, {});
   EXPECT_EQ(check_blob(e, kId, hash_of(5), tok.data()), BlobCheck::kOk);
   EXPECT_STREQ(blob_check_name(BlobCheck::kCorrupt), "corrupt");
 }
@@ -214,6 +216,31 @@ TEST(KvTierBlob, OtherVersionIsForeign) {
   EXPECT_EQ(check_i(c2, 6), BlobCheck::kForeign);
   // A future version's blob may be shorter than ours: still foreign, not corrupt.
   EXPECT_EQ(check_i(v2.substr(0, 20), 6), BlobCheck::kForeign);
+}
+
+TEST(KvTierBlob, Version1BlobsAreStillRead) {
+  // Version 2 added the parent's hash after the flags; a version 1 blob (a disk tier or a Redis
+  // written before) still loads, with no parent.
+  const std::string b2 = make_blob(6);
+  BlobHeader h2;
+  ASSERT_EQ(decode_header(b2, &h2), BlobCheck::kOk);
+  std::string b1 = b2;
+  b1.erase(60, 16);  // magic 8, versions 8, fingerprint 8, tag 4, block size 4, ns 8, hash 16, flags 4
+  for (int k = 0; k < 4; ++k) b1[8 + k] = static_cast<char>(k == 0 ? 1 : 0);
+  const size_t covered = 60 + 4 * size_t(kBlobBs) + 16;
+  const uint64_t x = XXH3_64bits(b1.data(), covered);
+  for (int k = 0; k < 8; ++k) b1[covered + k] = static_cast<char>(x >> (8 * k));
+  BlobHeader h1;
+  ASSERT_EQ(decode_header(b1, &h1), BlobCheck::kOk);
+  EXPECT_EQ(h1.parent, PageHash{});
+  EXPECT_EQ(h1.header_bytes + 16, h2.header_bytes);
+  EXPECT_EQ(check_i(b1, 6), BlobCheck::kOk);
+  // And the parent a version 2 blob names comes back.
+  const auto tok = tokens_for(kBlobBs, 8);
+  const std::string c = encode_blob(kId, hash_of(8), hash_of(7), tok.data(), 0, payload_for(10, 1));
+  BlobHeader hc;
+  ASSERT_EQ(decode_header(c, &hc), BlobCheck::kOk);
+  EXPECT_EQ(hc.parent, hash_of(7));
 }
 
 // ---- KvLayout::format_tag ----------------------------------------------------------------
@@ -508,6 +535,107 @@ TEST(KvTierDiskStore, OverBudgetAPrefixLosesItsTailNotItsHead) {
   EXPECT_FALSE(s->may_contain(hash_of(11)));
 }
 
+// Pages of a chain: page i names page i - 1 as its parent (the chain's first page: none).
+std::string chain_blob(uint64_t i, uint64_t first, size_t payload = 1000) {
+  const auto tok = tokens_for(kId.block_size, static_cast<int32_t>(i));
+  const auto p = payload_for(payload, static_cast<uint32_t>(i));
+  return encode_blob(kId, hash_of(i), i > first ? hash_of(i - 1) : PageHash{}, tok.data(), 0, p);
+}
+// put() of pages ids (in that order) of the chain starting at first.
+void put_chain(PageStore& s, std::vector<uint64_t> ids, uint64_t first) {
+  std::vector<PageHash> hs;
+  std::vector<std::string> bs;
+  for (uint64_t i : ids) {
+    hs.push_back(hash_of(i));
+    bs.push_back(chain_blob(i, first));
+  }
+  s.put(hs, std::vector<uint64_t>(ids.size(), kId.ns_tag), bs);
+}
+// How many pages of the chain first..first+n-1 a lookup gets (it stops at the first gap).
+int reachable(PageStore& s, uint64_t first, int n) {
+  std::vector<PageHash> hs;
+  for (int i = 0; i < n; ++i) hs.push_back(hash_of(first + i));
+  auto got = s.get(kId.ns_tag, hs);
+  int k = 0;
+  while (k < n && got[k]) ++k;
+  return k;
+}
+
+TEST(KvTierDiskStore, AcrossTurnsAPrefixLosesItsTailNotItsHead) {
+  // Turn 1 wrote pages 0-3; turn 2, later, continues them with 4-7. Plain LRU held 0-3 as the
+  // oldest and deleted the head first, leaving 4-7 on disk and unreachable. With the blobs'
+  // parent links the pages no stored page continues go first: the tail.
+  TmpDir t("disk");
+  const int64_t n = static_cast<int64_t>(chain_blob(0, 0).size());
+  auto s = open_disk(t.path, 6 * n);
+  ASSERT_TRUE(s);
+  put_chain(*s, {0, 1, 2, 3}, 0);
+  put_chain(*s, {4, 5, 6, 7}, 0);
+  EXPECT_EQ(s->n_pages(), 6);
+  EXPECT_EQ(reachable(*s, 0, 8), 6);
+  // Another conversation (10-12) arrives: the older chain's tail goes, not its head.
+  put_chain(*s, {10, 11, 12}, 10);
+  EXPECT_EQ(s->n_pages(), 6);
+  EXPECT_EQ(reachable(*s, 0, 8), 3);
+  EXPECT_EQ(reachable(*s, 10, 3), 3);
+  // A restart reads the links from the blobs: trimmed to 4 pages, both heads stay, and the
+  // least recently used leaf (the first chain's page 2) went first.
+  s.reset();
+  s = open_disk(t.path, 4 * n);
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->n_pages(), 4);
+  EXPECT_EQ(reachable(*s, 0, 8) + reachable(*s, 10, 3), 4);
+  EXPECT_GE(reachable(*s, 0, 8), 1);
+  EXPECT_GE(reachable(*s, 10, 3), 1);
+}
+
+TEST(KvTierDiskStore, ChildrenWrittenBeforeTheirParentsStillGoFirst) {
+  // Write-back writes what RAM evicts, and RAM evicts its leaves first: a prefix's deeper
+  // pages reach the disk before its head, in separate batches.
+  TmpDir t("disk");
+  const int64_t n = static_cast<int64_t>(chain_blob(0, 0).size());
+  auto s = open_disk(t.path, 4 * n);
+  ASSERT_TRUE(s);
+  put_chain(*s, {5, 6, 7}, 0);
+  put_chain(*s, {3, 4}, 0);
+  put_chain(*s, {0, 1, 2}, 0);
+  EXPECT_EQ(s->n_pages(), 4);
+  EXPECT_EQ(reachable(*s, 0, 8), 4);
+  // Two branches on a shared head (pages 0-1): page 2 (older) and page 3 (newer) both continue
+  // page 1. Over the budget the older branch goes; the shared head stays while a branch needs it.
+  TmpDir t2("disk");
+  auto s2 = open_disk(t2.path, 3 * n);
+  ASSERT_TRUE(s2);
+  put_chain(*s2, {0, 1}, 0);
+  const auto tok2 = tokens_for(kId.block_size, 2), tok3 = tokens_for(kId.block_size, 3);
+  const auto p = payload_for(1000, 9);
+  const PageHash a = hash_of(2), b = hash_of(3);
+  const std::vector<std::string> ba = {encode_blob(kId, a, hash_of(1), tok2.data(), 0, p)};
+  const std::vector<std::string> bb = {encode_blob(kId, b, hash_of(1), tok3.data(), 0, p)};
+  s2->put(std::span<const PageHash>(&a, 1), std::vector<uint64_t>{kId.ns_tag}, ba);
+  s2->put(std::span<const PageHash>(&b, 1), std::vector<uint64_t>{kId.ns_tag}, bb);
+  EXPECT_EQ(s2->n_pages(), 3);  // the older branch (page 2) went
+  EXPECT_TRUE(s2->may_contain(hash_of(0)));
+  EXPECT_TRUE(s2->may_contain(hash_of(1)));
+  EXPECT_FALSE(s2->may_contain(a));
+  EXPECT_TRUE(s2->may_contain(b));
+}
+
+TEST(KvTierDiskStore, TouchMakesAPrefixRecent) {
+  TmpDir t("disk");
+  const int64_t n = static_cast<int64_t>(chain_blob(0, 0).size());
+  auto s = open_disk(t.path, 4 * n);
+  ASSERT_TRUE(s);
+  put_chain(*s, {0, 1}, 0);
+  put_chain(*s, {10, 11}, 10);
+  const std::vector<PageHash> old = {hash_of(1), hash_of(0)};
+  s->touch(old);  // 0-1 used again: 10-11 is now the least recently used
+  put_chain(*s, {20, 21}, 20);
+  EXPECT_EQ(reachable(*s, 0, 2), 2);
+  EXPECT_EQ(reachable(*s, 20, 2), 2);
+  EXPECT_EQ(reachable(*s, 10, 2), 0);
+}
+
 TEST(KvTierDiskStore, AFullFilesystemMakesRoomFromTheOldestPages) {
   // The filesystem fills before --kv-disk-bytes does (a small tmpfs here): the store evicts its
   // least recently used pages and writes. It used to drop every later write.
@@ -666,10 +794,10 @@ TEST_P(KvTierManagerLayouts, WriteBackFetchInstallRoundTrip) {
   const auto tokens = tokens_for(3 * bs, 11);
   for (int32_t p = 0; p < 3; ++p) fill_page(pool, p, 100 + p);
   // Write-back: adoption by the cache writes nothing, eviction writes.
-  tm->page_cached(hash_of(0), ns, tokens.data(), 0);
+  tm->page_cached(hash_of(0), PageHash{}, ns, tokens.data(), 0);
   tm->flush();
   EXPECT_EQ(tm->disk()->n_pages(), 0);
-  for (int32_t p = 0; p < 3; ++p) tm->page_evicted(hash_of(p), ns, tokens.data() + p * bs, p);
+  for (int32_t p = 0; p < 3; ++p) tm->page_evicted(hash_of(p), PageHash{}, ns, tokens.data() + p * bs, p);
   tm->flush();
   EXPECT_EQ(tm->disk()->n_pages(), 3);
   EXPECT_TRUE(tm->may_contain(hash_of(1)));
@@ -751,7 +879,7 @@ struct TmFixture {
     if (tm) tm->set_pool(&pool);
     for (int32_t p = 0; p < 4; ++p) fill_page(pool, p, 50 + p);
   }
-  void store(int32_t p) { tm->store(hash_of(p), ns, tokens.data() + p * bs, p); }
+  void store(int32_t p) { tm->store(hash_of(p), PageHash{}, ns, tokens.data() + p * bs, p); }
   std::optional<TierManager::Loaded> lookup(int32_t n) {
     std::vector<PageHash> hs;
     for (int32_t p = 0; p < n; ++p) hs.push_back(hash_of(p));
@@ -841,19 +969,66 @@ TEST(KvTierManager, WriteThroughAndNoRewrite) {
   tm->set_pool(&pool);
   fill_page(pool, 0, 1);
   const auto tok = tokens_for(L.block_size, 1);
-  tm->page_cached(hash_of(0), "n", tok.data(), 0);
+  tm->page_cached(hash_of(0), PageHash{}, "n", tok.data(), 0);
   tm->flush();
   EXPECT_EQ(tm->disk()->n_pages(), 1);
-  tm->page_evicted(hash_of(0), "n", tok.data(), 0);  // already written: not again
-  tm->page_cached(hash_of(0), "n", tok.data(), 0);
+  tm->page_evicted(hash_of(0), PageHash{}, "n", tok.data(), 0);  // already written: not again
+  tm->page_cached(hash_of(0), PageHash{}, "n", tok.data(), 0);
   tm->flush();
   EXPECT_EQ(tm->stats()[0].s.pages_written, 1);
   // No pool set: nothing is written (and nothing crashes). (One store per directory at a time.)
   tm.reset();
   auto tm2 = make_tiers(cfg, L);
-  tm2->page_cached(hash_of(1), "n", tok.data(), 0);
+  tm2->page_cached(hash_of(1), PageHash{}, "n", tok.data(), 0);
   tm2->flush();
   EXPECT_EQ(tm2->stats()[0].s.pages_written, 0);
+}
+
+TEST(KvTierManager, APageRamLetsGoAgainIsRefreshedNotRewritten) {
+  // Write-back: prefix A (pages 0-1) goes down, then prefix B (10-11). A is used again in RAM and
+  // evicted again: the disk holds it, so it is refreshed (not rewritten), and a third prefix
+  // pushes out B, the least recently used, instead of A.
+  const KvLayout L = layout_of(KvDtype::kF16);
+  PagePool pool(L, 8, 4);
+  for (int32_t p = 0; p < 6; ++p) fill_page(pool, p, 70 + p);
+  const auto tok = tokens_for(6 * L.block_size, 5);
+  const int32_t bs = L.block_size;
+  TierConfig cfg;
+  int64_t blob = 0;
+  {
+    TmpDir probe("tm");
+    cfg.disk_dir = probe.path;
+    auto tm = make_tiers(cfg, L);
+    ASSERT_TRUE(tm);
+    tm->set_pool(&pool);
+    tm->page_evicted(hash_of(0), PageHash{}, "n", tok.data(), 0);
+    tm->flush();
+    blob = tm->disk()->bytes();
+  }
+  ASSERT_GT(blob, 0);
+  TmpDir dir("tm");
+  cfg.disk_dir = dir.path;
+  cfg.disk_bytes = 4 * blob;
+  auto tm = make_tiers(cfg, L);
+  ASSERT_TRUE(tm);
+  tm->set_pool(&pool);
+  auto evict = [&](uint64_t h, int32_t k, int32_t page) {  // page k of the prefix starting at h - k
+    tm->page_evicted(hash_of(h), k > 0 ? hash_of(h - 1) : PageHash{}, "n", tok.data() + page * bs, page);
+    tm->flush();
+  };
+  evict(0, 0, 0);
+  evict(1, 1, 1);
+  evict(10, 0, 2);
+  evict(11, 1, 3);
+  evict(1, 1, 1);  // A again, leaves first as RAM evicts
+  evict(0, 0, 0);
+  EXPECT_EQ(tm->stats()[0].s.pages_written, 4);
+  evict(20, 0, 4);
+  evict(21, 1, 5);
+  const DiskStore* d = tm->disk();
+  EXPECT_EQ(d->n_pages(), 4);
+  for (uint64_t h : {0, 1, 20, 21}) EXPECT_TRUE(d->may_contain(hash_of(h))) << h;
+  for (uint64_t h : {10, 11}) EXPECT_FALSE(d->may_contain(hash_of(h))) << h;
 }
 
 // Hybrid models: a page's blob carries its window-group page when one is given; a write with
@@ -881,11 +1056,11 @@ TEST(KvTierManager, HybridBlobsCarryTheWindowPage) {
   fill_page(wpool, 2, 3);
   const auto tok = tokens_for(2 * L.block_size, 1);
   const std::string ns = "n";
-  tm->page_evicted(hash_of(0), ns, tok.data(), 0);  // no window page: written without
-  tm->page_evicted(hash_of(1), ns, tok.data() + L.block_size, 1, 2);
+  tm->page_evicted(hash_of(0), PageHash{}, ns, tok.data(), 0);  // no window page: written without
+  tm->page_evicted(hash_of(1), PageHash{}, ns, tok.data() + L.block_size, 1, 2);
   tm->flush();
   EXPECT_EQ(tm->stats()[0].s.pages_written, 2);
-  tm->page_evicted(hash_of(1), ns, tok.data() + L.block_size, 1);  // has it with the window page: no
+  tm->page_evicted(hash_of(1), PageHash{}, ns, tok.data() + L.block_size, 1);  // has it with the window page: no
   tm->flush();
   EXPECT_EQ(tm->stats()[0].s.pages_written, 2);
   std::vector<PageHash> hs = {hash_of(0), hash_of(1)};
@@ -903,7 +1078,7 @@ TEST(KvTierManager, HybridBlobsCarryTheWindowPage) {
   expect_same_page(wpool, 2, wpool2, 3);
   // The window pool drops the position's window page (write-back): written again, with it.
   fill_page(wpool, 1, 4);
-  tm->window_page_evicted(hash_of(0), ns, tok.data(), 0, 1);
+  tm->window_page_evicted(hash_of(0), PageHash{}, ns, tok.data(), 0, 1);
   tm->flush();
   EXPECT_EQ(tm->stats()[0].s.pages_written, 3);
   got = wait_loaded(*tm, tm->fetch(ns, {hash_of(0)}, tok, 0));
@@ -929,7 +1104,7 @@ TEST(KvTierManager, PendingBudgetDropsWrites) {
   PagePool pool(L, 2, 4);
   tm->set_pool(&pool);
   const auto tok = tokens_for(L.block_size, 1);
-  tm->store(hash_of(0), "n", tok.data(), 0);
+  tm->store(hash_of(0), PageHash{}, "n", tok.data(), 0);
   tm->flush();
   auto st = tm->stats();
   EXPECT_EQ(st[0].s.write_drops, 1);
@@ -1418,7 +1593,7 @@ TEST_F(KvTierRedis, TierManagerL3AndPromotion) {
     auto a = make_tiers(cfg, L);
     ASSERT_TRUE(a);
     a->set_pool(&pool);
-    for (int32_t p = 0; p < 3; ++p) a->page_evicted(hash_of(p), ns, tokens.data() + p * bs, p);
+    for (int32_t p = 0; p < 3; ++p) a->page_evicted(hash_of(p), PageHash{}, ns, tokens.data() + p * bs, p);
     a->flush();
     auto st = a->stats();
     ASSERT_EQ(st.size(), 1u);
@@ -1463,7 +1638,7 @@ TEST_F(KvTierRedis, TierManagerL3AndPromotion) {
   auto r = make_tiers(rc, L);
   ASSERT_TRUE(r);
   r->set_pool(&pool);
-  r->store(hash_of(0), ns, tokens.data(), 0);
+  r->store(hash_of(0), PageHash{}, ns, tokens.data(), 0);
   r->flush();
   auto rs = make_redis({server_.addr()}, 0, 100, PageIdentity{kFingerprint, L.format_tag(), bs, 0});
   const std::string key = rs->key(namespace_tag(ns), hash_of(0));
@@ -1499,9 +1674,9 @@ TEST_F(KvTierRedis, PromptTailGoesToRedisAloneAndIsReadOnce) {
   auto pre = make_tiers(cfg, L);
   ASSERT_TRUE(pre);
   pre->set_pool(&pool);
-  for (int32_t p = 0; p < 2; ++p) pre->page_cached(hash_of(p), ns, tokens.data() + p * bs, p);
+  for (int32_t p = 0; p < 2; ++p) pre->page_cached(hash_of(p), PageHash{}, ns, tokens.data() + p * bs, p);
   const uint64_t before = pre->write_mark();
-  ASSERT_TRUE(pre->store_tail(hash_of(2), ns, tokens.data() + 2 * bs, 2));
+  ASSERT_TRUE(pre->store_tail(hash_of(2), PageHash{}, ns, tokens.data() + 2 * bs, 2));
   EXPECT_GT(pre->write_mark(), before);  // the prefill side's answer waits for it
   pre->flush();
   EXPECT_EQ(pre->disk()->n_pages(), 2);  // the tail is not on the prefill side's disk
@@ -1535,7 +1710,7 @@ TEST_F(KvTierRedis, PromptTailGoesToRedisAloneAndIsReadOnce) {
   auto local = make_tiers(disk_only, L);
   ASSERT_TRUE(local);
   local->set_pool(&pool);
-  EXPECT_FALSE(local->store_tail(hash_of(2), ns, tokens.data() + 2 * bs, 2));
+  EXPECT_FALSE(local->store_tail(hash_of(2), PageHash{}, ns, tokens.data() + 2 * bs, 2));
 }
 
 // Promotions that do not fit the pending budget are dropped (counted), the lookup still hits.
@@ -1549,7 +1724,7 @@ TEST_F(KvTierRedis, TierManagerPromotionOverBudgetIsDropped) {
     cfg.redis = {server_.addr()};
     auto a = make_tiers(cfg, L);
     a->set_pool(&pool);
-    a->store(hash_of(0), "n", tokens.data(), 0);
+    a->store(hash_of(0), PageHash{}, "n", tokens.data(), 0);
   }  // the destructor finishes the write
   TmpDir dir("tm");
   TierConfig cfg;
@@ -1566,7 +1741,7 @@ TEST_F(KvTierRedis, TierManagerPromotionOverBudgetIsDropped) {
   EXPECT_EQ(b->stats()[0].s.write_drops, 1);
   // The engine thread can still write other pages.
   fill_page(pool, 1, 9);
-  b->store(hash_of(1), "n", tokens.data(), 1);
+  b->store(hash_of(1), PageHash{}, "n", tokens.data(), 1);
   b->flush();
   EXPECT_EQ(b->disk()->n_pages(), 1);
 }
@@ -1587,7 +1762,7 @@ TEST_F(KvTierRedis, PromotionDropsWhileEngineStores) {
     cfg.redis = {server_.addr()};
     auto a = make_tiers(cfg, L);
     a->set_pool(&pool);
-    for (int32_t p = 0; p < kPages; ++p) a->store(hs[p], "n", tokens.data() + p * bs, p);
+    for (int32_t p = 0; p < kPages; ++p) a->store(hs[p], PageHash{}, "n", tokens.data() + p * bs, p);
   }
   TmpDir dir("tm");
   TierConfig cfg;
@@ -1604,7 +1779,7 @@ TEST_F(KvTierRedis, PromotionDropsWhileEngineStores) {
     const auto deadline = Clock::now() + std::chrono::seconds(5);
     while (!done && Clock::now() < deadline) {
       for (int k = 0; k < 50; ++k) {  // the engine evicting pages meanwhile (grows written_)
-        b->store(hash_of(next++), "n", tokens.data(), 0);
+        b->store(hash_of(next++), PageHash{}, "n", tokens.data(), 0);
       }
       for (auto& l : b->poll())
         if (l.ticket == t) {
