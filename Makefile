@@ -99,6 +99,7 @@ bench-spec: deps models text build
 bench-eviction: deps models text build
 	$(PYTHON) bench/eviction_quality.py --kvserve $(BUILD_DIR)/kvserve
 	$(PYTHON) bench/eviction_speed.py --kvserve $(BUILD_DIR)/kvserve
+	$(PYTHON) bench/eviction_users.py --kvserve $(BUILD_DIR)/kvserve
 	$(PYTHON) bench/passkey_bench.py --kvserve $(BUILD_DIR)/kvserve
 	$(PYTHON) bench/reindex_quality.py --kvserve $(BUILD_DIR)/kvserve
 
