@@ -74,8 +74,8 @@ def kv_field(policy: str, budget: int) -> dict:
     return {"policy": policy, "budget": budget}
 
 
-def one_round(client, port: int, model_id: str, doc: list[int], questions: list[list[int]], policy: str, budget: int,
-              gen: int, seed: int) -> dict:
+def one_round(client, port: int, model_id: str, docs: list[list[int]], questions: list[list[int]], policy: str,
+              budget: int, gen: int, seed: int) -> dict:
     """U streamed completions at once; the aggregate rate in the window where all decode."""
     n = len(questions)
     stamps: list[list[float]] = [[] for _ in range(n)]
@@ -87,7 +87,7 @@ def one_round(client, port: int, model_id: str, doc: list[int], questions: list[
         try:
             barrier.wait()
             stream = client.completions.create(
-                model=model_id, prompt=doc + questions[i], max_tokens=gen, temperature=0.7, seed=seed + i, stream=True,
+                model=model_id, prompt=docs[i % len(docs)] + questions[i], max_tokens=gen, temperature=0.7, seed=seed + i, stream=True,
                 stream_options={"include_usage": True},
                 extra_body={"ignore_eos": True, "kv_eviction": kv_field(policy, budget)})
             for ch in stream:
@@ -130,6 +130,10 @@ def main() -> None:
     ap.add_argument("--text", type=Path, default=ROOT / "data" / "text" / "pride_and_prejudice.txt")
     ap.add_argument("--context", type=int, default=8192, help="document tokens")
     ap.add_argument("--users", type=int, nargs="+", default=[16])
+    ap.add_argument("--distinct", action="store_true",
+                    help="each user reads a document of its own (consecutive parts of --text and --text2): "
+                         "every sequence's KV comes from DRAM, at the price of one prefill per user")
+    ap.add_argument("--text2", type=Path, default=ROOT / "data" / "text" / "emma.txt")
     ap.add_argument("--fraction", type=float, default=0.25)
     ap.add_argument("--policies", nargs="+", default=POLICIES)
     ap.add_argument("--gen", type=int, default=96)
@@ -160,22 +164,26 @@ def main() -> None:
     recs = []
     try:
         ids = post(port, "/tokenize", {"prompt": args.text.read_text()})["tokens"]
-        if len(ids) < args.context:
-            sys.exit(f"{args.text} has {len(ids)} tokens, fewer than --context {args.context}")
-        doc = ids[:args.context]
+        n_docs = max_users if args.distinct else 1
+        if n_docs * args.context > len(ids):
+            ids += post(port, "/tokenize", {"prompt": args.text2.read_text(), "add_special_tokens": False})["tokens"]
+        if n_docs * args.context > len(ids):
+            sys.exit(f"the texts have {len(ids)} tokens, fewer than {n_docs} documents of {args.context}")
+        docs = [ids[k * args.context:(k + 1) * args.context] for k in range(n_docs)]
         questions = [post(port, "/tokenize", {"prompt": f"\n\nQuestion {i + 1}: what happens in chapter {i + 1}? Answer:",
                                               "add_special_tokens": False})["tokens"] for i in range(max_users)]
-        t = time.time()
-        log(f"prefilling the {args.context}-token document once (prefix cache)")
-        client.completions.create(model=srv.model_id, prompt=doc, max_tokens=1, temperature=0,
-                                  extra_body={"kv_eviction": {"policy": "none"}})
-        log(f"  {time.time() - t:.1f} s")
+        for k, doc in enumerate(docs):
+            t = time.time()
+            log(f"prefilling {args.context}-token document {k + 1}/{len(docs)} once (prefix cache)")
+            client.completions.create(model=srv.model_id, prompt=doc, max_tokens=1, temperature=0,
+                                      extra_body={"kv_eviction": {"policy": "none"}})
+            log(f"  {time.time() - t:.1f} s")
         n_total = args.rounds * len(args.users) * len(args.policies)
         t0 = time.time()
         for rnd in range(args.rounds):
             for u in args.users:
                 for policy in args.policies:
-                    r = one_round(client, port, srv.model_id, doc, questions[:u], policy, budget, args.gen, args.seed + 100 * rnd)
+                    r = one_round(client, port, srv.model_id, docs, questions[:u], policy, budget, args.gen, args.seed + 100 * rnd)
                     recs.append({"round": rnd, "users": u, "policy": policy,
                                  "budget": budget if policy != "full" else args.context, **r})
                     el = time.time() - t0
@@ -196,7 +204,7 @@ def main() -> None:
                             "aggregate_decode_tok_s": statistics.median(r["aggregate_decode_tok_s"] for r in rs),
                             "ratio_vs_full": statistics.median(ratios) if ratios else None,
                             "ratio_min": min(ratios) if ratios else None, "ratio_max": max(ratios) if ratios else None})
-    out.write_text(json.dumps({"context": args.context, "fraction": args.fraction, "load_avg_start": load,
+    out.write_text(json.dumps({"context": args.context, "fraction": args.fraction, "distinct": args.distinct, "load_avg_start": load,
                                "rounds": args.rounds, "summary": summary, "records": recs}, indent=1))
     print(f"| users | " + " | ".join(p + ("" if p == "full" else f" {args.fraction:.0%}") for p in args.policies) + " |")
     print("|---|" + "---|" * len(args.policies))
@@ -226,7 +234,8 @@ def main() -> None:
     ax.set_ylabel("aggregate decode tok/s")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(f"{args.model.stem}, f16 KV, {args.context}-token contexts: decode per KV policy", fontsize=9)
+    ax.set_title(f"{args.model.stem}, f16 KV, {args.context}-token " + ("documents, one per user" if args.distinct else
+                 "document shared") + ": decode per KV policy", fontsize=9)
     fig.tight_layout()
     args.plot.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.plot, dpi=110)

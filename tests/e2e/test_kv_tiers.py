@@ -111,6 +111,47 @@ def test_restart_with_the_same_disk_dir_hits(disk_dir):
         stop(b)
 
 
+def test_a_conversation_continued_later_keeps_its_head_over_the_disk_budget(disk_dir):
+    # Turn 1 goes to disk; turn 2, in a later server life, extends it; an unrelated prompt then
+    # pushes the disk over its budget. Plain LRU deleted turn 1's pages first (the oldest), and
+    # with them every page after: turn 2 became a miss. Leaves go first now: turn 2 loses its tail.
+    turn1 = doc(0, 3000)
+    turn2 = turn1 + doc(3000, 3000)
+    other = doc(40000, 3000)
+    files = lambda: glob.glob(os.path.join(disk_dir, "*", "*", "*.kvp"))  # noqa: E731
+    a = tier_server("--kv-disk-dir", disk_dir)
+    try:
+        _, n1, _ = ask(a, turn1)
+    finally:
+        stop(a)  # write-back: a clean stop writes every cached page down
+    pages1 = len(files())
+    assert pages1 >= n1 // 16 - 1
+    page_bytes = max(os.path.getsize(f) for f in files())
+    b = tier_server("--kv-disk-dir", disk_dir)
+    try:
+        _, n2, cached = ask(b, turn2)
+        assert cached >= n1 - 32, cached  # turn 1's pages, from disk
+    finally:
+        stop(b)
+    pages2 = len(files())
+    assert pages2 > pages1 + 20
+    # Room for turn 2 and half of the other prompt: about half of that prompt's pages must go.
+    budget = (pages2 + (pages2 - pages1) // 2) * page_bytes
+    c = tier_server("--kv-disk-dir", disk_dir, "--kv-disk-bytes", str(budget))
+    try:
+        ask(c, other)
+    finally:
+        stop(c)
+    assert sum(os.path.getsize(f) for f in files()) <= budget
+    d = tier_server("--kv-disk-dir", disk_dir, "--kv-disk-bytes", str(budget))
+    try:
+        _, _, cached = ask(d, turn2)
+        assert cached >= n1 - 32, (cached, n1, n2)  # at least turn 1 still comes from disk
+        assert_clean(d)
+    finally:
+        stop(d)
+
+
 def test_corrupt_and_truncated_page_files_are_recomputed(disk_dir):
     p = doc(5000)
     a = tier_server("--kv-disk-dir", disk_dir)
