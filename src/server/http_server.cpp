@@ -232,8 +232,11 @@ void HttpServer::routes() {
                std::vector<int32_t> ids = parse_tokenize_request(parse_json_body(req.body, ctx_), ctx_);
                write_json(res, json{{"tokens", ids}, {"count", ids.size()}, {"max_model_len", ctx_.max_model_len}});
              }));
+  // Special tokens are rendered (<|im_start|>, <|endoftext|>), as vLLM's (tokenizer.decode with
+  // skip_special_tokens=False) and llama-server's; completions' text skips them.
   svr_->Post("/detokenize", safe([this](const httplib::Request& req, httplib::Response& res) {
-               const std::string text = ctx_.tok->decode(parse_detokenize_request(parse_json_body(req.body, ctx_), ctx_));
+               const std::string text =
+                   ctx_.tok->decode(parse_detokenize_request(parse_json_body(req.body, ctx_), ctx_), /*special=*/true);
                write_json(res, json{{"prompt", text}, {"content", text}});
              }));
   svr_->Get("/health", safe([this](const httplib::Request&, httplib::Response& res) {

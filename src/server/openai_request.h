@@ -68,7 +68,8 @@ ApiError from_event(const StreamEvent& ev);
 
 // /tokenize: {"prompt" | "content": text, "add_special_tokens": true} or {"messages": [...],
 // "add_generation_prompt": true} (the chat template, as /v1/chat/completions) → token ids.
-// /detokenize: {"tokens": [ids]} → the ids, checked against the vocabulary.
+// /detokenize: {"tokens": [ids]} → the ids, checked against the vocabulary (the handler renders
+// special tokens, as vLLM and llama-server).
 std::vector<int32_t> parse_tokenize_request(const nlohmann::json& body, const ApiContext& ctx);
 std::vector<int32_t> parse_detokenize_request(const nlohmann::json& body, const ApiContext& ctx);
 

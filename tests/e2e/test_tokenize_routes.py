@@ -25,7 +25,21 @@ def test_tokenize_matches_huggingface_and_round_trips(server):
         # llama-server's field names give the same
         assert requests.post(server.url + "/tokenize", json={"content": t}, timeout=10).json()["tokens"] == j["tokens"]
         d = requests.post(server.url + "/detokenize", json={"tokens": j["tokens"]}, timeout=10).json()
-        assert d["prompt"] == t.replace("<|im_start|>", "").replace("<|im_end|>", "") and d["content"] == d["prompt"]
+        assert d["prompt"] == t and d["content"] == d["prompt"]  # special tokens kept, as vLLM and llama-server
+
+
+def test_detokenize_keeps_special_tokens_as_huggingface(server):
+    """vLLM's /detokenize is tokenizer.decode(ids) (skip_special_tokens=False), llama-server's renders
+    special pieces too: a chat prompt comes back with its <|im_start|> / <|im_end|> markers."""
+    tok = tokenizer_ref.load_tokenizer(MODEL)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a river."},
+            {"role": "assistant", "content": "The Nile."}, {"role": "user", "content": "Another?"}]
+    ids = requests.post(server.url + "/tokenize", json={"messages": msgs}, timeout=10).json()["tokens"]
+    ids = ids + [tok.token_to_id("<|endoftext|>")]  # and an end-of-generation id
+    want = tok.decode(ids, skip_special_tokens=False)
+    assert "<|im_start|>system\nBe brief.<|im_end|>" in want and want.endswith("<|endoftext|>")
+    d = requests.post(server.url + "/detokenize", json={"tokens": ids}, timeout=10).json()
+    assert d["prompt"] == want and d["content"] == want
 
 
 def test_tokenize_messages_counts_what_chat_completions_prefills(server, client):
