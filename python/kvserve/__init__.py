@@ -252,7 +252,10 @@ class LLM:
         """Answers one conversation (a list of {"role", "content"} messages) or a list of
         them, through the model's chat template (or `chat_template`: a Jinja template, a file,
         or a built-in name, chatml or gemma3); one RequestOutput per conversation."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not messages:  # the server answers 400 for "messages": [] (a batch of none is refused too)
+            raise RequestError("'messages' must contain at least one message.", param="messages",
+                               code="empty_array", index=0)
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
         params = self._params_for(sampling_params, len(convs))
         bodies = []
         for conv, sp in zip(convs, params):

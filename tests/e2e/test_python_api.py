@@ -194,6 +194,22 @@ def test_errors_carry_the_servers_messages(llm, server):
         LLM(MODEL, gpu_memory_utilization=0.9)
 
 
+def test_empty_messages_are_refused_as_the_server_does(llm, server):
+    # llm.chat([]) returned [] where the server answers 400 for "messages": [].
+    import requests
+    r = requests.post(server.url + "/v1/chat/completions", json={"model": server_model_http(server), "messages": []},
+                      timeout=30)
+    assert r.status_code == 400, r.text
+    want = r.json()["error"]
+    ok = [{"role": "user", "content": "hi"}]
+    for messages, index in [([], 0), ([[]], 0), ([ok, []], 1)]:
+        with pytest.raises(ValueError) as ei:
+            llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False)
+        e = ei.value
+        assert isinstance(e, RequestError) and str(e) == want["message"], (messages, str(e))
+        assert e.status == 400 and e.param == "messages" and e.code == want["code"] and e.index == index
+
+
 def server_model_http(server) -> str:
     import requests
     return requests.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
