@@ -74,10 +74,11 @@ class PyEngine {
   PyEngine(const std::string& model, const std::string& kv_cache_dtype, const std::string& kv_cache_memory, int block_size,
            bool enable_prefix_caching, int max_num_seqs, int max_num_batched_tokens, int max_model_len, int max_n, int threads,
            const std::string& kv_cache_dtype_layers, const std::string& act_quant, const std::string& served_model_name, bool quiet,
-           const std::string& speculative_config, const std::string& chat_template) {
+           const std::string& speculative_config, const std::string& chat_template, bool past_trained_context) {
     // Before the model loads: as the CLI's ranges (0 = the default: every core, the model's context).
     if (threads < 0 || threads > 256) fail("threads must be in [1, 256] (or None: every core), got " + std::to_string(threads));
-    if (max_model_len < 0) fail("max_model_len must be positive (or None: the model's context), got " + std::to_string(max_model_len));
+    if (max_model_len < 0 || max_model_len > (1 << 24))  // serve's --max-model-len range
+      fail("max_model_len must be in [1, " + std::to_string(1 << 24) + "] (or None: the model's context), got " + std::to_string(max_model_len));
     if (!act_quant.empty()) {
       if (act_quant != "q8" && act_quant != "q8x2") fail("act_quant must be \"q8x2\" or \"q8\", got \"" + act_quant + "\"");
       kv::set_act_quant(act_quant == "q8" ? kv::ActQuant::kQ8 : kv::ActQuant::kQ8x2);
@@ -112,6 +113,12 @@ class PyEngine {
     ec.max_num_seqs = max_num_seqs;
     ec.max_num_batched_tokens = max_num_batched_tokens;
     ec.max_model_len = max_model_len > 0 ? max_model_len : (mc.n_ctx_train > 0 ? mc.n_ctx_train : 4096);
+    std::string past_trained;  // as serve's --max-model-len: refused past the training context unless asked for
+    if (kv::Status st = kv::check_max_model_len(ec.max_model_len, mc.n_ctx_train, past_trained_context, "max_model_len",
+                                                "past_trained_context=True", &past_trained);
+        !st)
+      fail(st.message());
+    if (!past_trained.empty() && !quiet) std::fprintf(stderr, "kvserve: warning: %s\n", past_trained.c_str());
     ec.max_n = max_n;
     ec.max_queue = 1 << 30;  // one call submits all its prompts; the engine queues them
     if (!speculative_config.empty()) {  // vLLM's speculative_config, as --speculative-config
@@ -448,12 +455,12 @@ PYBIND11_MODULE(_kvserve, m) {
   });
   py::class_<PyEngine>(m, "Engine")
       .def(py::init<const std::string&, const std::string&, const std::string&, int, bool, int, int, int, int, int, const std::string&,
-                    const std::string&, const std::string&, bool, const std::string&, const std::string&>(),
+                    const std::string&, const std::string&, bool, const std::string&, const std::string&, bool>(),
            py::arg("model"), py::arg("kv_cache_dtype") = "auto", py::arg("kv_cache_memory") = "1GiB", py::arg("block_size") = 16,
            py::arg("enable_prefix_caching") = true, py::arg("max_num_seqs") = 64, py::arg("max_num_batched_tokens") = 512,
            py::arg("max_model_len") = 0, py::arg("max_n") = 16, py::arg("threads") = 0, py::arg("kv_cache_dtype_layers") = "",
            py::arg("act_quant") = "", py::arg("served_model_name") = "", py::arg("quiet") = false,
-           py::arg("speculative_config") = "", py::arg("chat_template") = "")
+           py::arg("speculative_config") = "", py::arg("chat_template") = "", py::arg("past_trained_context") = false)
       .def("close", &PyEngine::close)
       .def_property_readonly("model_name", &PyEngine::model_name)
       .def_property_readonly("max_model_len", &PyEngine::max_model_len)

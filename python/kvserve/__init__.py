@@ -167,7 +167,7 @@ PromptType = Union[str, Dict[str, Any], List[int]]
 _ENGINE_ARGS = {
     "kv_cache_dtype", "kv_cache_memory", "block_size", "enable_prefix_caching", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "max_n", "threads", "kv_cache_dtype_layers",
-    "act_quant", "served_model_name", "quiet", "speculative_config", "chat_template",
+    "act_quant", "served_model_name", "quiet", "speculative_config", "chat_template", "past_trained_context",
 }
 
 
@@ -182,6 +182,9 @@ class LLM:
     threads (default: the machine's cores). quiet: no loading lines on stderr.
     speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 5} or
     {"method": "suffix"} (drafts from the text itself; outputs unchanged, docs/speculative.md).
+    A max_model_len past the model's training context (the GGUF's context_length) is refused
+    unless past_trained_context=True (as serve's --past-trained-context; vLLM's
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN=1), which warns on stderr instead.
     """
 
     def __init__(self, model: str, *, seed: Optional[int] = None, tokenizer: Optional[str] = None,
