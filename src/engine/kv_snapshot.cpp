@@ -242,7 +242,7 @@ void DashboardRecorder::publish(std::vector<Live> live, const PagePool& pool, co
     snap->requests.push_back(std::move(v));
   }
   for (const Timeline& f : timelines_.recent_finished()) {
-    RequestView v;
+    RequestView& v = snap->requests.emplace_back();  // built in place (a local moved in warned -Wmaybe-uninitialized)
     v.id = f.id;
     v.ns = f.ns;
     v.state = RequestView::kFinished;
@@ -253,7 +253,6 @@ void DashboardRecorder::publish(std::vector<Live> live, const PagePool& pool, co
     v.cached_tokens = f.cached_tokens;
     v.arrival = f.arrival;
     v.timeline = f;
-    snap->requests.push_back(std::move(v));
   }
   snap->pools.push_back(pool_view("global", pool, tables, cache, false));
   if (pool_g1) snap->pools.push_back(pool_view("window", *pool_g1, tables_g1, cache, true));

@@ -121,7 +121,8 @@ void histogram_series(std::string& out, const char* name, const std::string& lab
       std::snprintf(buf, sizeof buf, "%s_bucket{%sle=\"+Inf\"} %llu\n", name, label.c_str(), static_cast<unsigned long long>(cum));
     out += buf;
   }
-  const std::string braces = label.empty() ? "" : "{" + label.substr(0, label.size() - 1) + "}";
+  std::string braces;  // appended ("{" + std::string&& tripped GCC 12's -Wrestrict)
+  if (!label.empty()) braces.append("{").append(label, 0, label.size() - 1).append("}");
   std::snprintf(buf, sizeof buf, "%s_sum%s %.17g\n%s_count%s %llu\n", name, braces.c_str(), h.sum(), name, braces.c_str(),
                 static_cast<unsigned long long>(h.count()));
   out += buf;
