@@ -113,12 +113,11 @@ class PyEngine {
     ec.max_num_seqs = max_num_seqs;
     ec.max_num_batched_tokens = max_num_batched_tokens;
     ec.max_model_len = max_model_len > 0 ? max_model_len : (mc.n_ctx_train > 0 ? mc.n_ctx_train : 4096);
-    std::string past_trained;  // as serve's --max-model-len: refused past the training context unless asked for
-    if (kv::Status st = kv::check_max_model_len(ec.max_model_len, mc.n_ctx_train, past_trained_context, "max_model_len",
-                                                "past_trained_context=True", &past_trained);
-        !st)
-      fail(st.message());
-    if (!past_trained.empty() && !quiet) std::fprintf(stderr, "kvserve: warning: %s\n", past_trained.c_str());
+    // As serve's --max-model-len: past the training context, a warning (quiet or not: not a loading line).
+    if (const std::string w = kv::max_model_len_warning(ec.max_model_len, mc.n_ctx_train, past_trained_context, "max_model_len",
+                                                        "past_trained_context=True");
+        !w.empty())
+      std::fprintf(stderr, "kvserve: warning: %s\n", w.c_str());
     ec.max_n = max_n;
     ec.max_queue = 1 << 30;  // one call submits all its prompts; the engine queues them
     if (!speculative_config.empty()) {  // vLLM's speculative_config, as --speculative-config

@@ -33,7 +33,7 @@ struct ServeOptions {
   int long_prefill_tokens = -1;  // -1: 0, or a quarter of max_num_batched_tokens on a prefill instance
   int max_num_seqs = 64;
   int max_model_len = 0;  // 0: the model's training context
-  bool past_trained_context = false;  // a --max-model-len past the training context is refused without it
+  bool past_trained_context = false;  // a --max-model-len past the training context is meant: no warning
   int max_queue = 256;
   int max_n = 16;
   int threads = 0;
@@ -100,12 +100,11 @@ void run_serve(const ServeOptions& o) {
   ec.max_num_batched_tokens = o.max_num_batched_tokens;
   ec.max_num_seqs = o.max_num_seqs;
   ec.max_model_len = o.max_model_len > 0 ? o.max_model_len : (mc.n_ctx_train > 0 ? mc.n_ctx_train : 4096);
-  std::string past_trained;  // as vLLM's: refused unless asked for, then a warning (the Python API's check too)
-  if (kv::Status st = kv::check_max_model_len(ec.max_model_len, mc.n_ctx_train, o.past_trained_context, "--max-model-len",
-                                              "--past-trained-context", &past_trained);
-      !st)
-    fail(st.message());
-  if (!past_trained.empty()) std::fprintf(stderr, "warning: %s\n", past_trained.c_str());
+  // Past the training context: a warning, once (the Python API's too).
+  if (const std::string w = kv::max_model_len_warning(ec.max_model_len, mc.n_ctx_train, o.past_trained_context, "--max-model-len",
+                                                      "--past-trained-context");
+      !w.empty())
+    std::fprintf(stderr, "warning: %s\n", w.c_str());
   ec.max_queue = o.max_queue;
   ec.max_n = o.max_n;
   ec.block_size = o.kvo.block_size;
@@ -300,10 +299,10 @@ void add_serve_command(CLI::App& app) {
       ->check(number_in(0, 1 << 20));
   cmd->add_option("--max-num-seqs", o->max_num_seqs, "sequences per engine step")->check(number_in(1, 4096))->capture_default_str();
   cmd->add_option("--max-model-len", o->max_model_len,
-                  "prompt + completion tokens per sequence (default: the model's context; past it only with --past-trained-context)")
+                  "prompt + completion tokens per sequence (default: the model's context; past it, a warning)")
       ->check(number_in(1, 1 << 24));
   cmd->add_flag("--past-trained-context", o->past_trained_context,
-                "allow a --max-model-len past the model's training context (positions it was never trained on: worse text)");
+                "a --max-model-len past the model's training context is meant (positions it was never trained on): no warning");
   cmd->add_option("--max-queue", o->max_queue, "waiting requests before 429")->check(number_in(1, 1 << 20))->capture_default_str();
   cmd->add_option("--max-n", o->max_n, "largest n (choices per request)")->check(number_in(1, 256))->capture_default_str();
   cmd->add_option("-t,--threads", o->threads, "compute threads (default: all cores)")->check(number_in(1, 256));

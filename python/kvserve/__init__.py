@@ -182,9 +182,9 @@ class LLM:
     threads (default: the machine's cores). quiet: no loading lines on stderr.
     speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 5} or
     {"method": "suffix"} (drafts from the text itself; outputs unchanged, docs/speculative.md).
-    A max_model_len past the model's training context (the GGUF's context_length) is refused
-    unless past_trained_context=True (as serve's --past-trained-context; vLLM's
-    VLLM_ALLOW_LONG_MAX_MODEL_LEN=1), which warns on stderr instead.
+    A max_model_len past the model's training context (the GGUF's context_length) prints one
+    warning on stderr, as serve's --max-model-len; past_trained_context=True (serve's
+    --past-trained-context) says it is meant and drops it.
     """
 
     def __init__(self, model: str, *, seed: Optional[int] = None, tokenizer: Optional[str] = None,

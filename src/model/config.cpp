@@ -121,18 +121,12 @@ Result<ModelConfig> ModelConfig::from_gguf(const GgufFile& f) {
   return c;
 }
 
-Status check_max_model_len(int64_t max_model_len, int32_t n_ctx_train, bool allow, const std::string& name,
-                           const std::string& allow_name, std::string* warning) {
-  warning->clear();
-  if (n_ctx_train <= 0 || max_model_len <= n_ctx_train) return Status::ok();
-  const std::string what = name + " " + std::to_string(max_model_len) + " is past the model's training context (" +
-                           std::to_string(n_ctx_train) + " tokens, the GGUF's context_length)";
-  if (!allow)
-    return Status::error(what + ": positions beyond it were never trained and the text degrades there. Give " + allow_name +
-                         " to allow it, or keep it within " + std::to_string(n_ctx_train) +
-                         " and let an evicting KV policy run sequences longer (it re-indexes their positions below " + name + ").");
-  *warning = what + ": expect worse text past position " + std::to_string(n_ctx_train);
-  return Status::ok();
+std::string max_model_len_warning(int64_t max_model_len, int32_t n_ctx_train, bool meant, const std::string& name,
+                                  const std::string& meant_name) {
+  if (meant || n_ctx_train <= 0 || max_model_len <= n_ctx_train) return "";
+  return name + " " + std::to_string(max_model_len) + " is past the model's training context (" + std::to_string(n_ctx_train) +
+         " tokens, the GGUF's context_length): positions beyond it were never trained, expect worse text past " +
+         std::to_string(n_ctx_train) + " (" + meant_name + " says it is meant and drops this warning)";
 }
 
 }  // namespace kv

@@ -349,19 +349,18 @@ def test_close_from_a_signal_handler_inside_generate():
     m.close()  # again: nothing left to do
 
 
-def test_max_model_len_past_the_training_context(capfd):
-    # As `kvserve serve --max-model-len` (vLLM refuses it too): SmolLM2 was trained on 8,192 positions.
-    with pytest.raises(ValueError, match=r"max_model_len must be in \[1, 16777216\].*got 100000000"):  # serve's range
-        LLM(MODEL, max_model_len=10**8, past_trained_context=True, quiet=True)
-    with pytest.raises(ValueError) as ei:
-        LLM(MODEL, max_model_len=10**7, kv_cache_memory="48MiB", quiet=True)
-    assert str(ei.value).startswith("max_model_len 10000000 is past the model's training context (8192 tokens")
-    assert "Give past_trained_context=True to allow it" in str(ei.value)
+def test_max_model_len_past_the_training_context_warns_once(capfd):
+    # As `kvserve serve --max-model-len`: SmolLM2 was trained on 8,192 positions; past it, one warning
+    # (quiet or not), unless past_trained_context=True says it is meant. Above serve's range: refused.
+    with pytest.raises(ValueError, match=r"max_model_len must be in \[1, 16777216\].*got 100000000"):
+        LLM(MODEL, max_model_len=10**8, quiet=True)
     capfd.readouterr()
-    with LLM(MODEL, max_model_len=16384, past_trained_context=True, kv_cache_memory="48MiB") as m:
-        assert m._engine.max_model_len == 16384
-    assert capfd.readouterr().err.count("warning: max_model_len 16384 is past the model's training context (8192 tokens") == 1
-    with LLM(MODEL, max_model_len=8192, kv_cache_memory="48MiB") as m:  # up to it: nothing said
+    warning = "warning: max_model_len 16384 is past the model's training context (8192 tokens"
+    for kw, warned in [({}, True), ({"past_trained_context": True}, False)]:
+        with LLM(MODEL, max_model_len=16384, kv_cache_memory="48MiB", quiet=True, **kw) as m:
+            assert m._engine.max_model_len == 16384
+        assert capfd.readouterr().err.count(warning) == (1 if warned else 0)
+    with LLM(MODEL, max_model_len=8192, kv_cache_memory="48MiB", quiet=True) as m:  # up to it: nothing said
         assert m._engine.max_model_len == 8192
     assert "training context" not in capfd.readouterr().err
 
