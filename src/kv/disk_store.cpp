@@ -156,21 +156,60 @@ void DiskStore::scan(const PageIdentity& id) {
   trim_locked(max_bytes_, 0);
 }
 
+// Leaf bookkeeping: a page no stored page continues is in leaves_ (reachable from a first page
+// through stored pages) or lost_ (not: an ancestor is missing).
+void DiskStore::file_leaf(const PageHash& h, const Entry& e) {
+  if (children_.count(h) == 0) (e.reach ? leaves_ : lost_).emplace(e.tick, h);
+}
+
+void DiskStore::unfile_leaf(const Entry& e) {
+  leaves_.erase(e.tick);
+  lost_.erase(e.tick);
+}
+
+// h and its stored descendants become reachable (or not).
+void DiskStore::set_reach(const PageHash& h, bool reach) {
+  std::vector<PageHash> todo = {h};
+  while (!todo.empty()) {
+    const PageHash x = todo.back();
+    todo.pop_back();
+    Entry& e = index_.at(x);
+    if (e.reach == reach) continue;
+    unfile_leaf(e);
+    e.reach = reach;
+    file_leaf(x, e);
+    if (auto kids = children_.find(x); kids != children_.end()) todo.insert(todo.end(), kids->second.begin(), kids->second.end());
+  }
+}
+
+// h (in index_) names parent (PageHash{}: a first page).
+void DiskStore::link_locked(const PageHash& h, const PageHash& parent) {
+  bool reach = true;
+  if (!(parent == PageHash{})) {
+    index_.at(h).parent = parent;
+    std::vector<PageHash>& sib = children_[parent];
+    sib.push_back(h);
+    auto p = index_.find(parent);
+    if (p != index_.end() && sib.size() == 1) unfile_leaf(p->second);  // no longer a leaf
+    reach = p != index_.end() && p->second.reach;  // write-back writes children first: not yet
+  }
+  set_reach(h, reach);
+}
+
 void DiskStore::add_locked(const PageHash& h, int64_t bytes, const PageHash& parent) {
   const uint64_t tick = ++tick_;
-  index_[h] = Entry{bytes, tick, parent};
+  Entry& e = index_[h] = Entry{bytes, tick, PageHash{}, false};
   bytes_ += bytes;
-  if (!(parent == PageHash{}) && ++n_children_[parent] == 1)
-    if (auto p = index_.find(parent); p != index_.end()) leaves_.erase(p->second.tick);
-  if (n_children_.count(h) == 0) leaves_.emplace(tick, h);
+  file_leaf(h, e);
+  link_locked(h, parent);
 }
 
 void DiskStore::touch_locked(const PageHash& h) {
   auto it = index_.find(h);
   if (it == index_.end()) return;
-  const bool leaf = leaves_.erase(it->second.tick) > 0;
+  unfile_leaf(it->second);
   it->second.tick = ++tick_;
-  if (leaf) leaves_.emplace(it->second.tick, h);
+  file_leaf(h, it->second);
 }
 
 void DiskStore::erase_locked(const PageHash& hash) {
@@ -178,14 +217,20 @@ void DiskStore::erase_locked(const PageHash& hash) {
   auto it = index_.find(h);
   if (it == index_.end()) return;
   bytes_ -= it->second.bytes;
-  leaves_.erase(it->second.tick);
+  unfile_leaf(it->second);
+  // Its stored children (they keep naming it) cannot be reached now: the first to go over budget.
+  if (auto kids = children_.find(h); kids != children_.end())
+    for (const PageHash& c : kids->second) set_reach(c, false);
   const PageHash parent = it->second.parent;
   index_.erase(it);
   if (!(parent == PageHash{})) {
-    auto c = n_children_.find(parent);
-    if (c != n_children_.end() && --c->second == 0) {
-      n_children_.erase(c);
-      if (auto p = index_.find(parent); p != index_.end()) leaves_.emplace(p->second.tick, parent);  // a leaf again
+    auto c = children_.find(parent);
+    if (c != children_.end()) {
+      std::erase(c->second, h);
+      if (c->second.empty()) {
+        children_.erase(c);
+        if (auto p = index_.find(parent); p != index_.end()) file_leaf(parent, p->second);  // a leaf again
+      }
     }
   }
   ::unlink(path_of(h).c_str());
@@ -193,9 +238,11 @@ void DiskStore::erase_locked(const PageHash& hash) {
 
 int64_t DiskStore::trim_locked(int64_t max_bytes, size_t keep) {
   int64_t freed = 0;
-  // Every finite forest has a leaf: leaves_ is empty only when index_ is.
-  while (bytes_ > max_bytes && index_.size() > keep && !leaves_.empty()) {
-    const PageHash h = leaves_.begin()->second;
+  // Leaves no lookup can reach from the disk first (an ancestor is missing), then reachable
+  // leaves, least recently used first. Every finite forest has a leaf: both maps are empty only
+  // when index_ is.
+  while (bytes_ > max_bytes && index_.size() > keep && !(lost_.empty() && leaves_.empty())) {
+    const PageHash h = lost_.empty() ? leaves_.begin()->second : lost_.begin()->second;
     freed += index_.at(h).bytes;
     erase_locked(h);
   }
@@ -272,11 +319,7 @@ std::vector<bool> DiskStore::put(std::span<const PageHash> hashes, std::span<con
     } else {  // replaced (the same parent: the hash covers the whole chain; a version 1 blob did not say)
       bytes_ += static_cast<int64_t>(b.size()) - it->second.bytes;
       it->second.bytes = static_cast<int64_t>(b.size());
-      if (it->second.parent == PageHash{} && !(hdr.parent == PageHash{})) {
-        it->second.parent = hdr.parent;
-        if (++n_children_[hdr.parent] == 1)
-          if (auto p = index_.find(hdr.parent); p != index_.end()) leaves_.erase(p->second.tick);
-      }
+      if (it->second.parent == PageHash{} && !(hdr.parent == PageHash{})) link_locked(h, hdr.parent);
       touch_locked(h);
     }
     stored[i] = true;

@@ -6,7 +6,8 @@
 // next start deletes. At start the directory is scanned and every file's header checked (a
 // corrupt or foreign one is deleted); the index (hash -> size, recency) lives in RAM, recency
 // starting from the files' modification times. Over the byte budget, pages are deleted leaves
-// first: a page another stored page continues (its blob names the parent's chain hash, blob
+// first, and among leaves those a lookup cannot reach from the disk alone (an ancestor is
+// missing) before the others: a page another stored page continues (its blob names the parent's chain hash, blob
 // version 2) is never deleted before it, so a prefix loses its tail, never its head (which would
 // leave the rest unreachable: a lookup stops at the first gap), however its pages came: in one
 // batch, over several turns, children before parents (write-back evicts RAM's leaves first), or
@@ -20,6 +21,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "kv/page_store.h"
 
@@ -62,7 +64,12 @@ class DiskStore : public PageStore {
   DiskStore(std::string root, int64_t max_bytes, int lock_fd) : root_(std::move(root)), max_bytes_(max_bytes), lock_fd_(lock_fd) {}
   void scan(const PageIdentity& id);
   // Under mu_: index bookkeeping.
+  struct Entry;
   void add_locked(const PageHash& h, int64_t bytes, const PageHash& parent);
+  void link_locked(const PageHash& h, const PageHash& parent);
+  void file_leaf(const PageHash& h, const Entry& e);
+  void unfile_leaf(const Entry& e);
+  void set_reach(const PageHash& h, bool reach);
   void touch_locked(const PageHash& h);
   void erase_locked(const PageHash& h);  // index and file
   // Deletes leaves, least recently used first, while the store holds more than max_bytes (and
@@ -73,16 +80,19 @@ class DiskStore : public PageStore {
     int64_t bytes;
     uint64_t tick;    // recency (larger: more recent); the key in leaves_ when a leaf
     PageHash parent;  // PageHash{}: a first page, or not known
+    bool reach;       // every ancestor is stored
   };
   std::string root_;
   int64_t max_bytes_;
   int lock_fd_ = -1;  // flock'd root/lock, held for the store's life
   mutable std::mutex mu_;
   std::unordered_map<PageHash, Entry, PageHashKey> index_;
-  // How many stored pages name each hash as their parent (whether that page is stored or not:
+  // The stored pages naming each hash as their parent (whether that page is stored or not:
   // write-back writes children first). Only hashes with at least one.
-  std::unordered_map<PageHash, int32_t, PageHashKey> n_children_;
-  std::map<uint64_t, PageHash> leaves_;  // stored pages no stored page continues, by tick (oldest first)
+  std::unordered_map<PageHash, std::vector<PageHash>, PageHashKey> children_;
+  // Stored pages no stored page continues, by tick (oldest first): reachable from a first page
+  // through stored pages, or not (lost_: an ancestor is missing; deleted first over budget).
+  std::map<uint64_t, PageHash> leaves_, lost_;
   uint64_t tick_ = 0;
   int64_t bytes_ = 0;
   int64_t errors_ = 0;

@@ -621,6 +621,29 @@ TEST(KvTierDiskStore, ChildrenWrittenBeforeTheirParentsStillGoFirst) {
   EXPECT_TRUE(s2->may_contain(b));
 }
 
+TEST(KvTierDiskStore, APromptLargerThanTheBudgetKeepsItsHead) {
+  // A user test: a 63-page prompt written in chain order (write-through, a clean stop), 16 pages
+  // per batch, on a 45-page budget kept 33-41 head pages and 4-12 pages after a gap. The pages
+  // after the gap cannot be reached: they go before any reachable page.
+  TmpDir t("disk");
+  const int64_t n = static_cast<int64_t>(chain_blob(0, 0).size());
+  auto s = open_disk(t.path, 45 * n);
+  ASSERT_TRUE(s);
+  for (uint64_t b = 0; b < 63; b += 16) {
+    std::vector<uint64_t> ids;
+    for (uint64_t i = b; i < std::min<uint64_t>(63, b + 16); ++i) ids.push_back(i);
+    put_chain(*s, ids, 0);
+  }
+  EXPECT_EQ(s->n_pages(), 45);
+  EXPECT_EQ(reachable(*s, 0, 63), 45);
+  // Pages whose parent is gone (here: written after it was deleted) go before reachable leaves,
+  // however recent they are.
+  put_chain(*s, {60, 61, 62}, 0);
+  EXPECT_EQ(s->n_pages(), 45);
+  EXPECT_EQ(reachable(*s, 0, 63), 45);
+  for (uint64_t i : {60, 61, 62}) EXPECT_FALSE(s->may_contain(hash_of(i))) << i;
+}
+
 TEST(KvTierDiskStore, TouchMakesAPrefixRecent) {
   TmpDir t("disk");
   const int64_t n = static_cast<int64_t>(chain_blob(0, 0).size());
