@@ -92,14 +92,27 @@ std::vector<PageHash> PrefixCache::hash_pages(std::string_view ns, const int32_t
   return out;
 }
 
+// Least recently used first, each node after its ancestors: a store that keeps what came last
+// keeps the most recent prefixes, and sees a page after the page it continues.
 void PrefixCache::for_each_page(
     const std::function<void(const PageHash&, const PageHash&, const std::string&, const int32_t*, int32_t, int32_t)>& f) const {
-  for (int32_t x = 0; x < static_cast<int32_t>(nodes_.size()); ++x) {
-    const Node& n = nodes_[x];
-    if (!n.live || n.parent < 0) continue;
-    for (size_t k = 0; k < n.pages.size(); ++k)
-      f(n.hashes[k], page_parent(x, static_cast<int32_t>(k)), ns_of(x), n.tokens.data() + k * block_size_, n.pages[k],
-        n.wpages.empty() ? -1 : n.wpages[k]);
+  std::vector<int32_t> order;
+  for (int32_t x = 0; x < static_cast<int32_t>(nodes_.size()); ++x)
+    if (nodes_[x].live && nodes_[x].parent >= 0) order.push_back(x);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return nodes_[a].last_access < nodes_[b].last_access; });
+  std::vector<char> done(nodes_.size(), 0);
+  std::vector<int32_t> path;
+  for (int32_t x : order) {
+    path.clear();
+    for (int32_t y = x; nodes_[y].parent >= 0 && !done[y]; y = nodes_[y].parent) path.push_back(y);
+    for (auto it = path.rbegin(); it != path.rend(); ++it) {
+      const int32_t y = *it;
+      done[y] = 1;
+      const Node& n = nodes_[y];
+      for (size_t k = 0; k < n.pages.size(); ++k)
+        f(n.hashes[k], page_parent(y, static_cast<int32_t>(k)), ns_of(y), n.tokens.data() + k * block_size_, n.pages[k],
+          n.wpages.empty() ? -1 : n.wpages[k]);
+    }
   }
 }
 

@@ -257,8 +257,8 @@ class PrefixCache {
   std::vector<PageHash> hash_pages(std::string_view ns, const int32_t* tokens, int64_t n_tokens) const;
   // Hash of the last page on the handle's path (zero for an empty handle).
   PageHash page_hash(const PrefixHandle& h) const;
-  // Calls f(hash, namespace, tokens, page, window page or -1) for every cached page (a shutdown
-  // writing them down).
+  // Calls f(hash, parent hash, namespace, tokens, page, window page or -1) for every cached page
+  // (a shutdown writing them down): least recently used nodes first, each after its ancestors.
   void for_each_page(
       const std::function<void(const PageHash&, const PageHash&, const std::string&, const int32_t*, int32_t, int32_t)>& f) const;
   // Pages on the handle's path, root first.

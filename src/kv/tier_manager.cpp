@@ -129,8 +129,9 @@ void TierManager::store(const PageHash& h, const PageHash& parent, const std::st
   queue_write(page_write(h, parent, ns, tokens, page, win ? wpage : -1));
 }
 
-// A prefix used again in RAM since the disk got it is recent again there. Through the queue, so
-// that it lands after the writes of the pages that continue it (RAM evicts those first).
+// A prefix used again in RAM since the disk got it is recent again there. Through the queue, in
+// order with the writes (the disk evicts leaves first, so a parent refreshed before its children
+// are written is still safe).
 void TierManager::refresh(const PageHash& h) {
   if (!disk_) return;
   Write w;
@@ -223,6 +224,10 @@ void TierManager::writer_loop() {
       blobs.push_back(std::move(w.blob));
       only.push_back(w.only_store);
     }
+    // Refreshes before the batch's writes: a put trims the store to its budget at its end, and a
+    // page refreshed after that trim could already have gone as old (a clean stop refreshes
+    // and writes a whole RAM cache in one stream).
+    if (disk_ && !touches.empty()) disk_->touch(touches);
     for (size_t i = 0; i < stores_.size(); ++i) {
       std::vector<PageHash> hs;
       std::vector<uint64_t> ts;
@@ -246,8 +251,6 @@ void TierManager::writer_loop() {
         }
       }
     }
-    // After this batch's writes: a refreshed prefix is more recent than the pages written before it.
-    if (disk_ && !touches.empty()) disk_->touch(touches);
     {
       std::lock_guard<std::mutex> l(mu_);
       pending_bytes_ -= batch_bytes;

@@ -6,7 +6,7 @@
 // as soon as the cache adopts it. Either way the engine thread only copies the page's bytes out
 // of the pool (a memcpy) and queues them; a writer thread encodes the blob (header, checksums)
 // and puts it in every store. A page the disk already holds is not written again, only refreshed
-// there (in queue order: after the pages that continue it, which RAM evicts first). When the
+// there (through the queue; a batch's refreshes land before its writes and their trim). When the
 // queue holds more than max_pending_bytes, new writes are dropped (counted), never waited for.
 //
 // Up (loads). fetch() queues a lookup of consecutive pages by chain hash (the part of a prompt
