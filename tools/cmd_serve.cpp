@@ -330,7 +330,7 @@ void add_serve_command(CLI::App& app) {
   add_kv_options(cmd, &o->kvo);
   add_eviction_options(cmd, &o->evo);
   cmd->add_option("--kv-disk-dir", o->kv_disk_dir, "L2 KV tier: keep prefix pages in this directory (survives restarts)");
-  cmd->add_option("--kv-disk-bytes", o->kv_disk_bytes, "L2 size; least recently used pages go first")->capture_default_str();
+  cmd->add_option("--kv-disk-bytes", o->kv_disk_bytes, "L2 size; over it, pages no stored page continues go first (unreachable ones, then least recently used)")->capture_default_str();
   cmd->add_option("--kv-redis", o->kv_redis,
                   "L3 KV tier shared by instances: redis://HOST:PORT (repeat or comma-separate; a Redis Cluster is followed)");
   cmd->add_option("--kv-redis-ttl", o->kv_redis_ttl, "seconds a page stays in Redis (0: no expiry)")->check(number_in(0, 1 << 30))->capture_default_str();

@@ -72,13 +72,13 @@ class DiskStore : public PageStore {
   void set_reach(const PageHash& h, bool reach);
   void touch_locked(const PageHash& h);
   void erase_locked(const PageHash& h);  // index and file
-  // Deletes leaves, least recently used first, while the store holds more than max_bytes (and
+  // Deletes leaves (those in lost_ first), least recently used first, while the store holds more than max_bytes (and
   // more than keep pages). Returns the bytes freed.
   int64_t trim_locked(int64_t max_bytes, size_t keep = 1);
 
   struct Entry {
     int64_t bytes;
-    uint64_t tick;    // recency (larger: more recent); the key in leaves_ when a leaf
+    uint64_t tick;    // recency (larger: more recent); the key in leaves_ or lost_ when a leaf
     PageHash parent;  // PageHash{}: a first page, or not known
     bool reach;       // every ancestor is stored
   };
