@@ -73,6 +73,7 @@ void run_serve(const ServeOptions& o) {
   signal(SIGPIPE, SIG_IGN);
 
   if (auto b = kv::parse_kv_cache_memory(o.kvo.memory); !b) fail(b.message());  // before the weights, as generate
+  if (auto b = kv::parse_disk_size(o.kv_disk_bytes); !b) fail("--kv-disk-bytes: " + b.message());
   // --chat-template before the weights: one that does not load fails at once.
   std::optional<kv::ChatTemplate> chat;
   if (!o.chat_template.empty()) {
@@ -127,9 +128,7 @@ void run_serve(const ServeOptions& o) {
     fail("--kv-cache-memory " + o.kvo.memory + " holds no page (one page is " + kv::format_bytes(layout.page_bytes()) + ")");
 
   ec.tiers.disk_dir = o.kv_disk_dir;
-  auto disk_bytes = kv::parse_memory_size(o.kv_disk_bytes);
-  if (!disk_bytes) fail("--kv-disk-bytes: " + disk_bytes.message());
-  ec.tiers.disk_bytes = *disk_bytes;
+  ec.tiers.disk_bytes = *kv::parse_disk_size(o.kv_disk_bytes);  // checked above; at least one page: TierManager::create
   for (const auto& r : o.kv_redis) {  // several addresses: repeat the flag or separate by commas
     size_t a = 0;
     while (a <= r.size()) {
@@ -330,7 +329,7 @@ void add_serve_command(CLI::App& app) {
   add_kv_options(cmd, &o->kvo);
   add_eviction_options(cmd, &o->evo);
   cmd->add_option("--kv-disk-dir", o->kv_disk_dir, "L2 KV tier: keep prefix pages in this directory (survives restarts)");
-  cmd->add_option("--kv-disk-bytes", o->kv_disk_bytes, "L2 size; over it, pages no stored page continues go first (unreachable ones, then least recently used)")->capture_default_str();
+  cmd->add_option("--kv-disk-bytes", o->kv_disk_bytes, "L2 size, e.g. 20GiB (no fraction of RAM; at least one page); over it, pages no stored page continues go first (unreachable ones, then least recently used)")->capture_default_str();
   cmd->add_option("--kv-redis", o->kv_redis,
                   "L3 KV tier shared by instances: redis://HOST:PORT (repeat or comma-separate; a Redis Cluster is followed)");
   cmd->add_option("--kv-redis-ttl", o->kv_redis_ttl, "seconds a page stays in Redis (0: no expiry)")->check(number_in(0, 1 << 30))->capture_default_str();

@@ -6,6 +6,7 @@
 
 #include <xxhash.h>
 
+#include "common/units.h"
 #include "kv/redis_store.h"
 
 namespace kv {
@@ -29,6 +30,19 @@ Result<std::unique_ptr<TierManager>> TierManager::create(const TierConfig& cfg, 
   std::unique_ptr<TierManager> t(new TierManager(cfg, layout, key_stats, fingerprint, window));
   const PageIdentity id = t->identity(0);
   if (!cfg.disk_dir.empty()) {
+    // A budget smaller than one page's blob stores nothing (every write is dropped): refused
+    // before the directory is touched. A hybrid model's blob counts its window page, without
+    // which a stored prefix cannot be used.
+    const std::vector<int32_t> no_tokens(size_t(std::max(layout.block_size, 0)), 0);
+    const int64_t header = static_cast<int64_t>(encode_blob(id, PageHash{}, PageHash{}, no_tokens.data(), 0, {}).size());
+    const int64_t blob = header + t->payload_bytes(t->has_window_);
+    if (cfg.disk_bytes < blob)
+      return Result<std::unique_ptr<TierManager>>::error(
+          "--kv-disk-bytes " + format_bytes(double(cfg.disk_bytes)) + " is smaller than one page on disk: a page of " +
+          std::to_string(layout.block_size) + " tokens is " + format_bytes(double(blob)) + " (" + std::to_string(blob) + " bytes" +
+          (t->has_window_ ? ", with its sliding-window layers' page" : "") +
+          ") for this model and KV format, so the disk tier would store nothing; give at least that, better room for many "
+          "prompts (default 8GiB)");
     auto d = DiskStore::open(cfg.disk_dir, cfg.disk_bytes, id);
     if (!d) return Result<std::unique_ptr<TierManager>>::error(d.message());
     t->disk_ = d->get();

@@ -227,6 +227,34 @@ def test_a_second_server_on_the_same_disk_dir_is_refused(tmp_path):
     assert r.returncode != 0 and "credentials" in r.stderr and "s3cret" not in r.stderr, r.stderr[-2000:]
 
 
+def test_a_disk_budget_smaller_than_a_page_or_a_fraction_of_ram_is_refused(tmp_path):
+    """--kv-disk-bytes below one page's blob started and then dropped every write; 0.5 was read
+    as half the RAM (the --kv-cache-memory parser). Both are refused at start, before anything is
+    written to the directory; a budget of exactly one page starts."""
+    import re
+    from kvserve_server import KVSERVE, MODEL
+    disk_dir = tmp_path / "disk"
+    serve = [KVSERVE, "serve", "-m", MODEL, "--port", str(free_port()), "--kv-disk-dir", str(disk_dir)]
+    r = subprocess.run(serve + ["--kv-disk-bytes", "100KiB"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    m = re.search(r"--kv-disk-bytes 100\.00 KiB is smaller than one page on disk: a page of 16 tokens is [0-9.]+ KiB \(([0-9]+) bytes",
+                  r.stderr)
+    assert m, r.stderr[-2000:]
+    page = int(m.group(1))
+    assert page > 16 * 22 * 1024  # SmolLM2's f16 KV: 22.5 KiB per token
+    assert not os.path.exists(disk_dir)
+    for frac in ["0.5", "1.0", ".25"]:
+        r = subprocess.run(serve + ["--kv-disk-bytes", frac], capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0
+        assert f"--kv-disk-bytes: '{frac}' would be a fraction of RAM" in r.stderr and "20GiB" in r.stderr, r.stderr[-2000:]
+        assert "loading weights" not in r.stderr  # refused before the model loads
+    assert not os.path.exists(disk_dir)
+    r = subprocess.run(serve + ["--kv-disk-bytes", str(page - 1)], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "smaller than one page on disk" in r.stderr, r.stderr[-2000:]
+    a = tier_server("--kv-disk-dir", str(disk_dir), "--kv-disk-bytes", str(page))
+    stop(a)
+
+
 def test_bad_redis_address_is_a_clear_error():
     from kvserve_server import KVSERVE, MODEL
     for addr, words in [("http://127.0.0.1:6379", "http:// is not a plain Redis address"),
