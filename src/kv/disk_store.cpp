@@ -109,6 +109,12 @@ DiskStore::~DiskStore() {
   if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the flock
 }
 
+void DiskStore::tell_failure_locked(const char* what, int err, const char* then) {
+  if (!told_.insert(std::string(what) + ":" + std::to_string(err)).second) return;
+  std::fprintf(stderr, "kv tier: disk: %s in %s failed: %s (%s; counted in kvserve:kv_tier_errors_total{tier=\"disk\"}, told once per kind)\n",
+               what, root_.c_str(), std::strerror(err), then);
+}
+
 std::string DiskStore::path_of(const PageHash& h) const {
   const std::string hex = h.hex();
   return root_ + "/" + hex.substr(0, 2) + "/" + hex + ".kvp";
@@ -287,14 +293,14 @@ std::vector<bool> DiskStore::put(std::span<const PageHash> hashes, std::span<con
     const std::string tmp = root_ + "/tmp/" + h.hex() + "." + std::to_string(n) + ".tmp";
     std::error_code ec;
     fs::create_directories(fs::path(final_path).parent_path(), ec);
-    auto write_file = [&] {
+    auto write_file = [&] {  // 0, or the errno of the step that failed
       const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-      bool ok = fd >= 0 && write_all(fd, b.data(), b.size());
-      const int err = errno;
-      if (fd >= 0) ok = (::close(fd) == 0) && ok;
-      ok = ok && ::rename(tmp.c_str(), final_path.c_str()) == 0;
-      if (!ok) ::unlink(tmp.c_str());
-      return ok ? 0 : err != 0 ? err : EIO;
+      if (fd < 0) return errno != 0 ? errno : EIO;
+      int err = write_all(fd, b.data(), b.size()) ? 0 : (errno != 0 ? errno : EIO);
+      if (::close(fd) != 0 && err == 0) err = errno != 0 ? errno : EIO;
+      if (err == 0 && ::rename(tmp.c_str(), final_path.c_str()) != 0) err = errno != 0 ? errno : EIO;
+      if (err != 0) ::unlink(tmp.c_str());
+      return err;
     };
     int err = write_file();
     if (err == ENOSPC) {
@@ -311,6 +317,7 @@ std::vector<bool> DiskStore::put(std::span<const PageHash> hashes, std::span<con
     std::lock_guard<std::mutex> l(mu_);
     if (!ok) {
       ++errors_;
+      tell_failure_locked("writing a page", err, "such pages are not stored");
       continue;
     }
     auto it = index_.find(h);
@@ -339,9 +346,11 @@ std::vector<std::optional<std::string>> DiskStore::get(uint64_t, std::span<const
     }
     out[i] = read_file(path_of(hashes[i]));
     if (!out[i]) {  // deleted behind our back, or unreadable
+      const int err = errno;
       std::lock_guard<std::mutex> l(mu_);
       ++errors_;
       erase_locked(hashes[i]);
+      if (err != ENOENT) tell_failure_locked("reading a page", err, "such pages miss and are recomputed");
       break;
     }
   }

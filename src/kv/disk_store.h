@@ -14,11 +14,13 @@
 // after a restart. Among leaves, the least recently used goes first. Pages whose parent is
 // unknown (version 1 blobs) are leaves; a batch is refreshed last page first, so that such a
 // prefix's head is still its most recent page. The budget is enforced at the end of each put
-// (a batch may pass it for a moment).
+// (a batch may pass it for a moment). A failed write or read is told on stderr once per kind
+// (errno), as the Redis store tells its errors.
 #pragma once
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -72,6 +74,8 @@ class DiskStore : public PageStore {
   void set_reach(const PageHash& h, bool reach);
   void touch_locked(const PageHash& h);
   void erase_locked(const PageHash& h);  // index and file
+  // Under mu_: one stderr line per kind (what failed and its errno), then quiet.
+  void tell_failure_locked(const char* what, int err, const char* then);
   // Deletes leaves (those in lost_ first), least recently used first, while the store holds more than max_bytes (and
   // more than keep pages). Returns the bytes freed.
   int64_t trim_locked(int64_t max_bytes, size_t keep = 1);
@@ -98,6 +102,7 @@ class DiskStore : public PageStore {
   int64_t errors_ = 0;
   int64_t dropped_at_open_ = 0;  // corrupt / foreign / temp files deleted by scan()
   uint64_t tmp_counter_ = 0;
+  std::set<std::string> told_;  // failure kinds already told on stderr
 };
 
 }  // namespace kv

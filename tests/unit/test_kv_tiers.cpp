@@ -735,6 +735,51 @@ TEST(KvTierDiskStore, OpenFailsWhenDirCannotBeCreated) {
   EXPECT_NE(r.message().find("cannot create"), std::string::npos) << r.message();
 }
 
+size_t count_of(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+TEST(KvTierDiskStore, WriteFailuresAreToldOncePerKind) {
+  // A write failure was only counted in /metrics. It is told on stderr now, once per errno,
+  // naming the directory and the error, as the Redis store tells its errors.
+  TmpDir t("diskerr");
+  auto s = open_disk(t.path);
+  ASSERT_TRUE(s);
+  // Pages whose subdirectory is a regular file (ENOTDIR, even as root), and one whose file name
+  // is taken by a directory (EISDIR).
+  std::vector<uint64_t> notdir;
+  uint64_t isdir = 0;
+  std::set<std::string> subdirs;
+  for (uint64_t i = 100; notdir.size() < 3 || isdir == 0; ++i) {
+    const fs::path p = s->path_of(hash_of(i));
+    if (!subdirs.insert(p.parent_path().string()).second) continue;
+    if (notdir.size() < 3) {
+      write_bytes(p.parent_path().string(), "not a directory");
+      notdir.push_back(i);
+    } else {
+      fs::create_directories(p / "x");
+      isdir = i;
+    }
+  }
+  uint64_t good = 0;  // a page whose subdirectory is fine
+  while (subdirs.count(s->path_of(hash_of(good)).substr(0, s->root().size() + 3))) ++good;
+  ::testing::internal::CaptureStderr();
+  for (uint64_t i : notdir) EXPECT_FALSE(put1(*s, i, make_blob(i))) << i;
+  EXPECT_FALSE(put1(*s, isdir, make_blob(isdir)));
+  EXPECT_TRUE(put1(*s, good, make_blob(good)));
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(count_of(err, "kv tier: disk: "), 2u) << err;
+  EXPECT_EQ(count_of(err, "writing a page in " + s->root() + " failed: " + std::strerror(ENOTDIR)), 1u) << err;
+  EXPECT_EQ(count_of(err, "writing a page in " + s->root() + " failed: " + std::strerror(EISDIR)), 1u) << err;
+  TierStats st;
+  s->fill_stats(&st);
+  EXPECT_EQ(st.errors, 4);
+  EXPECT_EQ(st.pages_stored, 1);
+  EXPECT_TRUE(fs::is_empty(s->root() + "/tmp"));  // the failed writes' temp files are gone
+}
+
 // ---- TierManager with a real PagePool ------------------------------------------------------
 
 constexpr uint64_t kFingerprint = 0xfeedfacecafebeefull;
