@@ -55,6 +55,28 @@ std::optional<std::string> read_file(const std::string& path, int64_t max_bytes 
   return s;
 }
 
+// Opens lock_path (creating it) and takes its flock, writing our pid into it. -1 when that fails:
+// *err is open's errno, or EWOULDBLOCK when the lock is not ours (another process holds it:
+// *holder is the pid it wrote, "" when none).
+int take_lock(const std::string& lock_path, int* err, std::string* holder) {
+  const int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    *err = errno;
+    return -1;
+  }
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    *err = EWOULDBLOCK;  // any failure to lock: taken as held (as it always was)
+    char pid[32] = {0};
+    (void)!::pread(fd, pid, sizeof pid - 1, 0);
+    *holder = pid;
+    ::close(fd);
+    return -1;
+  }
+  const std::string me = std::to_string(::getpid());
+  if (::ftruncate(fd, 0) == 0) (void)!::pwrite(fd, me.data(), me.size(), 0);
+  return fd;
+}
+
 bool parse_hex_hash(const std::string& stem, PageHash* h) {
   if (stem.size() != 32) return false;
   for (char c : stem)
@@ -75,18 +97,15 @@ Result<std::unique_ptr<DiskStore>> DiskStore::open(const std::string& dir, int64
   if (::access(root.c_str(), W_OK) != 0)
     return Result<std::unique_ptr<DiskStore>>::error("--kv-disk-dir " + dir + ": " + root + " is not writable");
   const std::string lock_path = root + "/lock";
-  const int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (fd < 0) return Result<std::unique_ptr<DiskStore>>::error("--kv-disk-dir " + dir + ": cannot open " + lock_path + ": " + std::strerror(errno));
-  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    char pid[32] = {0};
-    (void)!::pread(fd, pid, sizeof pid - 1, 0);
-    ::close(fd);
+  int err = 0;
+  std::string pid;
+  const int fd = take_lock(lock_path, &err, &pid);
+  if (fd < 0 && err != EWOULDBLOCK)
+    return Result<std::unique_ptr<DiskStore>>::error("--kv-disk-dir " + dir + ": cannot open " + lock_path + ": " + std::strerror(err));
+  if (fd < 0)
     return Result<std::unique_ptr<DiskStore>>::error(
-        "--kv-disk-dir " + dir + " is in use by another kvserve process" + (pid[0] ? std::string(" (pid ") + pid + ")" : std::string()) +
+        "--kv-disk-dir " + dir + " is in use by another kvserve process" + (!pid.empty() ? " (pid " + pid + ")" : std::string()) +
         " for this model and KV format: give each server its own directory (servers share pages through --kv-redis)");
-  }
-  const std::string me = std::to_string(::getpid());
-  if (::ftruncate(fd, 0) == 0) (void)!::pwrite(fd, me.data(), me.size(), 0);
   std::unique_ptr<DiskStore> s(new DiskStore(root, max_bytes, fd));
   s->scan(id);
   // Other models' or formats' pages share the directory but not the budget: say so.
@@ -107,6 +126,68 @@ Result<std::unique_ptr<DiskStore>> DiskStore::open(const std::string& dir, int64
 
 DiskStore::~DiskStore() {
   if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the flock
+}
+
+bool DiskStore::root_intact_locked() const {
+  // access(), not stat(), on tmp/: a stat marks the directory's times as seen, and the kernel
+  // (multigrain timestamps) then gives the next file made in it a fine-grained time, which
+  // changes which of two pages written in one batch looks older to the next start's scan.
+  struct stat held, now;
+  return ::access((root_ + "/tmp/.").c_str(), F_OK) == 0 && lock_fd_ >= 0 && ::fstat(lock_fd_, &held) == 0 &&
+         ::stat((root_ + "/lock").c_str(), &now) == 0 && held.st_dev == now.st_dev && held.st_ino == now.st_ino;
+}
+
+bool DiskStore::recover_locked() {
+  if (off_) return false;
+  if (root_intact_locked()) return true;
+  const bool dir_gone = ::access((root_ + "/tmp/.").c_str(), F_OK) != 0;
+  std::error_code ec;
+  fs::create_directories(fs::path(root_) / "tmp", ec);
+  if (ec) {
+    ++errors_;
+    tell_failure_locked("recreating the removed directory", ec.value(), "pages are not stored until it can be");
+    return false;
+  }
+  struct stat held, now;
+  const std::string lock_path = root_ + "/lock";
+  if (!(::fstat(lock_fd_, &held) == 0 && ::stat(lock_path.c_str(), &now) == 0 && held.st_dev == now.st_dev && held.st_ino == now.st_ino)) {
+    int err = 0;
+    std::string pid;
+    const int fd = take_lock(lock_path, &err, &pid);
+    if (fd < 0 && err != EWOULDBLOCK) {
+      ++errors_;
+      tell_failure_locked("recreating the lock file", err, "pages are not stored until it can be");
+      return false;
+    }
+    if (fd < 0) {  // another server took the directory meanwhile: it is theirs now
+      ++errors_;
+      std::fprintf(stderr, "kv tier: %s was removed while this server used it, and another kvserve process%s has locked it since: "
+                   "this server's disk tier is off (pages are neither stored nor read there; give each server its own --kv-disk-dir)\n",
+                   root_.c_str(), pid.empty() ? "" : (" (pid " + pid + ")").c_str());
+      off_ = true;
+      index_.clear();  // never read, refreshed or deleted here again: the files are the other's
+      children_.clear();
+      leaves_.clear();
+      lost_.clear();
+      bytes_ = 0;
+      ::close(lock_fd_);
+      lock_fd_ = -1;
+      return false;
+    }
+    ::close(lock_fd_);  // the old lock's file is gone: no other process can take it
+    lock_fd_ = fd;
+  }
+  // The index still lists what was removed: drop those entries (their files are gone).
+  const size_t before = index_.size();
+  std::vector<PageHash> gone;
+  for (const auto& [h, e] : index_)
+    if (::access(path_of(h).c_str(), F_OK) != 0 && errno == ENOENT) gone.push_back(h);
+  for (const PageHash& h : gone) erase_locked(h);
+  ++errors_;
+  std::fprintf(stderr, "kv tier: %s was removed while in use (%zu of its %zu pages gone with it): recreated %s and took the lock "
+               "again; pages are stored there again\n",
+               dir_gone ? root_.c_str() : (root_ + "/lock").c_str(), gone.size(), before, dir_gone ? "it" : "the lock file");
+  return true;
 }
 
 void DiskStore::tell_failure_locked(const char* what, int err, const char* then) {
@@ -269,6 +350,11 @@ void DiskStore::touch(std::span<const PageHash> hashes) {
 // header): trimming after each page could delete a page whose child was still to come.
 std::vector<bool> DiskStore::put(std::span<const PageHash> hashes, std::span<const uint64_t>, std::span<const std::string> blobs) {
   std::vector<bool> stored(hashes.size(), false);
+  {
+    std::lock_guard<std::mutex> l(mu_);  // the directory removed since the last put: recreate it first
+    if (!off_ && !root_intact_locked()) recover_locked();
+    if (off_) return stored;
+  }
   for (size_t i = hashes.size(); i-- > 0;) {
     const PageHash& h = hashes[i];
     const std::string& b = blobs[i];
@@ -285,7 +371,7 @@ std::vector<bool> DiskStore::put(std::span<const PageHash> hashes, std::span<con
         stored[i] = true;
         continue;
       }
-      if (int64_t(b.size()) > max_bytes_) continue;
+      if (int64_t(b.size()) > max_bytes_ || off_) continue;
       n = tmp_counter_++;
     }
     // Write outside the lock: temp file, then rename into place (atomic on one filesystem).
@@ -313,11 +399,23 @@ std::vector<bool> DiskStore::put(std::span<const PageHash> hashes, std::span<con
       }
       err = write_file();
     }
+    if (err == ENOENT) {
+      // The directory (or part of it) was removed since the check above: recreate it, once more.
+      bool again;
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        again = recover_locked();
+      }
+      if (again) {
+        fs::create_directories(fs::path(final_path).parent_path(), ec);
+        err = write_file();
+      }
+    }
     const bool ok = err == 0;
     std::lock_guard<std::mutex> l(mu_);
     if (!ok) {
       ++errors_;
-      tell_failure_locked("writing a page", err, "such pages are not stored");
+      if (!off_) tell_failure_locked("writing a page", err, "such pages are not stored");
       continue;
     }
     auto it = index_.find(h);
@@ -351,6 +449,7 @@ std::vector<std::optional<std::string>> DiskStore::get(uint64_t, std::span<const
       ++errors_;
       erase_locked(hashes[i]);
       if (err != ENOENT) tell_failure_locked("reading a page", err, "such pages miss and are recomputed");
+      else if (!root_intact_locked()) recover_locked();  // the whole directory removed (rm -rf)?
       break;
     }
   }

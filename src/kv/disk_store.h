@@ -14,8 +14,15 @@
 // after a restart. Among leaves, the least recently used goes first. Pages whose parent is
 // unknown (version 1 blobs) are leaves; a batch is refreshed last page first, so that such a
 // prefix's head is still its most recent page. The budget is enforced at the end of each put
-// (a batch may pass it for a moment). A failed write or read is told on stderr once per kind
-// (errno), as the Redis store tells its errors.
+// (a batch may pass it for a moment).
+//
+// The directory removed while the store is open (rm -rf DIR): each put first checks that tmp/
+// and the lock file it holds are still there, and a read or write failing with ENOENT checks it
+// too. Either way the store recreates tmp/ and the lock file, takes the lock again, drops the
+// index entries whose files are gone, says so on stderr, and goes on storing. Should another
+// process have locked the recreated directory meanwhile, the store turns itself off (every put a
+// drop, every get a miss) rather than share it. Other write and read failures are told on
+// stderr once per kind (errno), as the Redis store tells its errors.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -74,6 +81,12 @@ class DiskStore : public PageStore {
   void set_reach(const PageHash& h, bool reach);
   void touch_locked(const PageHash& h);
   void erase_locked(const PageHash& h);  // index and file
+  // The directory's health (rm -rf while serving; see the header). Under mu_: whether tmp/ is
+  // there and root/lock is still the file lock_fd_ holds.
+  bool root_intact_locked() const;
+  // Under mu_: recreates tmp/ and the lock (flock'd again), drops the index entries whose files
+  // are gone, tells stderr once. False when the store cannot write there (yet) or is off.
+  bool recover_locked();
   // Under mu_: one stderr line per kind (what failed and its errno), then quiet.
   void tell_failure_locked(const char* what, int err, const char* then);
   // Deletes leaves (those in lost_ first), least recently used first, while the store holds more than max_bytes (and
@@ -102,6 +115,8 @@ class DiskStore : public PageStore {
   int64_t errors_ = 0;
   int64_t dropped_at_open_ = 0;  // corrupt / foreign / temp files deleted by scan()
   uint64_t tmp_counter_ = 0;
+  // Another process locked the directory after it was removed under this store: it is off.
+  bool off_ = false;
   std::set<std::string> told_;  // failure kinds already told on stderr
 };
 

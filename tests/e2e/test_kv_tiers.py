@@ -227,6 +227,55 @@ def test_a_second_server_on_the_same_disk_dir_is_refused(tmp_path):
     assert r.returncode != 0 and "credentials" in r.stderr and "s3cret" not in r.stderr, r.stderr[-2000:]
 
 
+def test_a_disk_dir_removed_while_serving_is_recreated_and_locked_again(disk_dir):
+    """`rm -rf` of --kv-disk-dir while the server ran was never recovered: every later write
+    failed (tmp/ was gone), silently; kv_tier_pages_stored kept counting the deleted pages, and
+    the lock file was gone, so a second server could open the directory. Now the store recreates
+    the directory and its lock, says so once, and pages written after it are found again, also
+    after a restart."""
+    from kvserve_server import KVSERVE, MODEL
+    first, second = doc(60000, 3000), doc(70000, 3000)
+    a = tier_server("--kv-disk-dir", disk_dir, "--kv-tier-write", "through")
+    try:
+        _, n1, _ = ask(a, first)
+        wait_written(a, "disk", n1 // 16)
+        assert_clean(a)
+        written = tier(a, "kv_tier_pages_written_total", "disk")
+        assert tier(a, "kv_tier_pages_stored", "disk") == written
+        shutil.rmtree(disk_dir)
+        answer, n2, cached = ask(a, second)
+        assert cached == 0
+        wait_written(a, "disk", written + n2 // 16)
+        # Every page of the second prompt is on disk, and the deleted ones are no longer counted.
+        deadline = time.time() + 10 * SLOWDOWN
+        while True:
+            files = glob.glob(os.path.join(disk_dir, "*", "*", "*.kvp"))
+            m = a.metrics()
+            if len(files) >= n2 // 16 and m['kvserve:kv_tier_pages_stored{tier="disk"}'] == len(files):
+                break
+            assert time.time() < deadline, (len(files), n2 // 16, m)
+            time.sleep(0.1)
+        assert m['kvserve:kv_tier_write_drops_total{tier="disk"}'] == 0, m
+        assert m['kvserve:kv_tier_errors_total{tier="disk"}'] >= 1, m  # the removal
+        assert a.output().count("was removed while in use") == 1, a.output()
+        # The lock is held again: a second server on the directory is refused.
+        r = subprocess.run([KVSERVE, "serve", "-m", MODEL, "--port", str(free_port()), "--kv-disk-dir", disk_dir],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0
+        assert f"is in use by another kvserve process (pid {a.proc.pid})" in r.stderr, r.stderr[-2000:]
+        assert_clean(a)
+    finally:
+        stop(a)
+    b = tier_server("--kv-disk-dir", disk_dir)
+    try:
+        assert tier(b, "kv_tier_pages_stored", "disk") == len(files)
+        warm, _, cached = ask(b, second)
+        assert warm == answer
+        assert cached >= n2 - 16 - 1, cached
+    finally:
+        stop(b)
+
+
 def test_a_disk_budget_smaller_than_a_page_or_a_fraction_of_ram_is_refused(tmp_path):
     """--kv-disk-bytes below one page's blob started and then dropped every write; 0.5 was read
     as half the RAM (the --kv-cache-memory parser). Both are refused at start, before anything is

@@ -741,6 +741,88 @@ size_t count_of(const std::string& text, const std::string& what) {
   return n;
 }
 
+TEST(KvTierDiskStore, RemovedWhileOpenIsRecreatedAndLockedAgain) {
+  // rm -rf of --kv-disk-dir while a server ran: tmp/ was never recreated, so every later write
+  // failed, silently; the index kept listing the deleted pages, and the lock file was gone (a
+  // second server could open the directory). Now the next put (or a get finding a file gone)
+  // recreates the directory and the lock, drops the lost pages from the index, tells stderr once.
+  TmpDir t("diskrm");
+  auto s = open_disk(t.path);
+  ASSERT_TRUE(s);
+  for (uint64_t i = 0; i < 4; ++i) ASSERT_TRUE(put1(*s, i, make_blob(i)));
+  const std::string root = s->root();
+  fs::remove_all(t.path);
+  ::testing::internal::CaptureStderr();
+  EXPECT_TRUE(put1(*s, 10, make_blob(10)));
+  EXPECT_TRUE(put1(*s, 11, make_blob(11)));
+  std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(count_of(err, root + " was removed while in use (4 of its 4 pages gone with it)"), 1u) << err;
+  EXPECT_EQ(s->n_pages(), 2);  // the index no longer lists what rm took
+  EXPECT_EQ(s->bytes(), 2 * int64_t(make_blob(10).size()));
+  for (uint64_t i = 0; i < 4; ++i) EXPECT_FALSE(s->may_contain(hash_of(i))) << i;
+  EXPECT_TRUE(fs::is_directory(root + "/tmp"));
+  EXPECT_TRUE(fs::exists(s->path_of(hash_of(10))));
+  EXPECT_TRUE(get1(*s, 11) == make_blob(11));
+  TierStats st;
+  s->fill_stats(&st);
+  EXPECT_EQ(st.pages_stored, 2);
+  EXPECT_GE(st.errors, 1);  // the removal is counted
+  {
+    // The lock is held again: a second store (another server) is refused, naming this process.
+    auto d = DiskStore::open(t.path, int64_t(1) << 30, kId);
+    ASSERT_FALSE(d.is_ok());
+    EXPECT_NE(d.message().find("in use by another kvserve process (pid " + std::to_string(::getpid()) + ")"), std::string::npos)
+        << d.message();
+  }
+
+  // Removed again, and noticed by a read this time (a lookup finds its file gone).
+  fs::remove_all(t.path);
+  ::testing::internal::CaptureStderr();
+  EXPECT_FALSE(get1(*s, 10).has_value());
+  err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(count_of(err, " was removed while in use"), 1u) << err;
+  EXPECT_EQ(s->n_pages(), 0);
+  EXPECT_TRUE(fs::is_directory(root + "/tmp"));
+  EXPECT_TRUE(fs::exists(root + "/lock"));
+  EXPECT_FALSE(DiskStore::open(t.path, int64_t(1) << 30, kId).is_ok());
+  ::testing::internal::CaptureStderr();
+  EXPECT_TRUE(put1(*s, 12, make_blob(12)));
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");  // nothing more to tell
+
+  // What was written after the removal is found after a restart.
+  s.reset();
+  s = open_disk(t.path);
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->n_pages(), 1);
+  EXPECT_EQ(s->dropped_at_open(), 0);
+  EXPECT_TRUE(get1(*s, 12) == make_blob(12));
+}
+
+TEST(KvTierDiskStore, ADirectoryRemovedAndTakenByAnotherServerTurnsTheStoreOff) {
+  // Between the removal and this store noticing it, another server opened the directory (the
+  // lock file was gone): the directory is the other's now. This store stops using it, deleting
+  // nothing of the other's.
+  TmpDir t("disktaken");
+  auto a = open_disk(t.path);
+  ASSERT_TRUE(a);
+  ASSERT_TRUE(put1(*a, 0, make_blob(0)));
+  fs::remove_all(t.path);
+  auto b = open_disk(t.path);  // the lock file is gone: a second store opens it
+  ASSERT_TRUE(b);
+  ASSERT_TRUE(put1(*b, 0, make_blob(0)));
+  ::testing::internal::CaptureStderr();
+  EXPECT_FALSE(put1(*a, 1, make_blob(1)));
+  EXPECT_FALSE(put1(*a, 2, make_blob(2)));
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(count_of(err, "another kvserve process (pid " + std::to_string(::getpid()) + ") has locked it since"), 1u) << err;
+  EXPECT_EQ(a->n_pages(), 0);
+  EXPECT_FALSE(get1(*a, 0).has_value());
+  a->remove(kId.ns_tag, hash_of(0));
+  a.reset();
+  EXPECT_TRUE(get1(*b, 0) == make_blob(0));  // b's page untouched
+  EXPECT_FALSE(DiskStore::open(t.path, int64_t(1) << 30, kId).is_ok());  // b's lock still held
+}
+
 TEST(KvTierDiskStore, WriteFailuresAreToldOncePerKind) {
   // A write failure was only counted in /metrics. It is told on stderr now, once per errno,
   // naming the directory and the error, as the Redis store tells its errors.
