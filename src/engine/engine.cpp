@@ -168,13 +168,18 @@ Engine::~Engine() {
   stop();
   std::lock_guard<std::mutex> l(state_mu_);
   if (tiers_) {
-    // Write-back keeps pages in RAM until evicted: on the way out every cached page goes down,
-    // so the next start finds them (the tier manager finishes its queue when destroyed).
-    if (!tiers_->config().write_through)
-      cache_->for_each_page(
-          [&](const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* t, int32_t p, int32_t wp) {
-            tiers_->store(h, parent, ns, t, p, wp);
-          });
+    // On the way out every cached page goes down with its last use, so the next start finds the
+    // most recent (the tier manager finishes its queue when destroyed). Write-back kept them in
+    // RAM until evicted; write-through wrote them when cached, and the disk may have dropped
+    // some since, knowing nothing of their use in RAM: those are written again, the rest
+    // refreshed. Hybrid models: with the window pages the cache holds, as write-back writes them
+    // (a later start uses a prefix only as far as its last window's pages carry them). Every
+    // refresh first: the disk trims to its budget after each write batch, and a recent prefix it
+    // holds, with an older use on record, would otherwise go before its refresh came.
+    cache_->for_each_page([&](const PageHash& h, const PageHash&, const std::string&, const int32_t*, int32_t, int32_t,
+                              uint64_t last_use) { tiers_->refresh_held(h, last_use); });
+    cache_->for_each_page([&](const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* t, int32_t p,
+                              int32_t wp, uint64_t last_use) { tiers_->store(h, parent, ns, t, p, wp, last_use); });
     cache_->set_listener(nullptr);
     tiers_.reset();
   }

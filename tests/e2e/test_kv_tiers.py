@@ -152,6 +152,45 @@ def test_a_conversation_continued_later_keeps_its_head_over_the_disk_budget(disk
         stop(d)
 
 
+@pytest.mark.parametrize("mode", ["back", "through"])
+def test_the_prefix_used_last_before_a_stop_is_what_the_next_start_finds(disk_dir, mode):
+    # A conversation goes to disk; the next life loads it, serves two other prompts, then the
+    # conversation again (from RAM), and stops. Its disk holds the conversation and half of
+    # another prompt. The disk ordered pages by when they reached it, and its copy of the
+    # conversation carried the load's time: write-back's stop wrote the other prompts first
+    # (older in RAM) and trimmed the conversation away before its refresh came; write-through
+    # trimmed it during the life and wrote nothing at the stop. Either way the next start missed.
+    conv, other1, other2 = doc(0, 1600), doc(20000, 1600), doc(30000, 1600)
+    files = lambda: glob.glob(os.path.join(disk_dir, "*", "*", "*.kvp"))  # noqa: E731
+    write = ("--kv-tier-write", mode)
+    a = tier_server("--kv-disk-dir", disk_dir, *write)
+    try:
+        _, n_conv, _ = ask(a, conv)
+    finally:
+        stop(a)
+    n_pages = len(files())
+    assert n_pages >= n_conv // 16 - 1
+    budget = (n_pages + n_pages // 2) * max(os.path.getsize(f) for f in files())
+    b = tier_server("--kv-disk-dir", disk_dir, "--kv-disk-bytes", str(budget), *write)
+    try:
+        _, _, cached = ask(b, conv)
+        assert cached >= n_conv - 32, cached
+        ask(b, other1)
+        ask(b, other2)
+        _, _, cached = ask(b, conv)
+        assert cached >= n_conv - 32, cached
+    finally:
+        stop(b)
+    assert sum(os.path.getsize(f) for f in files()) <= budget
+    c = tier_server("--kv-disk-dir", disk_dir, "--kv-disk-bytes", str(budget), *write)
+    try:
+        _, _, cached = ask(c, conv)
+        assert cached >= n_conv - 32, (cached, n_conv)
+        assert_clean(c)
+    finally:
+        stop(c)
+
+
 def test_corrupt_and_truncated_page_files_are_recomputed(disk_dir):
     p = doc(5000)
     a = tier_server("--kv-disk-dir", disk_dir)
