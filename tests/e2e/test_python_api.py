@@ -337,6 +337,34 @@ def test_close_while_another_thread_generates():
         m.generate("x", use_tqdm=False)
 
 
+def test_close_while_another_thread_checks_integrity():
+    # check_integrity() walks the pool without the GIL: a close() on another thread freed the
+    # engine under it (only generate() calls were waited for). A use after free seldom crashes
+    # without ASan (this module is not built with it): this checks the outcome, not the memory.
+    outcome = {}
+    started = threading.Event()
+
+    def work():
+        try:
+            while True:
+                m.check_integrity()
+                started.set()
+        except RuntimeError as e:
+            outcome["result"] = str(e)
+
+    for _ in range(4):
+        m = LLM(MODEL, kv_cache_memory="48MiB", quiet=True)
+        m.generate(["x " * 300] * 4, SamplingParams(max_tokens=4), use_tqdm=False)
+        started.clear()
+        t = threading.Thread(target=work)
+        t.start()
+        started.wait(30)
+        m.close()
+        t.join(30)
+        assert not t.is_alive()
+        assert outcome.pop("result") == "this LLM was closed"
+
+
 def test_close_from_a_signal_handler_inside_generate():
     # The handler runs on the thread that is inside generate(): close() cannot wait for that call
     # (it hung forever); the call ends its requests, raises, and frees the engine itself.
