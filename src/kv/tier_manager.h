@@ -20,7 +20,7 @@
 // uses a loaded prefix only as far as its last window's pages carry them. Write-back: with the
 // window page when the cache holds one at eviction. Write-through: without, as pages fill; the
 // engine writes the last window of what a sequence published again, with them, when it ends
-// (Engine::store_last_window). A write with the window page replaces a stored blob without it,
+// (Engine::store_finished_path). A write with the window page replaces a stored blob without it,
 // never the other way round.
 //
 // Threading: store()/fetch()/poll()/install() and the listener calls are engine-thread only;
