@@ -306,8 +306,9 @@ class PyEngine {
     return d;
   }
 
-  void check_integrity() const {
+  void check_integrity() {
     const kv::Engine& engine = eng();
+    CallGuard call(*this);  // it runs without the GIL: a close() on another thread waits for it
     kv::Status st;
     {
       py::gil_scoped_release nogil;

@@ -158,8 +158,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
         return self._engine.tokenize(text, add_special_tokens)
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self._engine.detokenize_bytes(list(token_ids)).decode("utf-8", errors="replace")
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        # As HuggingFace's decode (vLLM's get_tokenizer()): special tokens kept unless asked.
+        return self._engine.detokenize_bytes(list(token_ids), not skip_special_tokens).decode("utf-8", errors="replace")
 
 
 PromptType = Union[str, Dict[str, Any], List[int]]

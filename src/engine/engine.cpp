@@ -168,13 +168,18 @@ Engine::~Engine() {
   stop();
   std::lock_guard<std::mutex> l(state_mu_);
   if (tiers_) {
-    // Write-back keeps pages in RAM until evicted: on the way out every cached page goes down,
-    // so the next start finds them (the tier manager finishes its queue when destroyed).
-    if (!tiers_->config().write_through)
-      cache_->for_each_page(
-          [&](const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* t, int32_t p, int32_t wp) {
-            tiers_->store(h, parent, ns, t, p, wp);
-          });
+    // On the way out every cached page goes down with its last use, so the next start finds the
+    // most recent (the tier manager finishes its queue when destroyed). Write-back kept them in
+    // RAM until evicted; write-through wrote them when cached, and the disk may have dropped
+    // some since, knowing nothing of their use in RAM: those are written again, the rest
+    // refreshed. Hybrid models: with the window pages the cache holds, as write-back writes them
+    // (a later start uses a prefix only as far as its last window's pages carry them). Every
+    // refresh first: the disk trims to its budget after each write batch, and a recent prefix it
+    // holds, with an older use on record, would otherwise go before its refresh came.
+    cache_->for_each_page([&](const PageHash& h, const PageHash&, const std::string&, const int32_t*, int32_t, int32_t,
+                              uint64_t last_use) { tiers_->refresh_held(h, last_use); });
+    cache_->for_each_page([&](const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* t, int32_t p,
+                              int32_t wp, uint64_t last_use) { tiers_->store(h, parent, ns, t, p, wp, last_use); });
     cache_->set_listener(nullptr);
     tiers_.reset();
   }
@@ -888,7 +893,7 @@ void Engine::postprocess(Plan& plan, const float* logits) {
     // A prefill instance's prompt tail is queued before the client hears of the end: it answers
     // once what it queued is written.
     if (reason && cfg_.tier_prompt_tails == EngineConfig::PromptTails::kStore) store_prompt_tail(*e);
-    if (reason) store_last_window(*e);
+    if (reason) store_finished_path(*e);
     if (reason) e->rs->req.stream->push(StreamEvent{StreamEvent::kFinish, e->index, "", {}, reason, "", 0, {}, {}});
     if (reason) e->n_prompt = -1;  // marks finished; removed from running below
   }
@@ -1199,20 +1204,26 @@ bool Engine::install_prompt_tail(Sequence& s, int64_t n_matched) {
   return true;
 }
 
-void Engine::store_last_window(const Sequence& s) {
-  // Hybrid models, write-through: pages went down without their window pages as they filled;
-  // a later request (or a decode instance) continuing this one reuses at most its published
-  // pages, or one fewer, and needs the window pages of that prefix's last window.
-  if (!tiers_ || !pool_g1_ || !cache_ || !tiers_->config().write_through || s.pin.empty() || !cache_->is_valid(s.pin)) return;
-  const std::vector<int32_t> pages = cache_->path_pages(s.pin), wpages = cache_->path_window_pages(s.pin);
+void Engine::store_finished_path(const Sequence& s) {
+  // Write-through: pages go down as they fill, and only then (a page RAM already held, reused
+  // by this sequence, was not written again). When a sequence ends its whole published path
+  // goes down once more: the pages the disk holds are refreshed (this use is their recency
+  // there), the ones it dropped since, while RAM still served them, are written again (a
+  // restart or a crash found the prefix gone), and on hybrid models the last window goes with
+  // its window pages, which a later request (or a decode instance) continuing this one needs:
+  // pages went down without them as they filled.
+  if (!tiers_ || !cache_ || !tiers_->config().write_through || s.pin.empty() || !cache_->is_valid(s.pin)) return;
+  const std::vector<int32_t> pages = cache_->path_pages(s.pin);
+  const std::vector<int32_t> wpages = pool_g1_ ? cache_->path_window_pages(s.pin) : std::vector<int32_t>();
   const int64_t n = static_cast<int64_t>(pages.size());
   if (n == 0) return;
   const int32_t bs = cfg_.block_size;
   const std::string& ns = s.rs->req.params.cache_namespace;
   const std::vector<PageHash> hashes = cache_->hash_pages(ns, s.tokens.data(), n * bs);
-  for (int64_t k = cache_->window_first_page(n - 1); k < n; ++k)
-    if (wpages[k] >= 0)
-      tiers_->store(hashes[k], k > 0 ? hashes[k - 1] : PageHash{}, ns, s.tokens.data() + k * bs, pages[k], wpages[k]);
+  const int64_t first_window = pool_g1_ ? cache_->window_first_page(n - 1) : n;
+  for (int64_t k = 0; k < n; ++k)
+    tiers_->store(hashes[k], k > 0 ? hashes[k - 1] : PageHash{}, ns, s.tokens.data() + k * bs, pages[k],
+                  k >= first_window ? wpages[k] : -1);
 }
 
 void Engine::flush_tiers() {

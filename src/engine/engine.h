@@ -174,7 +174,7 @@ class Engine {
   // rules it out); with tokens, the prompt's tokens through its last page, unused slots -1.
   int32_t prompt_tail(const Sequence& s, std::vector<int32_t>* tokens = nullptr) const;
   void store_prompt_tail(Sequence& s);                       // prefill side, as its request ends
-  void store_last_window(const Sequence& s);                 // hybrid models, write-through: as a sequence ends
+  void store_finished_path(const Sequence& s);               // write-through: as a sequence ends
   bool install_prompt_tail(Sequence& s, int64_t n_matched);  // decode side, in admit()
   // Speculative decoding: s.draft for this step (at most k_cap tokens, none when s cannot
   // speculate); then, after the verification forward, the accepted prefix's bookkeeping.

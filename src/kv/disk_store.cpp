@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -53,6 +54,18 @@ std::optional<std::string> read_file(const std::string& path, int64_t max_bytes 
   ::close(fd);
   s.resize(off);
   return s;
+}
+
+// A file's time as ns since the epoch (the recency the next start reads back).
+int64_t file_ns(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return 0;
+  return int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+}
+
+void set_file_ns(const std::string& path, int64_t ns) {
+  const timespec t[2] = {{0, UTIME_OMIT}, {static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)}};
+  ::utimensat(AT_FDCWD, path.c_str(), t, 0);
 }
 
 // Opens lock_path (creating it) and takes its flock, writing our pid into it. -1 when that fails:
@@ -210,7 +223,7 @@ void DiskStore::scan(const PageIdentity& id) {
   struct Found {
     PageHash h;
     int64_t bytes;
-    fs::file_time_type mtime;
+    int64_t mtime;
     PageHash parent;
   };
   std::vector<Found> found;
@@ -234,12 +247,12 @@ void DiskStore::scan(const PageIdentity& id) {
         ++dropped_at_open_;
         continue;
       }
-      found.push_back({h, static_cast<int64_t>(f.file_size(ec)), f.last_write_time(ec), hdr.parent});
+      found.push_back({h, static_cast<int64_t>(f.file_size(ec)), file_ns(path), hdr.parent});
     }
   }
   std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.mtime < b.mtime; });
   std::lock_guard<std::mutex> l(mu_);
-  for (const Found& f : found) add_locked(f.h, f.bytes, f.parent);
+  for (const Found& f : found) add_locked(f.h, f.bytes, f.parent, f.mtime);
   trim_locked(max_bytes_, 0);
 }
 
@@ -283,19 +296,22 @@ void DiskStore::link_locked(const PageHash& h, const PageHash& parent) {
   set_reach(h, reach);
 }
 
-void DiskStore::add_locked(const PageHash& h, int64_t bytes, const PageHash& parent) {
-  const uint64_t tick = ++tick_;
-  Entry& e = index_[h] = Entry{bytes, tick, PageHash{}, false};
+void DiskStore::add_locked(const PageHash& h, int64_t bytes, const PageHash& parent, int64_t used_ns) {
+  Entry& e = index_[h] = Entry{bytes, Tick{used_ns, ++seq_}, PageHash{}, false};
   bytes_ += bytes;
   file_leaf(h, e);
   link_locked(h, parent);
 }
 
-void DiskStore::touch_locked(const PageHash& h) {
+int64_t DiskStore::now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+void DiskStore::touch_locked(const PageHash& h, int64_t used_ns) {
   auto it = index_.find(h);
-  if (it == index_.end()) return;
+  if (it == index_.end() || used_ns < it->second.tick.first) return;
   unfile_leaf(it->second);
-  it->second.tick = ++tick_;
+  it->second.tick = Tick{used_ns, ++seq_};
   file_leaf(h, it->second);
 }
 
@@ -336,20 +352,31 @@ int64_t DiskStore::trim_locked(int64_t max_bytes, size_t keep) {
   return freed;
 }
 
-void DiskStore::touch(std::span<const PageHash> hashes) {
+void DiskStore::touch(std::span<const PageHash> hashes, std::span<const int64_t> used_ns) {
+  const int64_t now = now_ns();
   std::lock_guard<std::mutex> l(mu_);
-  for (const PageHash& h : hashes) {
-    if (index_.count(h) == 0) continue;
-    touch_locked(h);
-    ::utimensat(AT_FDCWD, path_of(h).c_str(), nullptr, 0);  // now: the order the next start reads
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    auto it = index_.find(hashes[i]);
+    if (it == index_.end()) continue;
+    const int64_t t = i < used_ns.size() && used_ns[i] > 0 ? used_ns[i] : now;
+    const Tick before = it->second.tick;
+    touch_locked(hashes[i], t);
+    if (it->second.tick != before) set_file_ns(path_of(hashes[i]), t);  // the order the next start reads
   }
 }
 
-// Last page first: a prefix's first page ends up the most recent (and its file the newest, for the
-// next start's scan). The budget is enforced once the whole batch is in, leaves first (see the
-// header): trimming after each page could delete a page whose child was still to come.
-std::vector<bool> DiskStore::put(std::span<const PageHash> hashes, std::span<const uint64_t>, std::span<const std::string> blobs) {
+std::vector<bool> DiskStore::put(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags, std::span<const std::string> blobs) {
+  return put(hashes, ns_tags, blobs, {});
+}
+
+// Last page first: of pages used at the same time, a prefix's first page ends up the most recent
+// (and its file the newest, for the next start's scan). The budget is enforced once the whole
+// batch is in, leaves first (see the header): trimming after each page could delete a page
+// whose child was still to come.
+std::vector<bool> DiskStore::put(std::span<const PageHash> hashes, std::span<const uint64_t>, std::span<const std::string> blobs,
+                                 std::span<const int64_t> used_ns) {
   std::vector<bool> stored(hashes.size(), false);
+  const int64_t now = now_ns();
   {
     std::lock_guard<std::mutex> l(mu_);  // the directory removed since the last put: recreate it first
     if (!off_ && !root_intact_locked()) recover_locked();
@@ -358,6 +385,7 @@ std::vector<bool> DiskStore::put(std::span<const PageHash> hashes, std::span<con
   for (size_t i = hashes.size(); i-- > 0;) {
     const PageHash& h = hashes[i];
     const std::string& b = blobs[i];
+    const int64_t used = i < used_ns.size() && used_ns[i] > 0 ? used_ns[i] : now;
     BlobHeader hdr;  // the parent's hash, for the links (a blob that does not parse has none)
     if (decode_header(b, &hdr) != BlobCheck::kOk) hdr.parent = PageHash{};
     uint64_t n;
@@ -367,7 +395,9 @@ std::vector<bool> DiskStore::put(std::span<const PageHash> hashes, std::span<con
       // Same hash, same page: refresh its recency only, unless this blob carries more (a
       // hybrid model's window page, which a blob of the position may lack): then replace it.
       if (it != index_.end() && int64_t(b.size()) <= it->second.bytes) {
-        touch_locked(h);
+        const Tick before = it->second.tick;
+        touch_locked(h, used);
+        if (it->second.tick != before) set_file_ns(path_of(h), used);
         stored[i] = true;
         continue;
       }
@@ -384,6 +414,7 @@ std::vector<bool> DiskStore::put(std::span<const PageHash> hashes, std::span<con
       if (fd < 0) return errno != 0 ? errno : EIO;
       int err = write_all(fd, b.data(), b.size()) ? 0 : (errno != 0 ? errno : EIO);
       if (::close(fd) != 0 && err == 0) err = errno != 0 ? errno : EIO;
+      if (err == 0 && used != now) set_file_ns(tmp, used);  // the recency the next start reads
       if (err == 0 && ::rename(tmp.c_str(), final_path.c_str()) != 0) err = errno != 0 ? errno : EIO;
       if (err != 0) ::unlink(tmp.c_str());
       return err;
@@ -420,12 +451,12 @@ std::vector<bool> DiskStore::put(std::span<const PageHash> hashes, std::span<con
     }
     auto it = index_.find(h);
     if (it == index_.end()) {
-      add_locked(h, static_cast<int64_t>(b.size()), hdr.parent);
+      add_locked(h, static_cast<int64_t>(b.size()), hdr.parent, used);
     } else {  // replaced (the same parent: the hash covers the whole chain; a version 1 blob did not say)
       bytes_ += static_cast<int64_t>(b.size()) - it->second.bytes;
       it->second.bytes = static_cast<int64_t>(b.size());
       if (it->second.parent == PageHash{} && !(hdr.parent == PageHash{})) link_locked(h, hdr.parent);
-      touch_locked(h);
+      touch_locked(h, used);
     }
     stored[i] = true;
   }
@@ -453,10 +484,11 @@ std::vector<std::optional<std::string>> DiskStore::get(uint64_t, std::span<const
       break;
     }
   }
-  // Recency last page first, as put() does: the prefix's head is the most recent.
+  // Used now, last page first, as put() does: the prefix's head is the most recent.
+  const int64_t now = now_ns();
   std::lock_guard<std::mutex> l(mu_);
   for (size_t i = hashes.size(); i-- > 0;)
-    if (out[i]) touch_locked(hashes[i]);
+    if (out[i]) touch_locked(hashes[i], now);
   return out;
 }
 

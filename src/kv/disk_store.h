@@ -54,13 +54,21 @@ class DiskStore : public PageStore {
 
   const char* name() const override { return "disk"; }
   std::vector<bool> put(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags, std::span<const std::string> blobs) override;
+  // put(), each page last used at used_ns[i] (wall-clock ns; empty, or 0 for a page: now). A
+  // page's recency here is when it was last used, not when it was written: a clean stop writes
+  // a RAM cache's old pages before its newest ones, and write-back writes a page when RAM drops
+  // it, long after its use.
+  std::vector<bool> put(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags, std::span<const std::string> blobs,
+                        std::span<const int64_t> used_ns);
   std::vector<std::optional<std::string>> get(uint64_t ns_tag, std::span<const PageHash> hashes) override;
   bool may_contain(const PageHash& h) const override;
   void remove(uint64_t ns_tag, const PageHash& h) override;
   void fill_stats(TierStats* s) const override;
-  // Makes the pages it holds of hashes the most recent, in order (and their files' times, which
-  // the next start reads): the tier manager's refresh of a page RAM let go again.
-  void touch(std::span<const PageHash> hashes);
+  // Marks the pages it holds of hashes as used at used_ns[i] (wall-clock ns; empty, or 0: now),
+  // in order, unless it knows a later use (and sets their files' times, which the next start
+  // reads): the tier manager's refresh of a page RAM let go again.
+  void touch(std::span<const PageHash> hashes, std::span<const int64_t> used_ns = {});
+  static int64_t now_ns();  // wall clock
 
   const std::string& root() const { return root_; }
   std::string path_of(const PageHash& h) const;  // where the page's file is (or would be)
@@ -74,12 +82,13 @@ class DiskStore : public PageStore {
   void scan(const PageIdentity& id);
   // Under mu_: index bookkeeping.
   struct Entry;
-  void add_locked(const PageHash& h, int64_t bytes, const PageHash& parent);
+  void add_locked(const PageHash& h, int64_t bytes, const PageHash& parent, int64_t used_ns);
   void link_locked(const PageHash& h, const PageHash& parent);
   void file_leaf(const PageHash& h, const Entry& e);
   void unfile_leaf(const Entry& e);
   void set_reach(const PageHash& h, bool reach);
-  void touch_locked(const PageHash& h);
+  // Recency used_ns unless the page's is later (ties: this call is the more recent).
+  void touch_locked(const PageHash& h, int64_t used_ns);
   void erase_locked(const PageHash& h);  // index and file
   // The directory's health (rm -rf while serving; see the header). Under mu_: whether tmp/ is
   // there and root/lock is still the file lock_fd_ holds.
@@ -93,9 +102,11 @@ class DiskStore : public PageStore {
   // more than keep pages). Returns the bytes freed.
   int64_t trim_locked(int64_t max_bytes, size_t keep = 1);
 
+  // Recency: the last use (wall-clock ns), then the order this store learnt of it.
+  using Tick = std::pair<int64_t, uint64_t>;
   struct Entry {
     int64_t bytes;
-    uint64_t tick;    // recency (larger: more recent); the key in leaves_ or lost_ when a leaf
+    Tick tick;        // recency (larger: more recent); the key in leaves_ or lost_ when a leaf
     PageHash parent;  // PageHash{}: a first page, or not known
     bool reach;       // every ancestor is stored
   };
@@ -109,8 +120,8 @@ class DiskStore : public PageStore {
   std::unordered_map<PageHash, std::vector<PageHash>, PageHashKey> children_;
   // Stored pages no stored page continues, by tick (oldest first): reachable from a first page
   // through stored pages, or not (lost_: an ancestor is missing; deleted first over budget).
-  std::map<uint64_t, PageHash> leaves_, lost_;
-  uint64_t tick_ = 0;
+  std::map<Tick, PageHash> leaves_, lost_;
+  uint64_t seq_ = 0;
   int64_t bytes_ = 0;
   int64_t errors_ = 0;
   int64_t dropped_at_open_ = 0;  // corrupt / foreign / temp files deleted by scan()

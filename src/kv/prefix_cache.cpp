@@ -94,8 +94,8 @@ std::vector<PageHash> PrefixCache::hash_pages(std::string_view ns, const int32_t
 
 // Least recently used first, each node after its ancestors: a store that keeps what came last
 // keeps the most recent prefixes, and sees a page after the page it continues.
-void PrefixCache::for_each_page(
-    const std::function<void(const PageHash&, const PageHash&, const std::string&, const int32_t*, int32_t, int32_t)>& f) const {
+void PrefixCache::for_each_page(const std::function<void(const PageHash&, const PageHash&, const std::string&, const int32_t*, int32_t,
+                                                        int32_t, uint64_t)>& f) const {
   std::vector<int32_t> order;
   for (int32_t x = 0; x < static_cast<int32_t>(nodes_.size()); ++x)
     if (nodes_[x].live && nodes_[x].parent >= 0) order.push_back(x);
@@ -111,7 +111,7 @@ void PrefixCache::for_each_page(
       const Node& n = nodes_[y];
       for (size_t k = 0; k < n.pages.size(); ++k)
         f(n.hashes[k], page_parent(y, static_cast<int32_t>(k)), ns_of(y), n.tokens.data() + k * block_size_, n.pages[k],
-          n.wpages.empty() ? -1 : n.wpages[k]);
+          n.wpages.empty() ? -1 : n.wpages[k], n.last_access);
     }
   }
 }
@@ -579,7 +579,8 @@ int32_t PrefixCache::evict(int32_t n_pages) {
       if (listener_)
         for (size_t k = 0; k < n.pages.size(); ++k)
           listener_->page_evicted(n.hashes[k], page_parent(x, static_cast<int32_t>(k)), ns_of(x),
-                                  n.tokens.data() + k * block_size_, n.pages[k], n.wpages.empty() ? -1 : n.wpages[k]);
+                                  n.tokens.data() + k * block_size_, n.pages[k], n.wpages.empty() ? -1 : n.wpages[k],
+                                  n.last_access);
       for (int32_t page : n.pages) {
         page_node_[page] = -1;
         pool_.release(page);
@@ -599,7 +600,8 @@ int32_t PrefixCache::evict(int32_t n_pages) {
         const int32_t page = n.pages.back();
         if (listener_)
           listener_->page_evicted(n.hashes.back(), page_parent(x, static_cast<int32_t>(n.hashes.size()) - 1), ns_of(x),
-                                  n.tokens.data() + n.tokens.size() - block_size_, page, n.wpages.empty() ? -1 : n.wpages.back());
+                                  n.tokens.data() + n.tokens.size() - block_size_, page, n.wpages.empty() ? -1 : n.wpages.back(),
+                                  n.last_access);
         if (wpool_) {
           if (n.wpages.back() >= 0) drop_wpage(n, static_cast<int32_t>(n.wpages.size()) - 1);
           n.wpages.pop_back();
@@ -649,7 +651,7 @@ bool PrefixCache::ensure_free_window(int32_t n_free) {
           // (Pass 0's pages no match can read: not worth writing down.)
           if (listener_ && pass == 1)
             listener_->window_page_evicted(n.hashes[k], page_parent(x, k), ns_of(x), n.tokens.data() + k * block_size_,
-                                           n.pages[k], n.wpages[k]);
+                                           n.pages[k], n.wpages[k], n.last_access);
           drop_wpage(n, k);
         }
       wlru_update(x);

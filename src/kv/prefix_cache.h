@@ -150,6 +150,7 @@ struct WindowGroup {
 // Every call comes while the cache still holds the pages named, so their contents are readable.
 // wpage (hybrid models): the position's window-group page, -1 when the cache holds none.
 // parent: the chain hash of the page before (PageHash{} for a namespace's first page).
+// last_use: the page's node's last use, on the cache's clock (steady_clock ns unless injected).
 struct PageListener {
   virtual ~PageListener() = default;
   // insert() adopted `page` as the page with chain hash h (its tokens: block_size of them).
@@ -157,11 +158,12 @@ struct PageListener {
                            int32_t page, int32_t wpage = -1) = 0;
   // evict() is dropping the cache's reference on `page` (and on wpage with it).
   virtual void page_evicted(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens,
-                            int32_t page, int32_t wpage = -1) = 0;
+                            int32_t page, int32_t wpage = -1, uint64_t last_use = 0) = 0;
   // Hybrid models: ensure_free_window() is dropping the window page wpage of a position still
   // cached (global page `page`) while a match ending at a node end could read it (the pages no
   // such match reads go unannounced).
-  virtual void window_page_evicted(const PageHash&, const PageHash&, const std::string&, const int32_t*, int32_t, int32_t) {}
+  virtual void window_page_evicted(const PageHash&, const PageHash&, const std::string&, const int32_t*, int32_t, int32_t,
+                                   uint64_t /*last_use*/ = 0) {}
 };
 
 class PrefixCache {
@@ -257,10 +259,11 @@ class PrefixCache {
   std::vector<PageHash> hash_pages(std::string_view ns, const int32_t* tokens, int64_t n_tokens) const;
   // Hash of the last page on the handle's path (zero for an empty handle).
   PageHash page_hash(const PrefixHandle& h) const;
-  // Calls f(hash, parent hash, namespace, tokens, page, window page or -1) for every cached page
-  // (a shutdown writing them down): least recently used nodes first, each after its ancestors.
-  void for_each_page(
-      const std::function<void(const PageHash&, const PageHash&, const std::string&, const int32_t*, int32_t, int32_t)>& f) const;
+  // Calls f(hash, parent hash, namespace, tokens, page, window page or -1, last use) for every
+  // cached page (a shutdown writing them down): least recently used nodes first, each after its
+  // ancestors. last use: the node's, on the cache's clock.
+  void for_each_page(const std::function<void(const PageHash&, const PageHash&, const std::string&, const int32_t*, int32_t, int32_t,
+                                              uint64_t)>& f) const;
   // Pages on the handle's path, root first.
   std::vector<int32_t> path_pages(const PrefixHandle& h) const;
   // Their window-group pages (hybrid models; -1 where none), root first.

@@ -102,17 +102,25 @@ void TierManager::page_cached(const PageHash& h, const PageHash& parent, const s
 }
 
 void TierManager::page_evicted(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens,
-                               int32_t page, int32_t wpage) {
-  if (!cfg_.write_through) return store(h, parent, ns, tokens, page, wpage);
-  // Written when cached: leaving RAM, it is refreshed on disk.
-  if (disk_ && disk_->may_contain(h)) refresh(h);
+                               int32_t page, int32_t wpage, uint64_t last_use) {
+  if (!cfg_.write_through) return store(h, parent, ns, tokens, page, wpage, last_use);
+  // Written when cached: leaving RAM, its last use there is carried to the disk.
+  if (disk_ && disk_->may_contain(h)) refresh(h, wall_ns(last_use));
 }
 
 // A window page leaving a position still cached (write-back): the blob with it replaces one
 // written without.
 void TierManager::window_page_evicted(const PageHash& h, const PageHash& parent, const std::string& ns,
-                                      const int32_t* tokens, int32_t page, int32_t wpage) {
-  if (!cfg_.write_through) store(h, parent, ns, tokens, page, wpage);
+                                      const int32_t* tokens, int32_t page, int32_t wpage, uint64_t last_use) {
+  if (!cfg_.write_through) store(h, parent, ns, tokens, page, wpage, last_use);
+}
+
+int64_t TierManager::wall_ns(uint64_t last_use) {
+  if (last_use == 0) return 0;
+  const auto steady = static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(SteadyClock::now().time_since_epoch()).count());
+  if (last_use > steady) return 0;  // not this clock's (an injected one): now
+  return DiskStore::now_ns() - static_cast<int64_t>(steady - last_use);
 }
 
 bool TierManager::may_contain(const PageHash& h) const {
@@ -122,17 +130,18 @@ bool TierManager::may_contain(const PageHash& h) const {
 }
 
 void TierManager::store(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens,
-                        int32_t page, int32_t wpage) {
+                        int32_t page, int32_t wpage, uint64_t last_use) {
   if (!pool_ || stores_.empty()) return;
+  const int64_t used = wall_ns(last_use);
   const bool win = wpage >= 0 && wpool_ && has_window_;
   // Already below (with its window page, if this write has one): the disk's index says so
   // exactly (a blob with the window page is the larger); with Redis, remember what this process
   // wrote. The disk's copy is then refreshed instead.
   const bool disk_only = disk_ && stores_.size() == 1;
   if (disk_only) {
-    if (win ? disk_->blob_bytes(h) >= payload_bytes(true) : disk_->may_contain(h)) return refresh(h);
+    if (win ? disk_->blob_bytes(h) >= payload_bytes(true) : disk_->may_contain(h)) return refresh(h, used);
   } else {
-    if ((win ? written_window_ : written_).count(h) > 0) return refresh(h);
+    if ((win ? written_window_ : written_).count(h) > 0) return refresh(h, used);
     if (written_.size() >= kWrittenCap) {
       written_.clear();
       written_window_.clear();
@@ -140,19 +149,26 @@ void TierManager::store(const PageHash& h, const PageHash& parent, const std::st
     written_.insert(h);
     if (win) written_window_.insert(h);
   }
-  queue_write(page_write(h, parent, ns, tokens, page, win ? wpage : -1));
+  Write w = page_write(h, parent, ns, tokens, page, win ? wpage : -1);
+  w.used_ns = used;
+  queue_write(std::move(w));
 }
 
 // A prefix used again in RAM since the disk got it is recent again there. Through the queue, in
 // order with the writes (the disk evicts leaves first, so a parent refreshed before its children
 // are written is still safe).
-void TierManager::refresh(const PageHash& h) {
+void TierManager::refresh(const PageHash& h, int64_t used_ns) {
   if (!disk_) return;
   Write w;
   w.hash = h;
   w.touch = true;
+  w.used_ns = used_ns;
   w.only_store = 0;
   queue_write(std::move(w));
+}
+
+void TierManager::refresh_held(const PageHash& h, uint64_t last_use) {
+  if (disk_ && disk_->may_contain(h)) refresh(h, wall_ns(last_use));
 }
 
 bool TierManager::store_tail(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens,
@@ -223,11 +239,14 @@ void TierManager::writer_loop() {
     std::vector<std::string> blobs;
     std::vector<uint64_t> tags;
     std::vector<int32_t> only;
+    std::vector<int64_t> used;
     std::vector<PageHash> touches;  // pages the disk holds, to refresh there
+    std::vector<int64_t> touch_used;
     for (Write& w : batch) {
       batch_bytes += static_cast<int64_t>(w.payload.size() + w.blob.size());
       if (w.touch) {
         touches.push_back(w.hash);
+        touch_used.push_back(w.used_ns);
         continue;
       }
       if (w.blob.empty())
@@ -237,23 +256,27 @@ void TierManager::writer_loop() {
       tags.push_back(w.ns_tag);
       blobs.push_back(std::move(w.blob));
       only.push_back(w.only_store);
+      used.push_back(w.used_ns);
     }
     // Refreshes before the batch's writes: a put trims the store to its budget at its end, and a
     // page refreshed after that trim could already have gone as old (a clean stop refreshes
     // and writes a whole RAM cache in one stream).
-    if (disk_ && !touches.empty()) disk_->touch(touches);
+    if (disk_ && !touches.empty()) disk_->touch(touches, touch_used);
     for (size_t i = 0; i < stores_.size(); ++i) {
       std::vector<PageHash> hs;
       std::vector<uint64_t> ts;
       std::vector<std::string> bs;
+      std::vector<int64_t> us;
       for (size_t k = 0; k < hashes.size(); ++k)
         if (only[k] < 0 || only[k] == static_cast<int32_t>(i)) {
           hs.push_back(hashes[k]);
           ts.push_back(tags[k]);
           bs.push_back(blobs[k]);
+          us.push_back(used[k]);
         }
       if (hs.empty()) continue;
-      const std::vector<bool> ok = stores_[i]->put(hs, ts, bs);
+      // The disk orders its pages by their last use, not by when they reach it.
+      const std::vector<bool> ok = stores_[i].get() == disk_ ? disk_->put(hs, ts, bs, us) : stores_[i]->put(hs, ts, bs);
       std::lock_guard<std::mutex> l(mu_);
       TierStats& st = stats_[i].s;
       for (size_t k = 0; k < hs.size(); ++k) {  // only what the store took counts as written

@@ -20,7 +20,7 @@
 // uses a loaded prefix only as far as its last window's pages carry them. Write-back: with the
 // window page when the cache holds one at eviction. Write-through: without, as pages fill; the
 // engine writes the last window of what a sequence published again, with them, when it ends
-// (Engine::store_last_window). A write with the window page replaces a stored blob without it,
+// (Engine::store_finished_path). A write with the window page replaces a stored blob without it,
 // never the other way round.
 //
 // Threading: store()/fetch()/poll()/install() and the listener calls are engine-thread only;
@@ -95,15 +95,18 @@ class TierManager : public PageListener {
   void page_cached(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens, int32_t page,
                    int32_t wpage = -1) override;
   void page_evicted(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens, int32_t page,
-                    int32_t wpage = -1) override;
+                    int32_t wpage = -1, uint64_t last_use = 0) override;
   void window_page_evicted(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens,
-                           int32_t page, int32_t wpage) override;
+                           int32_t page, int32_t wpage, uint64_t last_use = 0) override;
   // Queues a write of one pool page (e.g. a preempted sequence's pages, swap mode), with the
   // window pool's page wpage of the same position when >= 0. parent: the chain hash of the page
   // before it (PageHash{} for the first). A page the disk holds already is not written again,
-  // but its recency there is refreshed, in queue order with the writes.
+  // but its recency there is refreshed, in queue order with the writes. last_use: when the page
+  // was last used, on the prefix cache's steady clock (0: now); the disk orders its pages by it.
   void store(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens, int32_t page,
-             int32_t wpage = -1);
+             int32_t wpage = -1, uint64_t last_use = 0);
+  // Queues a refresh of h's recency on disk to last_use (as store()) if the disk holds it.
+  void refresh_held(const PageHash& h, uint64_t last_use);
   // A prompt's partly filled last page for another instance (prefill/decode disaggregation): read
   // once, so it goes to the shared store (Redis) alone, never to a local disk. False when it was
   // not queued (no shared store, or the queue is full).
@@ -151,7 +154,8 @@ class TierManager : public PageListener {
     PageHash hash;
     PageHash parent;         // the chain hash of the page before (PageHash{}: the first)
     bool touch = false;      // refresh the disk's recency of a page it holds; nothing to write
-    uint64_t ns_tag;
+    int64_t used_ns = 0;     // the page's last use, wall-clock ns (0: when written)
+    uint64_t ns_tag = 0;
     std::vector<int32_t> tokens;
     std::string payload;     // page bytes (encoded into a blob by the writer)
     std::string blob;        // or a ready blob (promotion of an L3 hit into L2)
@@ -172,7 +176,9 @@ class TierManager : public PageListener {
   Write page_write(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens, int32_t page,
                    int32_t wpage = -1) const;
   bool queue_write(Write w);  // false: dropped (the queue is full)
-  void refresh(const PageHash& h);  // queues a touch of the disk's copy
+  void refresh(const PageHash& h, int64_t used_ns);  // queues a touch of the disk's copy
+  // A last use on the prefix cache's steady clock as wall-clock ns (0: none given).
+  static int64_t wall_ns(uint64_t last_use);
   PageIdentity identity(uint64_t ns_tag) const;
   int64_t payload_bytes(bool window = false) const;
 

@@ -152,6 +152,86 @@ def test_a_conversation_continued_later_keeps_its_head_over_the_disk_budget(disk
         stop(d)
 
 
+@pytest.mark.parametrize("mode", ["back", "through"])
+def test_the_prefix_used_last_before_a_stop_is_what_the_next_start_finds(disk_dir, mode):
+    # A conversation goes to disk; the next life loads it, serves two other prompts, then the
+    # conversation again (from RAM), and stops. Its disk holds the conversation and half of
+    # another prompt. The disk ordered pages by when they reached it, and its copy of the
+    # conversation carried the load's time: write-back's stop wrote the other prompts first
+    # (older in RAM) and trimmed the conversation away before its refresh came; write-through
+    # trimmed it during the life and wrote nothing at the stop. Either way the next start missed.
+    conv, other1, other2 = doc(0, 1600), doc(20000, 1600), doc(30000, 1600)
+    files = lambda: glob.glob(os.path.join(disk_dir, "*", "*", "*.kvp"))  # noqa: E731
+    write = ("--kv-tier-write", mode)
+    a = tier_server("--kv-disk-dir", disk_dir, *write)
+    try:
+        _, n_conv, _ = ask(a, conv)
+    finally:
+        stop(a)
+    n_pages = len(files())
+    assert n_pages >= n_conv // 16 - 1
+    budget = (n_pages + n_pages // 2) * max(os.path.getsize(f) for f in files())
+    b = tier_server("--kv-disk-dir", disk_dir, "--kv-disk-bytes", str(budget), *write)
+    try:
+        _, _, cached = ask(b, conv)
+        assert cached >= n_conv - 32, cached
+        ask(b, other1)
+        ask(b, other2)
+        _, _, cached = ask(b, conv)
+        assert cached >= n_conv - 32, cached
+    finally:
+        stop(b)
+    assert sum(os.path.getsize(f) for f in files()) <= budget
+    c = tier_server("--kv-disk-dir", disk_dir, "--kv-disk-bytes", str(budget), *write)
+    try:
+        _, _, cached = ask(c, conv)
+        assert cached >= n_conv - 32, (cached, n_conv)
+        assert_clean(c)
+    finally:
+        stop(c)
+
+
+def test_write_through_rewrites_a_prefix_its_disk_dropped_while_ram_served_it(disk_dir):
+    # Write-through writes a page when it fills, and only then. Two other prompts push the
+    # conversation off the disk while RAM keeps it; the conversation is served again from RAM.
+    # Nothing wrote it again: a crash (no clean stop) lost it. Now a finished request hands its
+    # whole path down again: what the disk holds is refreshed, what it dropped is rewritten.
+    conv, other1, other2 = doc(0, 1600), doc(20000, 1600), doc(30000, 1600)
+    files = lambda: glob.glob(os.path.join(disk_dir, "*", "*", "*.kvp"))  # noqa: E731
+    write = ("--kv-tier-write", "through")
+    a = tier_server("--kv-disk-dir", disk_dir, *write)
+    try:
+        _, n_conv, _ = ask(a, conv)
+    finally:
+        stop(a)
+    n_pages = len(files())
+    budget = (n_pages + n_pages // 2) * max(os.path.getsize(f) for f in files())
+    shutil.rmtree(disk_dir)
+    b = tier_server("--kv-disk-dir", disk_dir, "--kv-disk-bytes", str(budget), *write)
+    try:
+        ask(b, conv)
+        ask(b, other1)
+        ask(b, other2)
+        written = tier(b, "kv_tier_pages_written_total", "disk")
+        _, _, cached = ask(b, conv)
+        assert cached >= n_conv - 32, cached  # from RAM
+        deadline = time.time() + 10 * SLOWDOWN
+        while tier(b, "kv_tier_pages_written_total", "disk") < written + n_pages - 2 and time.time() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)  # the writer's last batch
+        b.proc.kill()  # no clean stop: only what was written counts
+        b.proc.wait()
+    finally:
+        b.stop()
+    c = tier_server("--kv-disk-dir", disk_dir, "--kv-disk-bytes", str(budget), *write)
+    try:
+        _, _, cached = ask(c, conv)
+        assert cached >= n_conv - 32, (cached, n_conv)
+        assert_clean(c)
+    finally:
+        stop(c)
+
+
 def test_corrupt_and_truncated_page_files_are_recomputed(disk_dir):
     p = doc(5000)
     a = tier_server("--kv-disk-dir", disk_dir)

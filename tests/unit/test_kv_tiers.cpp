@@ -659,6 +659,43 @@ TEST(KvTierDiskStore, TouchMakesAPrefixRecent) {
   EXPECT_EQ(reachable(*s, 10, 2), 0);
 }
 
+TEST(KvTierDiskStore, PagesAreOrderedByTheirLastUseNotByWhenTheyArrive) {
+  // A clean stop writes a RAM cache's older pages before its newest; write-back writes a page
+  // when RAM drops it. Each page carries its last use, and that is its recency here, across a
+  // restart too (the files' times).
+  TmpDir t("disk");
+  const int64_t n = static_cast<int64_t>(chain_blob(0, 0).size());
+  const int64_t now = DiskStore::now_ns(), sec = 1000000000;
+  auto put_used = [&](DiskStore& s, std::vector<uint64_t> ids, uint64_t first, int64_t used) {
+    std::vector<PageHash> hs;
+    std::vector<std::string> bs;
+    for (uint64_t i : ids) {
+      hs.push_back(hash_of(i));
+      bs.push_back(chain_blob(i, first));
+    }
+    s.put(hs, std::vector<uint64_t>(ids.size(), kId.ns_tag), bs, std::vector<int64_t>(ids.size(), used));
+  };
+  {
+    auto s = open_disk(t.path, 4 * n);
+    ASSERT_TRUE(s);
+    put_used(*s, {0, 1}, 0, now - 10 * sec);   // used last
+    put_used(*s, {10, 11}, 10, now - 30 * sec);  // arrives later, used earlier
+    put_used(*s, {20, 21}, 20, now - 20 * sec);  // over budget: 10-11 go, not 0-1
+    EXPECT_EQ(reachable(*s, 0, 2), 2);
+    EXPECT_EQ(reachable(*s, 20, 2), 2);
+    EXPECT_EQ(reachable(*s, 10, 2), 0);
+    // A refresh with an older use than the store knows changes nothing (nor the files' times).
+    const std::vector<PageHash> h0 = {hash_of(1), hash_of(0)};
+    s->touch(h0, std::vector<int64_t>(2, now - 40 * sec));
+  }
+  // After a restart with room for 2 pages, by the files' times: 20-21 (used at now - 20 s) is
+  // older than 0-1 (now - 10 s).
+  auto s = open_disk(t.path, 2 * n);
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->n_pages(), 2);
+  EXPECT_EQ(reachable(*s, 0, 2), 2);
+}
+
 TEST(KvTierDiskStore, AFullFilesystemMakesRoomFromTheOldestPages) {
   // The filesystem fills before --kv-disk-bytes does (a small tmpfs here): the store evicts its
   // least recently used pages and writes. It used to drop every later write.
