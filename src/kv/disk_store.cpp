@@ -385,7 +385,10 @@ std::vector<bool> DiskStore::put(std::span<const PageHash> hashes, std::span<con
   for (size_t i = hashes.size(); i-- > 0;) {
     const PageHash& h = hashes[i];
     const std::string& b = blobs[i];
-    const int64_t used = i < used_ns.size() && used_ns[i] > 0 ? used_ns[i] : now;
+    // Written last page first, each a nanosecond after the one before: of pages used at once, a
+    // prefix's first page is the most recent, in the index and in the files' times alike (a
+    // filesystem's own times can tie within a batch, and the next start's order with them).
+    const int64_t used = (i < used_ns.size() && used_ns[i] > 0 ? used_ns[i] : now) + int64_t(hashes.size() - 1 - i);
     BlobHeader hdr;  // the parent's hash, for the links (a blob that does not parse has none)
     if (decode_header(b, &hdr) != BlobCheck::kOk) hdr.parent = PageHash{};
     uint64_t n;
@@ -414,7 +417,7 @@ std::vector<bool> DiskStore::put(std::span<const PageHash> hashes, std::span<con
       if (fd < 0) return errno != 0 ? errno : EIO;
       int err = write_all(fd, b.data(), b.size()) ? 0 : (errno != 0 ? errno : EIO);
       if (::close(fd) != 0 && err == 0) err = errno != 0 ? errno : EIO;
-      if (err == 0 && used != now) set_file_ns(tmp, used);  // the recency the next start reads
+      if (err == 0) set_file_ns(tmp, used);  // the recency the next start reads
       if (err == 0 && ::rename(tmp.c_str(), final_path.c_str()) != 0) err = errno != 0 ? errno : EIO;
       if (err != 0) ::unlink(tmp.c_str());
       return err;
