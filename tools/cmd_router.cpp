@@ -64,7 +64,7 @@ void run_router(RouterCliOptions o) {
   if (!policy) fail("--kv-eviction: " + policy.message());
   ctx.default_policy_evicts = *policy != kv::EvictionPolicy::kNone;
   ctx.trust_request_chat_template = o.trust_request_chat_template;
-  auto max_body = kv::parse_memory_size(o.max_body);
+  auto max_body = kv::parse_byte_size(o.max_body);
   if (!max_body) fail("--max-body-size: " + max_body.message());
   o.ro.max_body_bytes = static_cast<size_t>(*max_body);
   o.ro.allowed_origins = parse_allowed_origins(o.allowed_origins);

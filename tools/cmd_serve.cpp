@@ -73,7 +73,9 @@ void run_serve(const ServeOptions& o) {
   signal(SIGPIPE, SIG_IGN);
 
   if (auto b = kv::parse_kv_cache_memory(o.kvo.memory); !b) fail(b.message());  // before the weights, as generate
-  if (auto b = kv::parse_disk_size(o.kv_disk_bytes); !b) fail("--kv-disk-bytes: " + b.message());
+  if (auto b = kv::parse_byte_size(o.kv_disk_bytes); !b) fail("--kv-disk-bytes: " + b.message());
+  auto max_body = kv::parse_byte_size(o.max_body);
+  if (!max_body) fail("--max-body-size: " + max_body.message());
   // --chat-template before the weights: one that does not load fails at once.
   std::optional<kv::ChatTemplate> chat;
   if (!o.chat_template.empty()) {
@@ -115,8 +117,6 @@ void run_serve(const ServeOptions& o) {
   ec.n_threads = o.threads > 0 ? o.threads : kv::default_thread_count();
   ec.enable_prefix_caching = o.prefix_caching;
   ec.policy = o.policy == "lpm" ? kv::EngineConfig::Policy::kLpm : kv::EngineConfig::Policy::kFcfs;
-  auto max_body = kv::parse_memory_size(o.max_body);
-  if (!max_body) fail("--max-body-size: " + max_body.message());
 
   ec.kv_policy = make_eviction(o.evo, o.kvo.block_size);
   ec.kv_offload_dir = o.evo.offload_dir;
@@ -128,7 +128,7 @@ void run_serve(const ServeOptions& o) {
     fail("--kv-cache-memory " + o.kvo.memory + " holds no page (one page is " + kv::format_bytes(layout.page_bytes()) + ")");
 
   ec.tiers.disk_dir = o.kv_disk_dir;
-  ec.tiers.disk_bytes = *kv::parse_disk_size(o.kv_disk_bytes);  // checked above; at least one page: TierManager::create
+  ec.tiers.disk_bytes = *kv::parse_byte_size(o.kv_disk_bytes);  // checked above; at least one page: TierManager::create
   for (const auto& r : o.kv_redis) {  // several addresses: repeat the flag or separate by commas
     size_t a = 0;
     while (a <= r.size()) {

@@ -57,12 +57,12 @@ Result<int64_t> parse_memory_size(const std::string& s) {
   return static_cast<int64_t>(bytes);
 }
 
-Result<int64_t> parse_disk_size(const std::string& s) {
+Result<int64_t> parse_byte_size(const std::string& s) {
   char* end = nullptr;
   const double v = std::strtod(s.c_str(), &end);
   const bool fraction = end != s.c_str() && *end == '\0' && v <= 1.0 && s.find('.') != std::string::npos;  // as parse_memory_size reads it
   if (fraction)
-    return Result<int64_t>::error("'" + s + "' would be a fraction of RAM (as --kv-cache-memory takes it), which is no size on disk: "
+    return Result<int64_t>::error("'" + s + "' would be a fraction of RAM (as --kv-cache-memory takes it), which is no size here: "
                                   "give bytes with a unit (examples: 20GiB, 512MiB)");
   auto bytes = parse_memory_size(s);
   if (!bytes) return Result<int64_t>::error("cannot read size '" + s + "' (examples: 20GiB, 512MiB, 1073741824)");

@@ -381,6 +381,10 @@ def test_a_disk_budget_smaller_than_a_page_or_a_fraction_of_ram_is_refused(tmp_p
         assert f"--kv-disk-bytes: '{frac}' would be a fraction of RAM" in r.stderr and "20GiB" in r.stderr, r.stderr[-2000:]
         assert "loading weights" not in r.stderr  # refused before the model loads
     assert not os.path.exists(disk_dir)
+    # --max-body-size read the same parser: 0.5 was half the RAM for a request body.
+    for cmd in [serve, [KVSERVE, "router", "--listen", f"127.0.0.1:{free_port()}", "--replica", "http://127.0.0.1:9"]]:
+        r = subprocess.run(cmd + ["--max-body-size", "0.5"], capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and "--max-body-size: '0.5' would be a fraction of RAM" in r.stderr, r.stderr[-2000:]
     r = subprocess.run(serve + ["--kv-disk-bytes", str(page - 1)], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "smaller than one page on disk" in r.stderr, r.stderr[-2000:]
     a = tier_server("--kv-disk-dir", str(disk_dir), "--kv-disk-bytes", str(page))
