@@ -152,6 +152,32 @@ def test_a_conversation_continued_later_keeps_its_head_over_the_disk_budget(disk
         stop(d)
 
 
+CONV, OTHER1, OTHER2 = doc(0, 1600), doc(20000, 1600), doc(30000, 1600)  # ~370 tokens each
+
+
+def conversation_on_disk(disk_dir: str, write: tuple[str, ...]) -> tuple[int, int, int]:
+    """One server life asks CONV and stops: (its prompt tokens, its pages on disk, a budget with
+    room for them and half as many more)."""
+    a = tier_server("--kv-disk-dir", disk_dir, *write)
+    try:
+        _, n_conv, _ = ask(a, CONV)
+    finally:
+        stop(a)
+    files = glob.glob(os.path.join(disk_dir, "*", "*", "*.kvp"))
+    assert len(files) >= n_conv // 16 - 1
+    return n_conv, len(files), (len(files) + len(files) // 2) * max(os.path.getsize(f) for f in files)
+
+
+def assert_next_start_finds_conversation(disk_dir: str, budget: int, write: tuple[str, ...], n_conv: int):
+    c = tier_server("--kv-disk-dir", disk_dir, "--kv-disk-bytes", str(budget), *write)
+    try:
+        _, _, cached = ask(c, CONV)
+        assert cached >= n_conv - 32, (cached, n_conv)
+        assert_clean(c)
+    finally:
+        stop(c)
+
+
 @pytest.mark.parametrize("mode", ["back", "through"])
 def test_the_prefix_used_last_before_a_stop_is_what_the_next_start_finds(disk_dir, mode):
     # A conversation goes to disk; the next life loads it, serves two other prompts, then the
@@ -160,35 +186,18 @@ def test_the_prefix_used_last_before_a_stop_is_what_the_next_start_finds(disk_di
     # conversation carried the load's time: write-back's stop wrote the other prompts first
     # (older in RAM) and trimmed the conversation away before its refresh came; write-through
     # trimmed it during the life and wrote nothing at the stop. Either way the next start missed.
-    conv, other1, other2 = doc(0, 1600), doc(20000, 1600), doc(30000, 1600)
-    files = lambda: glob.glob(os.path.join(disk_dir, "*", "*", "*.kvp"))  # noqa: E731
     write = ("--kv-tier-write", mode)
-    a = tier_server("--kv-disk-dir", disk_dir, *write)
-    try:
-        _, n_conv, _ = ask(a, conv)
-    finally:
-        stop(a)
-    n_pages = len(files())
-    assert n_pages >= n_conv // 16 - 1
-    budget = (n_pages + n_pages // 2) * max(os.path.getsize(f) for f in files())
+    n_conv, _, budget = conversation_on_disk(disk_dir, write)
     b = tier_server("--kv-disk-dir", disk_dir, "--kv-disk-bytes", str(budget), *write)
     try:
-        _, _, cached = ask(b, conv)
-        assert cached >= n_conv - 32, cached
-        ask(b, other1)
-        ask(b, other2)
-        _, _, cached = ask(b, conv)
-        assert cached >= n_conv - 32, cached
+        for prompt in (CONV, OTHER1, OTHER2, CONV):
+            _, _, cached = ask(b, prompt)
+            if prompt is CONV:
+                assert cached >= n_conv - 32, cached  # from disk, then from RAM
     finally:
         stop(b)
-    assert sum(os.path.getsize(f) for f in files()) <= budget
-    c = tier_server("--kv-disk-dir", disk_dir, "--kv-disk-bytes", str(budget), *write)
-    try:
-        _, _, cached = ask(c, conv)
-        assert cached >= n_conv - 32, (cached, n_conv)
-        assert_clean(c)
-    finally:
-        stop(c)
+    assert sum(os.path.getsize(f) for f in glob.glob(os.path.join(disk_dir, "*", "*", "*.kvp"))) <= budget
+    assert_next_start_finds_conversation(disk_dir, budget, write, n_conv)
 
 
 def test_write_through_rewrites_a_prefix_its_disk_dropped_while_ram_served_it(disk_dir):
@@ -196,24 +205,15 @@ def test_write_through_rewrites_a_prefix_its_disk_dropped_while_ram_served_it(di
     # conversation off the disk while RAM keeps it; the conversation is served again from RAM.
     # Nothing wrote it again: a crash (no clean stop) lost it. Now a finished request hands its
     # whole path down again: what the disk holds is refreshed, what it dropped is rewritten.
-    conv, other1, other2 = doc(0, 1600), doc(20000, 1600), doc(30000, 1600)
-    files = lambda: glob.glob(os.path.join(disk_dir, "*", "*", "*.kvp"))  # noqa: E731
     write = ("--kv-tier-write", "through")
-    a = tier_server("--kv-disk-dir", disk_dir, *write)
-    try:
-        _, n_conv, _ = ask(a, conv)
-    finally:
-        stop(a)
-    n_pages = len(files())
-    budget = (n_pages + n_pages // 2) * max(os.path.getsize(f) for f in files())
+    n_conv, n_pages, budget = conversation_on_disk(disk_dir, write)
     shutil.rmtree(disk_dir)
     b = tier_server("--kv-disk-dir", disk_dir, "--kv-disk-bytes", str(budget), *write)
     try:
-        ask(b, conv)
-        ask(b, other1)
-        ask(b, other2)
+        for prompt in (CONV, OTHER1, OTHER2):
+            ask(b, prompt)
         written = tier(b, "kv_tier_pages_written_total", "disk")
-        _, _, cached = ask(b, conv)
+        _, _, cached = ask(b, CONV)
         assert cached >= n_conv - 32, cached  # from RAM
         deadline = time.time() + 10 * SLOWDOWN
         while tier(b, "kv_tier_pages_written_total", "disk") < written + n_pages - 2 and time.time() < deadline:
@@ -223,13 +223,7 @@ def test_write_through_rewrites_a_prefix_its_disk_dropped_while_ram_served_it(di
         b.proc.wait()
     finally:
         b.stop()
-    c = tier_server("--kv-disk-dir", disk_dir, "--kv-disk-bytes", str(budget), *write)
-    try:
-        _, _, cached = ask(c, conv)
-        assert cached >= n_conv - 32, (cached, n_conv)
-        assert_clean(c)
-    finally:
-        stop(c)
+    assert_next_start_finds_conversation(disk_dir, budget, write, n_conv)
 
 
 def test_corrupt_and_truncated_page_files_are_recomputed(disk_dir):
