@@ -228,6 +228,8 @@ std::string render_prometheus(const MetricsSnapshot& m) {
         {"kvserve:kv_tier_bytes_in_total", "counter", "Bytes loaded from the tier.", &TierStats::bytes_in},
         {"kvserve:kv_tier_bytes_out_total", "counter", "Bytes written to the tier.", &TierStats::bytes_out},
         {"kvserve:kv_tier_pages_written_total", "counter", "KV pages written to the tier.", &TierStats::pages_written},
+        {"kvserve:kv_tier_pages_refreshed_total", "counter",
+         "KV pages written again that the tier still held: refreshed there, not sent (Redis).", &TierStats::pages_refreshed},
         {"kvserve:kv_tier_write_drops_total", "counter", "KV page writes given up (queue full, store down).", &TierStats::write_drops},
         {"kvserve:kv_tier_errors_total", "counter", "I/O and connection failures of the tier.", &TierStats::errors},
         {"kvserve:kv_tier_corrupt_total", "counter", "Stored pages that failed their checks (dropped and recomputed).",

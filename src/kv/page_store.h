@@ -88,6 +88,7 @@ struct TierStats {
   int64_t bytes_in = 0;           // bytes loaded from the store
   int64_t bytes_out = 0;          // bytes written to it
   int64_t pages_written = 0;
+  int64_t pages_refreshed = 0;    // pages found held on a write again (put_missing): not sent
   int64_t write_drops = 0;        // writes given up (queue full, store down, no room)
   int64_t errors = 0;             // I/O or connection failures
   int64_t corrupt = 0;            // blobs that failed their checks (dropped, recomputed)
@@ -106,6 +107,18 @@ class PageStore {
   // be written. Returns, per page, whether it was stored (a failed page is counted as a drop,
   // never as written). hashes come in chain order: a prefix's first page first.
   virtual std::vector<bool> put(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags, std::span<const std::string> blobs) = 0;
+  // As put(), for pages the caller believes the store holds already (it wrote them, or loaded
+  // them from it): a page the store still holds is only refreshed there (its recency, its
+  // expiry), not sent again; a page it lost (evicted, restarted empty, down when the write came)
+  // is stored. Per page: kStored, kHeld (refreshed) or kFailed. The default stores every page.
+  enum class PutResult : uint8_t { kFailed, kStored, kHeld };
+  virtual std::vector<PutResult> put_missing(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags,
+                                             std::span<const std::string> blobs) {
+    const std::vector<bool> ok = put(hashes, ns_tags, blobs);
+    std::vector<PutResult> out(ok.size());
+    for (size_t i = 0; i < ok.size(); ++i) out[i] = ok[i] ? PutResult::kStored : PutResult::kFailed;
+    return out;
+  }
   // The blobs of hashes, in order: nullopt where absent or unreachable. Implementations may
   // stop early and leave the rest nullopt after the first absent one (a prefix is only
   // usable up to its first gap).

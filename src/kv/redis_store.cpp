@@ -3,6 +3,7 @@
 #include <hiredis/hiredis.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
@@ -68,6 +69,7 @@ uint16_t redis_key_slot(std::string_view key) {
 
 struct RedisStore::Conn {
   redisContext* ctx = nullptr;
+  bool answered = false;  // this connection has had a reply (so it was good once)
   SteadyClock::time_point retry_at{};
   int backoff_ms = 0;
   ~Conn() {
@@ -117,6 +119,7 @@ RedisStore::Conn* RedisStore::conn(ThreadConns& tc, const Endpoint& e) {
   Conn& c = tc.by_node[e];
   if (c.ctx) return &c;
   if (SteadyClock::now() < c.retry_at) return nullptr;  // backing off
+  c.answered = false;
   c.ctx = redisConnectWithTimeout(e.host.c_str(), e.port, to_tv(timeout_ms_));
   if (!c.ctx || c.ctx->err) {
     fail(tc, e);
@@ -229,11 +232,14 @@ std::vector<std::optional<std::string>> RedisStore::run(const std::vector<std::s
     void* raw = nullptr;
     if (redisGetReply(c->ctx, &raw) != REDIS_OK) return false;
     c->backoff_ms = 0;  // the node answers: its next failure starts the backoff afresh
+    c->answered = true;
     Reply r(static_cast<redisReply*>(raw));
     if (r->type == REDIS_REPLY_STRING && want_value) {
       out[i] = std::string(r->str, r->len);
-    } else if (r->type == REDIS_REPLY_STATUS || r->type == REDIS_REPLY_INTEGER) {
+    } else if (r->type == REDIS_REPLY_STATUS) {
       if (!want_value) out[i] = std::string();
+    } else if (r->type == REDIS_REPLY_INTEGER) {
+      if (!want_value) out[i] = std::to_string(r->integer);
     } else if (r->type == REDIS_REPLY_ERROR) {
       const std::string err(r->str, r->len);  // "MOVED 3999 127.0.0.1:6381" / "ASK ..."
       const bool moved = err.rfind("MOVED ", 0) == 0, ask = err.rfind("ASK ", 0) == 0;
@@ -255,12 +261,27 @@ std::vector<std::optional<std::string>> RedisStore::run(const std::vector<std::s
   for (auto& [ep, idx] : by_node) {
     Conn* c = conn(tc, ep);
     if (!c) continue;  // down: misses / dropped writes
-    for (size_t i : idx) send(c, argvs[i], false);
-    for (size_t i : idx)
-      if (!read(c, i, true)) {
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      const bool was_good = c->answered;
+      for (size_t i : idx) send(c, argvs[i], false);
+      size_t n_read = 0;
+      while (n_read < idx.size() && read(c, idx[n_read], true)) ++n_read;
+      if (n_read == idx.size()) break;
+      // A connection that worked before and now reads EOF or a reset before its first reply was
+      // closed by the other side while idle (Redis restarted, or closed it at its `timeout`):
+      // connect once more and resend (every command here may run twice), instead of losing the
+      // batch and backing off from a Redis that is up. A timeout is not retried.
+      const bool closed_idle = c->ctx->err == REDIS_ERR_EOF ||
+                               (c->ctx->err == REDIS_ERR_IO && (errno == ECONNRESET || errno == EPIPE));
+      if (attempt == 0 && n_read == 0 && was_good && closed_idle) {
+        redisFree(c->ctx);
+        c->ctx = nullptr;
+        if ((c = conn(tc, ep))) continue;
+      } else {
         fail(tc, ep);
-        break;
       }
+      break;
+    }
   }
   for (const Redirect& r : redirects) {  // one hop, as the cluster spec asks
     Conn* c = conn(tc, r.to);
@@ -297,14 +318,78 @@ std::vector<bool> RedisStore::put(std::span<const PageHash> hashes, std::span<co
   return ok;
 }
 
+std::vector<RedisStore::PutResult> RedisStore::put_missing(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags,
+                                                           std::span<const std::string> blobs) {
+  std::vector<std::string> keys;
+  std::vector<std::vector<std::string>> argvs;
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    keys.push_back(key(ns_tags[i], hashes[i]));
+    argvs.push_back({"EXISTS", keys.back()});
+  }
+  const auto held = run(keys, argvs, false);
+  std::vector<PutResult> out(hashes.size(), PutResult::kFailed);
+  std::vector<size_t> idx;  // the second round: SET the missing, refresh the held
+  std::vector<std::string> keys2;
+  std::vector<std::vector<std::string>> argvs2;
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    if (!held[i]) continue;  // unreachable: left failed
+    idx.push_back(i);
+    keys2.push_back(keys[i]);
+    if (*held[i] == "1") {
+      argvs2.push_back(ttl_s_ > 0 ? std::vector<std::string>{"EXPIRE", keys[i], std::to_string(ttl_s_)}
+                                  : std::vector<std::string>{"TOUCH", keys[i]});
+    } else {
+      std::vector<std::string> a = {"SET", keys[i], blobs[i]};
+      if (ttl_s_ > 0) {
+        a.push_back("EX");
+        a.push_back(std::to_string(ttl_s_));
+      }
+      argvs2.push_back(std::move(a));
+    }
+  }
+  if (idx.empty()) return out;
+  const auto res = run(keys2, argvs2, false);
+  for (size_t k = 0; k < idx.size(); ++k) {
+    const size_t i = idx[k];
+    if (!res[k]) continue;
+    // EXPIRE / TOUCH answer 0 when the key went between the two rounds: then it was not refreshed
+    // (and not stored); counted as failed, the next eviction stores it.
+    if (*held[i] == "1") out[i] = *res[k] == "1" ? PutResult::kHeld : PutResult::kFailed;
+    else out[i] = PutResult::kStored;
+  }
+  return out;
+}
+
 std::vector<std::optional<std::string>> RedisStore::get(uint64_t ns_tag, std::span<const PageHash> hashes) {
   std::vector<std::string> keys;
   std::vector<std::vector<std::string>> argvs;
   for (const PageHash& h : hashes) {
     keys.push_back(key(ns_tag, h));
-    argvs.push_back({"GET", keys.back()});
+    argvs.push_back({"EXISTS", keys.back()});
   }
-  return run(keys, argvs, true);
+  // A prefix is usable up to its first gap: the pages after it are not fetched (a 4k-token
+  // prompt missing its second page would otherwise move ~90 MB for nothing).
+  const auto exists = run(keys, argvs, false);
+  size_t n = 0;
+  while (n < keys.size() && exists[n] && *exists[n] == "1") ++n;
+  std::vector<std::optional<std::string>> out(hashes.size());
+  if (n == 0) return out;
+  // With a TTL, each GET is followed by an EXPIRE in the same pipeline: a page read is in use,
+  // its expiry starts again (the EXPIRE's integer reply reads as nullopt here).
+  const size_t per = ttl_s_ > 0 ? 2 : 1;
+  std::vector<std::string> keys2;
+  std::vector<std::vector<std::string>> argvs2;
+  for (size_t i = 0; i < n; ++i) {
+    keys2.push_back(keys[i]);
+    argvs2.push_back({"GET", keys[i]});
+    if (per == 2) {
+      keys2.push_back(keys[i]);
+      argvs2.push_back({"EXPIRE", keys[i], std::to_string(ttl_s_)});
+    }
+  }
+  auto got = run(keys2, argvs2, true);
+  for (size_t i = 0; i < n; ++i) out[i] = std::move(got[i * per]);
+  return out;
 }
 
 void RedisStore::remove(uint64_t ns_tag, const PageHash& h) {

@@ -7,6 +7,9 @@
 // pages of another model, KV format or tenant never share a key (the namespace tag is an XXH3
 // of the namespace: an API key never reaches Redis in clear). Values: blobs (page_store.h),
 // checked on every load. SET ... EX ttl when a TTL is set. Batches are pipelined per node.
+// Redis evicts on its own, restarts empty, or is down when a write comes: what this process
+// wrote is no proof it is there, so pages written before go through put_missing (EXISTS, then
+// SET what is missing, refresh what is held).
 //
 // Addresses: redis://HOST:PORT (or HOST:PORT). At first use the store asks the first reachable
 // address for CLUSTER SLOTS; if it is a cluster, keys go to their slot's master and MOVED/ASK
@@ -44,6 +47,12 @@ class RedisStore : public PageStore {
 
   const char* name() const override { return "redis"; }
   std::vector<bool> put(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags, std::span<const std::string> blobs) override;
+  // EXISTS for every page, SET (EX ttl) for the ones missing, and for the ones held TOUCH (no
+  // TTL) or EXPIRE ttl: two pipelined round trips, and no page sent that Redis has.
+  std::vector<PutResult> put_missing(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags,
+                                     std::span<const std::string> blobs) override;
+  // EXISTS first, then GET only the leading run of pages that exist (a prefix is usable up to its
+  // first gap: the pages past it are never fetched). With a TTL, the pages found get it afresh.
   std::vector<std::optional<std::string>> get(uint64_t ns_tag, std::span<const PageHash> hashes) override;
   bool may_contain(const PageHash&) const override { return true; }
   void remove(uint64_t ns_tag, const PageHash& h) override;
@@ -68,7 +77,8 @@ class RedisStore : public PageStore {
   void discover(ThreadConns& tc);                  // cluster or not; slot map
   Endpoint node_for(const std::string& key) const;
   // Runs one command per key (argv built by make), pipelined per node, following MOVED/ASK
-  // once. replies[i]: the i-th reply's string (GET), "" for OK, nullopt for nil or failure.
+  // once. replies[i]: the i-th reply's string (GET), "" for OK, the number for an integer reply
+  // (EXISTS, TOUCH, DEL), nullopt for nil or failure.
   std::vector<std::optional<std::string>> run(const std::vector<std::string>& keys,
                                               const std::vector<std::vector<std::string>>& argvs, bool want_value);
 

@@ -104,8 +104,13 @@ void TierManager::page_cached(const PageHash& h, const PageHash& parent, const s
 void TierManager::page_evicted(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens,
                                int32_t page, int32_t wpage, uint64_t last_use) {
   if (!cfg_.write_through) return store(h, parent, ns, tokens, page, wpage, last_use);
-  // Written when cached: leaving RAM, its last use there is carried to the disk.
-  if (disk_ && disk_->may_contain(h)) refresh(h, wall_ns(last_use));
+  // Written when cached: leaving RAM, its last use there is carried to the disk. Redis may have
+  // lost it since: store() asks it (put_missing) and refreshes it there.
+  if (disk_ && stores_.size() == 1) {
+    if (disk_->may_contain(h)) refresh(h, wall_ns(last_use));
+    return;
+  }
+  store(h, parent, ns, tokens, page, wpage, last_use);
 }
 
 // A window page leaving a position still cached (write-back): the blob with it replaces one
@@ -135,13 +140,20 @@ void TierManager::store(const PageHash& h, const PageHash& parent, const std::st
   const int64_t used = wall_ns(last_use);
   const bool win = wpage >= 0 && wpool_ && has_window_;
   // Already below (with its window page, if this write has one): the disk's index says so
-  // exactly (a blob with the window page is the larger); with Redis, remember what this process
-  // wrote. The disk's copy is then refreshed instead.
-  const bool disk_only = disk_ && stores_.size() == 1;
-  if (disk_only) {
-    if (win ? disk_->blob_bytes(h) >= payload_bytes(true) : disk_->may_contain(h)) return refresh(h, used);
-  } else {
-    if ((win ? written_window_ : written_).count(h) > 0) return refresh(h, used);
+  // exactly (a blob with the window page is the larger), and the disk's copy is then refreshed
+  // instead. Redis (the last store) may have lost what this process wrote or loaded: such a page
+  // goes down as if_missing (the writer asks Redis first).
+  const bool disk_has = disk_ && (win ? disk_->blob_bytes(h) >= payload_bytes(true) : disk_->may_contain(h));
+  if (disk_has) refresh(h, used);
+  const bool redis = !(disk_ && stores_.size() == 1);
+  if (!redis) {
+    if (disk_has) return;
+  }
+  Write w = page_write(h, parent, ns, tokens, page, win ? wpage : -1);
+  w.used_ns = used;
+  if (redis) {
+    if (disk_has) w.only_store = static_cast<int32_t>(stores_.size()) - 1;
+    w.if_missing = (win ? written_window_ : written_).count(h) > 0;
     if (written_.size() >= kWrittenCap) {
       written_.clear();
       written_window_.clear();
@@ -149,8 +161,6 @@ void TierManager::store(const PageHash& h, const PageHash& parent, const std::st
     written_.insert(h);
     if (win) written_window_.insert(h);
   }
-  Write w = page_write(h, parent, ns, tokens, page, win ? wpage : -1);
-  w.used_ns = used;
   queue_write(std::move(w));
 }
 
@@ -240,6 +250,7 @@ void TierManager::writer_loop() {
     std::vector<uint64_t> tags;
     std::vector<int32_t> only;
     std::vector<int64_t> used;
+    std::vector<char> missing;  // if_missing
     std::vector<PageHash> touches;  // pages the disk holds, to refresh there
     std::vector<int64_t> touch_used;
     for (Write& w : batch) {
@@ -257,34 +268,47 @@ void TierManager::writer_loop() {
       blobs.push_back(std::move(w.blob));
       only.push_back(w.only_store);
       used.push_back(w.used_ns);
+      missing.push_back(w.if_missing);
     }
     // Refreshes before the batch's writes: a put trims the store to its budget at its end, and a
     // page refreshed after that trim could already have gone as old (a clean stop refreshes
     // and writes a whole RAM cache in one stream).
     if (disk_ && !touches.empty()) disk_->touch(touches, touch_used);
     for (size_t i = 0; i < stores_.size(); ++i) {
-      std::vector<PageHash> hs;
-      std::vector<uint64_t> ts;
-      std::vector<std::string> bs;
-      std::vector<int64_t> us;
-      for (size_t k = 0; k < hashes.size(); ++k)
-        if (only[k] < 0 || only[k] == static_cast<int32_t>(i)) {
-          hs.push_back(hashes[k]);
-          ts.push_back(tags[k]);
-          bs.push_back(blobs[k]);
-          us.push_back(used[k]);
-        }
-      if (hs.empty()) continue;
-      // The disk orders its pages by their last use, not by when they reach it.
-      const std::vector<bool> ok = stores_[i].get() == disk_ ? disk_->put(hs, ts, bs, us) : stores_[i]->put(hs, ts, bs);
-      std::lock_guard<std::mutex> l(mu_);
-      TierStats& st = stats_[i].s;
-      for (size_t k = 0; k < hs.size(); ++k) {  // only what the store took counts as written
-        if (ok[k]) {
-          ++st.pages_written;
-          st.bytes_out += static_cast<int64_t>(bs[k].size());
+      const bool is_disk = stores_[i].get() == disk_;
+      for (const bool if_missing : {false, true}) {  // Redis: plain writes, then put_missing
+        if (is_disk && if_missing) continue;
+        std::vector<PageHash> hs;
+        std::vector<uint64_t> ts;
+        std::vector<std::string> bs;
+        std::vector<int64_t> us;
+        for (size_t k = 0; k < hashes.size(); ++k)
+          if ((only[k] < 0 || only[k] == static_cast<int32_t>(i)) && (is_disk || bool(missing[k]) == if_missing)) {
+            hs.push_back(hashes[k]);
+            ts.push_back(tags[k]);
+            bs.push_back(blobs[k]);
+            us.push_back(used[k]);
+          }
+        if (hs.empty()) continue;
+        std::vector<PageStore::PutResult> res;
+        if (if_missing) {
+          res = stores_[i]->put_missing(hs, ts, bs);
         } else {
-          ++st.write_drops;
+          // The disk orders its pages by their last use, not by when they reach it.
+          const std::vector<bool> ok = is_disk ? disk_->put(hs, ts, bs, us) : stores_[i]->put(hs, ts, bs);
+          for (bool o : ok) res.push_back(o ? PageStore::PutResult::kStored : PageStore::PutResult::kFailed);
+        }
+        std::lock_guard<std::mutex> l(mu_);
+        TierStats& st = stats_[i].s;
+        for (size_t k = 0; k < hs.size(); ++k) {  // only what the store took counts as written
+          if (res[k] == PageStore::PutResult::kStored) {
+            ++st.pages_written;
+            st.bytes_out += static_cast<int64_t>(bs[k].size());
+          } else if (res[k] == PageStore::PutResult::kHeld) {
+            ++st.pages_refreshed;
+          } else {
+            ++st.write_drops;
+          }
         }
       }
     }

@@ -6,8 +6,12 @@
 // as soon as the cache adopts it. Either way the engine thread only copies the page's bytes out
 // of the pool (a memcpy) and queues them; a writer thread encodes the blob (header, checksums)
 // and puts it in every store. A page the disk already holds is not written again, only refreshed
-// there (through the queue; a batch's refreshes land before its writes and their trim). When the
-// queue holds more than max_pending_bytes, new writes are dropped (counted), never waited for.
+// there (through the queue; a batch's refreshes land before its writes and their trim). Redis is
+// not ours to index: a page this process wrote or loaded before goes down again as "if missing"
+// (Redis may have evicted it, restarted empty, or been down): the writer asks Redis, stores it
+// where it is gone and refreshes it where it is held, so reuse in RAM keeps it recent there too.
+// When the queue holds more than max_pending_bytes, new writes are dropped (counted), never
+// waited for.
 //
 // Up (loads). fetch() queues a lookup of consecutive pages by chain hash (the part of a prompt
 // the RAM cache lacks); a loader thread asks L2, then L3 for what L2 lacks, checks every blob
@@ -161,6 +165,8 @@ class TierManager : public PageListener {
     std::string blob;        // or a ready blob (promotion of an L3 hit into L2)
     uint32_t flags = 0;      // the blob's flags (page_store.h)
     int32_t only_store = -1; // >= 0: write to that store alone
+    bool if_missing = false; // a page this process wrote or loaded before: Redis stores it only
+                             // if it lost it, else refreshes it (PageStore::put_missing)
     uint64_t seq = 0;        // queue order (write_mark)
   };
   struct Fetch {
@@ -194,7 +200,9 @@ class TierManager : public PageListener {
   std::function<void()> notify_;
   std::vector<std::unique_ptr<PageStore>> stores_;  // L2 first, then L3
   DiskStore* disk_ = nullptr;                       // stores_[0] when there is a disk tier
-  std::unordered_set<PageHash, PageHashKey> written_;  // written to every store by this process (bounded)
+  // Pages this process wrote to (or loaded from) Redis (bounded): written again only as
+  // put_missing, since Redis may have lost them since.
+  std::unordered_set<PageHash, PageHashKey> written_;
   std::unordered_set<PageHash, PageHashKey> written_window_;  // of those, with their window page
 
   mutable std::mutex mu_;

@@ -463,6 +463,51 @@ def test_redis_down_or_frozen_fails_no_request_and_hits_resume(redis):
         stop(b)
 
 
+@pytest.mark.parametrize("mode", ["back", "through"])
+def test_a_prefix_redis_lost_reaches_it_again_when_ram_lets_it_go(redis, mode):
+    """Redis restarts empty (or evicts) while instance A still serves a prefix it wrote. A used to
+    remember the pages as written and never sent them again: another instance found nothing.
+    Now A asks Redis when RAM lets the pages go, and stores what Redis lost. The restart also
+    closed A's idle connections: their next batch is sent again on a new one, not lost."""
+    p = doc(45000)
+    fillers = [doc(50000), doc(55000), doc(60000)]
+    a = tier_server("--kv-redis", redis.url, "--kv-tier-write", mode)
+    b = None
+    try:
+        cold, n_prompt, _ = ask(a, p)
+        if mode == "back":
+            for f in fillers[:2]:  # RAM (48 MiB, ~2 prompts) lets P go: written then
+                ask(a, f)
+        wait_written(a, "redis", n_prompt // 16)
+        redis.stop()
+        redis.start()  # empty
+        assert redis.keys() == []
+        if mode == "back":
+            text, _, cached = ask(a, p)  # RAM and Redis lack it: recomputed, in RAM again
+            assert text == cold and cached == 0
+        for f in fillers:  # RAM lets P go again
+            ask(a, f)
+        a.wait_clean()
+        # The writer drains its queue: the count stops moving.
+        last, deadline = -1.0, time.time() + 30 * SLOWDOWN
+        while (now := tier(a, "kv_tier_pages_written_total", "redis") + tier(a, "kv_tier_write_drops_total", "redis")) != last:
+            assert time.time() < deadline, a.metrics()
+            last = now
+            time.sleep(0.5)
+        b = tier_server("--kv-redis", redis.url)
+        warm, _, cached = ask(b, p)
+        assert warm == cold
+        assert cached >= n_prompt - 16 - 1, (cached, n_prompt, a.metrics())
+        # The connections the restart closed were opened again at their next batch: nothing lost.
+        assert tier(a, "kv_tier_errors_total", "redis") == 0
+        assert tier(a, "kv_tier_write_drops_total", "redis") == 0
+        assert_clean(b)
+    finally:
+        stop(a)
+        if b:
+            stop(b)
+
+
 def test_namespaces_hold_in_every_tier(redis, disk_dir):
     p = doc(30000)
     a = tier_server("--kv-redis", redis.url, "--kv-disk-dir", disk_dir, "--kv-tier-write", "through")
