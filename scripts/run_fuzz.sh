@@ -5,6 +5,7 @@
 #   scripts/run_fuzz.sh                       # GGUF 30 s, tokenizer/template/request 15 s each
 #   FUZZ_SECONDS=300 TEXT_FUZZ_SECONDS=600 scripts/run_fuzz.sh
 #   FUZZ_TARGETS="request" scripts/run_fuzz.sh
+#   FUZZ_SEED=1 scripts/run_fuzz.sh           # the same mutations every run (make test sets it)
 #   FUZZ_BIN_DIR=build-asan-quick scripts/run_fuzz.sh
 #                                             # runs fuzz_gguf / fuzz_text already built there (a
 #                                             # CMake tree with -DKV_FUZZ=ON: `make test` builds
@@ -31,10 +32,21 @@ GGUF_SECONDS="${FUZZ_SECONDS:-30}"
 TEXT_SECONDS="${TEXT_FUZZ_SECONDS:-15}"
 TARGETS="${FUZZ_TARGETS:-gguf tokenizer template request}"
 BIN_DIR="${FUZZ_BIN_DIR:-}"
+# A fixed seed makes a run a regression check: the same inputs every time, so a gate passes or
+# fails on the code, not on the draw. Unset (0): libFuzzer draws one, to explore; what a long
+# exploring run finds is fixed and its input added to tests/fuzz/make_text_seeds.py or the corpus.
+SEED_ARG=(-seed="${FUZZ_SEED:-0}")
 CXX="${FUZZ_CXX:-clang++}"
 FLAGS=(-std=c++20 -O1 -g -fno-omit-frame-pointer -fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined -Isrc)
 
 mkdir -p "$OUT/obj" "$OUT/artifacts"
+if [[ -z "$BIN_DIR" ]]; then
+  # Headers CMake generates at configure time (builtin_chat_templates.h from templates/*.jinja):
+  # a configure-only tree of our own provides them.
+  cmake -S . -B "$OUT/cmake" -G Ninja -DKV_PYTHON=OFF -DKV_BUILD_BENCH=OFF > "$OUT/cmake.log" 2>&1 \
+    || { cat "$OUT/cmake.log" >&2; exit 1; }
+  FLAGS+=(-I"$OUT/cmake/generated")
+fi
 newest_header="$(find src -name '*.h' -newer "$OUT/.headers" 2>/dev/null | head -1 || true)"
 [[ -f "$OUT/.headers" ]] || newest_header=all
 touch "$OUT/.headers.new"
@@ -89,7 +101,7 @@ for t in $TARGETS; do
       # A hostile input of at most 64 KiB may cost a few MB of metadata, never hundreds.
       "$bin" "$OUT/corpus_gguf" tests/fuzz/corpus_gguf \
         -max_len=65536 -max_total_time="$GGUF_SECONDS" -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=256 \
-        -artifact_prefix="$OUT/artifacts/" -print_final_stats=1
+        -artifact_prefix="$OUT/artifacts/" -print_final_stats=1 "${SEED_ARG[@]}"
       ;;
     tokenizer|template|request)
       bin="$BIN_DIR/fuzz_text"
@@ -106,7 +118,7 @@ for t in $TARGETS; do
       # 10 s timeout or the 2 GiB RSS limit, and fails the run.
       KV_FUZZ_TARGET="$t" "$bin" "$OUT/corpus_$t" "tests/fuzz/corpus_$t" \
         -max_len=8192 -max_total_time="$TEXT_SECONDS" -timeout=10 -rss_limit_mb=2048 \
-        -artifact_prefix="$OUT/artifacts/" -print_final_stats=1
+        -artifact_prefix="$OUT/artifacts/" -print_final_stats=1 "${SEED_ARG[@]}"
       ;;
     *) echo "unknown fuzz target $t" >&2; exit 2 ;;
   esac

@@ -24,11 +24,20 @@ bool bool_arg(const CallArgs& a, size_t i, const char* name, bool dflt) {
   const Value* v = a.get(i, name);
   return v ? v->truthy() : dflt;
 }
+// Python's int(float): truncates; a float beyond int64 (Python would make a big int) or a NaN is an error
+// here, not a conversion with undefined behaviour.
+bool fits_int64(double d) { return d >= -9223372036854775808.0 && d < 9223372036854775808.0; }  // NaN: no
+int64_t float_to_int(double d) {
+  if (std::isnan(d)) fail("ValueError", "cannot convert float NaN to integer");
+  if (!fits_int64(d))
+    fail("OverflowError", "cannot convert float " + format_float(d) + " to a 64-bit integer");
+  return static_cast<int64_t>(d);
+}
 int64_t int_arg(const CallArgs& a, size_t i, const char* name, int64_t dflt) {
   const Value* v = a.get(i, name);
   if (v == nullptr || v->is_none()) return dflt;
   if (!v->is_number()) fail("TypeError", std::string("expected an integer argument, got ") + type_name(*v));
-  return v->is_float() ? static_cast<int64_t>(v->as_double()) : v->as_int();
+  return v->is_float() ? float_to_int(v->as_double()) : v->as_int();
 }
 
 const std::string& need_str(const Value& v, const char* what) {
@@ -59,7 +68,7 @@ Array py_split(Interp& in, const std::string& s, const Value* sep, int64_t maxsp
       }
     }
     if (!w.empty()) words.push_back(std::move(w));
-    if (maxsplit >= 0 && static_cast<int64_t>(words.size()) > maxsplit + 1) {
+    if (maxsplit >= 0 && static_cast<int64_t>(words.size()) - 1 > maxsplit) {
       // Rare: rebuild the unsplit tail from the original text.
       std::string tail_src = py_strip(s, !from_right, from_right);
       if (!from_right) {
@@ -221,6 +230,7 @@ std::string html_escape(const std::string& s) {
 }
 
 // printf-style formatting for `"%s" % x` and the format filter (%s %d %i %f %r %%, with simple widths).
+constexpr int kMaxFormatWidth = 4096;  // of a %-format's width and precision
 std::string py_format(const std::string& fmt, const std::vector<Value>& args) {
   std::string out;
   size_t ai = 0;
@@ -234,30 +244,49 @@ std::string py_format(const std::string& fmt, const std::vector<Value>& args) {
       ++i;
       continue;
     }
+    // Python's %[flags][width][.precision]conv. printf pads to the width even when it prints into a small
+    // buffer (a width of 2^31 - 1 took 48 s), so width and precision are bounded: a clear error past it.
     size_t j = i + 1;
     std::string spec;
-    while (j < fmt.size() && std::strchr("-+ 0#.0123456789", fmt[j]) && fmt[j] != 0) spec += fmt[j++];
+    while (j < fmt.size() && std::strchr("-+ 0#", fmt[j]) && fmt[j] != 0) spec += fmt[j++];
+    auto number = [&](const char* what) {
+      size_t start = j;
+      while (j < fmt.size() && fmt[j] >= '0' && fmt[j] <= '9') ++j;
+      if (j - start > 4 || (j > start && std::stoi(fmt.substr(start, j - start)) > kMaxFormatWidth))
+        fail("ValueError", std::string("format ") + what + " larger than " + std::to_string(kMaxFormatWidth));
+      spec.append(fmt, start, j - start);
+    };
+    number("width");
+    if (j < fmt.size() && fmt[j] == '.') {
+      spec += fmt[j++];
+      number("precision");
+    }
     if (j >= fmt.size()) fail("ValueError", "incomplete format");
     char conv = fmt[j];
     if (ai >= args.size()) fail("TypeError", "not enough arguments for format string");
     const Value& a = args[ai++];
-    char buf[128];
+    auto printf_to_out = [&](const std::string& f, auto x) {
+      int n = std::snprintf(nullptr, 0, f.c_str(), x);
+      if (n < 0) fail("ValueError", "bad format '" + f + "'");
+      std::string buf(static_cast<size_t>(n) + 1, '\0');
+      std::snprintf(buf.data(), buf.size(), f.c_str(), x);
+      buf.resize(static_cast<size_t>(n));
+      out += buf;
+    };
     switch (conv) {
       case 's': out += to_str(a); break;
       case 'r': out += to_repr(a); break;
       case 'd':
       case 'i':
         if (!a.is_number()) fail("TypeError", "%d format: a real number is required");
-        std::snprintf(buf, sizeof(buf), ("%" + spec + "lld").c_str(),
-                      static_cast<long long>(a.is_float() ? static_cast<int64_t>(a.as_double()) : a.as_int()));
-        out += buf;
+        printf_to_out("%" + spec + "lld",
+                      static_cast<long long>(a.is_float() ? float_to_int(a.as_double()) : a.as_int()));
         break;
       case 'f':
       case 'e':
       case 'g':
         if (!a.is_number()) fail("TypeError", "must be real number");
-        std::snprintf(buf, sizeof(buf), ("%" + spec + conv).c_str(), a.as_double());
-        out += buf;
+        printf_to_out("%" + spec + conv, a.as_double());
         break;
       default: fail("ValueError", std::string("unsupported format character '") + conv + "'");
     }
@@ -364,7 +393,9 @@ Value builtin_filter(Interp& in, const std::string& name, const Value& v, CallAr
     Value dflt = arg_or(a, 0, "default", Value(0));
     if (v.is_int()) return v;
     if (v.is_bool()) return Value(v.as_int());
-    if (v.is_float()) return std::isfinite(v.as_double()) ? Value(static_cast<int64_t>(v.as_double())) : dflt;
+    // What int64 cannot hold (inf, NaN, 1e300, "99999999999999999999") is a conversion that does not work:
+    // the default, as jinja2 documents for the int filter.
+    if (v.is_float()) return fits_int64(v.as_double()) ? Value(static_cast<int64_t>(v.as_double())) : dflt;
     if (v.is_string()) {
       std::string s = py_strip(v.str(), true, true);
       try {
@@ -372,7 +403,7 @@ Value builtin_filter(Interp& in, const std::string& name, const Value& v, CallAr
         long long x = std::stoll(s, &used, 10);
         if (used == s.size()) return Value(static_cast<int64_t>(x));
         double d = std::stod(s, &used);
-        if (used == s.size()) return Value(static_cast<int64_t>(d));
+        if (used == s.size()) return fits_int64(d) ? Value(static_cast<int64_t>(d)) : dflt;
       } catch (...) {
       }
     }
@@ -394,7 +425,9 @@ Value builtin_filter(Interp& in, const std::string& name, const Value& v, CallAr
   }
   if (name == "abs") {
     if (!v.is_number()) fail("TypeError", std::string("bad operand type for abs(): '") + type_name(v) + "'");
-    return v.is_float() ? Value(std::fabs(v.as_double())) : Value(v.as_int() < 0 ? -v.as_int() : v.as_int());
+    if (v.is_float()) return Value(std::fabs(v.as_double()));
+    if (v.as_int() == INT64_MIN) fail("OverflowError", "integer overflow");
+    return Value(v.as_int() < 0 ? -v.as_int() : v.as_int());
   }
   if (name == "round") {
     int64_t prec = int_arg(a, 0, "precision", 0);
@@ -451,8 +484,10 @@ Value builtin_filter(Interp& in, const std::string& name, const Value& v, CallAr
     for (const auto& x : iterate(v)) {
       Value y = attr.empty() ? x : attr_path(in, x, attr);
       if (!y.is_number() || !total.is_number()) fail("TypeError", "sum filter expects numbers");
-      total = (total.is_float() || y.is_float()) ? Value(total.as_double() + y.as_double())
-                                                 : Value(total.as_int() + y.as_int());
+      int64_t t;
+      if (total.is_float() || y.is_float()) total = Value(total.as_double() + y.as_double());
+      else if (__builtin_add_overflow(total.as_int(), y.as_int(), &t)) fail("OverflowError", "integer overflow");
+      else total = Value(t);
     }
     return total;
   }
@@ -842,9 +877,11 @@ std::vector<std::pair<std::string, Value>> builtin_globals(Interp& in) {
                                 long double n = (static_cast<long double>(stop) - start) / st;
                                 if (n > 0) ip->check_size(static_cast<size_t>(std::min<long double>(n, 1e15)) * sizeof(Value));
                                 Array out;
-                                for (int64_t i = start; st > 0 ? i < stop : i > stop; i += st) {
+                                // The next value past int64 is past `stop` too: the range ends there.
+                                for (int64_t i = start; st > 0 ? i < stop : i > stop;) {
                                   ip->step();
                                   out.emplace_back(i);
+                                  if (__builtin_add_overflow(i, st, &i)) break;
                                 }
                                 return Value::array(std::move(out));
                               },

@@ -14,12 +14,16 @@ struct DepthGuard {
   int& d_;
 };
 
+// Python's ints are unbounded; here they are int64, and a result outside it is an OverflowError, never a
+// wrapped value or a trap (INT64_MIN // -1 raises SIGFPE on x86).
 int64_t floordiv(int64_t a, int64_t b) {
+  if (a == INT64_MIN && b == -1) fail("OverflowError", "integer overflow");
   int64_t q = a / b;
   if ((a % b != 0) && ((a < 0) != (b < 0))) --q;
   return q;
 }
 int64_t pymod(int64_t a, int64_t b) {
+  if (b == -1) return 0;  // INT64_MIN % -1 traps like the division
   int64_t r = a % b;
   if (r != 0 && ((r < 0) != (b < 0))) r += b;
   return r;
@@ -365,7 +369,9 @@ Value Interp::eval(const Node& n) {
                               ": '" + type_name(v) + "'");
       }
       if (n.kind == NodeKind::kPos) return v.is_float() ? v : Value(v.as_int());
-      return v.is_float() ? Value(-v.as_double()) : Value(-v.as_int());
+      if (v.is_float()) return Value(-v.as_double());
+      if (v.as_int() == INT64_MIN) fail("OverflowError", "integer overflow");
+      return Value(-v.as_int());
     }
     case NodeKind::kAnd: {
       Value l = eval(*n.a);
@@ -621,10 +627,11 @@ Value Interp::eval_binary_raw(const Node& n) {
     if (op == "**") {
       if (!fl && r.as_int() >= 0) {
         int64_t base = l.as_int(), e = r.as_int(), res = 1;
-        for (int64_t k = 0; k < e; ++k) {
+        if (e == 0) return Value(int64_t{1});
+        if (base == 0 || base == 1) return Value(base);
+        if (base == -1) return Value(int64_t{e % 2 == 0 ? 1 : -1});
+        for (int64_t k = 0; k < e; ++k)  // |base| >= 2: overflows within 64 factors
           if (__builtin_mul_overflow(res, base, &res)) fail("OverflowError", "integer power too large");
-          if (res == 0 || res == 1) break;
-        }
         return Value(res);
       }
       return Value(std::pow(l.as_double(), r.as_double()));

@@ -917,6 +917,11 @@ class Parser {
       parts[0]->a = std::move(obj);
       return std::move(parts[0]);
     }
+    // A slice only stands alone (x[1:2]): inside a tuple (x[1, 2:]) it would be a Python slice
+    // object, which no value here takes as a key, and its node has no object to slice.
+    if (parts.size() > 1)
+      for (const NodePtr& p : parts)
+        if (p->kind == NodeKind::kSlice) syntax_error(s_, p->pos, "a slice inside a tuple subscript is not supported");
     auto n = node(NodeKind::kGetItem, pos);
     n->a = std::move(obj);
     if (parts.size() == 1) {

@@ -32,6 +32,15 @@ TEMPLATES = [
     # Reference cycles through a namespace (the fuzzer found `set ns.n = ns` leaking).
     "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns %}{% endfor %}{{ messages | length }}",
     "{% set a = namespace(l=[]) %}{% set b = namespace(a=a) %}{% set a.l = [b, a] %}{{ a.l[0].a.l | length }}",
+    # A slice inside a tuple subscript (the fuzzer found its node rendered with nothing to slice).
+    "{{ messages[1, 2:, 3] | join(',') }}{{ messages[0:2:1] | length }}",
+    # int64 edges (the 2026-11-29 campaign: INT64_MIN // -1 trapped, negation, abs, sum and range wrapped,
+    # a float past int64 was cast, '%2147483647d' padded for 48 s).
+    "{{ range(1, 9223372036854775807, 9223372036854775807) | list }}{{ (-1) ** 3 }}{{ '%d|%5.2f' % (1e10, 2.5) }}"
+    "{{ '1e300' | int }}{{ 'a b'.split(none, 9223372036854775807) }}{{ (-9223372036854775807 - 1) % -1 }}"
+    "{{ (-9223372036854775807 - 1) // -1 }}",
+    "{{ [9223372036854775807, 1] | sum }}{{ -(-9223372036854775807 - 1) | abs }}{{ '%2147483647d' % 1 }}"
+    "{{ 'x' | center(1e300) }}",
 ]
 BODIES = [
     {"prompt": "hi", "max_tokens": 4},

@@ -11,6 +11,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <span>
 #include <string>
 
 #include "tokenizer/chat_template.h"
@@ -214,7 +215,11 @@ TEST(ChatTemplate, SyntaxErrorsNamePosition) {
                        Bad{"{# never closed", "line 1, column 1"},
                        Bad{"{{ (1 + 2 }}", "line 1"},
                        Bad{"{% endif %}", "line 1"},
-                       Bad{"{{ x | }}", "line 1"}}) {
+                       Bad{"{{ x | }}", "line 1"},
+                       // A slice inside a tuple subscript (the fuzzer's crash: its node had no
+                       // object to slice, and rendering dereferenced null).
+                       Bad{"{{ x[1, 2:, 3] }}", "line 1, column 9"},
+                       Bad{"{{ messages[:1, 0] }}", "line 1, column 13"}}) {
     auto t = ChatTemplate::parse(b.src);
     ASSERT_FALSE(t) << b.src;
     EXPECT_NE(t.message().find(b.where), std::string::npos) << b.src << " -> " << t.message();
@@ -228,6 +233,24 @@ TEST(ChatTemplate, RuntimeErrorsNamePosition) {
   ASSERT_FALSE(r);
   EXPECT_NE(r.message().find("line 2"), std::string::npos) << r.message();
   EXPECT_NE(r.message().find("TypeError"), std::string::npos) << r.message();
+}
+
+// Renders each template on one user message and expects its text.
+void expect_renders(std::span<const std::pair<const char*, const char*>> cases) {
+  for (const auto& [src, want] : cases) {
+    auto t = ChatTemplate::parse(src);
+    ASSERT_TRUE(t) << src << ": " << t.message();
+    auto r = t->render({{"user", "x"}}, false, "", "");
+    ASSERT_TRUE(r) << src << ": " << r.message();
+    EXPECT_EQ(*r, want) << src;
+  }
+}
+
+// A bound on a render that must not run away (hours if it did), not a speed check: sanitized
+// builds (KV_TEST_SLOWDOWN) are several times slower.
+double runaway_limit_s() {
+  const char* slowdown = std::getenv("KV_TEST_SLOWDOWN");
+  return 10.0 * (slowdown ? std::max(1.0, std::atof(slowdown)) : 1.0);
 }
 
 // Hostile templates: every one must fail (or finish) quickly, without crashing.
@@ -254,9 +277,7 @@ TEST(ChatTemplate, HostileTemplatesAreBounded) {
       "{% set s = 'x' * 30000000 %}{{ [s, s, s, s, s] | join }}",
       "{% set s = 'x' * 30000000 %}{{ [s, s, s, s, s] | tojson }}",
   };
-  // Runaway rendering would take hours; sanitized builds (KV_TEST_SLOWDOWN) are several times slower.
-  const char* slowdown = std::getenv("KV_TEST_SLOWDOWN");
-  const double limit_s = 10.0 * (slowdown ? std::max(1.0, std::atof(slowdown)) : 1.0);
+  const double limit_s = runaway_limit_s();
   for (const char* src : hostile) {
     auto t = ChatTemplate::parse(src);
     ASSERT_TRUE(t) << src << ": " << t.message();
@@ -281,6 +302,47 @@ TEST(ChatTemplate, HostileTemplatesAreBounded) {
   EXPECT_FALSE(ChatTemplate::parse(deep_neg));
 }
 
+// Python's ints are unbounded, ours int64: a result or a float conversion outside it is an OverflowError
+// (or the int filter's default), never a wrapped value, a trap (INT64_MIN // -1 is SIGFPE) or undefined
+// behaviour; printf-style widths are bounded, not padded for seconds (found by the fuzz campaign of
+// 2026-11-29 with UBSan; each of these crashed fuzz_text or ran past its timeout).
+TEST(ChatTemplate, IntegerEdgesNeverWrap) {
+  const std::pair<const char*, const char*> ok[] = {
+      {"{{ (-9223372036854775807 - 1) % -1 }}|{{ 7 % -1 }}|{{ (-7) // 2 }}", "0|0|-4"},
+      {"{{ range(1, 9223372036854775807, 9223372036854775807) | list }}", "[1]"},
+      {"{{ range(-9223372036854775807 - 1, 9223372036854775807, 9223372036854775807) | length }}", "3"},
+      {"{{ range(9223372036854775806, -9223372036854775807 - 1, -9223372036854775807) | list }}",
+       "[9223372036854775806, -1]"},
+      {"{{ (-1) ** 3 }}|{{ (-1) ** 4 }}|{{ 0 ** 0 }}|{{ 0 ** 5 }}|{{ 1 ** 99 }}|{{ (-2) ** 3 }}", "-1|1|1|0|1|-8"},
+      {"{{ '%d' % 1e10 }}|{{ '%5d|%-4d|%.3f|%+i' % (42, 7, 2.5, 3.9) }}", "10000000000|   42|7   |2.500|+3"},
+      {"{{ ('%200d' % 1) | length }}|{{ ('%.300f' % 1.5) | length }}", "200|302"},
+      {"{{ '1e300' | int }}|{{ 1e300 | int(7) }}|{{ '2.5' | int }}|{{ -2.5 | int }}", "0|7|2|-2"},
+      {"{{ 'a b  c'.split(none, 9223372036854775807) | length }}|{{ 'a b  c'.split(none, 1) | last }}", "3|b  c"},
+  };
+  expect_renders(ok);
+  const std::pair<const char*, const char*> bad[] = {
+      {"{{ (-9223372036854775807 - 1) // -1 }}", "OverflowError"},
+      {"{{ -(-9223372036854775807 - 1) }}", "OverflowError"},
+      {"{{ (-9223372036854775807 - 1) | abs }}", "OverflowError"},
+      {"{{ [9223372036854775807, 1] | sum }}", "OverflowError"},
+      {"{{ '%d' % 1e300 }}", "OverflowError"},
+      {"{{ '%d' % ('nan' | float) }}", "ValueError"},
+      {"{{ 'abc' | center(1e300) }}", "OverflowError"},
+      {"{{ '%2147483647d' % 1 }}", "format width larger than 4096"},
+      {"{{ '%.99999999999f' % 1.5 }}", "format precision larger than 4096"},
+  };
+  for (const auto& [src, what] : bad) {
+    auto t = ChatTemplate::parse(src);
+    ASSERT_TRUE(t) << src << ": " << t.message();
+    auto start = std::chrono::steady_clock::now();
+    auto r = t->render({{"user", "x"}}, false, "", "");
+    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    ASSERT_FALSE(r) << src << " -> " << *r;
+    EXPECT_NE(r.message().find(what), std::string::npos) << src << " -> " << r.message();
+    EXPECT_LT(secs, runaway_limit_s()) << src;  // '%2147483647d' took 48 s
+  }
+}
+
 // A namespace is the one mutable value, so the one way to build a reference cycle. The render frees every
 // namespace it made, cycles included, whether it succeeds or throws (under ASan, LeakSanitizer checks;
 // the fuzzer found `set ns.n = ns` leaking). How a cycle prints is in the golden features/ns_cycle_* cases.
@@ -291,13 +353,7 @@ TEST(ChatTemplate, NamespaceCyclesAreFreed) {
       {"{% set a = namespace(n=2) %}{% set b = namespace(a=a) %}{% set a.b = b %}{{ a.b.a.b.a.n }}", "2"},
       {"{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns %}{% endfor %}x", "x"},
   };
-  for (const auto& [src, want] : ok) {
-    auto t = ChatTemplate::parse(src);
-    ASSERT_TRUE(t) << src << ": " << t.message();
-    auto r = t->render({{"user", "x"}}, false, "", "");
-    ASSERT_TRUE(r) << src << ": " << r.message();
-    EXPECT_EQ(*r, want) << src;
-  }
+  expect_renders(ok);
   // Renders that fail after building a cycle free it too.
   const char* failing[] = {
       "{% set ns = namespace(n=0) %}{% set ns.self = ns %}{{ raise_exception('stop') }}",
