@@ -1223,7 +1223,7 @@ void Engine::store_finished_path(const Sequence& s) {
   const int64_t first_window = pool_g1_ ? cache_->window_first_page(n - 1) : n;
   for (int64_t k = 0; k < n; ++k)
     tiers_->store(hashes[k], k > 0 ? hashes[k - 1] : PageHash{}, ns, s.tokens.data() + k * bs, pages[k],
-                  k >= first_window ? wpages[k] : -1);
+                  k >= first_window ? wpages[k] : -1, 0, /*ram_keeps=*/true);
 }
 
 void Engine::flush_tiers() {

@@ -110,8 +110,9 @@ class PageStore {
   // As put(), for pages the caller believes the store holds already (it wrote them, or loaded
   // them from it): a page the store still holds is only refreshed there (its recency, its
   // expiry), not sent again; a page it lost (evicted, restarted empty, down when the write came)
-  // is stored. Per page: kStored, kHeld (refreshed) or kFailed. The default stores every page.
-  enum class PutResult : uint8_t { kFailed, kStored, kHeld };
+  // is stored. Per page: kStored, kHeld (refreshed) or kFailed. An empty blob is a probe: held,
+  // it is refreshed; lost, it is kMissing (nothing stored). The default stores every page.
+  enum class PutResult : uint8_t { kFailed, kStored, kHeld, kMissing };
   virtual std::vector<PutResult> put_missing(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags,
                                              std::span<const std::string> blobs) {
     const std::vector<bool> ok = put(hashes, ns_tags, blobs);

@@ -333,6 +333,10 @@ std::vector<RedisStore::PutResult> RedisStore::put_missing(std::span<const PageH
   std::vector<std::vector<std::string>> argvs2;
   for (size_t i = 0; i < hashes.size(); ++i) {
     if (!held[i]) continue;  // unreachable: left failed
+    if (*held[i] != "1" && blobs[i].empty()) {  // a probe: nothing to store
+      out[i] = PutResult::kMissing;
+      continue;
+    }
     idx.push_back(i);
     keys2.push_back(keys[i]);
     if (*held[i] == "1") {

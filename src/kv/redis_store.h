@@ -48,7 +48,8 @@ class RedisStore : public PageStore {
   const char* name() const override { return "redis"; }
   std::vector<bool> put(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags, std::span<const std::string> blobs) override;
   // EXISTS for every page, SET (EX ttl) for the ones missing, and for the ones held TOUCH (no
-  // TTL) or EXPIRE ttl: two pipelined round trips, and no page sent that Redis has.
+  // TTL) or EXPIRE ttl: two pipelined round trips, and no page sent that Redis has. A probe (an
+  // empty blob) missing is kMissing.
   std::vector<PutResult> put_missing(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags,
                                      std::span<const std::string> blobs) override;
   // EXISTS first, then GET only the leading run of pages that exist (a prefix is usable up to its

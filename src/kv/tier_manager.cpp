@@ -134,9 +134,24 @@ bool TierManager::may_contain(const PageHash& h) const {
   return false;
 }
 
+void TierManager::forget_lost() {
+  if (!has_lost_.load(std::memory_order_acquire)) return;
+  std::vector<PageHash> lost;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    lost.swap(lost_);
+    has_lost_.store(false, std::memory_order_relaxed);
+  }
+  for (const PageHash& h : lost) {
+    written_.erase(h);
+    written_window_.erase(h);
+  }
+}
+
 void TierManager::store(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens,
-                        int32_t page, int32_t wpage, uint64_t last_use) {
+                        int32_t page, int32_t wpage, uint64_t last_use, bool ram_keeps) {
   if (!pool_ || stores_.empty()) return;
+  forget_lost();
   const int64_t used = wall_ns(last_use);
   const bool win = wpage >= 0 && wpool_ && has_window_;
   // Already below (with its window page, if this write has one): the disk's index says so
@@ -149,11 +164,24 @@ void TierManager::store(const PageHash& h, const PageHash& parent, const std::st
   if (!redis) {
     if (disk_has) return;
   }
+  const int32_t redis_store = static_cast<int32_t>(stores_.size()) - 1;
+  const bool if_missing = redis && (win ? written_window_ : written_).count(h) > 0;
+  if (if_missing && ram_keeps && (!disk_ || disk_has)) {
+    // Nothing to write below RAM unless Redis lost it, and RAM still has the bytes: a probe, no
+    // copy (a finished request's path may be hundreds of pages).
+    Write w;
+    w.hash = h;
+    w.ns_tag = namespace_tag(ns);
+    w.probe = true;
+    w.only_store = redis_store;
+    queue_write(std::move(w));
+    return;
+  }
   Write w = page_write(h, parent, ns, tokens, page, win ? wpage : -1);
   w.used_ns = used;
   if (redis) {
-    if (disk_has) w.only_store = static_cast<int32_t>(stores_.size()) - 1;
-    w.if_missing = (win ? written_window_ : written_).count(h) > 0;
+    if (disk_has) w.only_store = redis_store;
+    w.if_missing = if_missing;
     if (written_.size() >= kWrittenCap) {
       written_.clear();
       written_window_.clear();
@@ -253,11 +281,18 @@ void TierManager::writer_loop() {
     std::vector<char> missing;  // if_missing
     std::vector<PageHash> touches;  // pages the disk holds, to refresh there
     std::vector<int64_t> touch_used;
+    std::vector<PageHash> probes;   // pages RAM keeps, to ask Redis about
+    std::vector<uint64_t> probe_tags;
     for (Write& w : batch) {
       batch_bytes += static_cast<int64_t>(w.payload.size() + w.blob.size());
       if (w.touch) {
         touches.push_back(w.hash);
         touch_used.push_back(w.used_ns);
+        continue;
+      }
+      if (w.probe) {
+        probes.push_back(w.hash);
+        probe_tags.push_back(w.ns_tag);
         continue;
       }
       if (w.blob.empty())
@@ -311,6 +346,16 @@ void TierManager::writer_loop() {
           }
         }
       }
+    }
+    if (!probes.empty()) {  // Redis is the last store
+      const std::vector<std::string> none(probes.size());
+      const auto res = stores_.back()->put_missing(probes, probe_tags, none);
+      std::lock_guard<std::mutex> l(mu_);
+      for (size_t k = 0; k < probes.size(); ++k) {
+        if (res[k] == PageStore::PutResult::kHeld) ++stats_.back().s.pages_refreshed;
+        if (res[k] == PageStore::PutResult::kMissing) lost_.push_back(probes[k]);
+      }
+      if (!lost_.empty()) has_lost_.store(true, std::memory_order_release);
     }
     {
       std::lock_guard<std::mutex> l(mu_);

@@ -10,6 +10,8 @@
 // not ours to index: a page this process wrote or loaded before goes down again as "if missing"
 // (Redis may have evicted it, restarted empty, or been down): the writer asks Redis, stores it
 // where it is gone and refreshes it where it is held, so reuse in RAM keeps it recent there too.
+// While RAM keeps such a page (a finished request's path) nothing is copied: a probe asks Redis,
+// refreshes a held page, and a lost one is forgotten as written, so RAM letting it go stores it.
 // When the queue holds more than max_pending_bytes, new writes are dropped (counted), never
 // waited for.
 //
@@ -107,8 +109,11 @@ class TierManager : public PageListener {
   // before it (PageHash{} for the first). A page the disk holds already is not written again,
   // but its recency there is refreshed, in queue order with the writes. last_use: when the page
   // was last used, on the prefix cache's steady clock (0: now); the disk orders its pages by it.
+  // ram_keeps: RAM goes on holding the page (a finished request's path, not an eviction), so a
+  // page this process already wrote to Redis is not copied: Redis is only asked (a probe) and
+  // refreshes it; one it lost is forgotten as written, and the write when RAM lets it go stores it.
   void store(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens, int32_t page,
-             int32_t wpage = -1, uint64_t last_use = 0);
+             int32_t wpage = -1, uint64_t last_use = 0, bool ram_keeps = false);
   // Queues a refresh of h's recency on disk to last_use (as store()) if the disk holds it.
   void refresh_held(const PageHash& h, uint64_t last_use);
   // A prompt's partly filled last page for another instance (prefill/decode disaggregation): read
@@ -167,6 +172,7 @@ class TierManager : public PageListener {
     int32_t only_store = -1; // >= 0: write to that store alone
     bool if_missing = false; // a page this process wrote or loaded before: Redis stores it only
                              // if it lost it, else refreshes it (PageStore::put_missing)
+    bool probe = false;      // Redis alone, no bytes: refresh it if held, else report it lost
     uint64_t seq = 0;        // queue order (write_mark)
   };
   struct Fetch {
@@ -203,6 +209,9 @@ class TierManager : public PageListener {
   // Pages this process wrote to (or loaded from) Redis (bounded): written again only as
   // put_missing, since Redis may have lost them since.
   std::unordered_set<PageHash, PageHashKey> written_;
+  void forget_lost();                  // engine thread: drops lost_ from written_
+  std::vector<PageHash> lost_;         // probes Redis answered missing (writer in, under mu_)
+  std::atomic<bool> has_lost_{false};
   std::unordered_set<PageHash, PageHashKey> written_window_;  // of those, with their window page
 
   mutable std::mutex mu_;

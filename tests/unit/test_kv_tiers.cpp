@@ -1740,6 +1740,27 @@ TEST_F(KvTierRedis, APageRedisLostIsWrittenAgainWhenRamLetsItGo) {
     EXPECT_EQ(tm->stats()[0].s.pages_written, 6) << through;
     // (write-through: the first eviction right after the write found them held too)
     EXPECT_EQ(tm->stats()[0].s.pages_refreshed, through ? 6 : 3) << through;
+
+    // While RAM keeps them (a finished request's path): a probe, nothing copied or sent. Held,
+    // they are refreshed; lost, they are forgotten as written, and RAM letting them go stores them.
+    auto keep = [&] {
+      for (int32_t p = 0; p < 3; ++p)
+        tm->store(hash_of(p), p > 0 ? hash_of(p - 1) : PageHash{}, "n", tokens.data() + p * bs, p, -1, 0, /*ram_keeps=*/true);
+      tm->flush();
+    };
+    keep();
+    EXPECT_EQ(tm->stats()[0].s.pages_refreshed, through ? 9 : 6) << through;
+    EXPECT_EQ(tm->stats()[0].s.pages_written, 6) << through;
+    ASSERT_EQ(c.str({"FLUSHALL"}), "OK");
+    keep();
+    EXPECT_EQ(c.integer({"DBSIZE"}), 0) << through;  // a probe sends no page
+    EXPECT_EQ(tm->stats()[0].s.pages_written, 6) << through;
+    for (int32_t p = 2; p >= 0; --p)
+      tm->page_evicted(hash_of(p), p > 0 ? hash_of(p - 1) : PageHash{}, "n", tokens.data() + p * bs, p);
+    tm->flush();
+    EXPECT_EQ(c.integer({"DBSIZE"}), 3) << through;
+    EXPECT_EQ(tm->stats()[0].s.pages_written, 9) << through;
+    EXPECT_EQ(tm->stats()[0].s.pages_refreshed, through ? 9 : 6) << through;
   }
 }
 
