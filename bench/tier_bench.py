@@ -875,6 +875,7 @@ def main() -> None:
            "sizes": {}, "disk_runs": [], "redis_runs": [], "checks": []}
     checks = rec["checks"]
     tmp = Path(tempfile.mkdtemp(prefix="tier_bench_", dir=args.tmp_dir))
+    (args.out.parent / "tier_logs").mkdir(parents=True, exist_ok=True)  # the servers' logs
     try:
         docs = Docs(args.model, args.texts)
         docs_by_rep = [[(s, *docs.take(s)) for s in args.sizes] for _ in range(args.repeats)]
