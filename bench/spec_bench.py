@@ -14,6 +14,10 @@ The peer, in the same run: llama.cpp's prompt-lookup decoding (`llama-lookup`, g
 plain decoding (`llama-completion`) on the same rendered prompt, when built
 (`LLAMA_WITH_LOOKUP=1 bench/peer/build_llama.sh`).
 
+--model picks the GGUF (SmolLM2 by default); a Gemma 3 GGUF, which carries no chat template,
+gets --chat-template gemma3 unless one is given. The peer gets the rendered prompt without its
+BOS (llama.cpp adds the model's own).
+
 Then 16 users (closed loop, the three workloads in turn, temperature 0.7 with seeds) with the
 server's default speculation (ngram, max_batch_tokens 8: drafts only while the batch is narrow)
 against "speculative": false: aggregate generated tok/s.
@@ -177,6 +181,11 @@ def copy_oracle(prompt: list[int], output: list[int], k_max: int) -> dict:
 
 def render_prompt(port: int, messages: list) -> str:
     toks = post_json(port, "/tokenize", {"messages": messages, "add_generation_prompt": True})["tokens"]
+    # llama.cpp adds the model's BOS itself: a rendered "<bos>" as well made Gemma 3's prompt
+    # start with two (llama.cpp warns) and changed its answer.
+    bos = post_json(port, "/tokenize", {"content": "", "add_special_tokens": True})["tokens"]
+    if bos and toks[:len(bos)] == bos:
+        toks = toks[len(bos):]
     return post_json(port, "/detokenize", {"tokens": toks})["prompt"]
 
 
@@ -263,7 +272,7 @@ def plot(res: dict, path: Path) -> bool:
                 ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(wls))], wls)
     ax.set_ylabel("decode tok/s, batch 1 (median)")
-    ax.set_title(f"Speculative decoding at batch 1 — {res['host']['cpu']}")
+    ax.set_title(f"Speculative decoding at batch 1 — {res['model']}, {res['host']['cpu']}", fontsize=10)
     ax.legend(fontsize=8)
     u = res.get("users") or {}
     if u:
@@ -288,15 +297,21 @@ def main() -> int:
     ap.add_argument("--users", type=int, default=16)
     ap.add_argument("--users-seconds", type=float, default=40)
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--chat-template", default=None,
+                    help="the server's --chat-template (default: gemma3 for a Gemma 3 GGUF, which carries none)")
     ap.add_argument("--out", default=str(OUT / "spec_bench.json"))
     args = ap.parse_args()
+    if args.chat_template is None and "gemma-3" in Path(args.model).name.lower():
+        args.chat_template = "gemma3"
     OUT.mkdir(parents=True, exist_ok=True)
     port = free_port()
     srv = Server("kvserve", [args.kvserve, "serve", "-m", args.model, "--port", str(port), "-t", str(args.threads),
-                             "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 5})],
+                             "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 5})]
+                 + (["--chat-template", args.chat_template] if args.chat_template else []),
                  port, OUT / "spec_bench_logs" / "kvserve.log")
     srv.start(timeout=120)
     res: dict = {"host": {"cpu": platform.processor() or "", "cores": os.cpu_count()}, "model": Path(args.model).name,
+                 "chat_template": args.chat_template,
                  "threads": args.threads, "repeats": args.repeats, "max_tokens": args.max_tokens, "batch1": {}}
     try:
         cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "")
@@ -342,7 +357,7 @@ def main() -> int:
                     m["draft_token_cost"] = t_row / t_step
             k_cap = min(SPEC_BATCH_TOKENS - 1, max(c["num_speculative_tokens"] for c in METHODS.values() if c))
             prompt_ids = post_json(srv.port, "/tokenize", {"messages": msgs, "add_generation_prompt": True})["tokens"]
-            out_ids = post_json(srv.port, "/tokenize", {"content": texts["off"], "add_special": False})["tokens"]
+            out_ids = post_json(srv.port, "/tokenize", {"content": texts["off"], "add_special_tokens": False})["tokens"]
             row["copy_oracle"] = copy_oracle(prompt_ids, out_ids, k_cap)
             row["copy_oracle"]["k_max"] = k_cap
             for method in ("ngram", "suffix"):

@@ -161,9 +161,7 @@ void TierManager::store(const PageHash& h, const PageHash& parent, const std::st
   const bool disk_has = disk_ && (win ? disk_->blob_bytes(h) >= payload_bytes(true) : disk_->may_contain(h));
   if (disk_has) refresh(h, used);
   const bool redis = !(disk_ && stores_.size() == 1);
-  if (!redis) {
-    if (disk_has) return;
-  }
+  if (!redis && disk_has) return;
   const int32_t redis_store = static_cast<int32_t>(stores_.size()) - 1;
   const bool if_missing = redis && (win ? written_window_ : written_).count(h) > 0;
   if (if_missing && ram_keeps && (!disk_ || disk_has)) {
