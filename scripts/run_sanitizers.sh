@@ -48,7 +48,7 @@ case "$kind" in
     export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$ROOT/tests/tsan.supp"
     # The engine with its thread pool (every forward splits matmuls and attention across it), the
     # server's HTTP, engine and stream threads, the tiers' writer threads, the cold-page loader.
-    gtest_filter='Engine.BatchInvariance*:Engine.Preemption*:Engine.SeededSampling*:Engine.StopString*:KvTierManager*:KvTierDiskStore*:ModelGolden.Mla*:ColdPages.StoreRoundTrip*:ColdPages.EngineSmolLM2*:KvReindex.EngineGoesPast*'
+    gtest_filter='Engine.BatchInvariance*:Engine.Preemption*:Engine.SeededSampling*:Engine.StopString*:KvTierManager*:KvTierDiskStore*:KvTierRedis*:ModelGolden.Mla*:ColdPages.StoreRoundTrip*:ColdPages.EngineSmolLM2*:KvReindex.EngineGoesPast*'
     if [[ -n "$QUICK" ]]; then
       e2e=(tests/e2e/test_openai_api.py tests/e2e/test_shutdown.py)
     else

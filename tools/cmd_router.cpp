@@ -29,6 +29,7 @@ struct RouterCliOptions {
   bool trust_request_chat_template = false;
   std::string listen = "127.0.0.1:8000";
   int max_model_len = 0;
+  bool past_trained_context = false;  // as on the backends: a --max-model-len past the training context is meant
   int max_n = 16;
   std::string max_body = "8MiB";
   std::string routing = "cache-aware";
@@ -58,6 +59,10 @@ void run_router(RouterCliOptions o) {
 
   kv::ApiContext ctx = kv::make_api_context(**tok, *chat ? &**chat : nullptr, o.model, o.served_model_name,
                                             o.max_model_len > 0 ? o.max_model_len : (mc->n_ctx_train > 0 ? mc->n_ctx_train : 4096), o.max_n);
+  if (const std::string w = kv::max_model_len_warning(ctx.max_model_len, mc->n_ctx_train, o.past_trained_context, "--max-model-len",
+                                                      "--past-trained-context");
+      !w.empty())
+    std::fprintf(stderr, "warning: %s\n", w.c_str());
   // The backends' default policy: an evicting one lets a request's max_tokens pass max_model_len
   // (the backend re-indexes); the router validates requests as the backends will.
   auto policy = kv::parse_eviction_policy(o.kv_eviction);
@@ -177,6 +182,7 @@ void add_router_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--http-threads", o->ro.http_threads, "connection threads")->check(number_in(1, 4096))->capture_default_str();
   cmd->add_option("--max-model-len", o->max_model_len, "as the backends' (default: the model's context)")->check(number_in(1, 1 << 24));
+  cmd->add_flag("--past-trained-context", o->past_trained_context, "as the backends': no warning for a --max-model-len past the training context");
   cmd->add_option("--max-n", o->max_n, "as the backends'")->check(number_in(1, 256))->capture_default_str();
   cmd->add_option("--kv-eviction", o->kv_eviction,
                   "as the backends' default (none|window|sinks|h2o|snapkv): an evicting policy lets max_tokens pass "

@@ -305,6 +305,20 @@ def test_router_answers_bad_requests_and_503_without_backends():
     assert r.returncode != 0 and "--replica" in r.stderr
 
 
+def test_the_router_warns_of_a_max_model_len_past_the_training_context_as_the_backends_do():
+    """It validates requests against --max-model-len like the backends, and said nothing when that
+    was past the model's training context (8,192 positions for SmolLM2); now once, unless
+    --past-trained-context."""
+    warning = "--max-model-len 16384 is past the model's training context (8192 tokens"
+    for flags, warned in [((), 1), (("--past-trained-context",), 0)]:
+        router = Router("--replica", f"http://127.0.0.1:{free_port()}", *flags, max_model_len=16384, wait_up=False)
+        try:
+            assert requests.get(router.url + "/v1/models").json()["data"][0]["max_model_len"] == 16384
+            assert router.output().count(warning) == warned, router.output()
+        finally:
+            router.stop()
+
+
 def test_a_decode_instance_of_another_kv_format_never_takes_the_pages(redis):
     """Pages carry the model fingerprint and KV format in their keys and headers: an int8 decode
     instance finds nothing of an f16 prefill instance's and computes the prompt itself, with the
