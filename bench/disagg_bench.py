@@ -114,7 +114,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "tests" / "reference"))
 import tier_bench as tb  # noqa: E402  (Docs: token-exact windows of the novels; Redis: a throw-away redis-server)
-from serve_bench import free_port, http_get, make_text, pct, sse_events  # noqa: E402
+from serve_bench import free_port, http_get, machine_busy_s, make_text, pct, proc_cpu_s, sse_events  # noqa: E402
 
 T_START = time.time()
 PARTS = ["pd", "replicas"]
@@ -146,123 +146,21 @@ def ms(x):
 
 # ----------------------------------------------------------------------------- processes
 
-_LIVE: list[subprocess.Popen] = []  # every kvserve / router child still running: killed on any exit
-
-
-def _kill_all() -> None:
-    for p in list(_LIVE):
-        if p.poll() is None:
-            try:
-                p.kill()
-                p.wait(timeout=10)
-            except Exception:  # noqa: BLE001
-                pass
-        _LIVE.remove(p)
-    tb._kill_all()  # redis-servers (tier_bench.Redis registers its children there)
-
-
 def _on_signal(signum, frame):  # noqa: ARG001 - an exception, so that finally blocks stop the children
     raise SystemExit(f"disagg_bench: signal {signum}")
 
 
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def proc_cpu_s(pid: int | None) -> float | None:
-    """utime + stime of a process (all its threads), seconds."""
-    if pid is None:
-        return None
-    try:
-        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(f[11]) + int(f[12])) / _TICK
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def machine_busy_s() -> float | None:
-    """Busy CPU seconds of the whole machine so far (all cores; idle and iowait excluded)."""
-    try:
-        f = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-        return (sum(f[:8]) - f[3] - f[4]) / _TICK
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-class Proc:
-    """One kvserve process (serve or router) on a loopback port; its log goes to log_path."""
-
-    def __init__(self, name: str, cmd: list[str], port: int, log_path: Path):
-        self.name, self.cmd, self.port, self.log_path = name, cmd, port, log_path
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc: subprocess.Popen | None = None
-        self.model_id = "default"
-        self._log = None
-
-    def start(self, timeout: float) -> "Proc":
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "wb")
-        log(f"{self.name}: {' '.join(self.cmd[1:])}")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     start_new_session=True)
-        _LIVE.append(self.proc)
-        deadline = time.time() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} during startup "
-                                   f"(log {self.log_path}):\n{self.tail()}")
-            try:
-                if http_get(self.port, "/health", timeout=2)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"{self.name} not healthy after {timeout}s (log {self.log_path}):\n{self.tail()}")
-            time.sleep(0.1)
-        try:
-            st, body = http_get(self.port, "/v1/models")
-            if st == 200:
-                self.model_id = json.loads(body)["data"][0]["id"]
-        except (OSError, ValueError, KeyError, IndexError):
-            pass
-        return self
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def pid(self) -> int | None:
-        return self.proc.pid if self.alive() else None
-
-    def text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def tail(self, n: int = 25) -> str:
-        return "\n".join(self.text().replace("\r", "\n").splitlines()[-n:])
+class Proc(tb.Proc):
+    """tier_bench's process (killed on any exit with tier_bench's children); its stop also counts
+    the error lines of the log."""
 
     def stop(self, timeout: float = 30) -> dict:
-        """SIGTERM, then wait (killed after timeout). Exit code, seconds, and the log's error lines."""
-        if self.proc is None:
-            return {}
-        t0 = time.perf_counter()
-        killed = False
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                log(f"{self.name}: still running {timeout:.0f} s after SIGTERM: killed")
-                self.proc.kill()
-                self.proc.wait()
-                killed = True
-        if self.proc in _LIVE:
-            _LIVE.remove(self.proc)
-        if self._log:
-            self._log.close()
+        res = super().stop(timeout)
+        if not res:
+            return res
         bad = [ln for ln in self.text().splitlines() if re.search(r"\b(error|fatal|abort|exception|assert|failed)\b", ln, re.I)]
-        return {"exit_code": self.proc.returncode, "stop_s": round(time.perf_counter() - t0, 3), "killed": killed,
-                "log": str(self.log_path), "log_error_lines": len(bad), "log_error_samples": bad[:5]}
+        return {**res, "stop_s": round(res["stop_s"], 3), "log": str(self.log_path), "log_error_lines": len(bad),
+                "log_error_samples": bad[:5]}
 
 
 def serve_cmd(args, port: int, threads: int, kv_memory: str, max_len: int, extra: list[str]) -> list[str]:
@@ -1245,7 +1143,7 @@ def main() -> int:
         log("interrupted: writing what was measured")
         rec["checks"].append("run interrupted")
     finally:
-        _kill_all()
+        tb._kill_all()  # every child: Proc and Redis register theirs with tier_bench
         shutil.rmtree(tmp, ignore_errors=True)
     rec["runtime_s"] = time.time() - T_START
     rec["host"]["loadavg_end"] = list(os.getloadavg())

@@ -133,7 +133,30 @@ def followup(user: int, turn: int) -> str:
     return f"{asks[(user + turn) % len(asks)]} (turn {turn})"
 
 
-# ----------------------------------------------------------------------------- HTTP client
+# ----------------------------------------------------------------------------- CPU accounting (/proc)
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_s(pid: int | None) -> float | None:
+    """utime + stime of a process (all its threads), seconds."""
+    if pid is None:
+        return None
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / _TICK
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def machine_busy_s() -> float | None:
+    """Busy CPU seconds of the whole machine so far (all cores; /proc/stat, idle and iowait excluded)."""
+    try:
+        f = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        return (sum(f[:8]) - f[3] - f[4]) / _TICK
+    except (OSError, ValueError, IndexError):
+        return None
+
 
 def loadavg() -> list[float] | None:
     try:
@@ -141,6 +164,8 @@ def loadavg() -> list[float] | None:
     except OSError:
         return None
 
+
+# ----------------------------------------------------------------------------- HTTP client
 
 def free_port() -> int:
     with socket.socket() as s:

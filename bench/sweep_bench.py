@@ -72,7 +72,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_bench as sb  # noqa: E402
 from serve_bench import (ROOT, DEFAULT_KVSERVE, DEFAULT_LLAMA_SERVER, DEFAULT_MODEL, Server,  # noqa: E402
-                         free_port, fmt, http_get, loadavg, pct, server_cmd, sse_events)
+                         free_port, fmt, http_get, loadavg, machine_busy_s, pct, proc_cpu_s, server_cmd,
+                         sse_events)
 
 ALL_CONFIGS = ["kvserve", "llama-server"]
 PHASES = ["schedule", "forward_matmul", "forward_attention", "forward_logits", "sample", "postprocess"]
@@ -220,29 +221,6 @@ def step_profile(m0: dict, m1: dict, wall: float) -> dict | None:
             "preemptions": m1.get("kvserve:num_preemptions_total", 0) - m0.get("kvserve:num_preemptions_total", 0),
             "rejected": m1.get("kvserve:request_rejected_total", 0) - m0.get("kvserve:request_rejected_total", 0),
             "aborted": m1.get("kvserve:request_aborted_total", 0) - m0.get("kvserve:request_aborted_total", 0)}
-
-
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def proc_cpu_s(pid: int | None) -> float | None:
-    """utime + stime of a process (all its threads), seconds."""
-    if pid is None:
-        return None
-    try:
-        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(f[11]) + int(f[12])) / _TICK
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def machine_busy_s() -> float | None:
-    """Busy CPU seconds of the whole machine so far (all cores; /proc/stat, idle and iowait excluded)."""
-    try:
-        f = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-        return (sum(f[:8]) - f[3] - f[4]) / _TICK
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def delta(a, b):

@@ -113,17 +113,17 @@ def _on_sigterm(signum, frame):  # noqa: ARG001 - turn SIGTERM into an exception
     raise SystemExit(f"tier_bench: signal {signum}")
 
 
-class Server:
-    """One kvserve serve process; its log goes to log_path."""
+class Proc:
+    """One kvserve process (serve or router) on a loopback port; its log goes to log_path."""
 
-    def __init__(self, name: str, kvserve: Path, model: Path, threads: int, extra: list[str], log_path: Path):
-        self.name, self.log_path = name, log_path
-        self.port = free_port()
-        self.cmd = [str(kvserve), "serve", "-m", str(model), "-t", str(threads), "--port", str(self.port)] + extra
+    def __init__(self, name: str, cmd: list[str], port: int, log_path: Path):
+        self.name, self.cmd, self.port, self.log_path = name, cmd, port, log_path
+        self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
         self.model_id = "default"
+        self._log = None
 
-    def start(self, timeout: float) -> "Server":
+    def start(self, timeout: float) -> "Proc":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")
         log(f"{self.name}: {' '.join(self.cmd[1:])}")
@@ -143,10 +143,19 @@ class Server:
             if time.time() > deadline:
                 raise RuntimeError(f"{self.name} not healthy after {timeout}s (log {self.log_path}):\n{self.tail()}")
             time.sleep(0.1)
-        st, body = http_get(self.port, "/v1/models")
-        if st == 200:
-            self.model_id = json.loads(body)["data"][0]["id"]
+        try:
+            st, body = http_get(self.port, "/v1/models")
+            if st == 200:
+                self.model_id = json.loads(body)["data"][0]["id"]
+        except (OSError, ValueError, KeyError, IndexError):
+            pass
         return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def pid(self) -> int | None:
+        return self.proc.pid if self.alive() else None
 
     def text(self) -> str:
         try:
@@ -157,7 +166,7 @@ class Server:
     def tail(self, n: int = 25) -> str:
         return "\n".join(self.text().replace("\r", "\n").splitlines()[-n:])
 
-    def stop(self, timeout: float) -> dict:
+    def stop(self, timeout: float = 30) -> dict:
         """SIGTERM, then wait for the exit (killed after timeout). Returns exit code and seconds."""
         if self.proc is None:
             return {}
@@ -174,8 +183,18 @@ class Server:
                 killed = True
         if self.proc in _LIVE:
             _LIVE.remove(self.proc)
-        self._log.close()
+        if self._log:
+            self._log.close()
         return {"exit_code": self.proc.returncode, "stop_s": time.perf_counter() - t0, "killed": killed}
+
+
+class Server(Proc):
+    """One `kvserve serve` on a free port."""
+
+    def __init__(self, name: str, kvserve: Path, model: Path, threads: int, extra: list[str], log_path: Path):
+        port = free_port()
+        super().__init__(name, [str(kvserve), "serve", "-m", str(model), "-t", str(threads), "--port", str(port)] + extra,
+                         port, log_path)
 
 
 class Redis:
