@@ -114,7 +114,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "tests" / "reference"))
 import tier_bench as tb  # noqa: E402  (Docs: token-exact windows of the novels; Redis: a throw-away redis-server)
-from serve_bench import free_port, http_get, machine_busy_s, make_text, pct, proc_cpu_s, sse_events  # noqa: E402
+from serve_bench import (binary_info, free_port, host_info, http_get, machine_busy_s, make_text, pct,  # noqa: E402
+                         proc_cpu_s, sse_events)
 
 T_START = time.time()
 PARTS = ["pd", "replicas"]
@@ -1002,31 +1003,6 @@ def plot(rec: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     log(f"wrote {path}")
-
-
-# ----------------------------------------------------------------------------- host
-
-def host_info() -> dict:
-    def run(cmd):
-        try:
-            return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-    cpu = None
-    for line in (run(["lscpu"]) or "").splitlines():
-        if line.startswith("Model name:"):
-            cpu = line.split(":", 1)[1].strip()
-    return {"cpu_model": cpu, "nproc": os.cpu_count(), "uname": " ".join(os.uname()),
-            "loadavg_start": list(os.getloadavg()), "git_commit": run(["git", "rev-parse", "HEAD"]),
-            "git_dirty_files": len((run(["git", "status", "--porcelain", "--untracked-files=no"]) or "").splitlines())}
-
-
-def binary_info(p: Path) -> dict:
-    try:
-        st = p.stat()
-        return {"path": str(p), "mtime": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(st.st_mtime)), "size": st.st_size}
-    except OSError:
-        return {"path": str(p), "missing": True}
 
 
 # ----------------------------------------------------------------------------- main

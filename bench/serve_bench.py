@@ -165,6 +165,32 @@ def loadavg() -> list[float] | None:
         return None
 
 
+# ----------------------------------------------------------------------------- host info (the benches' JSON)
+
+def host_info() -> dict:
+    def run(cmd):
+        try:
+            return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+    model = None
+    for line in (run(["lscpu"]) or "").splitlines():
+        if line.startswith("Model name:"):
+            model = line.split(":", 1)[1].strip()
+    return {"cpu_model": model, "nproc": os.cpu_count(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "uname": " ".join(os.uname()), "loadavg_start": loadavg(),
+            "git_commit": run(["git", "rev-parse", "HEAD"]),
+            "git_dirty_files": len((run(["git", "status", "--porcelain", "--untracked-files=no"]) or "").splitlines())}
+
+
+def binary_info(p: Path) -> dict:
+    try:
+        st = p.stat()
+        return {"path": str(p), "mtime": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(st.st_mtime)), "size": st.st_size}
+    except OSError:
+        return {"path": str(p), "missing": True}
+
+
 # ----------------------------------------------------------------------------- HTTP client
 
 def free_port() -> int:

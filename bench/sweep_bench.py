@@ -72,8 +72,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_bench as sb  # noqa: E402
 from serve_bench import (ROOT, DEFAULT_KVSERVE, DEFAULT_LLAMA_SERVER, DEFAULT_MODEL, Server,  # noqa: E402
-                         free_port, fmt, http_get, loadavg, machine_busy_s, pct, proc_cpu_s, server_cmd,
-                         sse_events)
+                         binary_info, free_port, fmt, host_info, http_get, loadavg, machine_busy_s, pct, proc_cpu_s,
+                         server_cmd, sse_events)
 
 ALL_CONFIGS = ["kvserve", "llama-server"]
 PHASES = ["schedule", "forward_matmul", "forward_attention", "forward_logits", "sample", "postprocess"]
@@ -454,32 +454,6 @@ def plot(summ: dict, users: list[int], temps: list[float], path: Path, title: st
     fig.savefig(path, dpi=120)
     log(f"wrote {path}")
     return True
-
-
-# ----------------------------------------------------------------------------- host info
-
-def host_info() -> dict:
-    def run(cmd):
-        try:
-            return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-    model = None
-    for line in (run(["lscpu"]) or "").splitlines():
-        if line.startswith("Model name:"):
-            model = line.split(":", 1)[1].strip()
-    return {"cpu_model": model, "nproc": os.cpu_count(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "uname": " ".join(os.uname()), "loadavg_start": loadavg(),
-            "git_commit": run(["git", "rev-parse", "HEAD"]),
-            "git_dirty_files": len((run(["git", "status", "--porcelain", "--untracked-files=no"]) or "").splitlines())}
-
-
-def binary_info(p: Path) -> dict:
-    try:
-        st = p.stat()
-        return {"path": str(p), "mtime": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(st.st_mtime)), "size": st.st_size}
-    except OSError:
-        return {"path": str(p), "missing": True}
 
 
 # ----------------------------------------------------------------------------- main
