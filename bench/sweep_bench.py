@@ -62,7 +62,6 @@ import os
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
