@@ -116,7 +116,7 @@ def main() -> None:
     save()
     log(f"wrote {out}")
     base = recs.get("full", {})
-    print(f"| config | decode tok/s (min–max) | vs full | PPL | ΔPPL vs full |")
+    print("| config | decode tok/s (min–max) | vs full | PPL | ΔPPL vs full |")
     print("|---|---|---|---|---|")
     for cfg, r in recs.items():
         ratio = r["decode_tok_s"] / base["decode_tok_s"] if base else float("nan")

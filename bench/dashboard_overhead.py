@@ -12,7 +12,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import threading
 import time

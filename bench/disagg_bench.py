@@ -679,7 +679,7 @@ def replicas_mode(args, mode: str, rep: int, tenants: list[dict], kv_mem: str, c
             t.setdefault("prompt_tokens_seen", r["pt"])
         split = {n: sorted(k for k, v in tmap.items() if v == n) for n in sorted(set(names.values()))}
         log(f"  {tag}: tenants per replica (calibration) " + ", ".join(f"{n}: {v}" for n, v in split.items())
-            + f"; pools " + ", ".join(f"{n} {v} tokens" for n, v in pools.items()))
+            + "; pools " + ", ".join(f"{n} {v} tokens" for n, v in pools.items()))
 
         stop = threading.Event()
         results: list[dict] = []

@@ -103,7 +103,7 @@ def main() -> None:
 def report(args, records: list[dict]) -> None:
     out = args.out or ROOT / "bench" / "out" / f"eviction_quality_{args.model.stem}.json"
     # markdown: one row per (text, ctx, policy), columns per budget fraction
-    print(f"| text | ctx | full PPL | policy | " + " | ".join(f"{f:.1%} budget" for f in args.fractions) + " |")
+    print("| text | ctx | full PPL | policy | " + " | ".join(f"{f:.1%} budget" for f in args.fractions) + " |")
     print("|---|---|---|---|" + "---|" * len(args.fractions))
     for text in args.texts:
         for ctx in args.ctx:

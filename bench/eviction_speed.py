@@ -92,7 +92,7 @@ def main() -> None:
                             "ratio_min": min(ratios) if ratios else None, "ratio_max": max(ratios) if ratios else None})
     out.write_text(json.dumps({"kv_dtype": args.kv_dtype, "fraction": args.fraction, "load_avg_start": load,
                                "rounds": args.rounds, "summary": summary, "records": recs}, indent=1))
-    print(f"| context | " + " | ".join(f"{p}" + ("" if p == "full" else f" {args.fraction:.0%}") for p in args.policies) + " |")
+    print("| context | " + " | ".join(f"{p}" + ("" if p == "full" else f" {args.fraction:.0%}") for p in args.policies) + " |")
     print("|---|" + "---|" * len(args.policies))
     for ctx in args.contexts:
         cells = []

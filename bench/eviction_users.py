@@ -207,7 +207,7 @@ def main() -> None:
                             "ratio_min": min(ratios) if ratios else None, "ratio_max": max(ratios) if ratios else None})
     out.write_text(json.dumps({"context": args.context, "fraction": args.fraction, "distinct": args.distinct, "load_avg_start": load,
                                "rounds": args.rounds, "summary": summary, "records": recs}, indent=1))
-    print(f"| users | " + " | ".join(p + ("" if p == "full" else f" {args.fraction:.0%}") for p in args.policies) + " |")
+    print("| users | " + " | ".join(p + ("" if p == "full" else f" {args.fraction:.0%}") for p in args.policies) + " |")
     print("|---|" + "---|" * len(args.policies))
     for u in args.users:
         cells = []

@@ -710,7 +710,7 @@ def plot(agg: dict, path: Path) -> bool:
         for i, c in enumerate(cfgs):
             vals = [(agg[c].get(g) or {}).get(key) or 0 for g, _ in groups]
             xs = [j + (i - (len(cfgs) - 1) / 2) * width for j in range(len(groups))]
-            bars = ax.bar(xs, vals, width, label=c, color=colors.get(c))
+            ax.bar(xs, vals, width, label=c, color=colors.get(c))
             for x, v in zip(xs, vals):
                 if v:
                     ax.annotate(f"{v:.0f}" if v >= 10 else f"{v:.2f}", (x, v), ha="center", va="bottom", fontsize=7)
@@ -810,7 +810,7 @@ def main() -> int:
                         raise RuntimeError("server died")
             if cfg.startswith("kvserve"):
                 server_info[cfg]["final_metrics"] = scrape_metrics(port)
-        except RuntimeError as e:
+        except RuntimeError:
             ctx.anomaly(cfg, "-", "server crashed", exit_code=srv.proc.returncode, log_tail=srv.tail(20))
         finally:
             server_info[cfg]["loadavg_after"] = loadavg()

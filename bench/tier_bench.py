@@ -794,7 +794,7 @@ def plot(rec: dict, path: Path) -> None:
     ax.set_xlabel("document (prompt tokens)")
     ax.set_ylabel("TTFT, ms (log; median, bars min-max)")
     ax.grid(axis="y", alpha=0.3, which="both")
-    ax.set_title(f"TTFT: recompute vs KV from L2 disk / L3 Redis (x = tier / recompute)", fontsize=9)
+    ax.set_title("TTFT: recompute vs KV from L2 disk / L3 Redis (x = tier / recompute)", fontsize=9)
     ymax = max([(rec["sizes"][s].get("ttft_compute") or 0) for s in sizes] or [0]) * 1000
     if ymax:
         ax.set_ylim(top=ymax * 4)

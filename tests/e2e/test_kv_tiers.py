@@ -21,7 +21,6 @@ import tempfile
 import time
 
 import pytest
-import requests
 import xxhash
 from openai import OpenAI
 

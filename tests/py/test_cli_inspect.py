@@ -1,7 +1,6 @@
 """`kvserve inspect` against the real binary (build/kvserve) and the real models."""
 import json
 import os
-import shutil
 import subprocess
 
 import pytest

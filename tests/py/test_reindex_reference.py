@@ -112,7 +112,6 @@ def simulate_reindex(model, win, policy, budget, max_pos, sink_tokens=4, recent_
         return hook if scored else None
 
     def check(n_tokens):
-        nonlocal score
         n_full = n_tokens // BLOCK
         kept = BLOCK + BLOCK * int(live[:n_full].sum())
         if kept <= budget:
