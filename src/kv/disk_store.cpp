@@ -63,9 +63,10 @@ int64_t file_ns(const std::string& path) {
   return int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
 }
 
-void set_file_ns(const std::string& path, int64_t ns) {
+// Sets the file's modification time; 0, or the errno (ENOENT: the file is gone).
+int set_file_ns(const std::string& path, int64_t ns) {
   const timespec t[2] = {{0, UTIME_OMIT}, {static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)}};
-  ::utimensat(AT_FDCWD, path.c_str(), t, 0);
+  return ::utimensat(AT_FDCWD, path.c_str(), t, 0) == 0 ? 0 : errno;
 }
 
 // Opens lock_path (creating it) and takes its flock, writing our pid into it. -1 when that fails:
@@ -361,7 +362,14 @@ void DiskStore::touch(std::span<const PageHash> hashes, std::span<const int64_t>
     const int64_t t = i < used_ns.size() && used_ns[i] > 0 ? used_ns[i] : now;
     const Tick before = it->second.tick;
     touch_locked(hashes[i], t);
-    if (it->second.tick != before) set_file_ns(path_of(hashes[i]), t);  // the order the next start reads
+    // The file's time is the order the next start reads. Its file gone behind our back: the
+    // index forgets it (the next eviction from RAM writes it again), and if the whole directory
+    // went (rm -rf), the store recovers as a put or a get would.
+    if (it->second.tick != before && set_file_ns(path_of(hashes[i]), t) == ENOENT) {
+      ++errors_;
+      erase_locked(hashes[i]);
+      if (!root_intact_locked()) recover_locked();
+    }
   }
 }
 
@@ -400,9 +408,12 @@ std::vector<bool> DiskStore::put(std::span<const PageHash> hashes, std::span<con
       if (it != index_.end() && int64_t(b.size()) <= it->second.bytes) {
         const Tick before = it->second.tick;
         touch_locked(h, used);
-        if (it->second.tick != before) set_file_ns(path_of(h), used);
-        stored[i] = true;
-        continue;
+        if (it->second.tick == before || set_file_ns(path_of(h), used) != ENOENT) {
+          stored[i] = true;
+          continue;
+        }
+        ++errors_;
+        erase_locked(h);  // its file was deleted behind our back: written again below
       }
       if (int64_t(b.size()) > max_bytes_ || off_) continue;
       n = tmp_counter_++;

@@ -17,8 +17,8 @@
 // (a batch may pass it for a moment).
 //
 // The directory removed while the store is open (rm -rf DIR): each put first checks that tmp/
-// and the lock file it holds are still there, and a read or write failing with ENOENT checks it
-// too. Either way the store recreates tmp/ and the lock file, takes the lock again, drops the
+// and the lock file it holds are still there, and a read, write or refresh failing with ENOENT
+// checks it too (a page whose file alone is gone leaves the index). Either way the store recreates tmp/ and the lock file, takes the lock again, drops the
 // index entries whose files are gone, says so on stderr, and goes on storing. Should another
 // process have locked the recreated directory meanwhile, the store turns itself off (every put a
 // drop, every get a miss) rather than share it. Other write and read failures are told on

@@ -835,6 +835,45 @@ TEST(KvTierDiskStore, RemovedWhileOpenIsRecreatedAndLockedAgain) {
   EXPECT_TRUE(get1(*s, 12) == make_blob(12));
 }
 
+TEST(KvTierDiskStore, ARefreshNoticesAFileOrTheDirectoryGone) {
+  // Refreshes (touch, and a put of a page the index lists) set the file's time and ignored a
+  // failure: a page whose file was deleted stayed listed (a put of it answered "stored" and
+  // wrote nothing), and after rm -rf a server that only refreshed never recreated the directory.
+  TmpDir t("disktouch");
+  auto s = open_disk(t.path);
+  ASSERT_TRUE(s);
+  for (uint64_t i = 0; i < 4; ++i) ASSERT_TRUE(put1(*s, i, make_blob(i)));
+  const std::string root = s->root();
+  const int64_t later = DiskStore::now_ns() + int64_t(1000000000);
+  // One file deleted: a refresh drops it from the index.
+  ASSERT_EQ(::unlink(s->path_of(hash_of(1)).c_str()), 0);
+  const std::vector<PageHash> one = {hash_of(1)};
+  s->touch(one, std::vector<int64_t>{later});
+  EXPECT_EQ(s->n_pages(), 3);
+  EXPECT_FALSE(s->may_contain(hash_of(1)));
+  // Another deleted, then written again: the put stores it (it only refreshed the listing).
+  ASSERT_EQ(::unlink(s->path_of(hash_of(2)).c_str()), 0);
+  const std::vector<PageHash> two = {hash_of(2)};
+  const std::vector<uint64_t> tags = {kId.ns_tag};
+  const std::vector<std::string> blobs = {make_blob(2)};
+  EXPECT_EQ(s->put(two, tags, blobs, std::vector<int64_t>{later}), std::vector<bool>{true});
+  EXPECT_TRUE(fs::exists(s->path_of(hash_of(2))));
+  EXPECT_TRUE(get1(*s, 2) == make_blob(2));
+  // The whole directory removed, and only refreshes come: the first one recovers the store.
+  fs::remove_all(t.path);
+  ::testing::internal::CaptureStderr();
+  const std::vector<PageHash> zero = {hash_of(0)};
+  s->touch(zero, std::vector<int64_t>{later + 1000});
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(count_of(err, root + " was removed while in use"), 1u) << err;
+  EXPECT_EQ(s->n_pages(), 0);
+  EXPECT_EQ(s->bytes(), 0);
+  EXPECT_TRUE(fs::is_directory(root + "/tmp"));
+  EXPECT_FALSE(DiskStore::open(t.path, int64_t(1) << 30, kId).is_ok());  // locked again
+  EXPECT_TRUE(put1(*s, 5, make_blob(5)));
+  EXPECT_TRUE(get1(*s, 5) == make_blob(5));
+}
+
 TEST(KvTierDiskStore, ADirectoryRemovedAndTakenByAnotherServerTurnsTheStoreOff) {
   // Between the removal and this store noticing it, another server opened the directory (the
   // lock file was gone): the directory is the other's now. This store stops using it, deleting
