@@ -332,7 +332,7 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--kv-disk-bytes", o->kv_disk_bytes, "L2 size, e.g. 20GiB (no fraction of RAM; at least one page); over it, pages no stored page continues go first (unreachable ones, then least recently used)")->capture_default_str();
   cmd->add_option("--kv-redis", o->kv_redis,
                   "L3 KV tier shared by instances: redis://HOST:PORT (repeat or comma-separate; a Redis Cluster is followed)");
-  cmd->add_option("--kv-redis-ttl", o->kv_redis_ttl, "seconds a page stays in Redis (0: no expiry)")->check(number_in(0, 1 << 30))->capture_default_str();
+  cmd->add_option("--kv-redis-ttl", o->kv_redis_ttl, "seconds a page stays in Redis after its last write or read (0: no expiry); a prefix's first pages up to 1.5x that, so that a Redis with maxmemory-policy volatile-ttl evicts tails first")->check(number_in(0, 1 << 30))->capture_default_str();
   cmd->add_option("--kv-redis-timeout-ms", o->kv_redis_timeout_ms, "Redis connect / command timeout")
       ->check(number_in(1, 60000))
       ->capture_default_str();

@@ -304,15 +304,27 @@ std::vector<std::optional<std::string>> RedisStore::run(const std::vector<std::s
   return out;
 }
 
+int64_t RedisStore::ttl_ms(int32_t depth) const {
+  if (ttl_s_ <= 0) return 0;
+  const int64_t full = int64_t(ttl_s_) * 1000;
+  const int64_t d = depth < 0 || depth > kTtlDepthCap ? kTtlDepthCap : depth;
+  return full + (kTtlDepthCap - d) * full / (2 * kTtlDepthCap);
+}
+
 std::vector<bool> RedisStore::put(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags, std::span<const std::string> blobs) {
+  return put(hashes, ns_tags, blobs, {});
+}
+
+std::vector<bool> RedisStore::put(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags, std::span<const std::string> blobs,
+                                  std::span<const int32_t> depths) {
   std::vector<std::string> keys;
   std::vector<std::vector<std::string>> argvs;
   for (size_t i = 0; i < hashes.size(); ++i) {
     keys.push_back(key(ns_tags[i], hashes[i]));
     std::vector<std::string> a = {"SET", keys.back(), blobs[i]};
     if (ttl_s_ > 0) {
-      a.push_back("EX");
-      a.push_back(std::to_string(ttl_s_));
+      a.push_back("PX");
+      a.push_back(std::to_string(ttl_ms(i < depths.size() ? depths[i] : -1)));
     }
     argvs.push_back(std::move(a));
   }
@@ -324,6 +336,11 @@ std::vector<bool> RedisStore::put(std::span<const PageHash> hashes, std::span<co
 
 std::vector<RedisStore::PutResult> RedisStore::put_missing(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags,
                                                            std::span<const std::string> blobs) {
+  return put_missing(hashes, ns_tags, blobs, {});
+}
+
+std::vector<RedisStore::PutResult> RedisStore::put_missing(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags,
+                                                           std::span<const std::string> blobs, std::span<const int32_t> depths) {
   std::vector<std::string> keys;
   std::vector<std::vector<std::string>> argvs;
   for (size_t i = 0; i < hashes.size(); ++i) {
@@ -343,14 +360,14 @@ std::vector<RedisStore::PutResult> RedisStore::put_missing(std::span<const PageH
     }
     idx.push_back(i);
     keys2.push_back(keys[i]);
+    const std::string ttl = std::to_string(ttl_ms(i < depths.size() ? depths[i] : -1));
     if (*held[i] == "1") {
-      argvs2.push_back(ttl_s_ > 0 ? std::vector<std::string>{"EXPIRE", keys[i], std::to_string(ttl_s_)}
-                                  : std::vector<std::string>{"TOUCH", keys[i]});
+      argvs2.push_back(ttl_s_ > 0 ? std::vector<std::string>{"PEXPIRE", keys[i], ttl} : std::vector<std::string>{"TOUCH", keys[i]});
     } else {
       std::vector<std::string> a = {"SET", keys[i], blobs[i]};
       if (ttl_s_ > 0) {
-        a.push_back("EX");
-        a.push_back(std::to_string(ttl_s_));
+        a.push_back("PX");
+        a.push_back(ttl);
       }
       argvs2.push_back(std::move(a));
     }
@@ -369,6 +386,10 @@ std::vector<RedisStore::PutResult> RedisStore::put_missing(std::span<const PageH
 }
 
 std::vector<std::optional<std::string>> RedisStore::get(uint64_t ns_tag, std::span<const PageHash> hashes) {
+  return get(ns_tag, hashes, -1);
+}
+
+std::vector<std::optional<std::string>> RedisStore::get(uint64_t ns_tag, std::span<const PageHash> hashes, int64_t first_depth) {
   std::vector<std::string> keys;
   std::vector<std::vector<std::string>> argvs;
   for (const PageHash& h : hashes) {
@@ -382,8 +403,8 @@ std::vector<std::optional<std::string>> RedisStore::get(uint64_t ns_tag, std::sp
   while (n < keys.size() && exists[n] && *exists[n] == "1") ++n;
   std::vector<std::optional<std::string>> out(hashes.size());
   if (n == 0) return out;
-  // With a TTL, each GET is followed by an EXPIRE in the same pipeline: a page read is in use,
-  // its expiry starts again (the EXPIRE's integer reply reads as nullopt here).
+  // With a TTL, each GET is followed by a PEXPIRE in the same pipeline: a page read is in use,
+  // its expiry starts again, graded by its depth (the PEXPIRE's integer reply reads as nullopt here).
   const size_t per = ttl_s_ > 0 ? 2 : 1;
   std::vector<std::string> keys2;
   std::vector<std::vector<std::string>> argvs2;
@@ -392,7 +413,8 @@ std::vector<std::optional<std::string>> RedisStore::get(uint64_t ns_tag, std::sp
     argvs2.push_back({"GET", keys[i]});
     if (per == 2) {
       keys2.push_back(keys[i]);
-      argvs2.push_back({"EXPIRE", keys[i], std::to_string(ttl_s_)});
+      const int64_t d = first_depth < 0 ? -1 : std::min<int64_t>(first_depth + int64_t(i), kTtlDepthCap);
+      argvs2.push_back({"PEXPIRE", keys[i], std::to_string(ttl_ms(static_cast<int32_t>(d)))});
     }
   }
   auto got = run(keys2, argvs2, true);

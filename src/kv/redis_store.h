@@ -6,7 +6,8 @@
 // Keys: "kvs:<fingerprint:016x>:<format tag:08x>:<namespace tag:016x>:<chain hash hex>", so
 // pages of another model, KV format or tenant never share a key (the namespace tag is an XXH3
 // of the namespace: an API key never reaches Redis in clear). Values: blobs (page_store.h),
-// checked on every load. SET ... EX ttl when a TTL is set. Batches are pipelined per node.
+// checked on every load. SET ... PX ttl when a TTL is set, graded by the page's depth (ttl_ms).
+// Batches are pipelined per node.
 // Redis evicts on its own, restarts empty, or is down when a write comes: what this process
 // wrote is no proof it is there, so pages written before go through put_missing (EXISTS, then
 // SET what is missing, refresh what is held).
@@ -55,6 +56,23 @@ class RedisStore : public PageStore {
   // EXISTS first, then GET only the leading run of pages that exist (a prefix is usable up to its
   // first gap: the pages past it are never fetched). With a TTL, the pages found get it afresh.
   std::vector<std::optional<std::string>> get(uint64_t ns_tag, std::span<const PageHash> hashes) override;
+
+  // The same with each page's depth in its prefix (its page index; -1: unknown), which grades its
+  // TTL (ttl_ms): the tier manager knows it, the PageStore interface does not carry it.
+  std::vector<bool> put(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags, std::span<const std::string> blobs,
+                        std::span<const int32_t> depths);
+  std::vector<PutResult> put_missing(std::span<const PageHash> hashes, std::span<const uint64_t> ns_tags,
+                                     std::span<const std::string> blobs, std::span<const int32_t> depths);
+  // hashes are pages first_depth, first_depth + 1, ... of their prefix (-1: unknown).
+  std::vector<std::optional<std::string>> get(uint64_t ns_tag, std::span<const PageHash> hashes, int64_t first_depth);
+  // A page's TTL in ms (0: none) when ttl_s > 0: graded by depth, from 1.5·ttl_s at a prefix's
+  // first page down to ttl_s at page kTtlDepthCap and beyond (or unknown), ttl_s/1024 per page
+  // (more than a prefill takes per page, so a prefix written over seconds still expires tail
+  // first), so that a Redis with
+  // maxmemory-policy volatile-ttl evicts a prefix's tail before its head (a lookup stops at the
+  // first missing page; docs/tiers.md, "Redis under maxmemory").
+  int64_t ttl_ms(int32_t depth) const;
+  static constexpr int32_t kTtlDepthCap = 512;
   bool may_contain(const PageHash&) const override { return true; }
   void remove(uint64_t ns_tag, const PageHash& h) override;
   void fill_stats(TierStats* s) const override;

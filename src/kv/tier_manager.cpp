@@ -51,6 +51,7 @@ Result<std::unique_ptr<TierManager>> TierManager::create(const TierConfig& cfg, 
   if (!cfg.redis.empty()) {
     auto r = RedisStore::create(cfg.redis, id, cfg.redis_ttl_s, cfg.redis_timeout_ms);
     if (!r) return Result<std::unique_ptr<TierManager>>::error(r.message());
+    t->redis_ = r->get();
     t->stores_.push_back(std::move(*r));
   }
   t->stats_.resize(t->stores_.size());
@@ -97,8 +98,24 @@ int64_t TierManager::payload_bytes(bool window) const {
 
 void TierManager::page_cached(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens,
                               int32_t page, int32_t) {
+  if (redis_) depth_of(h, parent);  // learnt while the parent's is known (write-back writes later, tails first)
   // Without the window page: only a prefix's last window needs it (see above).
   if (cfg_.write_through) store(h, parent, ns, tokens, page);
+}
+
+int32_t TierManager::depth_of(const PageHash& h, const PageHash& parent) {
+  if (auto it = depth_.find(h); it != depth_.end()) return it->second;
+  int32_t d = -1;
+  if (parent == PageHash{}) {
+    d = 0;
+  } else if (auto p = depth_.find(parent); p != depth_.end()) {
+    d = p->second + 1;
+  }
+  if (d >= 0) {
+    if (depth_.size() >= kWrittenCap) depth_.clear();
+    depth_.emplace(h, d);
+  }
+  return d;
 }
 
 void TierManager::page_evicted(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens,
@@ -164,6 +181,7 @@ void TierManager::store(const PageHash& h, const PageHash& parent, const std::st
   if (!redis && disk_has) return;
   const int32_t redis_store = static_cast<int32_t>(stores_.size()) - 1;
   const bool if_missing = redis && (win ? written_window_ : written_).count(h) > 0;
+  const int32_t depth = redis_ ? depth_of(h, parent) : -1;
   if (if_missing && ram_keeps && (!disk_ || disk_has)) {
     // Nothing to write below RAM unless Redis lost it, and RAM still has the bytes: a probe, no
     // copy (a finished request's path may be hundreds of pages).
@@ -171,12 +189,14 @@ void TierManager::store(const PageHash& h, const PageHash& parent, const std::st
     w.hash = h;
     w.ns_tag = namespace_tag(ns);
     w.probe = true;
+    w.depth = depth;
     w.only_store = redis_store;
     queue_write(std::move(w));
     return;
   }
   Write w = page_write(h, parent, ns, tokens, page, win ? wpage : -1);
   w.used_ns = used;
+  w.depth = depth;
   if (redis) {
     if (disk_has) w.only_store = redis_store;
     w.if_missing = if_missing;
@@ -213,6 +233,7 @@ bool TierManager::store_tail(const PageHash& h, const PageHash& parent, const st
   if (!pool_ || shared < 0 || stores_[shared].get() == disk_) return false;
   Write w = page_write(h, parent, ns, tokens, page);
   w.only_store = shared;
+  w.depth = depth_of(h, parent);
   return queue_write(std::move(w));
 }
 
@@ -281,6 +302,7 @@ void TierManager::writer_loop() {
     std::vector<int64_t> touch_used;
     std::vector<PageHash> probes;   // pages RAM keeps, to ask Redis about
     std::vector<uint64_t> probe_tags;
+    std::vector<int32_t> depths, probe_depths;  // page indices in their prefixes (Redis TTLs)
     for (Write& w : batch) {
       batch_bytes += static_cast<int64_t>(w.payload.size() + w.blob.size());
       if (w.touch) {
@@ -291,6 +313,7 @@ void TierManager::writer_loop() {
       if (w.probe) {
         probes.push_back(w.hash);
         probe_tags.push_back(w.ns_tag);
+        probe_depths.push_back(w.depth);
         continue;
       }
       if (w.blob.empty())
@@ -302,6 +325,7 @@ void TierManager::writer_loop() {
       only.push_back(w.only_store);
       used.push_back(w.used_ns);
       missing.push_back(w.if_missing);
+      depths.push_back(w.depth);
     }
     // Refreshes before the batch's writes: a put trims the store to its budget at its end, and a
     // page refreshed after that trim could already have gone as old (a clean stop refreshes
@@ -315,20 +339,24 @@ void TierManager::writer_loop() {
         std::vector<uint64_t> ts;
         std::vector<std::string> bs;
         std::vector<int64_t> us;
+        std::vector<int32_t> ds;
         for (size_t k = 0; k < hashes.size(); ++k)
           if ((only[k] < 0 || only[k] == static_cast<int32_t>(i)) && (is_disk || bool(missing[k]) == if_missing)) {
             hs.push_back(hashes[k]);
             ts.push_back(tags[k]);
             bs.push_back(blobs[k]);
             us.push_back(used[k]);
+            ds.push_back(depths[k]);
           }
         if (hs.empty()) continue;
+        const bool is_redis = stores_[i].get() == redis_;
         std::vector<PageStore::PutResult> res;
         if (if_missing) {
-          res = stores_[i]->put_missing(hs, ts, bs);
+          res = is_redis ? redis_->put_missing(hs, ts, bs, ds) : stores_[i]->put_missing(hs, ts, bs);
         } else {
-          // The disk orders its pages by their last use, not by when they reach it.
-          const std::vector<bool> ok = is_disk ? disk_->put(hs, ts, bs, us) : stores_[i]->put(hs, ts, bs);
+          // The disk orders its pages by their last use, not by when they reach it; Redis grades
+          // their TTLs by depth.
+          const std::vector<bool> ok = is_disk ? disk_->put(hs, ts, bs, us) : is_redis ? redis_->put(hs, ts, bs, ds) : stores_[i]->put(hs, ts, bs);
           for (bool o : ok) res.push_back(o ? PageStore::PutResult::kStored : PageStore::PutResult::kFailed);
         }
         std::lock_guard<std::mutex> l(mu_);
@@ -347,7 +375,8 @@ void TierManager::writer_loop() {
     }
     if (!probes.empty()) {  // Redis is the last store
       const std::vector<std::string> none(probes.size());
-      const auto res = stores_.back()->put_missing(probes, probe_tags, none);
+      const auto res = redis_ ? redis_->put_missing(probes, probe_tags, none, probe_depths)
+                              : stores_.back()->put_missing(probes, probe_tags, none);
       std::lock_guard<std::mutex> l(mu_);
       for (size_t k = 0; k < probes.size(); ++k) {
         if (res[k] == PageStore::PutResult::kHeld) ++stats_.back().s.pages_refreshed;
@@ -384,6 +413,12 @@ bool TierManager::wait_written(uint64_t mark, double timeout_s) {
 
 uint64_t TierManager::fetch(const std::string& ns, std::vector<PageHash> hashes, std::vector<int32_t> tokens, int64_t first_page,
                             bool last_is_tail) {
+  if (redis_)
+    for (size_t i = 0; i < hashes.size(); ++i)
+      if (!depth_.count(hashes[i]) && first_page + int64_t(i) <= INT32_MAX) {
+        if (depth_.size() >= kWrittenCap) depth_.clear();
+        depth_.emplace(hashes[i], static_cast<int32_t>(first_page + int64_t(i)));
+      }
   uint64_t t;
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -423,7 +458,8 @@ void TierManager::loader_loop() {
     for (size_t i = 0; i < stores_.size() && have < f.hashes.size(); ++i) {
       const auto ts = SteadyClock::now();
       std::span<const PageHash> want(f.hashes.data() + have, f.hashes.size() - have);
-      std::vector<std::optional<std::string>> got = stores_[i]->get(id.ns_tag, want);
+      std::vector<std::optional<std::string>> got =
+          stores_[i].get() == redis_ ? redis_->get(id.ns_tag, want, f.first_page + int64_t(have)) : stores_[i]->get(id.ns_tag, want);
       int64_t hits = 0, bytes = 0, corrupt = 0;
       const size_t before = have;
       for (size_t k = 0; k < got.size() && got[k]; ++k) {

@@ -40,6 +40,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -48,6 +49,7 @@
 #include "kv/page_pool.h"
 #include "kv/page_store.h"
 #include "kv/prefix_cache.h"
+#include "kv/redis_store.h"
 
 namespace kv {
 
@@ -174,6 +176,7 @@ class TierManager : public PageListener {
                              // if it lost it, else refreshes it (PageStore::put_missing)
     bool probe = false;      // Redis alone, no bytes: refresh it if held, else report it lost
     uint64_t seq = 0;        // queue order (write_mark)
+    int32_t depth = -1;      // the page's index in its prefix (-1: unknown): grades its Redis TTL
   };
   struct Fetch {
     uint64_t ticket;
@@ -206,6 +209,12 @@ class TierManager : public PageListener {
   std::function<void()> notify_;
   std::vector<std::unique_ptr<PageStore>> stores_;  // L2 first, then L3
   DiskStore* disk_ = nullptr;                       // stores_[0] when there is a disk tier
+  RedisStore* redis_ = nullptr;                     // stores_.back() when there is a Redis tier
+  // Engine thread: each chain hash's page index in its prefix, learnt from lookups (fetch: the
+  // first page's index) and from pages whose parent's is known (bounded). A chain hash covers
+  // every token before it, so its depth is a fact, whatever store holds the page.
+  std::unordered_map<PageHash, int32_t, PageHashKey> depth_;
+  int32_t depth_of(const PageHash& h, const PageHash& parent);
   // Pages this process wrote to (or loaded from) Redis (bounded): written again only as
   // put_missing, since Redis may have lost them since.
   std::unordered_set<PageHash, PageHashKey> written_;

@@ -2030,6 +2030,74 @@ TEST_F(KvTierRedis, TierManagerL3AndPromotion) {
   EXPECT_EQ(c2.integer({"EXISTS", key}), 0);
 }
 
+// A full Redis keeps the newest keys whatever its policy (bench/redis_eviction_order.py), so a
+// prefix written head first kept its tail, which no lookup reaches (a user test: 17 of 102
+// pages kept, 1 usable). With --kv-redis-ttl each page's TTL is graded by its depth in the prefix
+// (1.5·ttl at the head down to ttl), so a volatile-ttl Redis evicts tails first; a read re-grades
+// them the same way.
+TEST_F(KvTierRedis, DepthGradedTtlsKeepAPrefixHeadInAFullRedis) {
+  ASSERT_TRUE(second_.start(dir_->path, free_port(), {"--maxmemory-policy", "volatile-ttl", "--maxmemory-samples", "10"}))
+      << second_.log();
+  const KvLayout L = layout_of(KvDtype::kInt8);
+  const int32_t bs = L.block_size;
+  PagePool pool(L, 4, 4);
+  for (int32_t p = 0; p < 4; ++p) fill_page(pool, p, 700 + p);
+  constexpr int kPages = 64, kRoom = 16;
+  const auto tokens = tokens_for(kPages * bs, 9);
+  const std::string ns = "graded";
+  TierConfig cfg;
+  cfg.redis = {second_.addr()};
+  cfg.redis_ttl_s = 3600;
+  auto t = make_tiers(cfg, L);
+  ASSERT_TRUE(t);
+  t->set_pool(&pool);
+  auto rs = make_redis({second_.addr()}, 3600, 100, PageIdentity{kFingerprint, L.format_tag(), bs, 0});
+  auto key = [&](int p) { return rs->key(namespace_tag(ns), hash_of(p)); };
+  Client c(second_.port());
+  // Room for kRoom pages beyond what Redis holds now.
+  t->page_evicted(hash_of(0), PageHash{}, ns, tokens.data(), 0);
+  t->flush();
+  const long long blob = c.integer({"STRLEN", key(0)});
+  ASSERT_GT(blob, 0);
+  const std::string info = c.str({"INFO", "memory"});
+  const size_t at = info.find("used_memory:");
+  ASSERT_NE(at, std::string::npos);
+  const long long used = std::stoll(info.substr(at + 12));
+  ASSERT_EQ(c.str({"CONFIG", "SET", "maxmemory", std::to_string(used + kRoom * blob)}), "OK");
+  for (int p = 1; p < kPages; ++p) t->page_evicted(hash_of(p), hash_of(p - 1), ns, tokens.data() + p * bs, p % 4);
+  t->flush();
+  int kept = 0, usable = -1;
+  for (int p = 0; p < kPages; ++p) {
+    const bool has = c.integer({"EXISTS", key(p)}) == 1;
+    kept += has;
+    if (!has && usable < 0) usable = p;
+  }
+  if (usable < 0) usable = kPages;
+  ASSERT_EQ(c.str({"CONFIG", "SET", "maxmemory", "0"}), "OK");  // no more evictions from here on
+  EXPECT_LT(kept, kPages / 2);  // Redis did evict
+  EXPECT_GE(usable, 4) << kept << " kept";  // flat TTLs: 0 (the newest pages stay)
+  EXPECT_GE(2 * usable, kept) << usable << " usable";
+  // Graded: the head outlives the rest (1.5·ttl at depth 0, ttl at kTtlDepthCap).
+  const long long head = c.integer({"PTTL", key(0)}), next = c.integer({"PTTL", key(usable - 1)});
+  EXPECT_GT(head, 3600LL * 1000);
+  EXPECT_LE(head, 5400LL * 1000);
+  EXPECT_GT(head, next);
+  EXPECT_EQ(rs->ttl_ms(0), 5400LL * 1000);
+  EXPECT_EQ(rs->ttl_ms(RedisStore::kTtlDepthCap), 3600LL * 1000);
+  EXPECT_EQ(rs->ttl_ms(-1), 3600LL * 1000);  // unknown depth: the TTL given
+  // A lookup re-grades what it reads (PEXPIRE by depth): shorten them, read, compare.
+  for (int p = 0; p < usable; ++p) ASSERT_EQ(c.integer({"PEXPIRE", key(p), "60000"}), 1) << p;
+  std::vector<PageHash> hs;
+  for (int p = 0; p < usable; ++p) hs.push_back(hash_of(p));
+  auto got = wait_loaded(*t, t->fetch(ns, hs, tokens, 0));
+  ASSERT_TRUE(got.has_value());
+  EXPECT_EQ(got->blobs.size(), size_t(usable));
+  const long long h2 = c.integer({"PTTL", key(0)}), t2 = c.integer({"PTTL", key(usable - 1)});
+  EXPECT_GT(h2, 3600LL * 1000);
+  EXPECT_GT(t2, 3600LL * 1000);
+  EXPECT_GT(h2, t2);
+}
+
 // Prompt tails (P/D): store_tail writes to Redis alone (not to the prefill side's disk); a lookup
 // whose last page is the tail finds it beside the full pages, removes it from Redis (read once)
 // and does not copy it into the decode side's disk, while the full pages are promoted as usual.
