@@ -66,11 +66,11 @@ class RedisStore : public PageStore {
   // hashes are pages first_depth, first_depth + 1, ... of their prefix (-1: unknown).
   std::vector<std::optional<std::string>> get(uint64_t ns_tag, std::span<const PageHash> hashes, int64_t first_depth);
   // A page's TTL in ms (0: none) when ttl_s > 0: graded by depth, from 1.5·ttl_s at a prefix's
-  // first page down to ttl_s at page kTtlDepthCap and beyond (or unknown), ttl_s/1024 per page
-  // (more than a prefill takes per page, so a prefix written over seconds still expires tail
-  // first), so that a Redis with
-  // maxmemory-policy volatile-ttl evicts a prefix's tail before its head (a lookup stops at the
-  // first missing page; docs/tiers.md, "Redis under maxmemory").
+  // first page down to ttl_s at page kTtlDepthCap and beyond (or unknown), ttl_s/1024 per page,
+  // so that a Redis with maxmemory-policy volatile-ttl evicts a prefix's tail before its head (a
+  // lookup stops at the first missing page; docs/tiers.md, "Redis under maxmemory"). A step of
+  // ttl_s/1024 is more than a prefill takes per page, so a prefix written over seconds still
+  // expires tail first.
   int64_t ttl_ms(int32_t depth) const;
   static constexpr int32_t kTtlDepthCap = 512;
   bool may_contain(const PageHash&) const override { return true; }
