@@ -111,11 +111,14 @@ int32_t TierManager::depth_of(const PageHash& h, const PageHash& parent) {
   } else if (auto p = depth_.find(parent); p != depth_.end()) {
     d = p->second + 1;
   }
-  if (d >= 0) {
-    if (depth_.size() >= kWrittenCap) depth_.clear();
-    depth_.emplace(h, d);
-  }
+  if (d >= 0) remember_depth(h, d);
   return d;
+}
+
+void TierManager::remember_depth(const PageHash& h, int64_t depth) {
+  if (depth > INT32_MAX) return;
+  if (depth_.size() >= kWrittenCap) depth_.clear();
+  depth_.emplace(h, static_cast<int32_t>(depth));  // a known depth is never changed: it is a fact of h
 }
 
 void TierManager::page_evicted(const PageHash& h, const PageHash& parent, const std::string& ns, const int32_t* tokens,
@@ -414,11 +417,7 @@ bool TierManager::wait_written(uint64_t mark, double timeout_s) {
 uint64_t TierManager::fetch(const std::string& ns, std::vector<PageHash> hashes, std::vector<int32_t> tokens, int64_t first_page,
                             bool last_is_tail) {
   if (redis_)
-    for (size_t i = 0; i < hashes.size(); ++i)
-      if (!depth_.count(hashes[i]) && first_page + int64_t(i) <= INT32_MAX) {
-        if (depth_.size() >= kWrittenCap) depth_.clear();
-        depth_.emplace(hashes[i], static_cast<int32_t>(first_page + int64_t(i)));
-      }
+    for (size_t i = 0; i < hashes.size(); ++i) remember_depth(hashes[i], first_page + int64_t(i));
   uint64_t t;
   {
     std::lock_guard<std::mutex> l(mu_);

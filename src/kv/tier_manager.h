@@ -214,7 +214,8 @@ class TierManager : public PageListener {
   // first page's index) and from pages whose parent's is known (bounded). A chain hash covers
   // every token before it, so its depth is a fact, whatever store holds the page.
   std::unordered_map<PageHash, int32_t, PageHashKey> depth_;
-  int32_t depth_of(const PageHash& h, const PageHash& parent);
+  int32_t depth_of(const PageHash& h, const PageHash& parent);  // known, or from the parent's (-1: unknown)
+  void remember_depth(const PageHash& h, int64_t depth);
   // Pages this process wrote to (or loaded from) Redis (bounded): written again only as
   // put_missing, since Redis may have lost them since.
   std::unordered_set<PageHash, PageHashKey> written_;
