@@ -20,7 +20,7 @@ struct Backoff {
 };
 }  // namespace
 
-ThreadPool::ThreadPool(int n_threads) : n_threads_(std::max(1, n_threads)) {
+ThreadPool::ThreadPool(int n_threads) : n_threads_(std::max(1, n_threads)), ranges_(static_cast<size_t>(std::max(1, n_threads))) {
   for (int i = 1; i < n_threads_; ++i) threads_.emplace_back([this, i] { worker(i); });
 }
 
@@ -85,6 +85,54 @@ void ThreadPool::split(int64_t n, int ith, int nth, int64_t align, int64_t* begi
   int64_t e = b + per + (ith < extra ? 1 : 0);
   *begin = std::min(n, b * align);
   *end = std::min(n, e * align);
+}
+
+namespace {
+constexpr uint64_t pack_fb(int64_t f, int64_t b) {
+  return (static_cast<uint64_t>(f) << 32) | static_cast<uint64_t>(b);
+}
+}  // namespace
+
+void ThreadPool::deal(int64_t n, int64_t chunk) {
+  // Units are counted in 32 bits (matmul groups, rows, heads: far below 2^31).
+  chunk_ = std::max<int64_t>(1, chunk);
+  for (int i = 0; i < n_threads_; ++i) {
+    int64_t b, e;
+    split(n, i, n_threads_, 1, &b, &e);
+    ranges_[static_cast<size_t>(i)].fb.store(pack_fb(b, e), std::memory_order_relaxed);
+  }
+}
+
+bool ThreadPool::next(int ith, int64_t* begin, int64_t* end) {
+  // Own range first, from its front.
+  std::atomic<uint64_t>& own = ranges_[static_cast<size_t>(ith)].fb;
+  uint64_t v = own.load(std::memory_order_acquire);
+  for (;;) {
+    const int64_t f = static_cast<int64_t>(v >> 32), b = static_cast<int64_t>(v & 0xffffffffu);
+    if (f >= b) break;
+    const int64_t e = std::min(b, f + chunk_);
+    if (own.compare_exchange_weak(v, pack_fb(e, b), std::memory_order_acq_rel)) {
+      *begin = f;
+      *end = e;
+      return true;
+    }
+  }
+  // Then the back of the others' ranges, starting with the next thread.
+  for (int k = 1; k < n_threads_; ++k) {
+    std::atomic<uint64_t>& r = ranges_[static_cast<size_t>((ith + k) % n_threads_)].fb;
+    v = r.load(std::memory_order_acquire);
+    for (;;) {
+      const int64_t f = static_cast<int64_t>(v >> 32), b = static_cast<int64_t>(v & 0xffffffffu);
+      if (f >= b) break;
+      const int64_t s = std::max(f, b - chunk_);
+      if (r.compare_exchange_weak(v, pack_fb(f, s), std::memory_order_acq_rel)) {
+        *begin = s;
+        *end = b;
+        return true;
+      }
+    }
+  }
+  return false;
 }
 
 int default_thread_count() {

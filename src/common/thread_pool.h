@@ -6,6 +6,7 @@
 // engine thread); not reentrant: fn must not call run().
 #pragma once
 #include <atomic>
+#include <cstdint>
 #include <functional>
 #include <thread>
 #include <vector>
@@ -29,6 +30,15 @@ class ThreadPool {
   // except the last; returns thread ith's half-open range.
   static void split(int64_t n, int ith, int nth, int64_t align, int64_t* begin, int64_t* end);
 
+  // Work split with stealing at the tail. Before run(), deal(n, chunk) gives each thread the
+  // range split() would; inside run(), next(ith) hands out its own range front to back in
+  // chunks of `chunk` units, and once that is done, chunks taken from the back of the other
+  // threads' ranges. Each thread still streams one contiguous range, and a thread that falls
+  // behind (a busy host, a slower memory channel) is helped instead of waited for.
+  // Returns false when no work is left anywhere.
+  void deal(int64_t n, int64_t chunk);
+  bool next(int ith, int64_t* begin, int64_t* end);
+
  private:
   void worker(int ith);
 
@@ -40,6 +50,13 @@ class ThreadPool {
   std::atomic<bool> stop_{false};
   alignas(64) std::atomic<int> barrier_count_{0};
   alignas(64) std::atomic<uint32_t> barrier_phase_{0};
+  // One thread's remaining range [front, back), packed in one word so that the owner (taking
+  // the front) and a thief (taking the back) agree with one compare-exchange.
+  struct alignas(64) Range {
+    std::atomic<uint64_t> fb{0};
+  };
+  std::vector<Range> ranges_;
+  int64_t chunk_ = 1;
 };
 
 // Number of physical-ish cores to use by default.

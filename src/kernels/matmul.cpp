@@ -414,17 +414,20 @@ void matmul(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, Thr
         a = p->split_quant ? p->shared : tl_act.view(p->n_rows, w.n_in_, p->two);
         quantize(0, p->n_rows, a);
       }
-      const int64_t n_groups = (w.n_out_ + kGroup - 1) / kGroup;
+      auto groups = [&](int64_t g0, int64_t g1) {
+        for (const PackedMatrix::Segment& sg : w.segments_) {
+          const int64_t s0 = std::max(g0, sg.g0), s1 = std::min(g1, sg.g1);
+          if (s0 >= s1) continue;
+          QFmt f = QFmt::kQ4_1;
+          quant_fmt(sg.type, &f);
+          QWeights qw{f, w.data_.data() + sg.offset, sg.g0, w.n_in_ / kQK, w.n_out_};
+          p->k.q_gemm(qw, a, p->n_rows, s0, s1, p->y);
+        }
+      };
+      if (nth == 1) return groups(0, (w.n_out_ + kGroup - 1) / kGroup);
+      // Each thread's half (pool.deal below), in chunks, then what is left of the other's.
       int64_t g0, g1;
-      ThreadPool::split(n_groups, ith, nth, 1, &g0, &g1);
-      for (const PackedMatrix::Segment& sg : w.segments_) {
-        const int64_t s0 = std::max(g0, sg.g0), s1 = std::min(g1, sg.g1);
-        if (s0 >= s1) continue;
-        QFmt f = QFmt::kQ4_1;
-        quant_fmt(sg.type, &f);
-        QWeights qw{f, w.data_.data() + sg.offset, sg.g0, w.n_in_ / kQK, w.n_out_};
-        p->k.q_gemm(qw, a, p->n_rows, s0, s1, p->y);
-      }
+      while (p->pool->next(ith, &g0, &g1)) groups(g0, g1);
     };
   } else {
     n_units = n_out;
@@ -454,6 +457,9 @@ void matmul(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, Thr
     job.split_quant = false;  // the caller quantizes every row into its own buffer
     fn(0, 1);
   } else {
+    // Chunks of about 1/16 of a thread's share: fine enough to even out the tail, coarse
+    // enough that a thread streams long contiguous runs of weights.
+    if (w.layout_ == kInterleaved16) pool.deal(n_units, std::max<int64_t>(1, n_units / (16 * nth_max)));
     pool.run(fn);
   }
 }

@@ -29,6 +29,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdint>
@@ -36,6 +38,7 @@
 #include <cstring>
 #include <map>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "common/huge_alloc.h"
@@ -644,6 +647,53 @@ TEST(HugeAlloc, MidSizedBuffersShareSlabsAndReleaseThem) {
   huge_free(small);
   huge_free(large);
   huge_free(nullptr);
+}
+
+// ThreadPool::deal / next: every unit is handed out exactly once, each thread's own range
+// front to back, and a thread that falls behind is helped: its range's back goes to the others.
+TEST(ThreadPoolSteal, EveryUnitOnceAndASlowThreadIsHelped) {
+  for (int nth : {2, 3}) {
+    ThreadPool pool(nth);
+    for (int64_t n : {int64_t(0), int64_t(1), int64_t(2), int64_t(5), int64_t(997)}) {
+      for (int64_t chunk : {int64_t(1), int64_t(7), int64_t(1000)}) {
+        std::vector<std::atomic<int>> taken(static_cast<size_t>(n));
+        std::vector<std::atomic<int>> by(static_cast<size_t>(n));
+        std::vector<int64_t> last_begin(static_cast<size_t>(nth), -1);
+        std::atomic<bool> own_in_order{true};
+        pool.deal(n, chunk);
+        pool.run([&](int ith, int run_nth) {
+          ASSERT_EQ(run_nth, nth);
+          int64_t own_b, own_e;
+          ThreadPool::split(n, ith, nth, 1, &own_b, &own_e);
+          int64_t b, e;
+          while (pool.next(ith, &b, &e)) {
+            ASSERT_LT(b, e);
+            ASSERT_LE(e - b, std::max<int64_t>(1, chunk));
+            if (b >= own_b && b < own_e) {  // its own: ascending
+              if (b <= last_begin[static_cast<size_t>(ith)]) own_in_order = false;
+              last_begin[static_cast<size_t>(ith)] = b;
+            }
+            for (int64_t i = b; i < e; ++i) {
+              taken[static_cast<size_t>(i)].fetch_add(1);
+              by[static_cast<size_t>(i)].store(ith);
+            }
+            // Thread 0 is slow: the others finish their ranges and take the back of its.
+            if (ith == 0 && n > 100) std::this_thread::sleep_for(std::chrono::microseconds(200));
+          }
+        });
+        for (int64_t i = 0; i < n; ++i) ASSERT_EQ(taken[static_cast<size_t>(i)].load(), 1) << "nth " << nth << " n " << n << " unit " << i;
+        EXPECT_TRUE(own_in_order.load());
+        if (n > 100 && chunk < 100) {
+          int64_t b0, e0;
+          ThreadPool::split(n, 0, nth, 1, &b0, &e0);
+          int helped = 0;
+          for (int64_t i = b0; i < e0; ++i) helped += by[static_cast<size_t>(i)].load() != 0;
+          EXPECT_GT(helped, (e0 - b0) / 4) << "nth " << nth << " chunk " << chunk;
+          EXPECT_EQ(by[static_cast<size_t>(b0)].load(), 0);  // its front stays its own
+        }
+      }
+    }
+  }
 }
 
 }  // namespace
