@@ -46,9 +46,10 @@ case "$kind" in
   tsan)
     dir="$ROOT/build-tsan"; san="thread"
     export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$ROOT/tests/tsan.supp"
-    # The engine with its thread pool (every forward splits matmuls and attention across it), the
-    # server's HTTP, engine and stream threads, the tiers' writer threads, the cold-page loader.
-    gtest_filter='Engine.BatchInvariance*:Engine.Preemption*:Engine.SeededSampling*:Engine.StopString*:KvTierManager*:KvTierDiskStore*:KvTierRedis*:ModelGolden.Mla*:ColdPages.StoreRoundTrip*:ColdPages.EngineSmolLM2*:KvReindex.EngineGoesPast*'
+    # The thread pool's stealing split; the engine with its thread pool (every forward splits
+    # matmuls and attention across it), the server's HTTP, engine and stream threads, the tiers'
+    # writer threads, the cold-page loader.
+    gtest_filter='ThreadPoolSteal*:Engine.BatchInvariance*:Engine.Preemption*:Engine.SeededSampling*:Engine.StopString*:KvTierManager*:KvTierDiskStore*:KvTierRedis*:ModelGolden.Mla*:ColdPages.StoreRoundTrip*:ColdPages.EngineSmolLM2*:KvReindex.EngineGoesPast*'
     if [[ -n "$QUICK" ]]; then
       e2e=(tests/e2e/test_openai_api.py tests/e2e/test_shutdown.py)
     else
