@@ -116,7 +116,7 @@ int32_t TierManager::depth_of(const PageHash& h, const PageHash& parent) {
 }
 
 void TierManager::remember_depth(const PageHash& h, int64_t depth) {
-  if (depth > INT32_MAX) return;
+  if (depth > INT32_MAX || depth_.count(h)) return;  // a full map is not cleared for a page it holds
   if (depth_.size() >= kWrittenCap) depth_.clear();
   depth_.emplace(h, static_cast<int32_t>(depth));  // a known depth is never changed: it is a fact of h
 }
