@@ -188,37 +188,48 @@ inline void tile(const QWeights& w, const QAct& a, int64_t g, float* y) {
   }
 }
 
-// The 4-bit formats (and Q5_0) for rows [r0, r0 + R) × group g, one 8-output half at a time:
-// a block's int16 sums for R rows and both levels, the unpacked weight vector and a temporary
-// fit the 16 ymm registers (the tile above, now run for one row only, spilled with two). The
-// float accumulators live in y itself (each (row, output) belongs to this call alone; a partial
-// last group goes through a local copy). Same integer sums, same float steps as tile:
-// bit-identical output.
+// Stores R rows' accumulators of group g (a partial last group through a local copy).
+template <int R>
+inline void store_rows(const __m256 (&acc)[R][2], float* y, int64_t n_out, int64_t g) {
+  const int64_t o = g * kGroup, n = std::min<int64_t>(n_out - o, kGroup);
+  for (int r = 0; r < R; ++r) {
+    float* yp = y + r * n_out + o;
+    if (n == kGroup) {
+      _mm256_storeu_ps(yp, acc[r][0]);
+      _mm256_storeu_ps(yp + 8, acc[r][1]);
+    } else if (n > 0) {
+      alignas(32) float tmp[kGroup];
+      _mm256_store_ps(tmp, acc[r][0]);
+      _mm256_store_ps(tmp + 8, acc[r][1]);
+      std::memcpy(yp, tmp, static_cast<size_t>(n) * sizeof(float));
+    }
+  }
+}
+
+// The 4-bit formats (and Q5_0) for rows [r0, r0 + R) × group g, in two passes. First the
+// integer sums: per block, one 8-output half at a time, the int16 sums for R rows and both
+// levels, the unpacked weight vector and a temporary fit the 16 ymm registers (the tile above,
+// run for one row only, spilled with two); each block's exact int32 sum goes to isum. Then the
+// float pass over isum, the R × 2 accumulators in registers. Applying the block scales as each
+// block ended (accumulators in y, loaded and stored per block) cost a third of the kernel's
+// time on Zen 3 (measured). Same integer sums, same float steps in the same order as tile:
+// bit-identical output. isum: per-thread scratch of nb · 2 · R vectors.
 template <QFmt F, int R, bool kPf, bool T>
-inline void tile_nib(const QWeights& w, const QAct& a, int64_t r0, int64_t g, float* y) {
+inline void tile_nib(const QWeights& w, const QAct& a, int64_t r0, int64_t g, __m256i* isum, float* y) {
   static_assert(F == QFmt::kQ4_0 || F == QFmt::kQ4_1 || F == QFmt::kQ4_K || F == QFmt::kQ5_0);
   constexpr int64_t kRec = record_bytes(F);
   constexpr bool kF32 = F == QFmt::kQ4_K;
   // Q5_0's 5-bit values would overflow the int16 sums over a block: widened after every vector.
   constexpr bool kWiden = F == QFmt::kQ5_0;
   const uint8_t* base = w.data + (g - w.g_base) * w.nb * kRec;
-  const int64_t o = g * kGroup;
-  const int64_t rem = w.n_out - o;
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   const __m256i ones16 = _mm256_set1_epi16(1);
   const __m256i lv2 = _mm256_set1_epi16(static_cast<int16_t>(kLevel2));
 
-  alignas(32) float part[R][kGroup];
-  float* acc[R];
   const int8_t* xq[R];
   // The second level is at a fixed distance from the first (fewer live pointers).
   const std::ptrdiff_t d2 = T ? a.q2 - a.q : 0;
-  for (int r = 0; r < R; ++r) {
-    acc[r] = rem >= kGroup ? y + (r0 + r) * w.n_out + o : part[r];
-    _mm256_storeu_ps(acc[r], _mm256_setzero_ps());
-    _mm256_storeu_ps(acc[r] + 8, _mm256_setzero_ps());
-    xq[r] = a.q + (r0 + r) * a.n_in;
-  }
+  for (int r = 0; r < R; ++r) xq[r] = a.q + (r0 + r) * a.n_in;
 
   for (int64_t b = 0; b < w.nb; ++b) {
     const uint8_t* blk = base + b * kRec;
@@ -251,6 +262,26 @@ inline void tile_nib(const QWeights& w, const QAct& a, int64_t r0, int64_t g, fl
           }
         }
       }
+      for (int r = 0; r < R; ++r) {
+        // The exact block sum: 254·Σq1·u + Σq2·u (two-level) or Σq1·u.
+        __m256i i;
+        if constexpr (kWiden)
+          i = s1[r];
+        else if constexpr (T)
+          i = _mm256_add_epi32(_mm256_madd_epi16(s1[r], lv2), _mm256_madd_epi16(s2[r], ones16));
+        else
+          i = _mm256_madd_epi16(s1[r], ones16);
+        _mm256_store_si256(isum + (b * 2 + h) * R + r, i);
+      }
+    }
+  }
+
+  // The float pass: acc = Σ_b (dw·i + mw·s)·d over the blocks in order, as tile.
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const uint8_t* blk = base + b * kRec;
+    for (int h = 0; h < 2; ++h) {
       __m256 dw, mw;
       if constexpr (kF32) {
         dw = _mm256_load_ps(reinterpret_cast<const float*>(blk) + 8 * h);
@@ -265,26 +296,16 @@ inline void tile_nib(const QWeights& w, const QAct& a, int64_t r0, int64_t g, fl
           mw = dw;
       }
       for (int r = 0; r < R; ++r) {
-        // The exact block sum: 254·Σq1·u + Σq2·u (two-level) or Σq1·u.
-        __m256i i;
-        if constexpr (kWiden)
-          i = s1[r];
-        else if constexpr (T)
-          i = _mm256_add_epi32(_mm256_madd_epi16(s1[r], lv2), _mm256_madd_epi16(s2[r], ones16));
-        else
-          i = _mm256_madd_epi16(s1[r], ones16);
+        __m256i i = _mm256_load_si256(isum + (b * 2 + h) * R + r);
         const int64_t xb = (r0 + r) * a.nb + b;
         if constexpr (F == QFmt::kQ5_0) i = _mm256_sub_epi32(i, _mm256_set1_epi32(a.s128[xb] / 8));
         __m256 t = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(i));
         if constexpr (F != QFmt::kQ5_0) t = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[xb]), t);
-        float* ap = acc[r] + 8 * h;
-        _mm256_storeu_ps(ap, _mm256_fmadd_ps(t, _mm256_set1_ps(a.d[xb]), _mm256_loadu_ps(ap)));
+        acc[r][h] = _mm256_fmadd_ps(t, _mm256_set1_ps(a.d[xb]), acc[r][h]);
       }
     }
   }
-  if (rem < kGroup)
-    for (int r = 0; r < R; ++r)
-      if (rem > 0) std::memcpy(y + (r0 + r) * w.n_out + o, part[r], static_cast<size_t>(rem) * sizeof(float));
+  store_rows<R>(acc, y + r0 * w.n_out, w.n_out, g);
 }
 
 // The byte formats (Q8_0, Q6_K) against the activations as one int16 per element,
@@ -294,29 +315,21 @@ inline void tile_nib(const QWeights& w, const QAct& a, int64_t r0, int64_t g, fl
 // A 16-byte quarter of a weight vector (4 outputs × 4 elements) widens to 16 words; its
 // products land in two int32 lanes per output, added pairwise (vphaddd) at the end of the
 // block (Q6_K: of each half-block, the first half's product with da kept for the second's fma).
-// q16: this tile's first row, rows n_in apart. Rows [r0, r0 + R) × group g.
+// q16: this tile's first row, rows n_in apart. Rows [r0, r0 + R) × group g. As tile_nib, two
+// passes: the exact integer sums of every block into isum (nb · kParts · 2 · R vectors), then
+// the scales in float with the accumulators in registers.
 template <QFmt F, int R, bool kPf>
-inline void tile_q8(const QWeights& w, const QAct& a, const int16_t* q16, int64_t r0, int64_t g, float* y) {
+inline void tile_q8(const QWeights& w, const QAct& a, const int16_t* q16, int64_t r0, int64_t g, __m256i* isum,
+                    float* y) {
   static_assert(F == QFmt::kQ8_0 || F == QFmt::kQ6_K);
   constexpr bool kQ6 = F == QFmt::kQ6_K;
   constexpr int kParts = kQ6 ? 2 : 1, kVecs = 8 / kParts;  // vectors per integer sum
   constexpr int64_t kRec = record_bytes(F), kQo = quant_offset(F);
   const uint8_t* base = w.data + (g - w.g_base) * w.nb * kRec;
-  const int64_t o = g * kGroup;
-  const int64_t rem = w.n_out - o;
-  alignas(32) float part[R][kGroup];
-  float* acc[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = rem >= kGroup ? y + (r0 + r) * w.n_out + o : part[r];
-    _mm256_storeu_ps(acc[r], _mm256_setzero_ps());
-    _mm256_storeu_ps(acc[r] + 8, _mm256_setzero_ps());
-  }
   for (int64_t b = 0; b < w.nb; ++b) {
     const uint8_t* blk = base + b * kRec;
     if constexpr (kPf)
       for (int64_t l = 0; l < kRec; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + l), _MM_HINT_T0);
-    __m256 ta[R][2];  // Q6_K: da·float(i_a) per row and half
-    for (int r = 0; r < R; ++r) ta[r][0] = ta[r][1] = _mm256_setzero_ps();
     for (int p = 0; p < kParts; ++p) {
       __m256i is[R][4];  // [row][quarter k: outputs 4k..4k+3, two lanes each]
       for (int r = 0; r < R; ++r)
@@ -336,34 +349,52 @@ inline void tile_q8(const QWeights& w, const QAct& a, const int16_t* q16, int64_
           }
         }
       }
-      for (int h = 0; h < 2; ++h) {
-        const __m256 dw = kQ6 ? _mm256_load_ps(reinterpret_cast<const float*>(blk + 64 * p) + 8 * h)
-                              : _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
+      for (int h = 0; h < 2; ++h)
         for (int r = 0; r < R; ++r) {
-          // [o0 o1 o4 o5 | o2 o3 o6 o7] of this half → output order.
+          // [o0 o1 o4 o5 | o2 o3 o6 o7] of this half → output order; the weights' offset off.
           __m256i i = _mm256_permute4x64_epi64(_mm256_hadd_epi32(is[r][2 * h], is[r][2 * h + 1]), 0xD8);
-          const int64_t xb = (r0 + r) * a.nb + b;
-          __m256 t;
-          if constexpr (kQ6) {
+          if constexpr (kQ6)
             i = _mm256_sub_epi32(i, _mm256_set1_epi32(32 * a.s16[(r0 + r) * (a.n_in / 16) + 2 * b + p]));
-            if (p == 0) {
-              ta[r][h] = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(i));
-              continue;
-            }
-            t = _mm256_fmadd_ps(dw, _mm256_cvtepi32_ps(i), ta[r][h]);
-          } else {
-            i = _mm256_sub_epi32(i, _mm256_set1_epi32(a.s128[xb]));
-            t = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(i));
-          }
-          float* ap = acc[r] + 8 * h;
-          _mm256_storeu_ps(ap, _mm256_fmadd_ps(t, _mm256_set1_ps(a.d[xb]), _mm256_loadu_ps(ap)));
+          else
+            i = _mm256_sub_epi32(i, _mm256_set1_epi32(a.s128[(r0 + r) * a.nb + b]));
+          _mm256_store_si256(isum + ((b * kParts + p) * 2 + h) * R + r, i);
         }
-      }
     }
   }
-  if (rem < kGroup)
-    for (int r = 0; r < R; ++r)
-      if (rem > 0) std::memcpy(y + (r0 + r) * w.n_out + o, part[r], static_cast<size_t>(rem) * sizeof(float));
+
+  // The float pass, in tile's order (Q6_K: da·i_a, then fma with db·i_b).
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const uint8_t* blk = base + b * kRec;
+    for (int h = 0; h < 2; ++h) {
+      const __m256i* is = isum + (b * kParts * 2 + h) * R;
+      __m256 t[R];
+      if constexpr (kQ6) {
+        const __m256 da = _mm256_load_ps(reinterpret_cast<const float*>(blk) + 8 * h);
+        const __m256 db = _mm256_load_ps(reinterpret_cast<const float*>(blk + 64) + 8 * h);
+        for (int r = 0; r < R; ++r)
+          t[r] = _mm256_fmadd_ps(db, _mm256_cvtepi32_ps(_mm256_load_si256(is + 2 * R + r)),
+                                 _mm256_mul_ps(da, _mm256_cvtepi32_ps(_mm256_load_si256(is + r))));
+      } else {
+        const __m256 dw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
+        for (int r = 0; r < R; ++r) t[r] = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(_mm256_load_si256(is + r)));
+      }
+      for (int r = 0; r < R; ++r)
+        acc[r][h] = _mm256_fmadd_ps(t[r], _mm256_set1_ps(a.d[(r0 + r) * a.nb + b]), acc[r][h]);
+    }
+  }
+  store_rows<R>(acc, y + r0 * w.n_out, w.n_out, g);
+}
+
+// A per-thread scratch of at least n vectors for the tiles' block sums (only grows).
+__m256i* block_sums(size_t n) {
+  struct alignas(32) Vec {
+    int32_t lanes[8];
+  };
+  thread_local std::vector<Vec> buf;  // (a vector of __m256i would drop its alignment)
+  if (buf.size() < n) buf.resize(n);
+  return reinterpret_cast<__m256i*>(buf.data());
 }
 
 // Rows [0, n_rows) of a as int16 Q (see tile_q8), into a per-thread buffer that only grows.
@@ -388,10 +419,11 @@ const int16_t* q16_rows(const QAct& a, int64_t n_rows) {
 constexpr int kQ8Rows = 2;
 // Rows [r, r + n) with 0 < n < kQ8Rows as one tile_q8 of n rows.
 template <QFmt F, bool kPf, int N = 1>
-inline void q8_rest(const QWeights& w, const QAct& a, const int16_t* q16, int64_t r, int64_t n, int64_t g, float* y) {
+inline void q8_rest(const QWeights& w, const QAct& a, const int16_t* q16, int64_t r, int64_t n, int64_t g,
+                    __m256i* isum, float* y) {
   if constexpr (N < kQ8Rows) {
-    if (n == N) return tile_q8<F, N, kPf>(w, a, q16, r, g, y);
-    q8_rest<F, kPf, N + 1>(w, a, q16, r, n, g, y);
+    if (n == N) return tile_q8<F, N, kPf>(w, a, q16, r, g, isum, y);
+    q8_rest<F, kPf, N + 1>(w, a, q16, r, n, g, isum, y);
   }
 }
 
@@ -400,10 +432,10 @@ constexpr int kNibRows = 4;
 
 // Rows [r, r + n) with 0 < n < kNibRows as one tile_nib of n rows.
 template <QFmt F, bool kPf, bool T, int N = 1>
-inline void nib_rest(const QWeights& w, const QAct& a, int64_t r, int64_t n, int64_t g, float* y) {
+inline void nib_rest(const QWeights& w, const QAct& a, int64_t r, int64_t n, int64_t g, __m256i* isum, float* y) {
   if constexpr (N < kNibRows) {
-    if (n == N) return tile_nib<F, N, kPf, T>(w, a, r, g, y);
-    nib_rest<F, kPf, T, N + 1>(w, a, r, n, g, y);
+    if (n == N) return tile_nib<F, N, kPf, T>(w, a, r, g, isum, y);
+    nib_rest<F, kPf, T, N + 1>(w, a, r, n, g, isum, y);
   }
 }
 
@@ -419,32 +451,35 @@ void run(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g
   if constexpr (F == QFmt::kQ8_0 || F == QFmt::kQ6_K) {
     // Tiles of kQ8Rows rows of tile_q8 over int16 activations made once per call.
     const int16_t* q16 = q16_rows(a, n_rows);
+    __m256i* isum = block_sums(static_cast<size_t>(w.nb * 2 * 2 * kQ8Rows));
     for (int64_t rc = 0; rc < n_rows; rc += kRowChunk) {
       const int64_t re = std::min(n_rows, rc + kRowChunk);
       for (int64_t g = g0; g < g1; ++g) {
         int64_t r = rc;
         if (r + kQ8Rows > re) {
-          q8_rest<F, true>(w, a, q16 + r * a.n_in, r, re - r, g, y);
+          q8_rest<F, true>(w, a, q16 + r * a.n_in, r, re - r, g, isum, y);
           continue;
         }
-        tile_q8<F, kQ8Rows, true>(w, a, q16 + r * a.n_in, r, g, y);
-        for (r += kQ8Rows; r + kQ8Rows <= re; r += kQ8Rows) tile_q8<F, kQ8Rows, false>(w, a, q16 + r * a.n_in, r, g, y);
-        if (r < re) q8_rest<F, false>(w, a, q16 + r * a.n_in, r, re - r, g, y);
+        tile_q8<F, kQ8Rows, true>(w, a, q16 + r * a.n_in, r, g, isum, y);
+        for (r += kQ8Rows; r + kQ8Rows <= re; r += kQ8Rows)
+          tile_q8<F, kQ8Rows, false>(w, a, q16 + r * a.n_in, r, g, isum, y);
+        if (r < re) q8_rest<F, false>(w, a, q16 + r * a.n_in, r, re - r, g, isum, y);
       }
     }
   } else {
     // Tiles of kNibRows rows of tile_nib.
+    __m256i* isum = block_sums(static_cast<size_t>(w.nb * 2 * kNibRows));
     for (int64_t rc = 0; rc < n_rows; rc += kRowChunk) {
       const int64_t re = std::min(n_rows, rc + kRowChunk);
       for (int64_t g = g0; g < g1; ++g) {
         int64_t r = rc;
         if (r + kNibRows > re) {
-          nib_rest<F, true, T>(w, a, r, re - r, g, y);
+          nib_rest<F, true, T>(w, a, r, re - r, g, isum, y);
           continue;
         }
-        tile_nib<F, kNibRows, true, T>(w, a, r, g, y);
-        for (r += kNibRows; r + kNibRows <= re; r += kNibRows) tile_nib<F, kNibRows, false, T>(w, a, r, g, y);
-        if (r < re) nib_rest<F, false, T>(w, a, r, re - r, g, y);
+        tile_nib<F, kNibRows, true, T>(w, a, r, g, isum, y);
+        for (r += kNibRows; r + kNibRows <= re; r += kNibRows) tile_nib<F, kNibRows, false, T>(w, a, r, g, isum, y);
+        if (r < re) nib_rest<F, false, T>(w, a, r, re - r, g, isum, y);
       }
     }
   }
