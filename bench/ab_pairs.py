@@ -23,11 +23,16 @@ import sys
 import time
 
 
-def run(binary, bench_args, key):
-    out = subprocess.run([binary, "bench", *bench_args, "--json"], capture_output=True, text=True)
+def bench_json(binary, bench_args, env=None, cwd=None):
+    """`binary bench <bench_args> --json`'s JSON; exits with its stderr's tail if it fails."""
+    out = subprocess.run([binary, "bench", *bench_args, "--json"], capture_output=True, text=True, env=env, cwd=cwd)
     if out.returncode != 0:
         sys.exit(f"{binary} bench failed ({out.returncode}): {out.stderr.strip()[-500:]}")
-    value = json.loads(out.stdout).get(key)
+    return json.loads(out.stdout)
+
+
+def run(binary, bench_args, key):
+    value = bench_json(binary, bench_args).get(key)
     if value is None:
         sys.exit(f"{binary} bench: no '{key}' in its JSON (a -p 0 run has no prefill_tok_s)")
     return float(value)

@@ -19,19 +19,19 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ab_pairs import bench_json  # noqa: E402
 
 
 def bench(binary: str, model: str, isa: str | None, args) -> dict:
     env = dict(os.environ)
     if isa:
         env["KV_ISA"] = isa
-    cmd = [binary, "bench", "-m", model, "-p", str(args.prompt), "-n", str(args.gen), "-r", str(args.repeat), "--json"]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=ROOT)
-    return json.loads(out.stdout)
+    return bench_json(binary, ["-m", model, "-p", str(args.prompt), "-n", str(args.gen), "-r", str(args.repeat)],
+                      env=env, cwd=ROOT)
 
 
 def main() -> int:
