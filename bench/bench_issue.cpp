@@ -9,7 +9,7 @@
 //                          pre-broadcast: no broadcast instruction)
 //
 // Each reports `Gops` and `per_cycle` (multiplies per cycle at the clock BM_IssueClock measured
-// in this run). 8 independent accumulators; 10 runs: read the `_max` rows (each statistic is
+// in this run; on the console and in JSON: `--benchmark_format=json`, `--benchmark_out=F`). 8 independent accumulators; 10 runs: read the `_max` rows (each statistic is
 // taken per column, so that row has the fastest run's rate; a shared VM's noise only slows a
 // run). Skipped on a CPU without AVX2.
 #include <benchmark/benchmark.h>
@@ -87,21 +87,27 @@ void BM_IssueRate(benchmark::State& st) {
 }
 
 // The clock's fastest run (max GHz) sets g_ghz; every aggregate of the rates gets per_cycle.
-class CycleReporter : public benchmark::ConsoleReporter {
- public:
-  void ReportRuns(const std::vector<Run>& runs) override {
-    std::vector<Run> out = runs;
-    for (Run& r : out) {
-      if (r.run_name.function_name == "BM_IssueClock" && r.aggregate_name == "max") {
-        const auto it = r.counters.find("GHz");
-        if (it != r.counters.end()) g_ghz = it->second.value;
-      }
-      if (r.run_name.function_name.rfind("BM_IssueRate", 0) == 0 && g_ghz > 0) {
-        const auto it = r.counters.find("Gops");
-        if (it != r.counters.end()) r.counters["per_cycle"] = it->second.value / g_ghz;
-      }
+// On the console and in JSON (`--benchmark_format=json`, `--benchmark_out=F`).
+void add_per_cycle(std::vector<benchmark::BenchmarkReporter::Run>& runs) {
+  for (auto& r : runs) {
+    if (r.run_name.function_name == "BM_IssueClock" && r.aggregate_name == "max") {
+      const auto it = r.counters.find("GHz");
+      if (it != r.counters.end()) g_ghz = it->second.value;
     }
-    ConsoleReporter::ReportRuns(out);
+    if (r.run_name.function_name.rfind("BM_IssueRate", 0) == 0 && g_ghz > 0) {
+      const auto it = r.counters.find("Gops");
+      if (it != r.counters.end()) r.counters["per_cycle"] = it->second.value / g_ghz;
+    }
+  }
+}
+
+template <class Base>
+class CycleReporter : public Base {
+ public:
+  void ReportRuns(const std::vector<benchmark::BenchmarkReporter::Run>& runs) override {
+    std::vector<benchmark::BenchmarkReporter::Run> out = runs;
+    add_per_cycle(out);
+    Base::ReportRuns(out);
   }
 };
 
@@ -116,10 +122,17 @@ int main(int argc, char** argv) {
   stats(benchmark::RegisterBenchmark("BM_IssueClock", BM_IssueClock));
   stats(benchmark::RegisterBenchmark("BM_IssueRate/bcast", BM_IssueRate<Shape::kBcast>));
   stats(benchmark::RegisterBenchmark("BM_IssueRate/mem", BM_IssueRate<Shape::kMem>));
+  bool json = false, out = false;
+  for (int i = 1; i < argc; ++i) {
+    json |= std::strcmp(argv[i], "--benchmark_format=json") == 0;
+    out |= std::strncmp(argv[i], "--benchmark_out=", 16) == 0;
+  }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  CycleReporter reporter;
-  benchmark::RunSpecifiedBenchmarks(&reporter);
+  CycleReporter<benchmark::ConsoleReporter> console;
+  CycleReporter<benchmark::JSONReporter> json_display, json_file;
+  benchmark::RunSpecifiedBenchmarks(json ? static_cast<benchmark::BenchmarkReporter*>(&json_display) : &console,
+                                    out ? &json_file : nullptr);
   benchmark::Shutdown();
   return 0;
 }
