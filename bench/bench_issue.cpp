@@ -7,6 +7,8 @@
 //                          4 activation bytes broadcast for each multiply)
 //   BM_IssueRate/mem       vpmaddubsw with a 32-byte memory operand + vpaddw (activations stored
 //                          pre-broadcast: no broadcast instruction)
+//   BM_IssueRate/bcast2    as bcast, but each broadcast feeds two multiplies (two weight vectors:
+//                          a tile's two 8-output halves against the same 4 activation bytes)
 //
 // Each reports `Gops` and `per_cycle` (multiplies per cycle at the clock BM_IssueClock measured
 // in this run; on the console and in JSON: `--benchmark_format=json`, `--benchmark_out=F`). 8 independent accumulators; 10 runs: read the `_max` rows (each statistic is
@@ -34,7 +36,7 @@ __attribute__((noinline)) int64_t dependent_adds(int64_t n) {
   return x;
 }
 
-enum class Shape { kBcast, kMem };
+enum class Shape { kBcast, kMem, kBcast2 };
 
 template <Shape S>
 __attribute__((target("avx2"), always_inline)) inline __m256i operand(const int8_t* p, int k) {
@@ -50,16 +52,29 @@ __attribute__((target("avx2"), always_inline)) inline __m256i operand(const int8
 // Returns a lane of the sums (kept live), not the vector: callers are not compiled for AVX.
 template <Shape S>
 __attribute__((target("avx2"), noinline)) int loop(int64_t iters) {
-  const __m256i w = _mm256_set1_epi8(3);
+  const __m256i w = _mm256_set1_epi8(3), w2 = _mm256_set1_epi8(5);
   __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
   for (int64_t it = 0; it < iters; ++it) {
     const int8_t* p = g_buf + (it & 7) * (S == Shape::kMem ? 256 : 32);
+    if constexpr (S == Shape::kBcast2) {
+#define KV_STEP2(k, sa, sb)                                 \
+  {                                                         \
+    const __m256i b = operand<Shape::kBcast>(p, k);         \
+    sa = _mm256_add_epi16(sa, _mm256_maddubs_epi16(w, b));  \
+    sb = _mm256_add_epi16(sb, _mm256_maddubs_epi16(w2, b)); \
+    KV_OPAQUE(sa);                                          \
+    KV_OPAQUE(sb);                                          \
+  }
+      KV_STEP2(0, s0, s1) KV_STEP2(1, s2, s3) KV_STEP2(2, s4, s5) KV_STEP2(3, s6, s7)
+#undef KV_STEP2
+    } else {
 #define KV_STEP(k, s)                                                         \
   s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w, operand<S>(p, k))); \
   KV_OPAQUE(s);
-    KV_STEP(0, s0) KV_STEP(1, s1) KV_STEP(2, s2) KV_STEP(3, s3) KV_STEP(4, s4) KV_STEP(5, s5) KV_STEP(6, s6)
-    KV_STEP(7, s7)
+      KV_STEP(0, s0) KV_STEP(1, s1) KV_STEP(2, s2) KV_STEP(3, s3) KV_STEP(4, s4) KV_STEP(5, s5) KV_STEP(6, s6)
+      KV_STEP(7, s7)
 #undef KV_STEP
+    }
   }
   const __m256i t = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(s0, s1), _mm256_add_epi16(s2, s3)),
                                      _mm256_add_epi16(_mm256_add_epi16(s4, s5), _mm256_add_epi16(s6, s7)));
@@ -122,6 +137,7 @@ int main(int argc, char** argv) {
   stats(benchmark::RegisterBenchmark("BM_IssueClock", BM_IssueClock));
   stats(benchmark::RegisterBenchmark("BM_IssueRate/bcast", BM_IssueRate<Shape::kBcast>));
   stats(benchmark::RegisterBenchmark("BM_IssueRate/mem", BM_IssueRate<Shape::kMem>));
+  stats(benchmark::RegisterBenchmark("BM_IssueRate/bcast2", BM_IssueRate<Shape::kBcast2>));
   bool json = false, out = false;
   for (int i = 1; i < argc; ++i) {
     json |= std::strcmp(argv[i], "--benchmark_format=json") == 0;

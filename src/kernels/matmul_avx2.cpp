@@ -206,6 +206,18 @@ inline void store_rows(const __m256 (&acc)[R][2], float* y, int64_t n_out, int64
   }
 }
 
+// Rows per tile_nib in a batch (3 measured the same; 6 slower).
+constexpr int kNibRows = 4;
+
+// The nibble formats whose int16 sums take a whole block (all but Q5_0) keep the first tile's
+// unpacked weight vectors (uw: 16 vectors a block, after isum's nb · 2 · kNibRows), and the
+// group's later tiles, from them, run both 8-output halves against the same broadcast
+// activations: a broadcast feeds two multiplies (BM_IssueRate/bcast2), two rows a tile (four
+// int16 sums a row with two levels, in registers with the four weight vectors).
+template <QFmt F>
+constexpr bool kShared = F != QFmt::kQ5_0;
+constexpr int kSharedRows = 2;
+
 // The 4-bit formats (and Q5_0) for rows [r0, r0 + R) × group g, in two passes. First the
 // integer sums: per block, one 8-output half at a time, the int16 sums for R rows and both
 // levels, the unpacked weight vector and a temporary fit the 16 ymm registers (the tile above,
@@ -213,8 +225,10 @@ inline void store_rows(const __m256 (&acc)[R][2], float* y, int64_t n_out, int64
 // float pass over isum, the R × 2 accumulators in registers. Applying the block scales as each
 // block ended (accumulators in y, loaded and stored per block) cost a third of the kernel's
 // time on Zen 3 (measured). Same integer sums, same float steps in the same order as tile:
-// bit-identical output. isum: per-thread scratch of nb · 2 · R vectors.
-template <QFmt F, int R, bool kPf, bool T>
+// bit-identical output. isum: per-thread scratch of nb · 2 · kNibRows vectors, then uw's
+// nb · 16 (kShared). kPf: the group's first tile (streams the weights from RAM); kKeep: it
+// leaves the unpacked vectors in uw for the later tiles.
+template <QFmt F, int R, bool kPf, bool T, bool kKeep = false>
 inline void tile_nib(const QWeights& w, const QAct& a, int64_t r0, int64_t g, __m256i* isum, float* y) {
   static_assert(F == QFmt::kQ4_0 || F == QFmt::kQ4_1 || F == QFmt::kQ4_K || F == QFmt::kQ5_0);
   constexpr int64_t kRec = record_bytes(F);
@@ -225,6 +239,7 @@ inline void tile_nib(const QWeights& w, const QAct& a, int64_t r0, int64_t g, __
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   const __m256i ones16 = _mm256_set1_epi16(1);
   const __m256i lv2 = _mm256_set1_epi16(static_cast<int16_t>(kLevel2));
+  __m256i* const uw = isum + w.nb * 2 * kNibRows;
 
   const int8_t* xq[R];
   // The second level is at a fixed distance from the first (fewer live pointers).
@@ -235,12 +250,46 @@ inline void tile_nib(const QWeights& w, const QAct& a, int64_t r0, int64_t g, __
     const uint8_t* blk = base + b * kRec;
     if constexpr (kPf)
       for (int64_t l = 0; l < kRec; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + l), _MM_HINT_T0);
+    if constexpr (kShared<F> && !kPf) {
+      // A later tile: both halves at once from the first tile's unpacked vectors.
+      static_assert(R <= kSharedRows);
+      __m256i s1[R][2], s2[R][2];
+      for (int r = 0; r < R; ++r) s1[r][0] = s1[r][1] = s2[r][0] = s2[r][1] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        const __m256i* u = uw + (b * 4 + j) * 4;
+        const __m256i lo0 = _mm256_load_si256(u), hi0 = _mm256_load_si256(u + 1);
+        const __m256i lo1 = _mm256_load_si256(u + 2), hi1 = _mm256_load_si256(u + 3);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xb = xq[r] + b * 32 + 4 * j;
+          for (int lev = 0; lev < (T ? 2 : 1); ++lev) {
+            const int8_t* xl = lev ? xb + d2 : xb;
+            __m256i(&s)[2] = lev ? s2[r] : s1[r];
+            const __m256i xa = bcast4(xl), xc = bcast4(xl + 16);
+            s[0] = _mm256_add_epi16(s[0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xa), _mm256_maddubs_epi16(hi0, xc)));
+            opaque(s[0]);
+            s[1] = _mm256_add_epi16(s[1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xa), _mm256_maddubs_epi16(hi1, xc)));
+            opaque(s[1]);
+          }
+        }
+      }
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < R; ++r) {
+          const __m256i i = T ? _mm256_add_epi32(_mm256_madd_epi16(s1[r][h], lv2), _mm256_madd_epi16(s2[r][h], ones16))
+                              : _mm256_madd_epi16(s1[r][h], ones16);
+          _mm256_store_si256(isum + (b * 2 + h) * R + r, i);
+        }
+      continue;
+    }
     for (int h = 0; h < 2; ++h) {
       __m256i s1[R], s2[R];  // int16 sums per level (kWiden: the int32 combined sum in s1)
       for (int r = 0; r < R; ++r) s1[r] = s2[r] = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
         __m256i lo, hi;
         unpack_nibbles<F>(blk, j, h, m4, &lo, &hi);
+        if constexpr (kShared<F> && kKeep) {
+          _mm256_store_si256(uw + (b * 4 + j) * 4 + 2 * h, lo);
+          _mm256_store_si256(uw + (b * 4 + j) * 4 + 2 * h + 1, hi);
+        }
         for (int r = 0; r < R; ++r) {
           const int8_t* xb = xq[r] + b * 32 + 4 * j;
           __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xb)), _mm256_maddubs_epi16(hi, bcast4(xb + 16)));
@@ -427,9 +476,6 @@ inline void q8_rest(const QWeights& w, const QAct& a, const int16_t* q16, int64_
   }
 }
 
-// Rows per tile_nib in a batch (3 measured the same; 6 slower).
-constexpr int kNibRows = 4;
-
 // Rows [r, r + n) with 0 < n < kNibRows as one tile_nib of n rows.
 template <QFmt F, bool kPf, bool T, int N = 1>
 inline void nib_rest(const QWeights& w, const QAct& a, int64_t r, int64_t n, int64_t g, __m256i* isum, float* y) {
@@ -467,8 +513,9 @@ void run(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g
       }
     }
   } else {
-    // Tiles of kNibRows rows of tile_nib.
-    __m256i* isum = block_sums(static_cast<size_t>(w.nb * 2 * kNibRows));
+    // Tiles of kNibRows rows of tile_nib; with kShared, the tiles after the first take
+    // kSharedRows rows.
+    __m256i* isum = block_sums(static_cast<size_t>(w.nb * 2 * kNibRows + (kShared<F> ? w.nb * 16 : 0)));
     for (int64_t rc = 0; rc < n_rows; rc += kRowChunk) {
       const int64_t re = std::min(n_rows, rc + kRowChunk);
       for (int64_t g = g0; g < g1; ++g) {
@@ -477,9 +524,20 @@ void run(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g
           nib_rest<F, true, T>(w, a, r, re - r, g, isum, y);
           continue;
         }
-        tile_nib<F, kNibRows, true, T>(w, a, r, g, isum, y);
-        for (r += kNibRows; r + kNibRows <= re; r += kNibRows) tile_nib<F, kNibRows, false, T>(w, a, r, g, isum, y);
-        if (r < re) nib_rest<F, false, T>(w, a, r, re - r, g, isum, y);
+        if constexpr (kShared<F>) {
+          if (r + kNibRows == re) {
+            tile_nib<F, kNibRows, true, T>(w, a, r, g, isum, y);
+            continue;
+          }
+          tile_nib<F, kNibRows, true, T, true>(w, a, r, g, isum, y);
+          for (r += kNibRows; r + kSharedRows <= re; r += kSharedRows)
+            tile_nib<F, kSharedRows, false, T>(w, a, r, g, isum, y);
+          if (r < re) tile_nib<F, 1, false, T>(w, a, r, g, isum, y);
+        } else {
+          tile_nib<F, kNibRows, true, T>(w, a, r, g, isum, y);
+          for (r += kNibRows; r + kNibRows <= re; r += kNibRows) tile_nib<F, kNibRows, false, T>(w, a, r, g, isum, y);
+          if (r < re) nib_rest<F, false, T>(w, a, r, re - r, g, isum, y);
+        }
       }
     }
   }
