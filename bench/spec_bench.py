@@ -299,6 +299,8 @@ def main() -> int:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--chat-template", default=None,
                     help="the server's --chat-template (default: gemma3 for a Gemma 3 GGUF, which carries none)")
+    ap.add_argument("--kvserve-arg", action="append", default=[],
+                    help="extra kvserve serve argument (repeatable), e.g. --kvserve-arg=--act-quant --kvserve-arg=q8")
     ap.add_argument("--out", default=str(OUT / "spec_bench.json"))
     args = ap.parse_args()
     if args.chat_template is None and "gemma-3" in Path(args.model).name.lower():
@@ -307,11 +309,11 @@ def main() -> int:
     port = free_port()
     srv = Server("kvserve", [args.kvserve, "serve", "-m", args.model, "--port", str(port), "-t", str(args.threads),
                              "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 5})]
-                 + (["--chat-template", args.chat_template] if args.chat_template else []),
+                 + (["--chat-template", args.chat_template] if args.chat_template else []) + args.kvserve_arg,
                  port, OUT / "spec_bench_logs" / "kvserve.log")
     srv.start(timeout=120)
     res: dict = {"host": {"cpu": platform.processor() or "", "cores": os.cpu_count()}, "model": Path(args.model).name,
-                 "chat_template": args.chat_template,
+                 "chat_template": args.chat_template, "kvserve_args": args.kvserve_arg,
                  "threads": args.threads, "repeats": args.repeats, "max_tokens": args.max_tokens, "batch1": {}}
     try:
         cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "")
