@@ -11,9 +11,10 @@
 //                          a tile's two 8-output halves against the same 4 activation bytes)
 //
 // Each reports `Gops` and `per_cycle` (multiplies per cycle at the clock BM_IssueClock measured
-// in this run; on the console and in JSON: `--benchmark_format=json`, `--benchmark_out=F`). 8 independent accumulators; 10 runs: read the `_max` rows (each statistic is
-// taken per column, so that row has the fastest run's rate; a shared VM's noise only slows a
-// run). Skipped on a CPU without AVX2.
+// in this run; on the console and in JSON: `--benchmark_format=json`, `--benchmark_out=F`).
+// 8 independent accumulators; 10 runs: read the `_max` rows (each statistic is taken per
+// column, so that row has the fastest run's rate; a shared VM's noise only slows a run).
+// Skipped on a CPU without AVX2.
 #include <benchmark/benchmark.h>
 #include <immintrin.h>
 
