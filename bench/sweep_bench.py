@@ -8,7 +8,9 @@ completions back to back (closed loop):
 
   * a short, distinct user message per request ("Write a short story about <topic> number
     <rep-cell-user-k>."): nothing but the chat template's few tokens can come from a prefix cache;
-    both servers get the same prompts in the same cell;
+    both servers get the same prompts in the same cell; --prompt-cache on (default) lets both reuse
+    those tokens as they do by default (cached_tokens_mean per cell: kvserve matches them in its radix
+    tree, llama-server in the slot's previous prompt), off makes both prefill every prompt token;
   * max_tokens --max-tokens (64), ignore_eos (both servers accept it), so every request
     generates exactly max_tokens tokens;
   * temperature T and top_p --top-p (1.0), top_k --top-k (0 = off) and min_p --min-p (0 = off)
@@ -126,7 +128,7 @@ class Client:
     def request(self, body: dict) -> dict:
         """One streaming chat completion; absolute perf_counter times of send, content chunks, end."""
         res = {"ok": False, "t_send": time.perf_counter(), "t_end": None, "chunk_t": [],
-               "ct": None, "pt": None, "finish_reason": None, "error": None, "status": None}
+               "ct": None, "pt": None, "cached": None, "finish_reason": None, "error": None, "status": None}
         try:
             r = self._send(json.dumps(body))
             res["status"] = r.status
@@ -150,6 +152,7 @@ class Client:
                 u = ev.get("usage")
                 if u:
                     res["ct"], res["pt"] = u.get("completion_tokens"), u.get("prompt_tokens")
+                    res["cached"] = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
             res["t_end"] = time.perf_counter()
             if done:
                 res["ok"] = True
@@ -170,13 +173,15 @@ class Client:
         return res
 
 
-def request_body(model_id: str, args, temp: float, rep: int, cell: int, user: int, k: int) -> dict:
+def request_body(model_id: str, args, temp: float, rep: int, cell: int, user: int, k: int, cfg: str = "kvserve") -> dict:
     topic = _TOPICS[(7 * user + 3 * k + cell) % len(_TOPICS)]
     body = {"model": model_id,
             "messages": [{"role": "user", "content": f"Write a short story about {topic} number {rep}-{cell}-{user}-{k}."}],
             "max_tokens": args.max_tokens, "temperature": temp, "top_p": args.top_p,
             "top_k": args.top_k, "min_p": args.min_p, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    if cfg == "llama-server" and args.prompt_cache == "off":
+        body["cache_prompt"] = False  # the slot's previous prompt is not reused (kvserve: --no-enable-prefix-caching)
     if temp > 0:
         body["seed"] = (rep * 1_000_003 + cell * 10_007 + user * 101 + k) & 0x7FFFFFFF
     return body
@@ -243,7 +248,7 @@ def run_cell(cfg: str, srv: Server, other: Server | None, args, users: int, temp
         time.sleep(ramp * u / users)
         c, k = clients[u], 0
         while not stop.is_set():
-            r = c.request(request_body(srv.model_id, args, temp, rep, cell, u, k))
+            r = c.request(request_body(srv.model_id, args, temp, rep, cell, u, k, cfg))
             with lock:
                 results.append(r)
             k += 1
@@ -312,6 +317,8 @@ def run_cell(cfg: str, srv: Server, other: Server | None, args, users: int, temp
         "hung_clients": hung,
         "wrong_completion_tokens": len(wrong_len), "missing_usage": no_usage,
         "prompt_tokens_mean": statistics.fmean([r["pt"] for r in ok if r["pt"] is not None]) if any(r["pt"] is not None for r in ok) else None,
+        # prompt tokens served from the server's prompt cache (usage.prompt_tokens_details.cached_tokens, both report it)
+        "cached_tokens_mean": statistics.fmean([r["cached"] for r in ok if r["cached"] is not None]) if any(r["cached"] is not None for r in ok) else None,
         "tokens_per_chunk": tpc if all_chunks else None,
         "ttft_n": len(ttft), "itl_n": len(itl),
         "ttft_p50_ms": ms(pct(ttft, 50)), "ttft_p99_ms": ms(pct(ttft, 99)),
@@ -351,7 +358,7 @@ CONTENDED_CORES = 0.25  # cores used by other processes during a window above wh
 
 MEDIAN_KEYS = ["tok_per_s", "finished_tok_per_s", "req_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms",
                "requests", "errors", "http_5xx", "wrong_completion_tokens", "connects",
-               "tokens_per_chunk", "prompt_tokens_mean", "server_cores", "other_cores", "idle_peer_cpu_s", "client_cpu_s"]
+               "tokens_per_chunk", "prompt_tokens_mean", "cached_tokens_mean", "server_cores", "other_cores", "idle_peer_cpu_s", "client_cpu_s"]
 
 
 def med(vals):
@@ -466,6 +473,10 @@ def main() -> int:
     ap.add_argument("--top-p", type=float, default=1.0, help="top_p sent with every request")
     ap.add_argument("--top-k", type=int, default=0, help="top_k sent with every request (0 = off on both servers)")
     ap.add_argument("--min-p", type=float, default=0.0, help="min_p sent with every request (0 = off on both servers)")
+    ap.add_argument("--prompt-cache", choices=["on", "off"], default="on",
+                    help="on (default): both servers reuse cached prompt prefixes as they do by default (kvserve's "
+                         "radix cache, llama-server's slot cache); off: neither does (kvserve --no-enable-prefix-caching, "
+                         "llama-server cache_prompt false per request)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (ignore_eos)")
     ap.add_argument("--duration", type=float, default=20.0, help="measured window per cell (s)")
     ap.add_argument("--warmup", type=float, default=3.0, help="warm-up per cell before the window (s, not counted)")
@@ -528,7 +539,8 @@ def main() -> int:
             skipped[cfg] = msg
             continue
         port = free_port()
-        srv = Server(cfg, server_cmd("kvserve-cache" if cfg == "kvserve" else cfg, cmd_args, port), port,
+        srv = Server(cfg, server_cmd(("kvserve-cache" if args.prompt_cache == "on" else "kvserve") if cfg == "kvserve" else cfg,
+                                    cmd_args, port), port,
                      logdir / f"{cfg}.log")
         try:
             srv.start(args.startup_timeout)

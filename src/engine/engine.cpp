@@ -625,7 +625,8 @@ int32_t Engine::prefill_chunk(const Sequence& s, int64_t want) const {
 
 bool Engine::admit(Sequence& s, int64_t budget, int32_t* n_out) {
   PrefixMatch m;
-  int64_t tail_tokens = 0;  // the prompt tail's tokens installed from a lower tier
+  int64_t tail_tokens = 0;     // the prompt tail's tokens installed from a lower tier
+  int64_t partial_tokens = 0;  // copied from a partly matching cached page
   if (cache_ && s.n_computed == 0 && s.table.pages.empty()) {
     // A scored policy (h2o, snapkv) computes at least the prompt's last obs_window tokens
     // itself: their queries are what votes at the prompt's end, and a cached page has none.
@@ -644,7 +645,10 @@ bool Engine::admit(Sequence& s, int64_t budget, int32_t* n_out) {
     }
     s.pin = m.handle;
     s.published = m.n_tokens;
-    if (!s.tail_blob.empty() && install_prompt_tail(s, m.n_tokens)) tail_tokens = s.n_computed - m.n_tokens;
+    if (!s.tail_blob.empty() && install_prompt_tail(s, m.n_tokens))
+      tail_tokens = s.n_computed - m.n_tokens;
+    else if (s.tail_blob.empty() && copy_partial_page(s, m))
+      partial_tokens = m.n_partial;
   }
   const int32_t n = static_cast<int32_t>(cold_cap(s, std::min<int64_t>(budget, s.to_compute())));
   if (!ensure_pages(s, n)) {
@@ -666,8 +670,8 @@ bool Engine::admit(Sequence& s, int64_t budget, int32_t* n_out) {
   s.swapped = false;
   s.tier_miss_at = -1;
   if (cache_ && s.rs->cached_tokens < 0) {
-    cache_->count_query(static_cast<int64_t>(s.tokens.size()), m.n_tokens, m.handle);
-    s.rs->cached_tokens = static_cast<int32_t>(std::min<int64_t>(m.n_tokens + tail_tokens, s.n_prompt));
+    cache_->count_query(static_cast<int64_t>(s.tokens.size()), m.n_tokens + partial_tokens, m.handle, partial_tokens);
+    s.rs->cached_tokens = static_cast<int32_t>(std::min<int64_t>(m.n_tokens + partial_tokens + tail_tokens, s.n_prompt));
   }
   *n_out = n;
   return true;
@@ -1186,6 +1190,29 @@ void Engine::store_prompt_tail(Sequence& s) {
                              : TailEvent::kDropped);
 }
 
+bool Engine::copy_partial_page(Sequence& s, const PrefixMatch& m) {
+  // Pages whose slots are quantized when the page fills would be quantized twice (the copied
+  // slots read back into staging), and a long-context policy keeps per-token state of its own:
+  // both compute these tokens instead.
+  if (m.n_partial <= 0 || staged_kv_ || pool_g1_ || s.evict.active()) return false;
+  const int32_t src = m.partial_page;
+  pool_->retain(src);  // the cache's page is unpinned: eviction for room must not free it
+  bool ok = pool_->can_allocate(1) || cache_->ensure_free(1);
+  std::vector<int32_t> page;
+  if (ok) {
+    pool_->allocate(1, &page);
+    ok = pool_->copy_page(src, page[0]);
+    if (!ok) pool_->release(page[0]);
+  }
+  pool_->release(src);
+  if (!ok) return false;
+  // Slots [n_partial, block_size) hold the other prompt's tokens: this sequence overwrites
+  // them as it computes, and nothing reads a slot before its position is computed.
+  s.table.pages.push_back(page[0]);
+  s.n_computed = s.table.n_tokens = m.n_tokens + m.n_partial;
+  return true;
+}
+
 bool Engine::install_prompt_tail(Sequence& s, int64_t n_matched) {
   const int32_t t = prompt_tail(s);
   const int32_t bs = cfg_.block_size;
@@ -1354,7 +1381,7 @@ void Engine::publish_gauges() {
   if (cache_) {
     PrefixCacheStats st = cache_->stats();
     metrics_.set_prefix_cache(st.queries_tokens, st.hit_tokens, st.evicted_pages, st.cached_pages, st.cached_window_pages,
-                              st.evicted_window_pages);
+                              st.evicted_window_pages, st.partial_tokens);
   }
 }
 

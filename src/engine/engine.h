@@ -176,6 +176,9 @@ class Engine {
   void store_prompt_tail(Sequence& s);                       // prefill side, as its request ends
   void store_finished_path(const Sequence& s);               // write-through: as a sequence ends
   bool install_prompt_tail(Sequence& s, int64_t n_matched);  // decode side, in admit()
+  // admit(): the match's partly matching page copied into a page of s's own, its first
+  // n_partial slots kept (PrefixMatch::n_partial). False: s computes those tokens.
+  bool copy_partial_page(Sequence& s, const PrefixMatch& m);
   // Speculative decoding: s.draft for this step (at most k_cap tokens, none when s cannot
   // speculate); then, after the verification forward, the accepted prefix's bookkeeping.
   int32_t make_draft(Sequence& s, int32_t k_cap);

@@ -45,10 +45,11 @@ void Metrics::set_gauges(int64_t running, int64_t waiting, int64_t pages_total, 
   m_.kv_cache_usage_perc = pages_total > 0 ? double(pages_used) / pages_total : 0;
 }
 void Metrics::set_prefix_cache(int64_t queries, int64_t hits, int64_t evictions, int64_t cached_pages, int64_t window_pages,
-                               int64_t window_evictions) {
+                               int64_t window_evictions, int64_t partial_hits) {
   std::lock_guard<std::mutex> l(mu_);
   m_.prefix_cache_queries_total = queries;
   m_.prefix_cache_hits_total = hits;
+  m_.prefix_cache_partial_hits_total = partial_hits;
   m_.prefix_cache_evictions_total = evictions;
   m_.prefix_cache_cached_pages = cached_pages;
   m_.prefix_cache_window_pages = window_pages;
@@ -156,6 +157,9 @@ std::string render_prometheus(const MetricsSnapshot& m) {
   counter(out, "kvserve:request_rejected_total", "Requests refused at admission.", double(m.request_rejected_total));
   counter(out, "kvserve:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", double(m.prefix_cache_queries_total));
   counter(out, "kvserve:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", double(m.prefix_cache_hits_total));
+  counter(out, "kvserve:prefix_cache_partial_hits_total",
+          "Of the prompt tokens found in the prefix cache, those copied from a partly matching page (copy-on-write).",
+          double(m.prefix_cache_partial_hits_total));
   counter(out, "kvserve:prefix_cache_evictions_total", "KV pages evicted from the prefix cache.", double(m.prefix_cache_evictions_total));
   gauge(out, "kvserve:prefix_cache_cached_pages", "KV pages held by the prefix cache.", double(m.prefix_cache_cached_pages));
   gauge(out, "kvserve:prefix_cache_window_pages", "Sliding-window layers' KV pages held by the prefix cache (hybrid models).",

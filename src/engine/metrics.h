@@ -61,6 +61,7 @@ struct MetricsSnapshot {
   // Owned by the prefix cache, copied here each step.
   int64_t prefix_cache_queries_total = 0;   // prompt tokens looked up
   int64_t prefix_cache_hits_total = 0;      // of those, tokens found cached
+  int64_t prefix_cache_partial_hits_total = 0;  // of those, copied from a partly matching page
   int64_t prefix_cache_evictions_total = 0; // pages evicted
   int64_t prefix_cache_cached_pages = 0;
   // Hybrid models: the sliding-window layers' pages the cache holds, and those dropped alone.
@@ -104,7 +105,7 @@ class Metrics {
   // the mutex makes snapshots consistent.
   void set_gauges(int64_t running, int64_t waiting, int64_t pages_total, int64_t pages_used);
   void set_prefix_cache(int64_t queries, int64_t hits, int64_t evictions, int64_t cached_pages, int64_t window_pages = 0,
-                        int64_t window_evictions = 0);
+                        int64_t window_evictions = 0, int64_t partial_hits = 0);
   void add_preemption();
   void add_spec(int32_t n_draft, int32_t n_accepted);  // one verified draft
   void add_evicted_tokens(int64_t n);

@@ -428,6 +428,21 @@ PrefixMatch PrefixCache::match(const std::string& ns, const int32_t* tokens, int
   const int32_t end = w.child >= 0 ? split(w.child, w.n_in_child) : w.node;
   m.n_tokens = w.n_pages * block_size_;
   if (end != root) m.handle = PrefixHandle{end, nodes_[end].gen};
+  if (!wpool_) {
+    // Every page that can follow the path starts a child of end (a split left the rest of
+    // the walked edge as one): the longest run of the query's next tokens, leaving the last.
+    const int64_t cap = std::min<int64_t>(block_size_ - 1, n_tokens - 1 - m.n_tokens);
+    const int32_t* q = tokens + m.n_tokens;
+    for (const auto& kc : nodes_[end].children) {
+      const Node& c = node(kc.second);
+      int32_t k = 0;
+      while (k < cap && c.tokens[k] == q[k]) ++k;
+      if (k > m.n_partial) {
+        m.n_partial = k;
+        m.partial_page = c.pages[0];
+      }
+    }
+  }
   return m;
 }
 
@@ -442,10 +457,11 @@ int64_t PrefixCache::match_length(const std::string& ns, const int32_t* tokens, 
   return walk(root, tokens, (n_tokens - 1) / block_size_, nullptr).n_pages * block_size_;
 }
 
-void PrefixCache::count_query(int64_t n_query_tokens, int64_t n_hit_tokens, const PrefixHandle& hit) {
-  assert(n_hit_tokens >= 0 && n_hit_tokens <= n_query_tokens);
+void PrefixCache::count_query(int64_t n_query_tokens, int64_t n_hit_tokens, const PrefixHandle& hit, int64_t n_partial_tokens) {
+  assert(n_hit_tokens >= 0 && n_hit_tokens <= n_query_tokens && n_partial_tokens >= 0 && n_partial_tokens <= n_hit_tokens);
   stats_.queries_tokens += n_query_tokens;
   stats_.hit_tokens += n_hit_tokens;
+  stats_.partial_tokens += n_partial_tokens;
   if (hit.empty() || !is_valid(hit)) return;
   for (int32_t x = hit.node; nodes_[x].parent >= 0; x = nodes_[x].parent) ++nodes_[x].hits;
 }

@@ -31,6 +31,13 @@
 // answers faster). Isolation between tenants holds only when the engine adds something the
 // caller cannot choose (the authenticated key) to the namespace.
 //
+// Partial pages. A match ends at a page boundary, but the query's next tokens may begin a
+// cached page (a sibling prompt that diverged mid-page: the chat template's last tokens before
+// the user's message, say). match() names the cached page after the path with the longest
+// such run; the engine copies it into a page of its own and computes from the first token
+// that differs, as SGLang's token-granular radix tree would reuse them. The tree itself stays
+// in whole pages.
+//
 // Chain hash. Each cached page has a 128-bit content address: XXH3_128bits (seed 0) over
 //   u32 kChainHashVersion | u64 parent.lo | u64 parent.hi      (zero parent for a first page)
 //   | u64 model_fingerprint | u32 kv_dtype_tag | u64 len(ns) | ns bytes
@@ -96,6 +103,14 @@ struct PrefixMatch {
   std::vector<int32_t> window_pages;
   int64_t n_tokens = 0;        // tokens covered: a multiple of block_size, at most n_query - 1
   PrefixHandle handle;         // the node holding the last matched page; pin before evicting
+  // The token after the match, inside a page: a cached page right after the matched path
+  // whose first n_partial tokens (0 < n_partial < block_size, n_tokens + n_partial <=
+  // n_query - 1) are the query's next ones, the longest such run among the candidates. The
+  // caller may copy the page and keep those slots (copy-on-write) instead of computing them.
+  // The page is the cache's (not pinned by the handle): copy it before any eviction. -1 / 0:
+  // none; always none with a window pool (hybrid models).
+  int32_t partial_page = -1;
+  int32_t n_partial = 0;
 };
 
 struct PrefixInsert {
@@ -109,6 +124,7 @@ struct PrefixInsert {
 struct PrefixCacheStats {
   int64_t queries_tokens = 0;  // prompt tokens looked up at admission (count_query)
   int64_t hit_tokens = 0;      // of those, served from the cache
+  int64_t partial_tokens = 0;  // of those, copied from a partly matching page (PrefixMatch::n_partial)
   int64_t inserted_pages = 0;  // pages adopted by insert()
   int64_t evicted_pages = 0;   // cache references dropped by evict()
   int32_t cached_pages = 0;    // pages in the tree now (the cache holds one reference on each)
@@ -205,10 +221,11 @@ class PrefixCache {
   // Tokens match() would return, without splitting anything (for lpm ordering).
   int64_t match_length(const std::string& ns, const int32_t* tokens, int64_t n_tokens) const;
   // Adds one admission's lookup to the stats: n_query_tokens prompt tokens, n_hit_tokens of
-  // them from the cache. Called once per admission that commits, not per match() (lpm
-  // ordering and failed admissions look up without counting). hit: the match's handle (valid),
-  // whose path counts one hit per node (PrefixTreeView::Node::hits).
-  void count_query(int64_t n_query_tokens, int64_t n_hit_tokens, const PrefixHandle& hit = {});
+  // them from the cache, n_partial_tokens of those copied from a partly matching page. Called
+  // once per admission that commits, not per match() (lpm ordering and failed admissions look
+  // up without counting). hit: the match's handle (valid), whose path counts one hit per node
+  // (PrefixTreeView::Node::hits).
+  void count_query(int64_t n_query_tokens, int64_t n_hit_tokens, const PrefixHandle& hit = {}, int64_t n_partial_tokens = 0);
 
   // --- pins -----------------------------------------------------------------------------
   // Lock (unlock) every node from the handle's node up to the root; refreshes their LRU time.

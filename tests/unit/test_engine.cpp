@@ -419,12 +419,112 @@ TEST(Engine, PrefixHitNeverChangesOutputAndIsReported) {
   Outcome o2 = collect(*s2);
   EXPECT_EQ(o1.text[0], want[0]);
   EXPECT_EQ(o2.text[0], want[1]);  // the hit reuses the system prompt's pages: same output
-  const int64_t shared = static_cast<int64_t>(prompt_of(*tok, system).size());
-  EXPECT_EQ(o2.usage.cached_tokens, shared / 16 * 16);
-  EXPECT_GT(o2.usage.cached_tokens, 0);
+  // Every token the two prompts share: the system prompt's full pages from the cache, the rest
+  // (up to the first token that differs) copied from the first prompt's page there.
+  const auto p1 = ask("What is the capital of Italy?"), p2 = ask("Name a primary colour.");
+  const int64_t shared = std::mismatch(p1.begin(), p1.end(), p2.begin(), p2.end()).first - p1.begin();
+  ASSERT_GT(shared % 16, 0) << "the prompts must diverge inside a page for this test";
+  EXPECT_EQ(o2.usage.cached_tokens, shared);
   MetricsSnapshot ms = e.metrics();
   EXPECT_EQ(ms.prefix_cache_hits_total, o2.usage.cached_tokens);
+  EXPECT_EQ(ms.prefix_cache_partial_hits_total, shared % 16);
   EXPECT_GT(ms.prefix_cache_queries_total, ms.prefix_cache_hits_total);
+  expect_drained(e);
+}
+
+// Chat requests that differ only in the user's words share the template's tokens up to a
+// point inside a page: the cached page there is copied and its matching slots kept. Greedy and
+// seeded sampled outputs equal those of an engine without a cache, also when the pool is so
+// small that the copy must first evict (the cache's pages fill it), and with several requests
+// admitted together; every page comes back.
+TEST(Engine, PartialPageReuseNeverChangesOutput) {
+  LlamaModel* m = kvtest::smollm2_model();
+  const Tokenizer* tok = smollm2_tokenizer();
+  ASSERT_TRUE(m && tok);
+  std::vector<std::vector<int32_t>> prompts;
+  for (const char* topic : {"a lighthouse", "a lost key", "the moon", "a red kite", "a lighthouse keeper", "winter"})
+    prompts.push_back(prompt_of(*tok, std::string("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+                                                  "Hugging Face<|im_end|>\n<|im_start|>user\nWrite a short story about ") +
+                                          topic + ".<|im_end|>\n<|im_start|>assistant\n"));
+  // Prompt and output end one token past a page boundary (the last token is never computed):
+  // every page of a finished request is cached, so a small pool is left with no free page.
+  auto max_tokens = [&](size_t i) { return static_cast<int>(65 - prompts[i].size()); };
+  for (size_t i = 0; i < prompts.size(); ++i) ASSERT_GE(max_tokens(i), 6);
+  SamplingParams hot;
+  hot.temperature = 0.8f;
+  hot.top_p = 0.95f;
+  auto params = [&](size_t i) {
+    SamplingParams sp = i % 2 ? hot : SamplingParams{};
+    sp.seed = 1000 + i;
+    return sp;
+  };
+  std::vector<std::vector<int32_t>> want;
+  {
+    EngineConfig off = small_config(64);
+    off.enable_prefix_caching = false;
+    Engine e(*m, *tok, off);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      auto s = submit(e, prompts[i], max_tokens(i), 1, {}, params(i));
+      run_until_idle(e);
+      want.push_back(collect(*s).tokens[0]);
+    }
+  }
+  for (int64_t pages : {64, 5}) {  // 5: a request's 4 pages and one more; the copy must evict first
+    Engine e(*m, *tok, small_config(pages));
+    int64_t copied = 0;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      if (pages == 5 && i >= 2) {
+        EXPECT_EQ(e.pool().n_free(), 0) << i;
+      }
+      auto s = submit(e, prompts[i], max_tokens(i), 1, {}, params(i));
+      run_until_idle(e);
+      Outcome o = collect(*s);
+      EXPECT_EQ(o.tokens[0], want[i]) << "request " << i << ", " << pages << " pages";
+      if (i > 0) {
+        const int64_t shared = std::mismatch(prompts[i].begin(), prompts[i].end(), prompts[i - 1].begin(), prompts[i - 1].end()).first -
+                               prompts[i].begin();
+        EXPECT_GE(o.usage.cached_tokens, std::min<int64_t>(shared, static_cast<int64_t>(prompts[i].size()) - 1)) << i;
+        copied += o.usage.cached_tokens % 16;
+      }
+      expect_drained(e);
+    }
+    EXPECT_GT(copied, 0);
+    EXPECT_EQ(e.metrics().prefix_cache_partial_hits_total, copied) << pages;
+  }
+  // Together: admitted in one step, each copies from the pages the others left.
+  Engine e(*m, *tok, small_config(64));
+  auto first = submit(e, prompts[0], max_tokens(0), 1, {}, params(0));
+  run_until_idle(e);
+  EXPECT_EQ(collect(*first).tokens[0], want[0]);
+  std::vector<std::shared_ptr<RequestStream>> ss;
+  for (size_t i = 1; i < prompts.size(); ++i) ss.push_back(submit(e, prompts[i], max_tokens(i), 1, {}, params(i)));
+  run_until_idle(e);
+  for (size_t i = 1; i < prompts.size(); ++i) {
+    Outcome o = collect(*ss[i - 1]);
+    EXPECT_EQ(o.tokens[0], want[i]) << "together, request " << i;
+    EXPECT_GT(o.usage.cached_tokens % 16, 0) << i;
+  }
+  expect_drained(e);
+}
+
+// Quantized pages would be quantized a second time: there the partly matching page is computed.
+TEST(Engine, PartialPageReuseSkipsQuantizedPages) {
+  LlamaModel* m = kvtest::smollm2_model();
+  const Tokenizer* tok = smollm2_tokenizer();
+  ASSERT_TRUE(m && tok);
+  EngineConfig c = small_config(64);
+  c.kv_dtype = KvDtype::kInt8;
+  Engine e(*m, *tok, c);
+  const auto a = prompt_of(*tok, "<|im_start|>user\nWrite a short story about the sea.<|im_end|>\n");
+  const auto b = prompt_of(*tok, "<|im_start|>user\nWrite a short story about a cat.<|im_end|>\n");
+  submit(e, a, 4);
+  run_until_idle(e);
+  auto s = submit(e, b, 4);
+  run_until_idle(e);
+  const int64_t shared = std::mismatch(a.begin(), a.end(), b.begin(), b.end()).first - a.begin();
+  ASSERT_GT(shared % 16, 0);
+  EXPECT_EQ(collect(*s).usage.cached_tokens, shared / 16 * 16);
+  EXPECT_EQ(e.metrics().prefix_cache_partial_hits_total, 0);
   expect_drained(e);
 }
 

@@ -130,6 +130,58 @@ TEST(PrefixCache, MatchAlwaysLeavesOneTokenToCompute) {
   f.check();
 }
 
+TEST(PrefixCache, MatchNamesTheLongestPartlyMatchingPageAfterThePath) {
+  Fixture f(64);
+  // Cached: P0 P1 (tokens 0..7) then two children diverging after P1: [8 9 10 11] and [8 9 50 51].
+  FakeRequest a{"", cat(seq(0, 3 * kBs), {1})}, b{"", cat(cat(seq(0, 2 * kBs), {8, 9, 50, 51}), {1})};
+  ASSERT_TRUE(f.admit(&a));
+  const std::vector<int32_t> pa = a.pages;
+  f.finish(&a);
+  ASSERT_TRUE(f.admit(&b));
+  const std::vector<int32_t> pb = b.pages;
+  f.finish(&b);
+  auto q = [&](std::vector<int32_t> t, int64_t n = -1) { return f.cache.match("", t.data(), n < 0 ? static_cast<int64_t>(t.size()) : n); };
+  // 8 9 10 then a new token: the first child's first three slots.
+  PrefixMatch m = q(cat(seq(0, 2 * kBs), {8, 9, 10, 77, 78}));
+  EXPECT_EQ(m.n_tokens, 2 * kBs);
+  EXPECT_EQ(m.n_partial, 3);
+  EXPECT_EQ(m.partial_page, pa[2]);
+  m = q(cat(seq(0, 2 * kBs), {8, 9, 50, 7, 7}));
+  EXPECT_EQ(m.n_partial, 3);
+  EXPECT_EQ(m.partial_page, pb[2]);
+  m = q(cat(seq(0, 2 * kBs), {8, 60, 61}));  // both children share one token: either page serves
+  EXPECT_EQ(m.n_partial, 1);
+  EXPECT_TRUE(m.partial_page == pa[2] || m.partial_page == pb[2]);
+  EXPECT_EQ(q(cat(seq(0, 2 * kBs), {70, 8, 9})).n_partial, 0);  // no child starts with 70
+  EXPECT_EQ(q(cat(seq(0, 2 * kBs), {70, 8, 9})).partial_page, -1);
+  // At least one token is left to compute: the query 0..10 gets 2 pages + 2 slots, not 3.
+  m = q(seq(0, 2 * kBs + 3));
+  EXPECT_EQ(m.n_tokens + m.n_partial, 2 * kBs + 2);
+  // A query that is exactly the cached pages: the last page is matched partly, to its last token.
+  m = q(seq(0, 3 * kBs));
+  EXPECT_EQ(m.n_tokens, 2 * kBs);
+  EXPECT_EQ(m.n_partial, kBs - 1);
+  EXPECT_EQ(m.partial_page, pa[2]);
+  // Inside an edge (the walk stops mid-edge): the edge's next page is the candidate.
+  m = q(cat(seq(0, kBs), {4, 5, 99, 99, 99}));
+  EXPECT_EQ(m.n_tokens, kBs);
+  EXPECT_EQ(m.n_partial, 2);
+  EXPECT_EQ(m.partial_page, pa[1]);
+  // From the root, and never across namespaces.
+  m = q({0, 1, 2, 9, 9});
+  EXPECT_EQ(m.n_tokens, 0);
+  EXPECT_EQ(m.n_partial, 3);
+  EXPECT_EQ(m.partial_page, pa[0]);
+  std::vector<int32_t> t{0, 1, 2, 9, 9};
+  EXPECT_EQ(f.cache.match("other", t.data(), 5).n_partial, 0);
+  // Nothing changed but the tree's shape: no page, refcount or pin.
+  EXPECT_EQ(f.pool.refcount(pa[2]), 1);
+  EXPECT_EQ(f.cache.n_pinned_pages(), 0);
+  f.cache.count_query(5, 3, m.handle, 3);
+  EXPECT_EQ(f.cache.stats().partial_tokens, 3);
+  f.check();
+}
+
 TEST(PrefixCache, SplitsWhereSequencesDiverge) {
   Fixture f(64);
   const std::vector<int32_t> base = seq(0, 4 * kBs);  // pages P0..P3
