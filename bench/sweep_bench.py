@@ -173,7 +173,7 @@ class Client:
         return res
 
 
-def request_body(model_id: str, args, temp: float, rep: int, cell: int, user: int, k: int, cfg: str = "kvserve") -> dict:
+def request_body(model_id: str, args, temp: float, rep: int, cell: int, user: int, k: int, cfg: str) -> dict:
     topic = _TOPICS[(7 * user + 3 * k + cell) % len(_TOPICS)]
     body = {"model": model_id,
             "messages": [{"role": "user", "content": f"Write a short story about {topic} number {rep}-{cell}-{user}-{k}."}],

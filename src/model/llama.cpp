@@ -607,25 +607,39 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
       for (int32_t i = 0; i < s.n_tokens; ++i) tok_pos_[s.offset + i] = s.pos0 + i;
   }
 
+  // The rest of a layer once its attention output (after Wo) is in tmp: x += tmp (Gemma 3:
+  // normed first); then x += down(silu(gate(h)) * up(h)), h = rmsnorm(x) (Gemma 3: gelu, and
+  // the down output normed before it is added).
+  auto ffn = [&](const Layer& L) {
+    for_rows(tp, n_tok, [&](int64_t t) {
+      float* o = tmp_.data() + t * E;
+      if (c.gemma3) rms_norm(o, L.post_attn_norm.data(), o, E, c.rms_eps);
+      add_inplace(x_.data() + t * E, o, E);
+      rms_norm(x_.data() + t * E, L.ffn_norm.data(), h_.data() + t * E, E, c.rms_eps);
+    });
+    matmul(L.wgu, h_.data(), n_tok, gu_.data(), tp);
+    for_rows(tp, n_tok, [&](int64_t t) {
+      const float* g = gu_.data() + t * 2 * c.n_ff;
+      if (c.gemma3) gelu_mul(g, g + c.n_ff, h_.data() + t * c.n_ff, c.n_ff);
+      else silu_mul(g, g + c.n_ff, h_.data() + t * c.n_ff, c.n_ff);
+    });
+    matmul(L.wdown, h_.data(), n_tok, tmp_.data(), tp);
+    if (c.gemma3)
+      for (int64_t t = 0; t < n_tok; ++t) rms_norm(tmp_.data() + t * E, L.post_ffw_norm.data(), tmp_.data() + t * E, E, c.rms_eps);
+    add_inplace(x_.data(), tmp_.data(), n_tok * E);
+  };
+
   for (int il = 0; il < c.n_layer; ++il) {
     const Layer& L = layers_[il];
     const int grp = layer_group_[il], li = layer_slot_[il];
     PagePool& pool = *pools[grp];
     if (c.mla) {
-      for (int64_t t = 0; t < n_tok; ++t) rms_norm(x_.data() + t * E, L.attn_norm.data(), h_.data() + t * E, E, c.rms_eps);
+      for_rows(tp, n_tok, [&](int64_t t) { rms_norm(x_.data() + t * E, L.attn_norm.data(), h_.data() + t * E, E, c.rms_eps); });
       const auto t_attn = Clock::now();
       Status st = mla_attention(batch, il, pool, tp);
       if (!st) return st;
       times_.attention += since(t_attn);
-      add_inplace(x_.data(), tmp_.data(), n_tok * E);
-      for (int64_t t = 0; t < n_tok; ++t) rms_norm(x_.data() + t * E, L.ffn_norm.data(), h_.data() + t * E, E, c.rms_eps);
-      matmul(L.wgu, h_.data(), n_tok, gu_.data(), tp);
-      for (int64_t t = 0; t < n_tok; ++t) {
-        const float* g = gu_.data() + t * 2 * c.n_ff;
-        silu_mul(g, g + c.n_ff, h_.data() + t * c.n_ff, c.n_ff);
-      }
-      matmul(L.wdown, h_.data(), n_tok, tmp_.data(), tp);
-      add_inplace(x_.data(), tmp_.data(), n_tok * E);
+      ffn(L);
       continue;
     }
     const int32_t window = groups_[grp].window;
@@ -767,25 +781,9 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
     });
     pool.release_filled(li);
     times_.attention += since(t_attn);
-    // x += attn · Woᵀ   (Gemma 3: normed first)
+    // tmp = attn · Woᵀ
     matmul(L.wo, attn_.data(), n_tok, tmp_.data(), tp);
-    // x += o (Gemma 3: normed first); then, x += down(silu(gate(h)) * up(h)), h = rmsnorm(x)
-    for_rows(tp, n_tok, [&](int64_t t) {
-      float* o = tmp_.data() + t * E;
-      if (c.gemma3) rms_norm(o, L.post_attn_norm.data(), o, E, c.rms_eps);
-      add_inplace(x_.data() + t * E, o, E);
-      rms_norm(x_.data() + t * E, L.ffn_norm.data(), h_.data() + t * E, E, c.rms_eps);
-    });
-    matmul(L.wgu, h_.data(), n_tok, gu_.data(), tp);
-    for_rows(tp, n_tok, [&](int64_t t) {
-      const float* g = gu_.data() + t * 2 * c.n_ff;
-      if (c.gemma3) gelu_mul(g, g + c.n_ff, h_.data() + t * c.n_ff, c.n_ff);
-      else silu_mul(g, g + c.n_ff, h_.data() + t * c.n_ff, c.n_ff);
-    });
-    matmul(L.wdown, h_.data(), n_tok, tmp_.data(), tp);
-    if (c.gemma3)
-      for (int64_t t = 0; t < n_tok; ++t) rms_norm(tmp_.data() + t * E, L.post_ffw_norm.data(), tmp_.data() + t * E, E, c.rms_eps);
-    add_inplace(x_.data(), tmp_.data(), n_tok * E);
+    ffn(L);
   }
 
   if (scoring) finish_scores();

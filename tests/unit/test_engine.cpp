@@ -491,7 +491,8 @@ TEST(Engine, PartialPageReuseNeverChangesOutput) {
     EXPECT_GT(copied, 0);
     EXPECT_EQ(e.metrics().prefix_cache_partial_hits_total, copied) << pages;
   }
-  // Together: admitted in one step, each copies from the pages the others left.
+  // Together: admitted in one step, each copies from the first request's cached page (the
+  // others publish theirs only when full).
   Engine e(*m, *tok, small_config(64));
   auto first = submit(e, prompts[0], max_tokens(0), 1, {}, params(0));
   run_until_idle(e);
