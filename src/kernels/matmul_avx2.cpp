@@ -228,7 +228,7 @@ constexpr int kSharedRows = 2;
 // bit-identical output. isum: per-thread scratch of nb · 2 · kNibRows vectors, then uw's
 // nb · 16 (kShared). kPf: the group's first tile (streams the weights from RAM); kKeep: it
 // leaves the unpacked vectors in uw for the later tiles.
-template <QFmt F, int R, bool kPf, bool T, bool kKeep = false>
+template <QFmt F, int R, bool kPf, bool T, bool kKeep = false, bool kNext = false>
 inline void tile_nib(const QWeights& w, const QAct& a, int64_t r0, int64_t g, __m256i* isum, float* y) {
   static_assert(F == QFmt::kQ4_0 || F == QFmt::kQ4_1 || F == QFmt::kQ4_K || F == QFmt::kQ5_0);
   constexpr int64_t kRec = record_bytes(F);
@@ -248,8 +248,9 @@ inline void tile_nib(const QWeights& w, const QAct& a, int64_t r0, int64_t g, __
 
   for (int64_t b = 0; b < w.nb; ++b) {
     const uint8_t* blk = base + b * kRec;
-    if constexpr (kPf)
-      for (int64_t l = 0; l < kRec; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + l), _MM_HINT_T0);
+    if constexpr (kPf || kNext)  // kNext: the next group's block (see run)
+      for (int64_t l = 0; l < kRec; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + (kNext ? w.nb * kRec : kPrefetch) + l), _MM_HINT_T0);
     if constexpr (kShared<F> && !kPf) {
       // A later tile: both halves at once from the first tile's unpacked vectors.
       static_assert(R <= kSharedRows);
@@ -367,7 +368,7 @@ inline void tile_nib(const QWeights& w, const QAct& a, int64_t r0, int64_t g, __
 // q16: this tile's first row, rows n_in apart. Rows [r0, r0 + R) × group g. As tile_nib, two
 // passes: the exact integer sums of every block into isum (nb · kParts · 2 · R vectors), then
 // the scales in float with the accumulators in registers.
-template <QFmt F, int R, bool kPf>
+template <QFmt F, int R, bool kPf, bool kNext = false>
 inline void tile_q8(const QWeights& w, const QAct& a, const int16_t* q16, int64_t r0, int64_t g, __m256i* isum,
                     float* y) {
   static_assert(F == QFmt::kQ8_0 || F == QFmt::kQ6_K);
@@ -377,8 +378,9 @@ inline void tile_q8(const QWeights& w, const QAct& a, const int16_t* q16, int64_
   const uint8_t* base = w.data + (g - w.g_base) * w.nb * kRec;
   for (int64_t b = 0; b < w.nb; ++b) {
     const uint8_t* blk = base + b * kRec;
-    if constexpr (kPf)
-      for (int64_t l = 0; l < kRec; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + l), _MM_HINT_T0);
+    if constexpr (kPf || kNext)  // kNext: the next group's block (see run)
+      for (int64_t l = 0; l < kRec; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + (kNext ? w.nb * kRec : kPrefetch) + l), _MM_HINT_T0);
     for (int p = 0; p < kParts; ++p) {
       __m256i is[R][4];  // [row][quarter k: outputs 4k..4k+3, two lanes each]
       for (int r = 0; r < R; ++r)
@@ -507,7 +509,12 @@ void run(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g
           continue;
         }
         tile_q8<F, kQ8Rows, true>(w, a, q16 + r * a.n_in, r, g, isum, y);
-        for (r += kQ8Rows; r + kQ8Rows <= re; r += kQ8Rows)
+        r += kQ8Rows;
+        if (r + kQ8Rows <= re) {
+          tile_q8<F, kQ8Rows, false, true>(w, a, q16 + r * a.n_in, r, g, isum, y);
+          r += kQ8Rows;
+        }
+        for (; r + kQ8Rows <= re; r += kQ8Rows)
           tile_q8<F, kQ8Rows, false>(w, a, q16 + r * a.n_in, r, g, isum, y);
         if (r < re) q8_rest<F, false>(w, a, q16 + r * a.n_in, r, re - r, g, isum, y);
       }
@@ -530,7 +537,12 @@ void run(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g
             continue;
           }
           tile_nib<F, kNibRows, true, T, true>(w, a, r, g, isum, y);
-          for (r += kNibRows; r + kSharedRows <= re; r += kSharedRows)
+          r += kNibRows;
+          if (r + kSharedRows <= re) {
+            tile_nib<F, kSharedRows, false, T, false, true>(w, a, r, g, isum, y);
+            r += kSharedRows;
+          }
+          for (; r + kSharedRows <= re; r += kSharedRows)
             tile_nib<F, kSharedRows, false, T>(w, a, r, g, isum, y);
           if (r < re) tile_nib<F, 1, false, T>(w, a, r, g, isum, y);
         } else {
