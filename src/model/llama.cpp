@@ -695,14 +695,31 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
       if (quest_layer && quest_on_[w.seq]) return static_cast<const int32_t*>(quest_tables_[size_t(w.seq) * c.n_head_kv + w.head].data());
       return Batch::group_pages(batch.seqs[w.seq], grp);
     });
+    auto unit_pages = [&](const AttnUnit& w) {
+      if (quest_layer && quest_on_[w.seq]) return static_cast<const int32_t*>(quest_tables_[size_t(w.seq) * c.n_head_kv + w.head].data());
+      return Batch::group_pages(batch.seqs[w.seq], grp);
+    };
+    // Decode runs many short units (a sequence's KV head over a few pages), each of which would
+    // start by waiting on RAM for its first tiles: the next unit's first pages are asked for
+    // before this one computes (paged_attention_prefetch).
+    auto prefetch_unit = [&](const AttnUnit& w) {
+      PagedKvView v = view;
+      v.pages = unit_pages(w);
+      const BatchSeq& s = batch.seqs[w.seq];
+      const int64_t pos = s.pos0 + w.t0;
+      const int64_t kb = w.split >= 0 ? w.key_begin : window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+      const int64_t ke = w.split >= 0 ? w.key_end : pos + w.n;
+      constexpr int kPages = 4;  // the kernels' own look-ahead (attention_impl.h, kPrefetchAhead)
+      paged_attention_prefetch(v, w.head, 1, kb, ke, kPages);
+    };
     tp.run([&](int ith, int nth) {
       int64_t b = unit_bounds_[ith], e = unit_bounds_[ith + 1];
       for (int64_t u = b; u < e; ++u) {
         const AttnUnit& w = units[u];
         const BatchSeq& s = batch.seqs[w.seq];
+        if (u + 1 < e) prefetch_unit(units[u + 1]);
         PagedKvView v = view;
-        v.pages = Batch::group_pages(s, grp);
-        if (quest_layer && quest_on_[w.seq]) v.pages = quest_tables_[size_t(w.seq) * c.n_head_kv + w.head].data();
+        v.pages = unit_pages(w);
         const int64_t t = s.offset + w.t0;
         if (w.split < 0 && !scored(s, w)) {
           paged_attention(v, w.head, n_group, qkv_.data() + t * n_qkv, n_qkv, s.pos0 + w.t0, w.n, scale,
