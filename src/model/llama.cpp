@@ -691,14 +691,11 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
     // Units go to the threads by their work, not their count: a long context that eviction or
     // Quest thinned out reads few of its split parts' pages, and which parts depends on the
     // table (kept pages cluster at the start and the end).
-    balance_units(tp.size(), bs, batch, [&](const AttnUnit& w) {
-      if (quest_layer && quest_on_[w.seq]) return static_cast<const int32_t*>(quest_tables_[size_t(w.seq) * c.n_head_kv + w.head].data());
-      return Batch::group_pages(batch.seqs[w.seq], grp);
-    });
-    auto unit_pages = [&](const AttnUnit& w) {
+    auto unit_pages = [&](const AttnUnit& w) {  // the table a unit reads
       if (quest_layer && quest_on_[w.seq]) return static_cast<const int32_t*>(quest_tables_[size_t(w.seq) * c.n_head_kv + w.head].data());
       return Batch::group_pages(batch.seqs[w.seq], grp);
     };
+    balance_units(tp.size(), bs, batch, unit_pages);
     // Decode runs many short units (a sequence's KV head over a few pages), each of which would
     // start by waiting on RAM for its first tiles: the next unit's first pages are asked for
     // before this one computes (paged_attention_prefetch).
