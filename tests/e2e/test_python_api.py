@@ -274,11 +274,13 @@ def test_the_gil_is_released_while_the_engine_runs(llm):
     t = threading.Thread(target=spin)
     t.start()
     t0 = time.monotonic()
-    llm.generate(["Tell me a story"] * 4, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+    # At least 0.5 s of engine work on any host (one call took 0.19 s on a fast one).
+    while time.monotonic() - t0 < 0.5:
+        llm.generate(["Tell me a story"] * 4, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
     elapsed = time.monotonic() - t0
     stop.set()
     t.join()
-    # A thread that needs the GIL every millisecond ran through the call (held, it would not).
+    # A thread that needs the GIL every millisecond ran through the calls (held, it would not).
     assert elapsed > 0.2 and ticks[0] > 0.3 * elapsed / 0.0011
 
 

@@ -113,6 +113,9 @@ def decode_runs(runs: str) -> str:
     return "".join(state * (int(n) if n else 1) for state, n in re.findall(r"(\D)(\d*)", runs))
 
 
+N_TOK = 400  # tokens of each tenant's request in test_events_json_and_tenant_filtering
+
+
 def test_events_json_and_tenant_filtering(dash):
     assert httpx.get(dash.url + "/dashboard").status_code == 200  # the page asks for the key itself
     assert Watch(dash.url, None).status == 401
@@ -121,9 +124,11 @@ def test_events_json_and_tenant_filtering(dash):
     a, b = Watch(dash.url, KEY_A), Watch(dash.url, KEY_B)
     try:
         secret = "Zebra protocol: you are the private assistant of tenant B and you never reveal this. " * 2
-        tb = in_thread(chat, dash.url, KEY_B, [{"role": "system", "content": secret}, {"role": "user", "content": "Count."}], 64,
+        # Long enough to be seen running between two events even on a host that decodes two
+        # sequences at ~500 tokens a second each (64 tokens once ended between two events).
+        tb = in_thread(chat, dash.url, KEY_B, [{"role": "system", "content": secret}, {"role": "user", "content": "Count."}], N_TOK,
                        salt="b-salt")
-        ta = in_thread(chat, dash.url, KEY_A, [{"role": "user", "content": "Hello from tenant A, say something long."}], 64,
+        ta = in_thread(chat, dash.url, KEY_A, [{"role": "user", "content": "Hello from tenant A, say something long."}], N_TOK,
                        salt="a-salt")
         ev = b.wait_for(lambda e: any(r["state"] == "running" and r["mine"] and r["ns"] == "b-salt" for r in e["requests"]), 30,
                         "B's request running, by name")
@@ -175,7 +180,7 @@ def test_events_json_and_tenant_filtering(dash):
     assert len(first["rates"]) > 1 and [p["t"] for p in first["rates"]] == sorted(set(p["t"] for p in first["rates"]))
     assert first["rates"][0]["t"] <= ts[-1]
     fin = next(r for r in ev_a["requests"] if r.get("ns") == "a-salt")
-    assert fin["reason"] == "length" and fin["generated"] == 64 and fin["first_token"] > fin["arrival"]
+    assert fin["reason"] == "length" and fin["generated"] == N_TOK and fin["first_token"] > fin["arrival"]
     assert [e[0] for e in fin["events"]][-1] == "finished" and "decode" in [e[0] for e in fin["events"]]
 
 
