@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "kernels/isa_kernels.h"
-#include "kernels/prefetch.h"
 
 namespace kv {
 
@@ -46,35 +45,8 @@ void paged_attention_partial_heads(const PagedKvView& kv, int kv_head, int n_gro
                           lse_stride, heads);
 }
 
-void paged_attention_prefetch(const PagedKvView& kv, int kv_head, int n_heads, int64_t key_begin, int64_t key_end,
-                              int max_pages) {
-  static const PrefetchLevel level = prefetch_level();
-  if (level == PrefetchLevel::kNone || key_end <= key_begin) return;
-  const int bs = kv.block_size, hd = kv.head_dim;
-  const int64_t kt = kv_k_tile_bytes(kv.elem, bs, hd), vt = kv.v_from_k ? 0 : kv_v_tile_bytes(kv.elem, bs, hd);
-  const int64_t st = kv_stage_tile_bytes(bs, hd);
-  auto ask = [&](const uint8_t* p, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) {
-      if (level == PrefetchLevel::kT1)
-        __builtin_prefetch(p + o, 0, 2);
-      else
-        __builtin_prefetch(p + o, 0, 3);
-    }
-  };
-  int done = 0;
-  for (int64_t pg = key_begin / bs; pg < (key_end + bs - 1) / bs && done < max_pages; ++pg) {
-    const int32_t page = kv.pages[pg];
-    if (page < 0) continue;
-    ++done;
-    if (kv.stage_of && kv.stage_of[page] >= 0) {
-      const int64_t off = kv.stage_of[page] * kv.stage_bytes + kv_head * st;
-      ask(kv.k_stage + off, n_heads * st);
-      if (!kv.v_from_k) ask(kv.v_stage + off, n_heads * st);
-      continue;
-    }
-    ask(kv.k_base + page * kv.k_page_bytes + kv_head * kt, n_heads * kt);
-    if (vt) ask(kv.v_base + page * kv.v_page_bytes + kv_head * vt, n_heads * vt);
-  }
+void paged_attention_prefetch(const PagedKvView& kv, int kv_head, int64_t key_begin, int64_t key_end, int max_pages) {
+  kernels().prefetch(kv, kv_head, key_begin, key_end, max_pages);
 }
 
 void attention_merge(int n_parts, int n_group, int n_q, int head_dim, const float* acc, const float* m,

@@ -93,13 +93,12 @@ void paged_attention_partial_heads(const PagedKvView& kv, int kv_head, int n_gro
                                    int64_t pos0, int n_q, int64_t key_begin, int64_t key_end, float scale, float* acc,
                                    float* m, float* l, float* page_lse, int64_t lse_stride, const AttnHeads& heads);
 
-// Asks the memory system for the tiles of KV heads [kv_head, kv_head + n_heads) of the first
-// `max_pages` live pages holding keys [key_begin, key_end) (staging copies where a page has
-// one), at kernels/prefetch.h's level, and returns at once. A caller that runs many short
-// attention units (decode: one per sequence and KV head) names the next unit's pages before
-// computing the current one, so its first loads do not wait on RAM.
-void paged_attention_prefetch(const PagedKvView& kv, int kv_head, int n_heads, int64_t key_begin, int64_t key_end,
-                              int max_pages);
+// Asks the memory system for KV head kv_head's K and V tiles of the first `max_pages` pages
+// holding keys [key_begin, key_end) (pages not there, and pages still filling in staging, which
+// are in cache, are skipped), at kernels/prefetch.h's level, and returns at once. A caller that
+// runs many short attention units (decode: one per sequence and KV head) names the next unit's
+// pages before computing the current one, so its first loads do not wait on RAM.
+void paged_attention_prefetch(const PagedKvView& kv, int kv_head, int64_t key_begin, int64_t key_end, int max_pages);
 
 // Combines n_parts partial results of the same rows (laid out part after part:
 // acc [n_parts][n_rows][head_dim], m and l [n_parts][n_rows]) by log-sum-exp and writes the

@@ -1211,6 +1211,20 @@ void paged_attention(const PagedKvView& kv, int kv_head, int n_group, const floa
   }
 }
 
-const AttentionKernels kAttention = {paged_attention, paged_attention_partial, paged_attention_partial_heads, attention_merge};
+void paged_attention_prefetch(const PagedKvView& kv, int kv_head, int64_t key_begin, int64_t key_end, int max_pages) {
+  const int bs = kv.block_size;
+  const int64_t k_bytes = kv_k_tile_bytes(kv.elem, bs, kv.head_dim), v_bytes = kv_v_tile_bytes(kv.elem, bs, kv.head_dim);
+  int n = 0;
+  for (int64_t pg = key_begin / bs; pg < (key_end + bs - 1) / bs && n < max_pages; ++pg) {
+    const int32_t page = kv.pages[pg];
+    if (page < 0 || has_stage(kv, page)) continue;  // as attend: a staged page is being written, in cache
+    ++n;
+    prefetch_tile(k_tile(kv, page, kv_head, false), k_bytes);
+    if (const uint8_t* v = v_tile(kv, page, kv_head, false)) prefetch_tile(v, v_bytes);
+  }
+}
+
+const AttentionKernels kAttention = {paged_attention, paged_attention_partial, paged_attention_partial_heads, attention_merge,
+                                     paged_attention_prefetch};
 
 }  // namespace kv::KV_ISA_NS

@@ -44,6 +44,7 @@ struct AttentionKernels {
   decltype(&kv::paged_attention_partial) partial;
   decltype(&kv::paged_attention_partial_heads) partial_heads;
   decltype(&kv::attention_merge) merge;
+  decltype(&kv::paged_attention_prefetch) prefetch;
 };
 
 namespace scalar {

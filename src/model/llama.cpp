@@ -624,9 +624,11 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
       else silu_mul(g, g + c.n_ff, h_.data() + t * c.n_ff, c.n_ff);
     });
     matmul(L.wdown, h_.data(), n_tok, tmp_.data(), tp);
-    if (c.gemma3)
-      for (int64_t t = 0; t < n_tok; ++t) rms_norm(tmp_.data() + t * E, L.post_ffw_norm.data(), tmp_.data() + t * E, E, c.rms_eps);
-    add_inplace(x_.data(), tmp_.data(), n_tok * E);
+    for_rows(tp, n_tok, [&](int64_t t) {
+      float* o = tmp_.data() + t * E;
+      if (c.gemma3) rms_norm(o, L.post_ffw_norm.data(), o, E, c.rms_eps);
+      add_inplace(x_.data() + t * E, o, E);
+    });
   };
 
   for (int il = 0; il < c.n_layer; ++il) {
@@ -707,7 +709,7 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
       const int64_t kb = w.split >= 0 ? w.key_begin : window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
       const int64_t ke = w.split >= 0 ? w.key_end : pos + w.n;
       constexpr int kPages = 4;  // the kernels' own look-ahead (attention_impl.h, kPrefetchAhead)
-      paged_attention_prefetch(v, w.head, 1, kb, ke, kPages);
+      paged_attention_prefetch(v, w.head, kb, ke, kPages);
     };
     tp.run([&](int ith, int nth) {
       int64_t b = unit_bounds_[ith], e = unit_bounds_[ith + 1];
