@@ -3,7 +3,9 @@
 // decoded one at a time after `--context` tokens already in the cache. The context is
 // prefilled once; after each tg repeat the sequence is rolled back to it (truncate).
 // --measure-bandwidth also times a plain read loop over a large buffer on the same threads:
-// the machine's read bandwidth, the ceiling of decode's effective GB/s.
+// the machine's read bandwidth, the ceiling of decode's effective GB/s. It runs just before
+// each decode repeat (decode_bandwidth_fraction: the median of each repeat's fraction of its
+// own moment's bandwidth, for hosts whose bandwidth moves) and once more at the end.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -11,7 +13,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <nlohmann/json.hpp>
+#include <vector>
 
 #include "commands.h"
 #include "common/units.h"
@@ -61,7 +65,11 @@ __attribute__((target("avx512f"))) uint64_t read_sum_avx512(const uint8_t* p, in
     a2 = _mm512_add_epi64(a2, _mm512_load_si512(p + i + 128));
     a3 = _mm512_add_epi64(a3, _mm512_load_si512(p + i + 192));
   }
-  return _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3)));
+  alignas(64) uint64_t lanes[8];  // a store, not _mm512_reduce_add_epi64 (GCC 12 warns inside it)
+  _mm512_store_si512(lanes, _mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3)));
+  uint64_t sum = 0;
+  for (uint64_t x : lanes) sum += x;
+  return sum;
 }
 // The same with 256-bit loads (hosts without AVX-512).
 __attribute__((target("avx2"))) uint64_t read_sum_avx2(const uint8_t* p, int64_t n) {
@@ -87,50 +95,69 @@ uint64_t read_sum_scalar(const uint8_t* p, int64_t n) {
   return a[0] + a[1] + a[2] + a[3];
 }
 
-// The machine's read bandwidth on these threads: each thread sums its contiguous share of a
-// buffer far larger than the caches; median GB/s over passes (after one untimed pass).
-nlohmann::json measure_bandwidth(kv::ThreadPool& tp, int64_t bytes, int passes, bool quiet) {
-  bytes = std::max<int64_t>(bytes / 4096 * 4096, 4096);
-  auto* buf = static_cast<uint8_t*>(std::aligned_alloc(4096, static_cast<size_t>(bytes)));
-  if (!buf) fail("cannot allocate the bandwidth buffer");
-  std::memset(buf, 1, static_cast<size_t>(bytes));  // real pages, not the shared zero page
-  const bool avx512 = __builtin_cpu_supports("avx512f");
-  const bool avx2 = !avx512 && __builtin_cpu_supports("avx2");
-  std::vector<uint64_t> sums(tp.size() * 8, 0);  // one cache line per thread
-  std::vector<double> gbs;
-  using clock = std::chrono::steady_clock;
-  for (int pass = 0; pass <= passes; ++pass) {
-    auto t0 = clock::now();
-    tp.run([&](int ith, int nth) {
-      int64_t b, e;
-      kv::ThreadPool::split(bytes, ith, nth, 4096, &b, &e);
-      sums[ith * 8] += avx512 ? read_sum_avx512(buf + b, e - b)
-                      : avx2  ? read_sum_avx2(buf + b, e - b)
-                              : read_sum_scalar(buf + b, e - b);
-    });
-    const double s = std::chrono::duration<double>(clock::now() - t0).count();
-    if (pass > 0) gbs.push_back(bytes / s / 1e9);
+// A plain read loop on these threads: each thread sums its contiguous share of a buffer far
+// larger than the caches. The machine's read bandwidth, the ceiling of decode's effective GB/s.
+class ReadLoop {
+ public:
+  ReadLoop(kv::ThreadPool& tp, int64_t bytes) : tp_(tp), bytes_(std::max<int64_t>(bytes / 4096 * 4096, 4096)) {
+    buf_ = static_cast<uint8_t*>(std::aligned_alloc(4096, static_cast<size_t>(bytes_)));
+    if (!buf_) fail("cannot allocate the bandwidth buffer");
+    std::memset(buf_, 1, static_cast<size_t>(bytes_));  // real pages, not the shared zero page
+    sums_.assign(tp.size() * 8, 0);                     // one cache line per thread
+    pass();                                             // untimed: first touch done, caches warm
   }
-  uint64_t total = 0;
-  for (uint64_t x : sums) total += x;
-  std::free(buf);
-  std::vector<double> sorted = gbs;
-  std::sort(sorted.begin(), sorted.end());
-  const size_t n = sorted.size();
-  const double med = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
-  if (!quiet) std::fprintf(stderr, "machine read bandwidth: %.1f GB/s (median of %d passes over %.0f MiB, %d threads)\n", med, passes,
-                           bytes / 1048576.0, tp.size());
-  nlohmann::json j;
-  j["gb_s"] = med;
-  j["gb_s_min"] = sorted.front();
-  j["gb_s_max"] = sorted.back();
-  j["passes"] = gbs;
-  j["buffer_bytes"] = bytes;
-  j["threads"] = tp.size();
-  j["loads"] = avx512 ? "avx512" : avx2 ? "avx2" : "scalar";
-  j["checksum"] = total;  // keeps the sums live
-  return j;
-}
+  ~ReadLoop() { std::free(buf_); }
+  ReadLoop(const ReadLoop&) = delete;
+  ReadLoop& operator=(const ReadLoop&) = delete;
+
+  double pass() {  // GB/s of one pass over the buffer
+    const auto t0 = std::chrono::steady_clock::now();
+    tp_.run([&](int ith, int nth) {
+      int64_t b, e;
+      kv::ThreadPool::split(bytes_, ith, nth, 4096, &b, &e);
+      sums_[ith * 8] += avx512_ ? read_sum_avx512(buf_ + b, e - b) : avx2_ ? read_sum_avx2(buf_ + b, e - b) : read_sum_scalar(buf_ + b, e - b);
+    });
+    return bytes_ / std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 1e9;
+  }
+  std::vector<double> passes(int n) {
+    std::vector<double> gbs;
+    for (int i = 0; i < n; ++i) gbs.push_back(pass());
+    return gbs;
+  }
+  // The summary of `n` passes, as --measure-bandwidth reports it.
+  nlohmann::json measure(int n, bool quiet) {
+    const std::vector<double> gbs = passes(n);
+    const double med = median(gbs);
+    if (!quiet)
+      std::fprintf(stderr, "machine read bandwidth: %.1f GB/s (median of %d passes over %.0f MiB, %d threads)\n", med, n,
+                   bytes_ / 1048576.0, tp_.size());
+    uint64_t total = 0;
+    for (uint64_t x : sums_) total += x;
+    nlohmann::json j;
+    j["gb_s"] = med;
+    j["gb_s_min"] = *std::min_element(gbs.begin(), gbs.end());
+    j["gb_s_max"] = *std::max_element(gbs.begin(), gbs.end());
+    j["passes"] = gbs;
+    j["buffer_bytes"] = bytes_;
+    j["threads"] = tp_.size();
+    j["loads"] = avx512_ ? "avx512" : avx2_ ? "avx2" : "scalar";
+    j["checksum"] = total;  // keeps the sums live
+    return j;
+  }
+  static double median(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    const size_t n = v.size();
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  }
+
+ private:
+  kv::ThreadPool& tp_;
+  const int64_t bytes_;
+  uint8_t* buf_ = nullptr;
+  std::vector<uint64_t> sums_;
+  const bool avx512_ = __builtin_cpu_supports("avx512f");
+  const bool avx2_ = !avx512_ && __builtin_cpu_supports("avx2");
+};
 
 // --batch N: N sequences of random prompts decode together through the engine (continuous
 // batching, the server's path, with the sampling parameters given), each for gen_tokens.
@@ -271,6 +298,8 @@ void run_bench(const BenchOptions& o) {
   }
   double context_prefill_s = 0;
   kv::ColdStats cold_at_decode;  // the cold store's counters when decoding starts
+  std::unique_ptr<ReadLoop> read_loop;  // --measure-bandwidth
+  std::vector<double> read_before;      // GB/s of the read loop just before decode repeat r
   if (o.gen_tokens > 0) {
     // The context once; every repeat decodes from it and rolls back to it.
     if (o.context > 0) {
@@ -287,7 +316,11 @@ void run_bench(const BenchOptions& o) {
                      kv_tokens_read, o.context);
     }
     if (cold) cold_at_decode = cold->stats();
+    if (o.measure_bandwidth) read_loop = std::make_unique<ReadLoop>(*lm.threads, int64_t(o.bandwidth_mib) << 20);
     for (int r = 0; r < o.repeat; ++r) {
+      // The read loop just before each repeat: on a host whose bandwidth moves between runs (a
+      // shared VM), each repeat is compared with the bandwidth of its own moment.
+      if (read_loop) read_before.push_back(ReadLoop::median(read_loop->passes(3)));
       int32_t tok = prompt[0];
       auto t0 = clock::now();
       for (int i = 0; i < o.gen_tokens; ++i) {
@@ -346,10 +379,26 @@ void run_bench(const BenchOptions& o) {
     if (o.context > 0) j["context_prefill_s"] = context_prefill_s;
   }
   if (o.measure_bandwidth) {
-    nlohmann::json bw = measure_bandwidth(*lm.threads, int64_t(o.bandwidth_mib) << 20, o.bandwidth_passes, o.json);
+    if (!read_loop) read_loop = std::make_unique<ReadLoop>(*lm.threads, int64_t(o.bandwidth_mib) << 20);
+    nlohmann::json bw = read_loop->measure(o.bandwidth_passes, o.json);
     j["machine_read_gb_s"] = bw["gb_s"];
     j["machine_bandwidth"] = bw;
-    if (!tg.empty()) j["decode_bandwidth_fraction"] = j["decode_effective_gb_s"].get<double>() / bw["gb_s"].get<double>();
+    if (!tg.empty()) {
+      // Each repeat against the read loop run just before it; the median of those fractions.
+      nlohmann::json pairs = nlohmann::json::array();
+      std::vector<double> frac;
+      for (size_t r = 0; r < tg.size() && r < read_before.size(); ++r) {
+        frac.push_back(bytes_per_tok * tg[r] / 1e9 / read_before[r]);
+        pairs.push_back({{"read_gb_s", read_before[r]}, {"decode_tok_s", tg[r]}, {"fraction", frac.back()}});
+      }
+      j["decode_bandwidth_fraction"] = ReadLoop::median(frac);
+      j["decode_bandwidth_pairs"] = pairs;
+      j["decode_bandwidth_fraction_after"] = j["decode_effective_gb_s"].get<double>() / bw["gb_s"].get<double>();
+      if (!o.json)
+        for (size_t r = 0; r < frac.size(); ++r)
+          std::fprintf(stderr, "repeat %zu: read loop %.1f GB/s just before, decode %.1f tok/s = %.0f%% of it\n", r + 1,
+                       read_before[r], tg[r], 100 * frac[r]);
+    }
   }
   std::printf("%s\n", j.dump(o.json ? -1 : 2).c_str());
   if (kv::Status st = lm.pool->check_integrity(); !st || lm.pool->n_used() != 0) fail("KV pool integrity: " + st.message());

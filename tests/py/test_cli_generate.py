@@ -167,6 +167,26 @@ def test_bench_json_has_the_fields():
         assert j[k] > 0, k
 
 
+def test_bench_measures_the_read_loop_beside_each_decode_repeat():
+    # On a VM whose read bandwidth moves between ~40 and ~78 GB/s from minute to minute, one
+    # read loop after the run said little about the repeats; each repeat is now paired with a
+    # read loop run just before it, and the fraction is the median of the pairs'.
+    r = run("bench", "-m", MODEL, "-p", "0", "-n", "8", "--repeat", "3", "--measure-bandwidth",
+            "--bandwidth-mib", "64", "--bandwidth-passes", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    pairs = j["decode_bandwidth_pairs"]
+    assert len(pairs) == 3
+    gb_per_token = j["decode_bytes_per_token"] / 1e9
+    for p in pairs:
+        assert p["read_gb_s"] > 0 and p["decode_tok_s"] > 0
+        assert abs(p["fraction"] - gb_per_token * p["decode_tok_s"] / p["read_gb_s"]) < 1e-9
+    assert sorted(p["decode_tok_s"] for p in pairs) == sorted([j["decode_tok_s_min"], j["decode_tok_s"], j["decode_tok_s_max"]])
+    assert j["decode_bandwidth_fraction"] == sorted(p["fraction"] for p in pairs)[1]
+    assert len(j["machine_bandwidth"]["passes"]) == 3 and j["machine_read_gb_s"] > 0
+    assert abs(j["decode_bandwidth_fraction_after"] - j["decode_effective_gb_s"] / j["machine_read_gb_s"]) < 1e-9
+
+
 def test_bench_batch_runs_the_engine_and_profiles_its_steps():
     # 4 sequences decode together through the engine with sampling; the JSON reports the
     # aggregate rate and where each step's time went (shares of the decode steps, summing to 1).
