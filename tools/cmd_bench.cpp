@@ -127,16 +127,16 @@ class ReadLoop {
   // The summary of `n` passes, as --measure-bandwidth reports it.
   nlohmann::json measure(int n, bool quiet) {
     const std::vector<double> gbs = passes(n);
-    const double med = median(gbs);
+    const Stats st = stats(gbs);
     if (!quiet)
-      std::fprintf(stderr, "machine read bandwidth: %.1f GB/s (median of %d passes over %.0f MiB, %d threads)\n", med, n,
+      std::fprintf(stderr, "machine read bandwidth: %.1f GB/s (median of %d passes over %.0f MiB, %d threads)\n", st.median, n,
                    bytes_ / 1048576.0, tp_.size());
     uint64_t total = 0;
     for (uint64_t x : sums_) total += x;
     nlohmann::json j;
-    j["gb_s"] = med;
-    j["gb_s_min"] = *std::min_element(gbs.begin(), gbs.end());
-    j["gb_s_max"] = *std::max_element(gbs.begin(), gbs.end());
+    j["gb_s"] = st.median;
+    j["gb_s_min"] = st.min;
+    j["gb_s_max"] = st.max;
     j["passes"] = gbs;
     j["buffer_bytes"] = bytes_;
     j["threads"] = tp_.size();
@@ -144,12 +144,6 @@ class ReadLoop {
     j["checksum"] = total;  // keeps the sums live
     return j;
   }
-  static double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    const size_t n = v.size();
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-  }
-
  private:
   kv::ThreadPool& tp_;
   const int64_t bytes_;
@@ -320,7 +314,7 @@ void run_bench(const BenchOptions& o) {
     for (int r = 0; r < o.repeat; ++r) {
       // The read loop just before each repeat: on a host whose bandwidth moves between runs (a
       // shared VM), each repeat is compared with the bandwidth of its own moment.
-      if (read_loop) read_before.push_back(ReadLoop::median(read_loop->passes(3)));
+      if (read_loop) read_before.push_back(stats(read_loop->passes(3)).median);
       int32_t tok = prompt[0];
       auto t0 = clock::now();
       for (int i = 0; i < o.gen_tokens; ++i) {
@@ -391,7 +385,7 @@ void run_bench(const BenchOptions& o) {
         frac.push_back(bytes_per_tok * tg[r] / 1e9 / read_before[r]);
         pairs.push_back({{"read_gb_s", read_before[r]}, {"decode_tok_s", tg[r]}, {"fraction", frac.back()}});
       }
-      j["decode_bandwidth_fraction"] = ReadLoop::median(frac);
+      j["decode_bandwidth_fraction"] = stats(frac).median;
       j["decode_bandwidth_pairs"] = pairs;
       j["decode_bandwidth_fraction_after"] = j["decode_effective_gb_s"].get<double>() / bw["gb_s"].get<double>();
       if (!o.json)
