@@ -413,7 +413,9 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--chunk", o->chunk, "prefill chunk size")->check(number_in(1, 1 << 16))->capture_default_str();
   cmd->add_flag("--json", o->json, "one JSON object on stdout, no progress");
   cmd->add_flag("--measure-bandwidth", o->measure_bandwidth,
-                "also measure the machine's read bandwidth (a read loop over a large buffer, same threads)");
+                "also measure the machine's read bandwidth (a read loop over a large buffer, same threads): 3 passes "
+                "before each decode repeat (decode_bandwidth_fraction: the median of the repeats' fractions) and "
+                "--bandwidth-passes at the end");
   cmd->add_option("--bandwidth-mib", o->bandwidth_mib, "buffer of the bandwidth loop, MiB")->check(number_in(1, 1 << 16))->capture_default_str();
   cmd->add_option("--bandwidth-passes", o->bandwidth_passes, "timed passes of the bandwidth loop (median)")->check(number_in(1, 1000))->capture_default_str();
   cmd->add_option("--batch,-b", o->batch,
