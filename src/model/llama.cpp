@@ -601,10 +601,14 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
   if (questing && !pools[0]->has_key_stats()) return Status::error("Quest sparse reads need the pool's key summaries (PagePool::enable_key_stats)");
   const std::vector<AttnUnit>& units = units_;
   const int64_t bs = kl.block_size;
-  if (c.mla) {
-    tok_pos_.resize(n_tok);
-    for (const BatchSeq& s : batch.seqs)
-      for (int32_t i = 0; i < s.n_tokens; ++i) tok_pos_[s.offset + i] = s.pos0 + i;
+  tok_pos_.resize(n_tok);
+  tok_seq_.resize(n_tok);
+  for (size_t si = 0; si < batch.seqs.size(); ++si) {
+    const BatchSeq& s = batch.seqs[si];
+    for (int32_t i = 0; i < s.n_tokens; ++i) {
+      tok_pos_[s.offset + i] = s.pos0 + i;
+      tok_seq_[s.offset + i] = static_cast<int32_t>(si);
+    }
   }
 
   // The rest of a layer once its attention output (after Wo) is in tmp: x += tmp (Gemma 3:
@@ -650,31 +654,37 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
     for_rows(tp, n_tok, [&](int64_t t) { rms_norm(x_.data() + t * E, L.attn_norm.data(), h_.data() + t * E, E, c.rms_eps); });
     matmul(L.wqkv, h_.data(), n_tok, qkv_.data(), tp);
     const auto t_attn = Clock::now();
-    // RoPE on q and k, then write k and v into the pages (staged layers: into the page's f16
-    // staging tiles, quantized when the page's last slot is written).
-    for (const BatchSeq& s : batch.seqs) {
-      for (int32_t i = 0; i < s.n_tokens; ++i) {
-        const int64_t t = s.offset + i, pos = s.pos0 + i;
-        float* row = qkv_.data() + t * n_qkv;
-        if (c.gemma3) {  // QK-norm: RMSNorm over each head
-          for (int h = 0; h < c.n_head; ++h) rms_norm(row + h * HD, L.q_norm.data(), row + h * HD, HD, c.rms_eps);
-          for (int h = 0; h < c.n_head_kv; ++h) rms_norm(row + n_q + h * HD, L.k_norm.data(), row + n_q + h * HD, HD, c.rms_eps);
-        }
-        rope(row, c.n_head, c.head_dim, c.n_rot, pos, rope_base, c.rope_scale, c.rope_style);
-        rope(row + n_q, c.n_head_kv, c.head_dim, c.n_rot, pos, rope_base, c.rope_scale, c.rope_style);
-        const int32_t page = Batch::group_pages(s, grp)[pos / bs];
-        const int slot = static_cast<int>(pos % bs);
-        if (!pool.write_token(li, page, slot, row + n_q, row + n_q + n_kv)) {
+    // RoPE on q and k of token t, then its k and v into the pages (staged layers: into the
+    // page's f16 staging tiles, quantized when the page's last slot is written).
+    auto rope_write = [&](int64_t t) {
+      const BatchSeq& s = batch.seqs[tok_seq_[t]];
+      const int64_t pos = tok_pos_[t];
+      float* row = qkv_.data() + t * n_qkv;
+      if (c.gemma3) {  // QK-norm: RMSNorm over each head
+        for (int h = 0; h < c.n_head; ++h) rms_norm(row + h * HD, L.q_norm.data(), row + h * HD, HD, c.rms_eps);
+        for (int h = 0; h < c.n_head_kv; ++h) rms_norm(row + n_q + h * HD, L.k_norm.data(), row + n_q + h * HD, HD, c.rms_eps);
+      }
+      rope(row, c.n_head, c.head_dim, c.n_rot, pos, rope_base, c.rope_scale, c.rope_style);
+      rope(row + n_q, c.n_head_kv, c.head_dim, c.n_rot, pos, rope_base, c.rope_scale, c.rope_style);
+      const int32_t page = Batch::group_pages(s, grp)[pos / bs];
+      return pool.write_token(li, page, static_cast<int>(pos % bs), row + n_q, row + n_q + n_kv);
+    };
+    const bool score_layer = scoring && grp == 0, quest_layer = questing && grp == 0;
+    // Tokens are written by the attention job's threads, each its share, before a barrier,
+    // where nothing else touches what a write touches: an unstaged page's own slot (no staging
+    // slot to take from the shared list, no key summary read across slots another thread may
+    // be writing) and no Quest page choice waiting on the queries. Otherwise in order here.
+    const bool write_in_job = tp.size() > 1 && !pool.layout().staged(li) && !pool.has_key_stats() && !quest_layer;
+    if (!write_in_job)
+      for (int64_t t = 0; t < n_tok; ++t)
+        if (!rope_write(t)) {
           pool.release_filled(li);
           return Status::error("KV staging slots exhausted (more partly filled pages than the pool was sized for)");
         }
-      }
-    }
     // attn: [n_tok][n_q]
     PagedKvView view = pool.view(li);
     view.window = window;
     const int n_group = c.n_group();
-    const bool score_layer = scoring && grp == 0, quest_layer = questing && grp == 0;
     if (quest_layer) quest_select_layer(batch, pool, li, tp);
     const int64_t ppp = kSplitKeys / bs;  // pages per split part
     // Adds the attention mass of row r's pages (their log-sum-exp, lse[r·stride + i] for page
@@ -712,7 +722,13 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
       paged_attention_prefetch(v, w.head, kb, ke, kPages);
     };
     tp.run([&](int ith, int nth) {
-      int64_t b = unit_bounds_[ith], e = unit_bounds_[ith + 1];
+      int64_t b, e;
+      if (write_in_job) {
+        ThreadPool::split(n_tok, ith, nth, 1, &b, &e);
+        for (int64_t t = b; t < e; ++t) rope_write(t);  // unstaged: cannot fail
+        tp.barrier();
+      }
+      b = unit_bounds_[ith], e = unit_bounds_[ith + 1];
       for (int64_t u = b; u < e; ++u) {
         const AttnUnit& w = units[u];
         const BatchSeq& s = batch.seqs[w.seq];

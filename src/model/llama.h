@@ -117,9 +117,10 @@ class LlamaModel {
   std::vector<float> tmp_;   // [n_tokens][n_embd]
   // MLA scratch: absorbed queries [n_tokens][n_head (C + dr)], q after attn_q_b
   // [n_tokens][n_head (dn + dr)], normed q_a [n_tokens][q_lora], per-head values
-  // [n_tokens][n_head dv]; token positions of the batch.
+  // [n_tokens][n_head dv].
   std::vector<float> mla_q_, mla_qb_, mla_qa_, mla_o_;
-  std::vector<int64_t> tok_pos_;
+  std::vector<int64_t> tok_pos_;   // [n_tokens] position of each batch token
+  std::vector<int32_t> tok_seq_;   // [n_tokens] its batch sequence
   // Attention work units: (sequence, kv head, tile of query tokens, key range), spread over
   // threads. A run of at most kAttnQTile tokens with a long context is split into parts of
   // kSplitKeys keys (flash-decoding); the parts' partial results are merged by log-sum-exp.
