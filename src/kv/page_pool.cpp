@@ -349,30 +349,39 @@ void PagePool::summarize_keys(int32_t layer, int32_t page) {
 }
 
 bool PagePool::write_token(int32_t layer, int32_t page, int32_t slot, const float* k, const float* v) {
+  if (!begin_write(layer, page, slot)) return false;
+  if (write_slot(layer, page, slot, k, v)) {
+    finish_page(layer, page);
+    mark_filled(layer, page);
+  }
+  return true;
+}
+
+bool PagePool::write_slot(int32_t layer, int32_t page, int32_t slot, const float* k, const float* v) {
   const int bs = layout_.block_size, hd = layout_.head_dim;
-  const KvElem e = layout_.dtype_of(layer);
+  const bool last = slot == bs - 1;
   if (layout_.staged(layer)) {
-    if (!ensure_stage(layer, page, slot)) return false;
     const int32_t s = stage_of(layer, page);
+    assert(s >= 0);  // begin_write
     const int64_t st = kv_stage_tile_bytes(bs, hd);
     for (int32_t h = 0; h < layout_.n_head_kv; ++h) {
       kv_write_k(stage_k(layer, s) + h * st, KvElem::kF16, bs, hd, slot, k + int64_t(h) * hd);
       if (layout_.v_from_k == 0) kv_write_v(stage_v(layer, s) + h * st, KvElem::kF16, bs, hd, slot, v + int64_t(h) * hd);
     }
-    if (slot == bs - 1) {
-      if (!key_stats_.empty()) summarize_keys(layer, page);  // from the keys as written
-      quantize_layer(layer, page);
-      filled_[layer].push_back(page);
-    }
-    return true;
+    return last;  // finishes_pages
   }
+  const KvElem e = layout_.dtype_of(layer);
   const int64_t kt = kv_k_tile_bytes(e, bs, hd), vt = kv_v_tile_bytes(e, bs, hd);
   for (int32_t h = 0; h < layout_.n_head_kv; ++h) {
     kv_write_k(k_data(layer, page) + h * kt, e, bs, hd, slot, k + int64_t(h) * hd);
     if (layout_.v_from_k == 0) kv_write_v(v_data(layer, page) + h * vt, e, bs, hd, slot, v + int64_t(h) * hd);
   }
-  if (!key_stats_.empty() && slot == bs - 1) summarize_keys(layer, page);
-  return true;
+  return last && finishes_pages(layer);
+}
+
+void PagePool::finish_page(int32_t layer, int32_t page) {
+  if (!key_stats_.empty()) summarize_keys(layer, page);  // from the keys as written
+  if (layout_.staged(layer)) quantize_layer(layer, page);
 }
 
 void PagePool::transform_keys_impl(int32_t layer, int32_t page, int32_t n_slots, void (*call)(void*, float*, int32_t),

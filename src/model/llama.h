@@ -121,6 +121,7 @@ class LlamaModel {
   std::vector<float> mla_q_, mla_qb_, mla_qa_, mla_o_;
   std::vector<int64_t> tok_pos_;   // [n_tokens] position of each batch token
   std::vector<int32_t> tok_seq_;   // [n_tokens] its batch sequence
+  std::vector<int32_t> fill_pages_;  // a layer's pages this forward fills (finished in the attention job)
   // Attention work units: (sequence, kv head, tile of query tokens, key range), spread over
   // threads. A run of at most kAttnQTile tokens with a long context is split into parts of
   // kSplitKeys keys (flash-decoding); the parts' partial results are merged by log-sum-exp.
