@@ -37,9 +37,10 @@ constexpr int kGroupKeys = kGroupPages * kAttnMaxBlockSize;  // score buffer wid
 
 // Asks for a tile's cache lines ahead of use. Inline asm, not _mm_prefetch: GCC may delete a
 // loop whose only statements are prefetch builtins (no side effects, assumed finite).
-// The level follows kernels/prefetch.h (L1 on Intel, L2 on AMD).
+// The level follows kernels/prefetch.h's attention_prefetch_level() (L1 on Intel and AMD Zen 5,
+// L2 on earlier AMD).
 inline void prefetch_tile(const uint8_t* p, int64_t bytes) {
-  static const PrefetchLevel level = prefetch_level();
+  static const PrefetchLevel level = attention_prefetch_level();
   if (level == PrefetchLevel::kT1) {
     for (int64_t o = 0; o < bytes; o += 64) asm volatile("prefetcht1 %0" ::"m"(p[o]));
   } else if (level == PrefetchLevel::kT0) {

@@ -5,6 +5,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 #include <limits>
 #include <vector>
 
@@ -86,6 +89,23 @@ PrefetchLevel prefetch_level() {
     if (__builtin_cpu_is("amd")) return PrefetchLevel::kT1;
 #endif
     return PrefetchLevel::kT0;
+  }();
+  return level;
+}
+
+PrefetchLevel attention_prefetch_level() {
+  static const PrefetchLevel level = [] {
+    if (std::getenv("KV_PREFETCH_HINT")) return prefetch_level();
+#if defined(__x86_64__) || defined(__i386__)
+    if (__builtin_cpu_is("amd")) {
+      unsigned a, b, c, d;
+      if (__get_cpuid(1, &a, &b, &c, &d)) {
+        const unsigned base = (a >> 8) & 0xF, family = base == 0xF ? base + ((a >> 20) & 0xFF) : base;
+        if (family >= 0x1A) return PrefetchLevel::kT0;
+      }
+    }
+#endif
+    return prefetch_level();
   }();
   return level;
 }

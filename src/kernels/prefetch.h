@@ -9,6 +9,12 @@ namespace kv {
 
 enum class PrefetchLevel { kNone = 0, kT0 = 1, kT1 = 2 };
 PrefetchLevel prefetch_level();
+// The level the paged attention kernels' tile look-ahead uses: prefetch_level(), except on AMD
+// Zen 5 (family 0x1A), where L1 measured faster for attention and not for the matmuls. On the
+// Zen 5 VM (2026-12-01, `bench/ab_pairs.py`, KV_PREFETCH_HINT=t0 against t1 for everything):
+// 8k-context decode f16 ×1.072 (9 of 10 pairs), int8 ×1.030 (7 of 8); batch 1, 16 sequences
+// and 512-token prefill unchanged (×0.989, ×0.996, ×0.997). KV_PREFETCH_HINT overrides both.
+PrefetchLevel attention_prefetch_level();
 
 // How a one-row matmul (decode at batch 1) streams its weights. AVX-512 GEMV either takes 4
 // groups of 16 outputs at once (4 streams, one per group's records, each prefetched 2 KiB
