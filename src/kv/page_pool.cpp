@@ -350,16 +350,16 @@ void PagePool::summarize_keys(int32_t layer, int32_t page) {
 
 bool PagePool::write_token(int32_t layer, int32_t page, int32_t slot, const float* k, const float* v) {
   if (!begin_write(layer, page, slot)) return false;
-  if (write_slot(layer, page, slot, k, v)) {
+  write_slot(layer, page, slot, k, v);
+  if (slot == layout_.block_size - 1 && finishes_pages(layer)) {
     finish_page(layer, page);
     mark_filled(layer, page);
   }
   return true;
 }
 
-bool PagePool::write_slot(int32_t layer, int32_t page, int32_t slot, const float* k, const float* v) {
+void PagePool::write_slot(int32_t layer, int32_t page, int32_t slot, const float* k, const float* v) {
   const int bs = layout_.block_size, hd = layout_.head_dim;
-  const bool last = slot == bs - 1;
   if (layout_.staged(layer)) {
     const int32_t s = stage_of(layer, page);
     assert(s >= 0);  // begin_write
@@ -368,7 +368,7 @@ bool PagePool::write_slot(int32_t layer, int32_t page, int32_t slot, const float
       kv_write_k(stage_k(layer, s) + h * st, KvElem::kF16, bs, hd, slot, k + int64_t(h) * hd);
       if (layout_.v_from_k == 0) kv_write_v(stage_v(layer, s) + h * st, KvElem::kF16, bs, hd, slot, v + int64_t(h) * hd);
     }
-    return last;  // finishes_pages
+    return;
   }
   const KvElem e = layout_.dtype_of(layer);
   const int64_t kt = kv_k_tile_bytes(e, bs, hd), vt = kv_v_tile_bytes(e, bs, hd);
@@ -376,7 +376,6 @@ bool PagePool::write_slot(int32_t layer, int32_t page, int32_t slot, const float
     kv_write_k(k_data(layer, page) + h * kt, e, bs, hd, slot, k + int64_t(h) * hd);
     if (layout_.v_from_k == 0) kv_write_v(v_data(layer, page) + h * vt, e, bs, hd, slot, v + int64_t(h) * hd);
   }
-  return last && finishes_pages(layer);
 }
 
 void PagePool::finish_page(int32_t layer, int32_t page) {

@@ -117,13 +117,13 @@ class PagePool {
   // write_token in three steps, so that a batch's tokens can be written by several threads:
   // begin_write for every token in order (owner thread: takes staging slots; false when none
   // is free), then write_slot for each token, from any thread (each slot by one writer), then,
-  // once every write_slot returned, finish_page for each page a write_slot reported full (from
-  // any thread, each page by one), and mark_filled for each of them (owner thread). The
-  // result is byte for byte that of write_token in the same order.
+  // once every write_slot returned, finish_page for each page whose last slot was written, if
+  // finishes_pages (from any thread, each page by one), and mark_filled for each of them (owner
+  // thread). The result is byte for byte that of write_token in the same order.
   bool begin_write(int32_t layer, int32_t page, int32_t slot) { return ensure_stage(layer, page, slot); }
-  // True when the slot completes a page that needs finish_page (a staged layer, or key summaries).
-  bool write_slot(int32_t layer, int32_t page, int32_t slot, const float* k, const float* v);
-  // Whether a page of `layer` needs finish_page once its last slot is written.
+  void write_slot(int32_t layer, int32_t page, int32_t slot, const float* k, const float* v);
+  // Whether a page of `layer` needs finish_page once its last slot is written (a staged layer,
+  // or key summaries).
   bool finishes_pages(int32_t layer) const { return layout_.staged(layer) || !key_stats_.empty(); }
   // The page's key summary (when kept), then for a staged layer its quantized tiles.
   void finish_page(int32_t layer, int32_t page);

@@ -655,8 +655,10 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
     matmul(L.wqkv, h_.data(), n_tok, qkv_.data(), tp);
     const auto t_attn = Clock::now();
     // RoPE on q and k of token t, then its k and v into the pages (staged layers: into the
-    // page's f16 staging tiles; the pages it fills are finished (quantized, summarized) after).
-    auto rope_token = [&](int64_t t) {
+    // page's f16 staging tiles).
+    auto page_of = [&](int64_t t) { return Batch::group_pages(batch.seqs[tok_seq_[t]], grp)[tok_pos_[t] / bs]; };
+    auto slot_of = [&](int64_t t) { return static_cast<int32_t>(tok_pos_[t] % bs); };
+    auto rope_write = [&](int64_t t) {
       float* row = qkv_.data() + t * n_qkv;
       if (c.gemma3) {  // QK-norm: RMSNorm over each head
         for (int h = 0; h < c.n_head; ++h) rms_norm(row + h * HD, L.q_norm.data(), row + h * HD, HD, c.rms_eps);
@@ -664,14 +666,13 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
       }
       rope(row, c.n_head, c.head_dim, c.n_rot, tok_pos_[t], rope_base, c.rope_scale, c.rope_style);
       rope(row + n_q, c.n_head_kv, c.head_dim, c.n_rot, tok_pos_[t], rope_base, c.rope_scale, c.rope_style);
+      pool.write_slot(li, page_of(t), slot_of(t), row + n_q, row + n_q + n_kv);
     };
-    auto page_of = [&](int64_t t) { return Batch::group_pages(batch.seqs[tok_seq_[t]], grp)[tok_pos_[t] / bs]; };
-    auto slot_of = [&](int64_t t) { return static_cast<int32_t>(tok_pos_[t] % bs); };
     const bool score_layer = scoring && grp == 0, quest_layer = questing && grp == 0;
     // With more than one thread the tokens are written by the attention job's threads, each its
-    // share, then the pages they filled are finished, each by one thread, before a barrier.
-    // Staging slots are taken here first, in order (PagePool::begin_write). Quest layers write
-    // here, in order: their page choice needs every roped query before the job.
+    // share, then the pages they filled (fill_pages_) are finished, each by one thread, before a
+    // barrier. Staging slots are taken here first, in order (PagePool::begin_write). Quest
+    // layers write here, in order: their page choice needs every roped query before the job.
     const bool write_in_job = tp.size() > 1 && !quest_layer;
     fill_pages_.clear();
     for (int64_t t = 0; t < n_tok; ++t) {
@@ -680,20 +681,15 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
         pool.release_filled(li);
         return Status::error("KV staging slots exhausted (more partly filled pages than the pool was sized for)");
       }
-      if (write_in_job) continue;
-      rope_token(t);
-      const float* row = qkv_.data() + t * n_qkv;
-      if (pool.write_slot(li, page, slot_of(t), row + n_q, row + n_q + n_kv)) {
-        pool.finish_page(li, page);
-        pool.mark_filled(li, page);
+      const bool fills = slot_of(t) == bs - 1 && pool.finishes_pages(li);  // its last slot
+      if (write_in_job) {
+        if (fills) fill_pages_.push_back(page);
+      } else {
+        rope_write(t);
+        if (fills) pool.finish_page(li, page);
       }
+      if (fills) pool.mark_filled(li, page);
     }
-    if (write_in_job)  // the pages this batch fills (a page is filled by its last slot's token)
-      for (int64_t t = 0; t < n_tok; ++t)
-        if (slot_of(t) == bs - 1 && pool.finishes_pages(li)) {
-          fill_pages_.push_back(page_of(t));
-          pool.mark_filled(li, fill_pages_.back());
-        }
     // attn: [n_tok][n_q]
     PagedKvView view = pool.view(li);
     view.window = window;
@@ -738,11 +734,7 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
       int64_t b, e;
       if (write_in_job) {
         ThreadPool::split(n_tok, ith, nth, 1, &b, &e);
-        for (int64_t t = b; t < e; ++t) {
-          rope_token(t);
-          const float* row = qkv_.data() + t * n_qkv;
-          pool.write_slot(li, page_of(t), slot_of(t), row + n_q, row + n_q + n_kv);
-        }
+        for (int64_t t = b; t < e; ++t) rope_write(t);
         tp.barrier();
         if (!fill_pages_.empty()) {
           ThreadPool::split(static_cast<int64_t>(fill_pages_.size()), ith, nth, 1, &b, &e);
