@@ -103,14 +103,21 @@ void ThreadPool::deal(int64_t n, int64_t chunk) {
   }
 }
 
-bool ThreadPool::next(int ith, int64_t* begin, int64_t* end) {
+void ThreadPool::take(int ith, int64_t n) {
+  int64_t b, e;
+  split(n, ith, n_threads_, 1, &b, &e);
+  ranges_[static_cast<size_t>(ith)].fb.store(pack_fb(b, e), std::memory_order_release);
+}
+
+bool ThreadPool::next(int ith, int64_t chunk, int64_t* begin, int64_t* end) {
+  chunk = std::max<int64_t>(1, chunk);
   // Own range first, from its front.
   std::atomic<uint64_t>& own = ranges_[static_cast<size_t>(ith)].fb;
   uint64_t v = own.load(std::memory_order_acquire);
   for (;;) {
     const int64_t f = static_cast<int64_t>(v >> 32), b = static_cast<int64_t>(v & 0xffffffffu);
     if (f >= b) break;
-    const int64_t e = std::min(b, f + chunk_);
+    const int64_t e = std::min(b, f + chunk);
     if (own.compare_exchange_weak(v, pack_fb(e, b), std::memory_order_acq_rel)) {
       *begin = f;
       *end = e;
@@ -124,7 +131,7 @@ bool ThreadPool::next(int ith, int64_t* begin, int64_t* end) {
     for (;;) {
       const int64_t f = static_cast<int64_t>(v >> 32), b = static_cast<int64_t>(v & 0xffffffffu);
       if (f >= b) break;
-      const int64_t s = std::max(f, b - chunk_);
+      const int64_t s = std::max(f, b - chunk);
       if (r.compare_exchange_weak(v, pack_fb(f, s), std::memory_order_acq_rel)) {
         *begin = s;
         *end = b;

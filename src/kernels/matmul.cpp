@@ -370,6 +370,26 @@ std::vector<GgmlType> PackedMatrix::segment_types() const {
   return v;
 }
 
+namespace {
+// Groups [g0, g1) of a kInterleaved16 matrix (segments segs of its packed data) against the
+// quantized rows a.
+template <class Segments>
+void gemm_groups(const Segments& segs, const uint8_t* data, int64_t n_in, int64_t n_out, const Kernels& k, const QAct& a,
+                 int64_t n_rows, int64_t g0, int64_t g1, float* y) {
+  for (const auto& sg : segs) {
+    const int64_t s0 = std::max(g0, sg.g0), s1 = std::min(g1, sg.g1);
+    if (s0 >= s1) continue;
+    QFmt f = QFmt::kQ4_1;
+    quant_fmt(sg.type, &f);
+    QWeights qw{f, data + sg.offset, sg.g0, n_in / kQK, n_out};
+    k.q_gemm(qw, a, n_rows, s0, s1, y);
+  }
+}
+// Chunks of about 1/16 of a thread's share: fine enough to even out the tail, coarse enough
+// that a thread streams long contiguous runs of weights.
+int64_t share_chunk(int64_t n_units, int nth) { return std::max<int64_t>(1, n_units / (16 * nth)); }
+}  // namespace
+
 void matmul(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, ThreadPool& pool) {
   if (n_rows <= 0) return;
   const Kernels k = kernels_for(w.isa_);
@@ -414,41 +434,14 @@ void matmul(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, Thr
         a = p->split_quant ? p->shared : tl_act.view(p->n_rows, w.n_in_, p->two);
         quantize(0, p->n_rows, a);
       }
-      auto groups = [&](int64_t g0, int64_t g1) {
-        for (const PackedMatrix::Segment& sg : w.segments_) {
-          const int64_t s0 = std::max(g0, sg.g0), s1 = std::min(g1, sg.g1);
-          if (s0 >= s1) continue;
-          QFmt f = QFmt::kQ4_1;
-          quant_fmt(sg.type, &f);
-          QWeights qw{f, w.data_.data() + sg.offset, sg.g0, w.n_in_ / kQK, w.n_out_};
-          p->k.q_gemm(qw, a, p->n_rows, s0, s1, p->y);
-        }
-      };
-      if (nth == 1) return groups(0, (w.n_out_ + kGroup - 1) / kGroup);
+      if (nth == 1) return gemm_groups(w.segments_, w.data_.data(), w.n_in_, w.n_out_, p->k, a, p->n_rows, 0, (w.n_out_ + kGroup - 1) / kGroup, p->y);
       // Each thread's half (pool.deal below), in chunks, then what is left of the other's.
       int64_t g0, g1;
-      while (p->pool->next(ith, &g0, &g1)) groups(g0, g1);
+      while (p->pool->next(ith, &g0, &g1)) gemm_groups(w.segments_, w.data_.data(), w.n_in_, w.n_out_, p->k, a, p->n_rows, g0, g1, p->y);
     };
   } else {
     n_units = n_out;
-    fn = [p = &job](int ith, int nth) {
-      const PackedMatrix& w = *p->w;
-      int64_t c0, c1;
-      ThreadPool::split(w.n_out_, ith, nth, 16, &c0, &c1);
-      const int64_t n_in = w.n_in_, n_out = w.n_out_;
-      for (int64_t c = c0; c < c1; ++c) {
-        const float* row;
-        if (w.layout_ == kF32Rows) {
-          row = reinterpret_cast<const float*>(w.data_.data()) + c * w.row_stride_;
-        } else {
-          if (tl_row.size() < static_cast<size_t>(n_in)) tl_row.resize(static_cast<size_t>(n_in));
-          if (!dequantize_row_ref(w.type_, w.data_.data() + c * w.row_stride_, tl_row.data(), n_in))
-            std::fill(tl_row.begin(), tl_row.end(), std::numeric_limits<float>::quiet_NaN());
-          row = tl_row.data();
-        }
-        for (int64_t r = 0; r < p->n_rows; ++r) p->y[r * n_out + c] = p->k.dot(p->x + r * n_in, row, n_in);
-      }
-    };
+    fn = [p = &job](int ith, int nth) { matmul_share(*p->w, p->x, p->n_rows, p->y, *p->pool, ith, nth); };
   }
 
   // Tiny matrices are not worth waking the pool.
@@ -457,11 +450,41 @@ void matmul(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, Thr
     job.split_quant = false;  // the caller quantizes every row into its own buffer
     fn(0, 1);
   } else {
-    // Chunks of about 1/16 of a thread's share: fine enough to even out the tail, coarse
-    // enough that a thread streams long contiguous runs of weights.
-    if (w.layout_ == kInterleaved16) pool.deal(n_units, std::max<int64_t>(1, n_units / (16 * nth_max)));
+    if (w.layout_ == kInterleaved16) pool.deal(n_units, share_chunk(n_units, nth_max));
     pool.run(fn);
   }
+}
+
+void matmul_share(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, ThreadPool& pool, int ith, int nth) {
+  if (n_rows <= 0) return;
+  const Kernels k = kernels_for(w.isa_);
+  if (w.layout_ != kInterleaved16) {  // f32 or raw rows: a static split of the outputs
+    int64_t c0, c1;
+    ThreadPool::split(w.n_out_, ith, nth, 16, &c0, &c1);
+    const int64_t n_in = w.n_in_, n_out = w.n_out_;
+    for (int64_t c = c0; c < c1; ++c) {
+      const float* row;
+      if (w.layout_ == kF32Rows) {
+        row = reinterpret_cast<const float*>(w.data_.data()) + c * w.row_stride_;
+      } else {
+        if (tl_row.size() < static_cast<size_t>(n_in)) tl_row.resize(static_cast<size_t>(n_in));
+        if (!dequantize_row_ref(w.type_, w.data_.data() + c * w.row_stride_, tl_row.data(), n_in))
+          std::fill(tl_row.begin(), tl_row.end(), std::numeric_limits<float>::quiet_NaN());
+        row = tl_row.data();
+      }
+      for (int64_t r = 0; r < n_rows; ++r) y[r * n_out + c] = k.dot(x + r * n_in, row, n_in);
+    }
+    return;
+  }
+  bool s16 = false;
+  for (const PackedMatrix::Segment& sg : w.segments_) s16 |= sg.type == GgmlType::Q6_K;
+  const QAct a = tl_act.view(n_rows, w.n_in_, g_act_quant == ActQuant::kQ8x2);
+  k.quantize(x, 0, n_rows, a);
+  if (s16) sum16_rows(0, n_rows, a);
+  const int64_t n_units = (w.n_out_ + kGroup - 1) / kGroup, chunk = share_chunk(n_units, nth);
+  pool.take(ith, n_units);
+  int64_t g0, g1;
+  while (pool.next(ith, chunk, &g0, &g1)) gemm_groups(w.segments_, w.data_.data(), w.n_in_, w.n_out_, k, a, n_rows, g0, g1, y);
 }
 
 void matmul_ref(const RawMatrix& w, const float* x, int64_t n_rows, float* y) {

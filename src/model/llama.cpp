@@ -8,6 +8,7 @@
 #include <cmath>
 #include <limits>
 #include <cstring>
+#include <cstdlib>
 
 #include "gguf/gguf.h"
 #include "kernels/attention.h"
@@ -555,6 +556,11 @@ void LlamaModel::shift_keys(PagePool& pool, int g, int32_t page, int32_t n_slots
   }
 }
 
+bool LlamaModel::walk_default() {
+  const char* e = std::getenv("KV_WALK");
+  return !(e && std::strcmp(e, "0") == 0);
+}
+
 Status LlamaModel::forward(const Batch& batch, PagePool& pool, ThreadPool& tp, float* logits) {
   if (groups_.size() != 1) return Status::error("this model has " + std::to_string(groups_.size()) + " KV layer groups: pass one pool per group");
   PagePool* pools[1] = {&pool};
@@ -611,48 +617,76 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
     }
   }
 
-  // The rest of a layer once its attention output (after Wo) is in tmp: x += tmp (Gemma 3:
-  // normed first); then x += down(silu(gate(h)) * up(h)), h = rmsnorm(x) (Gemma 3: gelu, and
-  // the down output normed before it is added).
-  auto ffn = [&](const Layer& L) {
-    for_rows(tp, n_tok, [&](int64_t t) {
-      float* o = tmp_.data() + t * E;
-      if (c.gemma3) rms_norm(o, L.post_attn_norm.data(), o, E, c.rms_eps);
-      add_inplace(x_.data() + t * E, o, E);
-      rms_norm(x_.data() + t * E, L.ffn_norm.data(), h_.data() + t * E, E, c.rms_eps);
+  // A forward of fewer rows than kParallelRows (decode: a row per sequence, for a few
+  // sequences or one with a speculative draft) walks every layer inside one ThreadPool::run:
+  // each thread keeps its own copy of the residual stream and does the norms, residual adds
+  // and activations of every row itself, each matmul splits its outputs between the threads
+  // (matmul_share) and a barrier follows it, so only the matmul outputs cross between cores.
+  // A run per matmul and attention instead (~150 a token for SmolLM2) paid a wake-up, the job's
+  // cache lines and the engine thread's inputs each time. Quest layers (their page choice
+  // runs its own jobs) and MLA run a job per step. Both ways give the same bits.
+  const int nthr = tp.size();
+  const bool walk = walk_on_ && nthr > 1 && n_tok < kParallelRows && !c.mla && !questing;
+  // The code of a layer, run by the engine thread (ith < 0: each step a job, x = x_, h = h_,
+  // o = tmp_) or by thread ith of the walk (its own x, h and o).
+  auto rows = [&](int ith, const auto& fn) {
+    if (ith < 0) return for_rows(tp, n_tok, fn);
+    for (int64_t t = 0; t < n_tok; ++t) fn(t);
+  };
+  auto mm = [&](int ith, const PackedMatrix& w, const float* in, float* out) {
+    if (ith < 0) return matmul(w, in, n_tok, out, tp);
+    matmul_share(w, in, n_tok, out, tp, ith, nthr);
+    tp.barrier();
+  };
+  // The rest of a layer once its attention output (after Wo) is in tmp_: x += tmp_ (Gemma 3:
+  // normed into o first); then x += down(silu(gate(h)) * up(h)), h = rmsnorm(x) (Gemma 3:
+  // gelu, and the down output normed into o before it is added).
+  auto ffn = [&](const Layer& L, int ith, float* x, float* h, float* o) {
+    rows(ith, [&](int64_t t) {
+      const float* a = tmp_.data() + t * E;
+      if (c.gemma3) {
+        rms_norm(a, L.post_attn_norm.data(), o + t * E, E, c.rms_eps);
+        a = o + t * E;
+      }
+      add_inplace(x + t * E, a, E);
+      rms_norm(x + t * E, L.ffn_norm.data(), h + t * E, E, c.rms_eps);
     });
-    matmul(L.wgu, h_.data(), n_tok, gu_.data(), tp);
-    for_rows(tp, n_tok, [&](int64_t t) {
+    mm(ith, L.wgu, h, gu_.data());
+    rows(ith, [&](int64_t t) {
       const float* g = gu_.data() + t * 2 * c.n_ff;
-      if (c.gemma3) gelu_mul(g, g + c.n_ff, h_.data() + t * c.n_ff, c.n_ff);
-      else silu_mul(g, g + c.n_ff, h_.data() + t * c.n_ff, c.n_ff);
+      if (c.gemma3) gelu_mul(g, g + c.n_ff, h + t * c.n_ff, c.n_ff);
+      else silu_mul(g, g + c.n_ff, h + t * c.n_ff, c.n_ff);
     });
-    matmul(L.wdown, h_.data(), n_tok, tmp_.data(), tp);
-    for_rows(tp, n_tok, [&](int64_t t) {
-      float* o = tmp_.data() + t * E;
-      if (c.gemma3) rms_norm(o, L.post_ffw_norm.data(), o, E, c.rms_eps);
-      add_inplace(x_.data() + t * E, o, E);
+    mm(ith, L.wdown, h, tmp_.data());
+    rows(ith, [&](int64_t t) {
+      const float* a = tmp_.data() + t * E;
+      if (c.gemma3) {
+        rms_norm(a, L.post_ffw_norm.data(), o + t * E, E, c.rms_eps);
+        a = o + t * E;
+      }
+      add_inplace(x + t * E, a, E);
     });
   };
 
-  for (int il = 0; il < c.n_layer; ++il) {
+  auto layer = [&](int il, int ith, float* x, float* h, float* o) -> Status {
+    const bool walking = ith >= 0;
     const Layer& L = layers_[il];
     const int grp = layer_group_[il], li = layer_slot_[il];
     PagePool& pool = *pools[grp];
-    if (c.mla) {
+    if (c.mla) {  // never walking
       for_rows(tp, n_tok, [&](int64_t t) { rms_norm(x_.data() + t * E, L.attn_norm.data(), h_.data() + t * E, E, c.rms_eps); });
       const auto t_attn = Clock::now();
       Status st = mla_attention(batch, il, pool, tp);
       if (!st) return st;
       times_.attention += since(t_attn);
-      ffn(L);
-      continue;
+      ffn(L, -1, x_.data(), h_.data(), tmp_.data());
+      return Status::ok();
     }
     const int32_t window = groups_[grp].window;
     const float rope_base = (!c.layer_swa.empty() && c.layer_swa[il]) ? c.rope_base_swa : c.rope_base;
     // h = rmsnorm(x) ; qkv = h · Wqkvᵀ     [n_tok][n_qkv]
-    for_rows(tp, n_tok, [&](int64_t t) { rms_norm(x_.data() + t * E, L.attn_norm.data(), h_.data() + t * E, E, c.rms_eps); });
-    matmul(L.wqkv, h_.data(), n_tok, qkv_.data(), tp);
+    rows(ith, [&](int64_t t) { rms_norm(x + t * E, L.attn_norm.data(), h + t * E, E, c.rms_eps); });
+    mm(ith, L.wqkv, h, qkv_.data());
     const auto t_attn = Clock::now();
     // RoPE on q and k of token t, then its k and v into the pages (staged layers: into the
     // page's f16 staging tiles).
@@ -670,12 +704,15 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
     };
     const bool score_layer = scoring && grp == 0, quest_layer = questing && grp == 0;
     // With more than one thread the tokens are written by the attention job's threads, each its
-    // share, then the pages they filled (fill_pages_) are finished, each by one thread, before a
-    // barrier. Staging slots are taken here first, in order (PagePool::begin_write). Quest
-    // layers write here, in order: their page choice needs every roped query before the job.
-    const bool write_in_job = tp.size() > 1 && !quest_layer;
-    fill_pages_.clear();
-    for (int64_t t = 0; t < n_tok; ++t) {
+    // share, then the pages they filled (fill) are finished, each by one thread, before a
+    // barrier. Staging slots are taken here first, in order (PagePool::begin_write; a walk took
+    // every layer's before it began). Quest layers write here, in order: their page choice needs
+    // every roped query before the job.
+    const bool write_in_job = nthr > 1 && !quest_layer;
+    const int32_t* fill = walk_fill_.data() + (walking ? walk_fill_off_[il] : 0);
+    int64_t n_fill = walking ? walk_fill_off_[il + 1] - walk_fill_off_[il] : 0;
+    if (!walking) fill_pages_.clear();
+    for (int64_t t = 0; t < n_tok && !walking; ++t) {
       const int32_t page = page_of(t);
       if (!pool.begin_write(li, page, slot_of(t))) {
         pool.release_filled(li);
@@ -689,6 +726,10 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
         if (fills) pool.finish_page(li, page);
       }
       if (fills) pool.mark_filled(li, page);
+    }
+    if (!walking) {
+      fill = fill_pages_.data();
+      n_fill = static_cast<int64_t>(fill_pages_.size());
     }
     // attn: [n_tok][n_q]
     PagedKvView view = pool.view(li);
@@ -716,7 +757,8 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
       if (quest_layer && quest_on_[w.seq]) return static_cast<const int32_t*>(quest_tables_[size_t(w.seq) * c.n_head_kv + w.head].data());
       return Batch::group_pages(batch.seqs[w.seq], grp);
     };
-    balance_units(tp.size(), bs, batch, unit_pages);
+    if (!walking) balance_units(nthr, bs, batch, unit_pages);
+    const int64_t* bounds = walking ? walk_bounds_.data() + int64_t(grp) * (nthr + 1) : unit_bounds_.data();
     // Decode runs many short units (a sequence's KV head over a few pages), each of which would
     // start by waiting on RAM for its first tiles: the next unit's first pages are asked for
     // before this one computes (paged_attention_prefetch).
@@ -730,19 +772,19 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
       constexpr int kPages = 4;  // the kernels' own look-ahead (attention_impl.h, kPrefetchAhead)
       paged_attention_prefetch(v, w.head, kb, ke, kPages);
     };
-    tp.run([&](int ith, int nth) {
+    auto attend = [&](int ith, int nth) {
       int64_t b, e;
       if (write_in_job) {
         ThreadPool::split(n_tok, ith, nth, 1, &b, &e);
         for (int64_t t = b; t < e; ++t) rope_write(t);
         tp.barrier();
-        if (!fill_pages_.empty()) {
-          ThreadPool::split(static_cast<int64_t>(fill_pages_.size()), ith, nth, 1, &b, &e);
-          for (int64_t i = b; i < e; ++i) pool.finish_page(li, fill_pages_[i]);
+        if (n_fill > 0) {
+          ThreadPool::split(n_fill, ith, nth, 1, &b, &e);
+          for (int64_t i = b; i < e; ++i) pool.finish_page(li, fill[i]);
           tp.barrier();
         }
       }
-      b = unit_bounds_[ith], e = unit_bounds_[ith + 1];
+      b = bounds[ith], e = bounds[ith + 1];
       for (int64_t u = b; u < e; ++u) {
         const AttnUnit& w = units[u];
         const BatchSeq& s = batch.seqs[w.seq];
@@ -824,12 +866,70 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
           }
         }
       }
-    });
-    pool.release_filled(li);
-    times_.attention += since(t_attn);
+    };
+    if (walking) {
+      attend(ith, nthr);
+      tp.barrier();
+      if (ith == 0) times_.attention += since(t_attn);
+    } else {
+      tp.run(attend);
+      pool.release_filled(li);
+      times_.attention += since(t_attn);
+    }
     // tmp = attn · Woᵀ
-    matmul(L.wo, attn_.data(), n_tok, tmp_.data(), tp);
-    ffn(L);
+    mm(ith, L.wo, attn_.data(), tmp_.data());
+    ffn(L, ith, x, h, o);
+    return Status::ok();
+  };
+
+  if (!walk) {
+    for (int il = 0; il < c.n_layer; ++il) {
+      Status st = layer(il, -1, x_.data(), h_.data(), tmp_.data());
+      if (!st) return st;
+    }
+  } else {
+    // Every layer's staging slots first, in order, and the pages each layer's writes fill.
+    const int64_t bs = kl.block_size;
+    walk_fill_.clear();
+    walk_fill_off_.assign(1, 0);
+    for (int il = 0; il < c.n_layer; ++il) {
+      const int grp = layer_group_[il], li = layer_slot_[il];
+      PagePool& pool = *pools[grp];
+      for (int64_t t = 0; t < n_tok; ++t) {
+        const int32_t page = Batch::group_pages(batch.seqs[tok_seq_[t]], grp)[tok_pos_[t] / bs];
+        const int32_t slot = static_cast<int32_t>(tok_pos_[t] % bs);
+        if (!pool.begin_write(li, page, slot)) {
+          for (int j = 0; j <= il; ++j) pools[layer_group_[j]]->release_filled(layer_slot_[j]);
+          return Status::error("KV staging slots exhausted (more partly filled pages than the pool was sized for)");
+        }
+        if (slot == bs - 1 && pool.finishes_pages(li)) {
+          walk_fill_.push_back(page);
+          pool.mark_filled(li, page);
+        }
+      }
+      walk_fill_off_.push_back(static_cast<int64_t>(walk_fill_.size()));
+    }
+    // Each KV group's attention units shared out by their work (as balance_units per layer).
+    walk_bounds_.resize(size_t(n_groups) * (nthr + 1));
+    for (int g = 0; g < n_groups; ++g) {
+      balance_units(nthr, bs, batch, [&](const AttnUnit& w) { return Batch::group_pages(batch.seqs[w.seq], g); });
+      std::copy(unit_bounds_.begin(), unit_bounds_.begin() + nthr + 1, walk_bounds_.begin() + int64_t(g) * (nthr + 1));
+    }
+    walk_x_.resize(nthr);
+    walk_h_.resize(nthr);
+    walk_o_.resize(nthr);
+    for (int i = 0; i < nthr; ++i) {
+      walk_x_[i].resize(size_t(n_tok * E));
+      walk_h_[i].resize(size_t(n_tok * std::max<int64_t>(E, c.n_ff)));
+      walk_o_[i].resize(size_t(n_tok * E));
+    }
+    tp.run([&](int ith, int) {
+      float* x = walk_x_[ith].data();
+      std::memcpy(x, x_.data(), size_t(n_tok * E) * sizeof(float));
+      for (int il = 0; il < c.n_layer; ++il) layer(il, ith, x, walk_h_[ith].data(), walk_o_[ith].data());
+      if (ith == 0) std::memcpy(x_.data(), x, size_t(n_tok * E) * sizeof(float));
+    });
+    for (int il = 0; il < c.n_layer; ++il) pools[layer_group_[il]]->release_filled(layer_slot_[il]);
   }
 
   if (scoring) finish_scores();

@@ -72,9 +72,14 @@ class LlamaModel {
     double total = 0, attention = 0, logits = 0;
   };
   const ForwardTimes& last_forward_times() const { return times_; }
+  // Whether forwards of fewer than 8 rows walk every layer in one job (the default; the
+  // environment's KV_WALK=0 turns it off, for comparison). Same results either way.
+  void set_walk(bool on) { walk_on_ = on; }
 
  private:
   ForwardTimes times_;
+  bool walk_on_ = walk_default();
+  static bool walk_default();
   struct Layer {
     std::vector<float> attn_norm, ffn_norm;  // [n_embd]
     std::vector<float> q_norm, k_norm;       // [head_dim] (Gemma 3)
@@ -121,6 +126,12 @@ class LlamaModel {
   std::vector<float> mla_q_, mla_qb_, mla_qa_, mla_o_;
   std::vector<int64_t> tok_pos_;   // [n_tokens] position of each batch token
   std::vector<int32_t> tok_seq_;   // [n_tokens] its batch sequence
+  // The walk (forward of a few rows, all layers in one job): per thread its residual stream,
+  // normed input / activation and normed output; each layer's pages to finish
+  // (walk_fill_[walk_fill_off_[il], walk_fill_off_[il + 1])); each KV group's unit_bounds_.
+  std::vector<std::vector<float>> walk_x_, walk_h_, walk_o_;
+  std::vector<int32_t> walk_fill_;
+  std::vector<int64_t> walk_fill_off_, walk_bounds_;
   std::vector<int32_t> fill_pages_;  // a layer's pages this forward fills (finished in the attention job)
   // Attention work units: (sequence, kv head, tile of query tokens, key range), spread over
   // threads. A run of at most kAttnQTile tokens with a long context is split into parts of

@@ -16,11 +16,14 @@ using namespace kv;
 namespace {
 std::vector<float> run(LlamaModel& m, ThreadPool& tp, int block_size, int chunk, KvDtype dtype,
                        const std::vector<int32_t>& toks, std::vector<KvDtype> layers = {}, int64_t head = 0) {
-  // The first `head` tokens go in one chunk, the rest in chunks of `chunk`.
+  // The first `head` tokens go in one chunk, the rest in chunks of `chunk`. A second KV group
+  // (Gemma 3's sliding-window layers) gets a pool of its own.
   PagePool pool(m.kv_layout(block_size, dtype, std::move(layers)), 4096 / block_size + 8);
+  const bool g1 = m.kv_groups().size() > 1;
+  PagePool pool_g1(m.kv_layout(block_size, dtype, {}, g1 ? 1 : 0), g1 ? 4096 / block_size + 8 : 1);
   std::vector<float> out;
   {
-    SequenceRunner seq(m, pool, tp, head > 0 ? 512 : chunk);
+    SequenceRunner seq(m, pool, g1 ? &pool_g1 : nullptr, tp, head > 0 ? 512 : chunk);
     if (head > 0) {
       EXPECT_TRUE(seq.feed(toks.data(), head, false).is_ok());
       seq.set_chunk(chunk);
@@ -29,9 +32,11 @@ std::vector<float> run(LlamaModel& m, ThreadPool& tp, int block_size, int chunk,
     EXPECT_TRUE(st.is_ok()) << st.message();
     out = seq.logits();
   }
-  EXPECT_EQ(pool.n_used(), 0);
-  EXPECT_EQ(pool.n_staging_used(), 0);
-  EXPECT_TRUE(pool.check_integrity().is_ok());
+  for (PagePool* p : {&pool, &pool_g1}) {
+    EXPECT_EQ(p->n_used(), 0);
+    EXPECT_EQ(p->n_staging_used(), 0);
+    EXPECT_TRUE(p->check_integrity().is_ok());
+  }
   return out;
 }
 
@@ -209,5 +214,27 @@ TEST(ModelPaging, TruncateRollsBackToTheContext) {
     EXPECT_EQ(pool.n_used(), 0);
     EXPECT_EQ(pool.n_staging_used(), 0);
     EXPECT_TRUE(pool.check_integrity().is_ok());
+  }
+}
+
+// Forwards of fewer than 8 rows walk every layer inside one job (each thread its own residual
+// stream, a barrier after each matmul); a job per matmul and attention gives the same bits.
+// Decode steps of 1 and of 5 tokens past 512 positions (the split attention path), f16 and
+// staged int8 pages (filled pages quantized inside the walk), SmolLM2 and Gemma 3 (two KV
+// groups, its extra norms).
+TEST(ModelPaging, TheWalkGivesTheBitsOfAJobPerStep) {
+  ThreadPool tp(2);
+  std::vector<int32_t> toks(560);
+  for (size_t i = 0; i < toks.size(); ++i) toks[i] = static_cast<int32_t>(200 + (i * 7919) % 40000);
+  for (LlamaModel* m : {kvtest::smollm2_model(), kvtest::gemma3_model()}) {
+    ASSERT_NE(m, nullptr);
+    for (KvDtype d : {KvDtype::kF16, KvDtype::kInt8})
+      for (int chunk : {1, 5}) {
+        m->set_walk(false);
+        const auto jobs = run(*m, tp, 16, chunk, d, toks, {}, 500);
+        m->set_walk(true);
+        const auto walked = run(*m, tp, 16, chunk, d, toks, {}, 500);
+        EXPECT_EQ(max_abs_diff(jobs, walked), 0.0) << m->config().n_layer << " layers, " << kv_dtype_name(d) << ", chunk " << chunk;
+      }
   }
 }
