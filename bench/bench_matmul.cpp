@@ -9,6 +9,9 @@
 //                                           uses (Q5_0, Q4_K, Q6_K, Q8_0)
 //   BM_MatmulCached/<type>/rows/threads     576×128 weights in cache, 16 rows, one thread: the
 //                                           batch kernel's issue rate (20 runs; min time)
+//   BM_ModelWalk/Q4_1/rows/threads/walk/distinct  BM_Model's 120 layer matmuls as a run per
+//                                           matmul (walk 0) or one run with barriers (walk 1),
+//                                           from RAM (distinct 30) or cache (distinct 1)
 //   BM_GemmaModel/rows/threads              its 18 layers (QKV: Q5_0,Q5_0,Q5_0|Q8_0; O: Q4_K;
 //                                           gate+up: Q5_0; down: Q6_K|Q4_K, alternating) and
 //                                           the tied 262144×640 Q8_0 output for one row
@@ -172,6 +175,43 @@ void BM_Model(benchmark::State& st, GgmlType type) {
               std::to_string(bytes >> 20) + " MiB");
 }
 
+// BM_Model's 120 layer matmuls (no output matrix) run as the forward runs them, with the
+// activations a thread would have in between: walk 0, a ThreadPool::run per matmul (the
+// engine's way for 8 rows or more); walk 1, one run for all of them, matmul_share and a
+// barrier after each (the forward's walk, fewer than 8 rows). distinct 30: every layer its own
+// weights (66 MB of Q4_1, streamed from RAM); distinct 1: one layer's 4 matrices 30 times
+// (2.2 MB, cache-resident), which leaves mostly what the two ways' synchronisation costs.
+void BM_ModelWalk(benchmark::State& st, GgmlType type) {
+  const int64_t rows = st.range(0);
+  const int threads = static_cast<int>(st.range(1));
+  const bool walk = st.range(2) != 0;
+  const int distinct = static_cast<int>(st.range(3));
+  std::vector<PackedMatrix> layers;
+  for (int l = 0; l < distinct; ++l)
+    for (int k = 0; k < 4; ++k) layers.push_back(make(type, kShapes[k].n_in, kShapes[k].n_out, 100 + 4 * l + k));
+  std::vector<float> x = random_x(rows * 1536), y(static_cast<size_t>(rows * 3072));
+  ThreadPool& tp = pool(threads);
+  for (auto _ : st) {
+    if (!walk) {
+      for (int l = 0; l < kLayers; ++l)
+        for (int k = 0; k < 4; ++k) matmul(layers[static_cast<size_t>(4 * (l % distinct) + k)], x.data(), rows, y.data(), tp);
+    } else {
+      tp.run([&](int ith, int nth) {
+        for (int l = 0; l < kLayers; ++l)
+          for (int k = 0; k < 4; ++k) {
+            matmul_share(layers[static_cast<size_t>(4 * (l % distinct) + k)], x.data(), rows, y.data(), tp, ith, nth);
+            tp.barrier();
+          }
+      });
+    }
+    benchmark::DoNotOptimize(y.data());
+  }
+  st.counters["tok/s"] = benchmark::Counter(static_cast<double>(st.iterations()) * static_cast<double>(rows),
+                                            benchmark::Counter::kIsRate);
+  st.SetLabel(std::string(isa_name(layers[0].isa())) + " " + type_name(type) + " " + act_name() +
+              (walk ? " one run, barriers" : " a run per matmul") + (distinct == 1 ? ", cached" : ", from RAM"));
+}
+
 // Gemma 3 270M: the matmuls of one forward pass over rows tokens, weights typed as in
 // gemma-3-270m-Q4_K_M.gguf. QKV and gate+up are packed as one matrix each when pack accepts
 // the mix of types, else as separate matrices.
@@ -239,6 +279,15 @@ void register_all() {
       for (int64_t th : {1, 2}) b->Args({rows, th});
     b->ArgNames({"rows", "threads"})->UseRealTime()->MinTime(0.5)->Repetitions(3)->ReportAggregatesOnly(true)
         ->Unit(benchmark::kMillisecond);
+  }
+  {
+    auto* b = benchmark::RegisterBenchmark("BM_ModelWalk/Q4_1", BM_ModelWalk, GgmlType::Q4_1);
+    for (int64_t distinct : {1, 30})
+      for (int64_t rows : {1, 4})
+        for (int64_t walk : {0, 1}) b->Args({rows, 2, walk, distinct});
+    b->ArgNames({"rows", "threads", "walk", "distinct"})->UseRealTime()->MinTime(0.3)->Repetitions(5)
+        ->ComputeStatistics("min", [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); })
+        ->ReportAggregatesOnly(true)->Unit(benchmark::kMicrosecond);
   }
   // The batch kernels on cached weights (576 inputs × 128 outputs, 16 rows, one thread): their
   // issue rate without memory. 20 runs; read the time's min (and the rate's max): this VM's

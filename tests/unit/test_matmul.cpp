@@ -504,6 +504,73 @@ TEST_F(MatmulTest, MixedTypePartsEqualSeparate) {
   }
 }
 
+// PackedMatrix::share_out moves matrices into one thread-major buffer (each thread's shares of
+// all of them, in order): the same bits from matmul (1 and 2 threads) and from matmul_share
+// inside a run, for plain, fused mixed-type and K-quant matrices, laid out for 2 threads and
+// then again for 3; an f32 matrix is left as it is; a copy outlives the originals.
+TEST_F(MatmulTest, SharedOutWeightsGiveTheSameBits) {
+  std::mt19937 rng(23);
+  struct Spec {
+    std::vector<std::pair<GgmlType, int64_t>> parts;
+    int64_t n_in;
+  };
+  const std::vector<Spec> specs = {
+      {{{GgmlType::Q4_1, 200}}, 576},
+      {{{GgmlType::Q5_0, 100}, {GgmlType::Q5_0, 28}, {GgmlType::Q8_0, 20}}, 640},
+      {{{GgmlType::Q4_K, 48}, {GgmlType::Q6_K, 32}, {GgmlType::Q4_K, 17}}, 512},
+      {{{GgmlType::F32, 40}}, 64},
+      {{{GgmlType::Q8_0, 16}}, 64},  // one group: a share of nothing for thread 1
+  };
+  std::vector<std::vector<uint8_t>> bufs;
+  std::vector<std::vector<RawMatrix>> raws;
+  for (const Spec& sp : specs) {
+    raws.emplace_back();
+    for (const auto& [type, n] : sp.parts) {
+      bufs.push_back(random_weights(type, sp.n_in, n, rng));
+      raws.back().push_back(RawMatrix{type, bufs.back().data(), sp.n_in, n});
+    }
+  }
+  std::vector<float> x = random_x(64 * 640, rng);
+  for (Isa isa : isas()) {
+    std::vector<PackedMatrix> ms;
+    for (const auto& r : raws) {
+      auto p = PackedMatrix::pack(r, isa);
+      ASSERT_TRUE(p.is_ok()) << p.message();
+      ms.push_back(std::move(*p));
+    }
+    // y[matrix][rows]: the bits before any share_out.
+    auto outputs = [&](const std::vector<PackedMatrix>& mats, ThreadPool& pool, bool in_run) {
+      std::vector<std::vector<float>> ys;
+      for (const PackedMatrix& m : mats)
+        for (int64_t n_rows : {1, 5, 64}) {
+          std::vector<float> y(static_cast<size_t>(n_rows * m.n_out()));
+          if (in_run) {
+            pool.run([&](int ith, int nth) { matmul_share(m, x.data(), n_rows, y.data(), pool, ith, nth); });
+          } else {
+            matmul(m, x.data(), n_rows, y.data(), pool);
+          }
+          ys.push_back(std::move(y));
+        }
+      return ys;
+    };
+    const auto base = outputs(ms, pool1_, false);
+    std::vector<int64_t> bytes;
+    for (const PackedMatrix& m : ms) bytes.push_back(m.bytes());
+    std::vector<PackedMatrix*> ptrs;
+    for (PackedMatrix& m : ms) ptrs.push_back(&m);
+    for (int nth : {2, 3}) {
+      PackedMatrix::share_out(ptrs, nth);
+      for (size_t i = 0; i < ms.size(); ++i) EXPECT_EQ(ms[i].bytes(), bytes[i]) << "matrix " << i;
+      EXPECT_EQ(outputs(ms, pool1_, false), base) << isa_name(isa) << " laid out for " << nth << ", 1 thread";
+      EXPECT_EQ(outputs(ms, pool2_, false), base) << isa_name(isa) << " laid out for " << nth << ", 2 threads";
+      EXPECT_EQ(outputs(ms, pool2_, true), base) << isa_name(isa) << " laid out for " << nth << ", matmul_share";
+    }
+    std::vector<PackedMatrix> copies(ms.begin(), ms.end());
+    ms.clear();
+    EXPECT_EQ(outputs(copies, pool2_, false), base) << isa_name(isa) << " copies";
+  }
+}
+
 // Real weights: one tensor of each quantized type in gemma-3-270m-Q4_K_M.gguf (and its mixed
 // QKV), against the exact reference, every ISA bit-identical, batch-invariant.
 TEST_F(MatmulTest, GemmaTensors) {
@@ -691,6 +758,48 @@ TEST(ThreadPoolSteal, EveryUnitOnceAndASlowThreadIsHelped) {
           EXPECT_GT(helped, (e0 - b0) / 4) << "nth " << nth << " chunk " << chunk;
           EXPECT_EQ(by[static_cast<size_t>(b0)].load(), 0);  // its front stays its own
         }
+      }
+    }
+  }
+}
+
+// take + next inside one run, with no deal() before it: two phases separated by a barrier
+// (as the forward's walk runs its matmuls), each hands out every unit exactly once, a thread's
+// own range front to back, and a slow thread is helped.
+TEST(ThreadPoolSteal, TakeInsideARunHandsOutEveryUnitOnce) {
+  for (int nth : {2, 3}) {
+    ThreadPool pool(nth);
+    for (int64_t n : {int64_t(0), int64_t(1), int64_t(5), int64_t(997)}) {
+      const int64_t chunk = 7;
+      std::vector<std::atomic<int>> taken(static_cast<size_t>(2 * n)), by(static_cast<size_t>(2 * n));
+      pool.run([&](int ith, int) {
+        for (int phase = 0; phase < 2; ++phase) {
+          pool.take(ith, n);
+          int64_t b, e, last = -1, own_b, own_e;
+          ThreadPool::split(n, ith, nth, 1, &own_b, &own_e);
+          while (pool.next(ith, chunk, &b, &e)) {
+            ASSERT_LT(b, e);
+            ASSERT_LE(e - b, chunk);
+            if (b >= own_b && b < own_e) {
+              EXPECT_GT(b, last);
+              last = b;
+            }
+            for (int64_t i = b; i < e; ++i) {
+              taken[static_cast<size_t>(phase * n + i)].fetch_add(1);
+              by[static_cast<size_t>(phase * n + i)].store(ith);
+            }
+            if (ith == 0 && n > 100) std::this_thread::sleep_for(std::chrono::microseconds(200));
+          }
+          pool.barrier();
+        }
+      });
+      for (int64_t i = 0; i < 2 * n; ++i) ASSERT_EQ(taken[static_cast<size_t>(i)].load(), 1) << "nth " << nth << " n " << n << " unit " << i;
+      if (n > 100) {
+        int64_t b0, e0;
+        ThreadPool::split(n, 0, nth, 1, &b0, &e0);
+        int helped = 0;
+        for (int64_t i = b0; i < e0; ++i) helped += by[static_cast<size_t>(n + i)].load() != 0;
+        EXPECT_GT(helped, (e0 - b0) / 4) << "nth " << nth;
       }
     }
   }
