@@ -1,6 +1,4 @@
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 
 #include "commands.h"
 #include "common/units.h"
@@ -174,9 +172,6 @@ LoadedModel load_model(const std::string& path, int n_threads, const KvOptions& 
   if (n_pages > (int64_t(1) << 30)) n_pages = int64_t(1) << 30;
   lm.pool = std::make_unique<kv::PagePool>(layout, static_cast<int32_t>(n_pages));
   lm.threads = std::make_unique<kv::ThreadPool>(n_threads > 0 ? n_threads : kv::default_thread_count());
-  const char* share = std::getenv("KV_SHARE_WEIGHTS");
-  if (lm.threads->size() != kv::default_thread_count() && !(share && std::strcmp(share, "0") == 0))
-    lm.model->share_weights(lm.threads->size());
   if (!quiet) {
     const auto& c = lm.model->config();
     std::fprintf(stderr, "model: %s (%s, %d layers, %s %d/%d heads), kernels: %s, threads: %d\n", c.name.c_str(), c.arch.c_str(),

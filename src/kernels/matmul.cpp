@@ -434,10 +434,10 @@ void matmul(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, Thr
         a = p->split_quant ? p->shared : tl_act.view(p->n_rows, w.n_in_, p->two);
         quantize(0, p->n_rows, a);
       }
-      if (nth == 1) return gemm_groups(w.segments_, w.data(), w.n_in_, w.n_out_, p->k, a, p->n_rows, 0, (w.n_out_ + kGroup - 1) / kGroup, p->y);
+      if (nth == 1) return gemm_groups(w.segments_, w.data_.data(), w.n_in_, w.n_out_, p->k, a, p->n_rows, 0, (w.n_out_ + kGroup - 1) / kGroup, p->y);
       // Each thread's half (pool.deal below), in chunks, then what is left of the other's.
       int64_t g0, g1;
-      while (p->pool->next(ith, &g0, &g1)) gemm_groups(w.segments_, w.data(), w.n_in_, w.n_out_, p->k, a, p->n_rows, g0, g1, p->y);
+      while (p->pool->next(ith, &g0, &g1)) gemm_groups(w.segments_, w.data_.data(), w.n_in_, w.n_out_, p->k, a, p->n_rows, g0, g1, p->y);
     };
   } else {
     n_units = n_out;
@@ -465,10 +465,10 @@ void matmul_share(const PackedMatrix& w, const float* x, int64_t n_rows, float* 
     for (int64_t c = c0; c < c1; ++c) {
       const float* row;
       if (w.layout_ == kF32Rows) {
-        row = reinterpret_cast<const float*>(w.data()) + c * w.row_stride_;
+        row = reinterpret_cast<const float*>(w.data_.data()) + c * w.row_stride_;
       } else {
         if (tl_row.size() < static_cast<size_t>(n_in)) tl_row.resize(static_cast<size_t>(n_in));
-        if (!dequantize_row_ref(w.type_, w.data() + c * w.row_stride_, tl_row.data(), n_in))
+        if (!dequantize_row_ref(w.type_, w.data_.data() + c * w.row_stride_, tl_row.data(), n_in))
           std::fill(tl_row.begin(), tl_row.end(), std::numeric_limits<float>::quiet_NaN());
         row = tl_row.data();
       }
@@ -484,61 +484,7 @@ void matmul_share(const PackedMatrix& w, const float* x, int64_t n_rows, float* 
   const int64_t n_units = (w.n_out_ + kGroup - 1) / kGroup, chunk = share_chunk(n_units, nth);
   pool.take(ith, n_units);
   int64_t g0, g1;
-  while (pool.next(ith, chunk, &g0, &g1)) gemm_groups(w.segments_, w.data(), w.n_in_, w.n_out_, k, a, n_rows, g0, g1, y);
-}
-
-void PackedMatrix::share_out(const std::vector<PackedMatrix*>& ms, int nth) {
-  nth = std::max(1, nth);
-  // Each share's pieces (a piece: the part of one segment inside it), sized per thread first.
-  struct Piece {
-    PackedMatrix* m;
-    size_t seg;
-    int64_t g0, g1, gstride;
-  };
-  std::vector<std::vector<Piece>> per_thread(static_cast<size_t>(nth));
-  std::vector<int64_t> thread_bytes(static_cast<size_t>(nth), 0);
-  for (PackedMatrix* m : ms) {
-    if (m->layout_ != kInterleaved16 || m->segments_.empty()) continue;
-    const int64_t n_units = (m->n_out_ + kGroup - 1) / kGroup;
-    for (int t = 0; t < nth; ++t) {
-      int64_t a, b;
-      ThreadPool::split(n_units, t, nth, 1, &a, &b);
-      for (size_t si = 0; si < m->segments_.size(); ++si) {
-        const Segment& sg = m->segments_[si];
-        const int64_t g0 = std::max(a, sg.g0), g1 = std::min(b, sg.g1);
-        if (g0 >= g1) continue;
-        QFmt f = QFmt::kQ4_1;
-        quant_fmt(sg.type, &f);
-        const int64_t gstride = m->n_in_ / kQK * record_bytes(f);
-        per_thread[size_t(t)].push_back(Piece{m, si, g0, g1, gstride});
-        thread_bytes[size_t(t)] += (g1 - g0) * gstride;
-      }
-    }
-  }
-  int64_t total = 0;
-  for (int64_t b : thread_bytes) total += b;
-  if (total == 0) return;
-  std::shared_ptr<uint8_t> buf(static_cast<uint8_t*>(huge_alloc(static_cast<size_t>(total))), [](uint8_t* p) { huge_free(p); });
-  std::vector<std::vector<Segment>> segs(ms.size());
-  int64_t at = 0;
-  for (int t = 0; t < nth; ++t)
-    for (const Piece& pc : per_thread[size_t(t)]) {
-      const Segment& sg = pc.m->segments_[pc.seg];
-      const int64_t n = (pc.g1 - pc.g0) * pc.gstride;
-      std::memcpy(buf.get() + at, pc.m->data() + sg.offset + (pc.g0 - sg.g0) * pc.gstride, static_cast<size_t>(n));
-      const size_t mi = static_cast<size_t>(std::find(ms.begin(), ms.end(), pc.m) - ms.begin());
-      segs[mi].push_back(Segment{sg.type, pc.g0, pc.g1, at});
-      at += n;
-    }
-  for (size_t mi = 0; mi < ms.size(); ++mi) {
-    PackedMatrix* m = ms[mi];
-    if (m->layout_ != kInterleaved16 || m->segments_.empty()) continue;
-    std::sort(segs[mi].begin(), segs[mi].end(), [](const Segment& x, const Segment& y) { return x.g0 < y.g0; });
-    m->bytes_ = m->bytes();
-    m->segments_ = std::move(segs[mi]);
-    m->shared_ = buf;
-    HugeVector<uint8_t>().swap(m->data_);
-  }
+  while (pool.next(ith, chunk, &g0, &g1)) gemm_groups(w.segments_, w.data_.data(), w.n_in_, w.n_out_, k, a, n_rows, g0, g1, y);
 }
 
 void matmul_ref(const RawMatrix& w, const float* x, int64_t n_rows, float* y) {

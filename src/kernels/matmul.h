@@ -52,19 +52,8 @@ class PackedMatrix {
   int64_t n_out() const { return n_out_; }
   Isa isa() const { return isa_; }
   // Bytes a full pass over this matrix reads (for effective-bandwidth reporting).
-  int64_t bytes() const { return shared_ ? bytes_ : static_cast<int64_t>(data_.size()); }
-  const uint8_t* data() const { return shared_ ? shared_.get() : data_.data(); }
-
-  // Moves the packed weights of ms (quantized ones; in the order a forward reads them) into
-  // one buffer laid out thread-major for nth threads: thread 0's share of every matrix (the
-  // groups ThreadPool::split gives it, where matmul and matmul_share start it), one after the
-  // other, then thread 1's, and so on. A thread then streams its shares of consecutive
-  // matrices as one sequential run, and the hardware prefetcher that followed it through one
-  // matrix is already running in the next when it gets there, instead of starting cold on
-  // each (a few hundred KiB per share on SmolLM2). The matrices share the buffer (freed with
-  // the last of them) and free their own. Results are the same bits for any thread count;
-  // only the layout is tuned for nth.
-  static void share_out(const std::vector<PackedMatrix*>& ms, int nth);
+  int64_t bytes() const { return static_cast<int64_t>(data_.size()); }
+  const uint8_t* data() const { return data_.data(); }
 
  private:
   GgmlType type_ = GgmlType::F32;
@@ -93,14 +82,12 @@ class PackedMatrix {
   struct Segment {
     GgmlType type;
     int64_t g0, g1;  // groups [g0, g1)
-    int64_t offset;  // bytes into data() of group g0
+    int64_t offset;  // bytes into data_ of group g0
   };
   int layout_ = 0;
   int64_t row_stride_ = 0;  // kF32Rows: floats per padded row; kRawRows: bytes per row
   std::vector<Segment> segments_;  // kInterleaved16
   HugeVector<uint8_t> data_;  // cache-line aligned, huge pages (decode streams every weight once per token)
-  std::shared_ptr<const uint8_t> shared_;  // share_out's buffer: data() when set (data_ is then empty)
-  int64_t bytes_ = 0;                      // data_.size() before share_out
   friend void matmul(const PackedMatrix&, const float*, int64_t, float*, ThreadPool&);
   friend void matmul_share(const PackedMatrix&, const float*, int64_t, float*, ThreadPool&, int, int);
 };

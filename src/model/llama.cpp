@@ -274,7 +274,6 @@ Result<std::unique_ptr<LlamaModel>> LlamaModel::load(const GgufFile& f, Isa isa,
   if (!out) return fail(Status::error("output: " + out.message()));
   m->output_ = std::move(*out);
   m->weight_bytes_ += m->output_.bytes() + row_bytes(m->tok_embd_.type, c.n_embd) + 4 * c.n_embd;
-  if (const char* e = std::getenv("KV_SHARE_WEIGHTS"); !(e && std::strcmp(e, "0") == 0)) m->share_weights(default_thread_count());
   XXH3_state_t* hs = XXH3_createState();
   XXH3_64bits_reset(hs);
   for (const GgufTensor& t : f.tensors()) {
@@ -555,14 +554,6 @@ void LlamaModel::shift_keys(PagePool& pool, int g, int32_t page, int32_t n_slots
       for (int32_t j = 0; j < n_slots; ++j) rope(k + int64_t(j) * c.head_dim, 1, c.head_dim, c.n_rot, -delta, base, c.rope_scale, c.rope_style);
     });
   }
-}
-
-void LlamaModel::share_weights(int n_threads) {
-  std::vector<PackedMatrix*> ms;
-  for (Layer& L : layers_)
-    for (PackedMatrix* p : {&L.wqkv, &L.wq_b, &L.wo, &L.wgu, &L.wdown}) ms.push_back(p);
-  ms.push_back(&output_);
-  PackedMatrix::share_out(ms, n_threads);
 }
 
 bool LlamaModel::walk_default() {

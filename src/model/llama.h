@@ -75,11 +75,6 @@ class LlamaModel {
   // Whether forwards of fewer than 8 rows walk every layer in one job (the default; the
   // environment's KV_WALK=0 turns it off, for comparison). Same results either way.
   void set_walk(bool on) { walk_on_ = on; }
-  // Lays the matmul weights out for a pool of n_threads (PackedMatrix::share_out: each
-  // thread's shares of the layers' matrices, in forward order, then of the output, as one
-  // run). load() does it for default_thread_count() (KV_SHARE_WEIGHTS=0: not, for
-  // comparison); the same results for any pool.
-  void share_weights(int n_threads);
 
  private:
   ForwardTimes times_;
