@@ -49,7 +49,7 @@ case "$kind" in
     # The thread pool's stealing split; the engine with its thread pool (every forward splits
     # matmuls and attention across it), the server's HTTP, engine and stream threads, the tiers'
     # writer threads, the cold-page loader.
-    gtest_filter='ThreadPoolSteal*:Engine.BatchInvariance*:Engine.Preemption*:Engine.SeededSampling*:Engine.StopString*:KvTierManager*:KvTierDiskStore*:KvTierRedis*:ModelGolden.Mla*:ColdPages.StoreRoundTrip*:ColdPages.EngineSmolLM2*:KvReindex.EngineGoesPast*'
+    gtest_filter='ThreadPoolSteal*:ModelPaging.TheWalk*:Engine.BatchInvariance*:Engine.Preemption*:Engine.SeededSampling*:Engine.StopString*:KvTierManager*:KvTierDiskStore*:KvTierRedis*:ModelGolden.Mla*:ColdPages.StoreRoundTrip*:ColdPages.EngineSmolLM2*:KvReindex.EngineGoesPast*'
     if [[ -n "$QUICK" ]]; then
       e2e=(tests/e2e/test_openai_api.py tests/e2e/test_shutdown.py)
     else
