@@ -641,14 +641,17 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
   // The rest of a layer once its attention output (after Wo) is in tmp_: x += tmp_ (Gemma 3:
   // normed into o first); then x += down(silu(gate(h)) * up(h)), h = rmsnorm(x) (Gemma 3:
   // gelu, and the down output normed into o before it is added).
+  auto add_tmp = [&](const std::vector<float>& post_norm, float* x, float* o, int64_t t) {
+    const float* a = tmp_.data() + t * E;
+    if (c.gemma3) {
+      rms_norm(a, post_norm.data(), o + t * E, E, c.rms_eps);
+      a = o + t * E;
+    }
+    add_inplace(x + t * E, a, E);
+  };
   auto ffn = [&](const Layer& L, int ith, float* x, float* h, float* o) {
     rows(ith, [&](int64_t t) {
-      const float* a = tmp_.data() + t * E;
-      if (c.gemma3) {
-        rms_norm(a, L.post_attn_norm.data(), o + t * E, E, c.rms_eps);
-        a = o + t * E;
-      }
-      add_inplace(x + t * E, a, E);
+      add_tmp(L.post_attn_norm, x, o, t);
       rms_norm(x + t * E, L.ffn_norm.data(), h + t * E, E, c.rms_eps);
     });
     mm(ith, L.wgu, h, gu_.data());
@@ -658,14 +661,7 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
       else silu_mul(g, g + c.n_ff, h + t * c.n_ff, c.n_ff);
     });
     mm(ith, L.wdown, h, tmp_.data());
-    rows(ith, [&](int64_t t) {
-      const float* a = tmp_.data() + t * E;
-      if (c.gemma3) {
-        rms_norm(a, L.post_ffw_norm.data(), o + t * E, E, c.rms_eps);
-        a = o + t * E;
-      }
-      add_inplace(x + t * E, a, E);
-    });
+    rows(ith, [&](int64_t t) { add_tmp(L.post_ffw_norm, x, o, t); });
   };
 
   auto layer = [&](int il, int ith, float* x, float* h, float* o) -> Status {
