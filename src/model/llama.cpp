@@ -626,6 +626,12 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
   // cache lines and the engine thread's inputs each time. Quest layers (their page choice
   // runs its own jobs) and MLA run a job per step. Both ways give the same bits.
   const int nthr = tp.size();
+  // Token t's page in KV group grp, and its slot there.
+  auto page_of = [&](int64_t t, int grp) { return Batch::group_pages(batch.seqs[tok_seq_[t]], grp)[tok_pos_[t] / bs]; };
+  auto slot_of = [&](int64_t t) { return static_cast<int32_t>(tok_pos_[t] % bs); };
+  // The pages this forward's writes fill, finished in the attention job (layer by layer; the
+  // walk lists every layer's first, layer il's at [fill_off_[il], fill_off_[il + 1])).
+  fill_pages_.clear();
   const bool walk = walk_on_ && nthr > 1 && n_tok < kParallelRows && !c.mla && !questing;
   // The code of a layer, run by the engine thread (ith < 0: each step a job, x = x_, h = h_,
   // o = tmp_) or by thread ith of the walk (its own x, h and o).
@@ -686,8 +692,6 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
     const auto t_attn = Clock::now();
     // RoPE on q and k of token t, then its k and v into the pages (staged layers: into the
     // page's f16 staging tiles).
-    auto page_of = [&](int64_t t) { return Batch::group_pages(batch.seqs[tok_seq_[t]], grp)[tok_pos_[t] / bs]; };
-    auto slot_of = [&](int64_t t) { return static_cast<int32_t>(tok_pos_[t] % bs); };
     auto rope_write = [&](int64_t t) {
       float* row = qkv_.data() + t * n_qkv;
       if (c.gemma3) {  // QK-norm: RMSNorm over each head
@@ -696,7 +700,7 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
       }
       rope(row, c.n_head, c.head_dim, c.n_rot, tok_pos_[t], rope_base, c.rope_scale, c.rope_style);
       rope(row + n_q, c.n_head_kv, c.head_dim, c.n_rot, tok_pos_[t], rope_base, c.rope_scale, c.rope_style);
-      pool.write_slot(li, page_of(t), slot_of(t), row + n_q, row + n_q + n_kv);
+      pool.write_slot(li, page_of(t, grp), slot_of(t), row + n_q, row + n_q + n_kv);
     };
     const bool score_layer = scoring && grp == 0, quest_layer = questing && grp == 0;
     // With more than one thread the tokens are written by the attention job's threads, each its
@@ -705,11 +709,9 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
     // every layer's before it began). Quest layers write here, in order: their page choice needs
     // every roped query before the job.
     const bool write_in_job = nthr > 1 && !quest_layer;
-    const int32_t* fill = walk_fill_.data() + (walking ? walk_fill_off_[il] : 0);
-    int64_t n_fill = walking ? walk_fill_off_[il + 1] - walk_fill_off_[il] : 0;
-    if (!walking) fill_pages_.clear();
+    const int64_t fill0 = walking ? fill_off_[il] : static_cast<int64_t>(fill_pages_.size());
     for (int64_t t = 0; t < n_tok && !walking; ++t) {
-      const int32_t page = page_of(t);
+      const int32_t page = page_of(t, grp);
       if (!pool.begin_write(li, page, slot_of(t))) {
         pool.release_filled(li);
         return Status::error("KV staging slots exhausted (more partly filled pages than the pool was sized for)");
@@ -723,10 +725,8 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
       }
       if (fills) pool.mark_filled(li, page);
     }
-    if (!walking) {
-      fill = fill_pages_.data();
-      n_fill = static_cast<int64_t>(fill_pages_.size());
-    }
+    const int32_t* fill = fill_pages_.data() + fill0;
+    const int64_t n_fill = (walking ? fill_off_[il + 1] : static_cast<int64_t>(fill_pages_.size())) - fill0;
     // attn: [n_tok][n_q]
     PagedKvView view = pool.view(li);
     view.window = window;
@@ -885,25 +885,22 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
     }
   } else {
     // Every layer's staging slots first, in order, and the pages each layer's writes fill.
-    const int64_t bs = kl.block_size;
-    walk_fill_.clear();
-    walk_fill_off_.assign(1, 0);
+    fill_off_.assign(1, 0);
     for (int il = 0; il < c.n_layer; ++il) {
       const int grp = layer_group_[il], li = layer_slot_[il];
       PagePool& pool = *pools[grp];
       for (int64_t t = 0; t < n_tok; ++t) {
-        const int32_t page = Batch::group_pages(batch.seqs[tok_seq_[t]], grp)[tok_pos_[t] / bs];
-        const int32_t slot = static_cast<int32_t>(tok_pos_[t] % bs);
+        const int32_t page = page_of(t, grp), slot = slot_of(t);
         if (!pool.begin_write(li, page, slot)) {
           for (int j = 0; j <= il; ++j) pools[layer_group_[j]]->release_filled(layer_slot_[j]);
           return Status::error("KV staging slots exhausted (more partly filled pages than the pool was sized for)");
         }
         if (slot == bs - 1 && pool.finishes_pages(li)) {
-          walk_fill_.push_back(page);
+          fill_pages_.push_back(page);
           pool.mark_filled(li, page);
         }
       }
-      walk_fill_off_.push_back(static_cast<int64_t>(walk_fill_.size()));
+      fill_off_.push_back(static_cast<int64_t>(fill_pages_.size()));
     }
     // Each KV group's attention units shared out by their work (as balance_units per layer).
     walk_bounds_.resize(size_t(n_groups) * (nthr + 1));

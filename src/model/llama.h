@@ -127,12 +127,13 @@ class LlamaModel {
   std::vector<int64_t> tok_pos_;   // [n_tokens] position of each batch token
   std::vector<int32_t> tok_seq_;   // [n_tokens] its batch sequence
   // The walk (forward of a few rows, all layers in one job): per thread its residual stream,
-  // normed input / activation and normed output; each layer's pages to finish
-  // (walk_fill_[walk_fill_off_[il], walk_fill_off_[il + 1])); each KV group's unit_bounds_.
+  // normed input / activation and normed output; each KV group's unit_bounds_.
   std::vector<std::vector<float>> walk_x_, walk_h_, walk_o_;
-  std::vector<int32_t> walk_fill_;
-  std::vector<int64_t> walk_fill_off_, walk_bounds_;
-  std::vector<int32_t> fill_pages_;  // a layer's pages this forward fills (finished in the attention job)
+  std::vector<int64_t> walk_bounds_;
+  // The pages this forward fills (finished in the attention job); in a walk layer il's are
+  // fill_pages_[fill_off_[il], fill_off_[il + 1]).
+  std::vector<int32_t> fill_pages_;
+  std::vector<int64_t> fill_off_;
   // Attention work units: (sequence, kv head, tile of query tokens, key range), spread over
   // threads. A run of at most kAttnQTile tokens with a long context is split into parts of
   // kSplitKeys keys (flash-decoding); the parts' partial results are merged by log-sum-exp.
