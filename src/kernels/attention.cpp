@@ -3,7 +3,10 @@
 #include "kernels/attention.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -62,6 +65,19 @@ AttnTileScratch attention_tile_scratch() {
   alignas(64) static thread_local float vf[kAttnMaxBlockSize * kAttnMaxHeadDim];
   return {kf, kt, vf};
 }
+
+namespace {
+std::atomic<bool>& page_major_flag() {
+  static std::atomic<bool> on = [] {
+    const char* v = std::getenv("KV_ATTN_PAGE_MAJOR");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  return on;
+}
+}  // namespace
+
+bool attention_page_major() { return page_major_flag().load(std::memory_order_relaxed); }
+void set_attention_page_major_for_testing(bool on) { page_major_flag().store(on, std::memory_order_relaxed); }
 
 int64_t* attention_index_scratch(int64_t n) {
   thread_local std::vector<int64_t> buf;

@@ -93,6 +93,14 @@ void paged_attention_partial_heads(const PagedKvView& kv, int kv_head, int n_gro
                                    int64_t pos0, int n_q, int64_t key_begin, int64_t key_end, float scale, float* acc,
                                    float* m, float* l, float* page_lse, int64_t lse_stride, const AttnHeads& heads);
 
+// Whether the AVX-512 build runs a decode step's page group (≤ 4 query rows per KV head, no
+// page in staging) over float pages (f32, f16, bf16) page by page across the heads instead of
+// head after head: the group's K tiles, then its V tiles, read in the order they lie. Same bits
+// either way. On by default; KV_ATTN_PAGE_MAJOR=0 turns it off (read once).
+bool attention_page_major();
+// Tests: take one way or the other. Must not race with attention calls.
+void set_attention_page_major_for_testing(bool on);
+
 // Asks the memory system for KV head kv_head's K and V tiles of the first `max_pages` pages
 // holding keys [key_begin, key_end) (pages not there, and pages still filling in staging, which
 // are in cache, are skipped), at kernels/prefetch.h's level, and returns at once. A caller that

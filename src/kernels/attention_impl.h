@@ -75,6 +75,14 @@ struct TilePrefetch {
   }
 };
 
+// The tiles of the pages a few pages ahead of each page of a group, in the K and in the V
+// stream (null: none), asked for as the page's scores and values are computed.
+struct StreamAhead {
+  const uint8_t* k[kGroupPages] = {};
+  const uint8_t* v[kGroupPages] = {};
+  int64_t k_bytes = 0, v_bytes = 0;
+};
+
 // The rows of one query tile and their running softmax state.
 struct Rows {
   int n = 0;
@@ -273,87 +281,200 @@ inline void page_scores(const uint8_t* kt, int bs, int hd, int n_keys, const Row
   }
 }
 
-// A group of n_pg pages against NR rows [r0, r0 + NR): scores of every page, one online-
-// softmax update per row for the whole group, then Σ p·v with the accumulators kept in
-// registers across the group's pages. K tiles of type E; V tiles of type EV (E, or f32 for
-// MLA: the K tile's first dv channels made token-major by the caller), token-major with row
-// stride hd; dv value channels (hd, or C).
-template <KvElem E, KvElem EV, int NR>
-void group_rows(const PageRef* pg, int n_pg, int bs, int hd, int dv, int32_t window, Rows& rows, int r0) {
-  constexpr bool kIntV = EV == KvElem::kInt8 || EV == KvElem::kInt4;
-  constexpr bool kFp8V = EV == KvElem::kFp8E4M3 || EV == KvElem::kFp8E5M2;
-  const int64_t n = int64_t(bs) * hd;
-  const int cpp = (bs + 15) / 16;  // 16-key chunks per page in the score buffer
+// One group of n_pg pages against NR rows [r0, r0 + NR), in phases: the scores of each page
+// (group_page_scores), one online-softmax update per row for the whole group (group_softmax),
+// then Σ p·v over a range of pages (group_values) between group_values_begin and group_values_end.
+// The phases take the pages one at a time so that several KV heads' groups can interleave page
+// by page (group_heads): a page's head tiles are neighbours in the pool, so the K tiles of the
+// group's pages are read front to back, then its V tiles. K tiles of type E; V tiles of type EV
+// (E, or f32 for MLA: the K tile's first dv channels made token-major by the caller),
+// token-major with row stride hd; dv value channels (hd, or C).
+template <int NR>
+struct GroupRows {
   int lo[kGroupPages][NR], hi[kGroupPages][NR];
   int j_end[kGroupPages];  // one past the last key any row sees in page i (0: none)
-  bool any = false, full = bs % 16 == 0;  // full: every row sees every slot of every page
+  int cpp = 1;             // 16-key chunks per page in the score buffer
+  bool full = false;       // every row sees every slot of every page
+  alignas(64) float s[NR][kGroupKeys];  // scores, then p; page i at s[r][i·cpp·16, ...)
+  float corr[NR];                       // e^(m_old − m_new) of the group's update
+  // Σ p·v over the group, two sums per channel for ILP: a0 = corr·acc + the even keys', a1 =
+  // the odd keys' (and int pages' zero points); acc = a0 + a1 at the group's end. Kept here,
+  // not in the rows' accumulators, between pages: those may share cache lines with another
+  // thread's.
+  alignas(64) float a0[NR][kAttnMaxHeadDim];
+  alignas(64) float a1[NR][kAttnMaxHeadDim];
+};
+
+// Visibility of the group's pages for each row; false when no row sees any key.
+template <int NR>
+__attribute__((always_inline)) inline bool group_begin(GroupRows<NR>& G, const PageRef* pg, int n_pg, int bs, int32_t window, const Rows& rows, int r0) {
+  bool any = false;
+  G.cpp = (bs + 15) / 16;
+  G.full = bs % 16 == 0;
   for (int i = 0; i < n_pg; ++i) {
-    j_end[i] = 0;
+    G.j_end[i] = 0;
     for (int r = 0; r < NR; ++r) {
-      visible(rows.pos[r0 + r], pg[i].key0, pg[i].n_keys, window, &lo[i][r], &hi[i][r]);
-      if (hi[i][r] > lo[i][r]) j_end[i] = std::max(j_end[i], hi[i][r]);
-      full &= lo[i][r] == 0 && hi[i][r] == bs;
+      visible(rows.pos[r0 + r], pg[i].key0, pg[i].n_keys, window, &G.lo[i][r], &G.hi[i][r]);
+      if (G.hi[i][r] > G.lo[i][r]) G.j_end[i] = std::max(G.j_end[i], G.hi[i][r]);
+      G.full &= G.lo[i][r] == 0 && G.hi[i][r] == bs;
     }
-    any |= j_end[i] > 0;
+    any |= G.j_end[i] > 0;
   }
-  if (!any) return;
+  return any;
+}
 
-  // 1. scores, page i at s[r][i·cpp·16, ...)
-  alignas(64) float s[NR][kGroupKeys];
-  // Tiles ahead, asked for in even parts before each page's scores and each value chunk.
-  const int64_t pf_step = rows.pf ? rows.pf->step(n_pg + dv / 16) : 0;
-  for (int i = 0; i < n_pg; ++i) {
-    if (pf_step) rows.pf->issue(pf_step);
-    if (j_end[i] > 0) {
-      if (kv_elem_staged(E) && pg[i].f16) page_scores<KvElem::kF16, NR>(pg[i].kt, bs, hd, pg[i].n_keys, rows, r0, s, i * cpp * 16);
-      else page_scores<E, NR>(pg[i].kt, bs, hd, pg[i].n_keys, rows, r0, s, i * cpp * 16);
-    }
-  }
+template <KvElem E, int NR>
+__attribute__((always_inline)) inline void group_page_scores(GroupRows<NR>& G, const PageRef& p, int i, int bs, int hd, const Rows& rows, int r0) {
+  if (G.j_end[i] == 0) return;
+  if (kv_elem_staged(E) && p.f16) page_scores<KvElem::kF16, NR>(p.kt, bs, hd, p.n_keys, rows, r0, G.s, i * G.cpp * 16);
+  else page_scores<E, NR>(p.kt, bs, hd, p.n_keys, rows, r0, G.s, i * G.cpp * 16);
+}
 
-  // 2. one online-softmax update per row for the group; s becomes p (0 where the row sees no key)
-  float corr[NR];
+// One online-softmax update per row for the group; s becomes p (0 where the row sees no key).
+template <int NR>
+__attribute__((always_inline)) inline void group_softmax(GroupRows<NR>& G, const PageRef* pg, int n_pg, int bs, Rows& rows, int r0) {
+  const int cpp = G.cpp;
   for (int r = 0; r < NR; ++r) {
     const int row = r0 + r;
+    float* s = G.s[r];
     __mmask16 vm[kGroupKeys / 16];
     __m512 mxv = _mm512_set1_ps(kNegInf);
     for (int i = 0; i < n_pg; ++i)
       for (int c = 0; c < cpp; ++c) {
         const int j0 = c * 16, k = i * cpp + c;
-        if (full) {
+        if (G.full) {
           vm[k] = 0xFFFF;
         } else {
-          const int a = std::clamp(lo[i][r] - j0, 0, 16), b = std::clamp(hi[i][r] - j0, 0, 16);
+          const int a = std::clamp(G.lo[i][r] - j0, 0, 16), b = std::clamp(G.hi[i][r] - j0, 0, 16);
           vm[k] = static_cast<__mmask16>(((1u << b) - 1) & ~((1u << a) - 1));
         }
-        if (vm[k]) mxv = _mm512_mask_max_ps(mxv, vm[k], mxv, _mm512_load_ps(s[r] + k * 16));
+        if (vm[k]) mxv = _mm512_mask_max_ps(mxv, vm[k], mxv, _mm512_load_ps(s + k * 16));
       }
     const float mx = _mm512_reduce_max_ps(mxv);
     if (mx == kNegInf) {  // the row sees none of the group's keys
-      corr[r] = 1.f;
-      for (int k = 0; k < n_pg * cpp; ++k) _mm512_store_ps(s[r] + k * 16, _mm512_setzero_ps());
+      G.corr[r] = 1.f;
+      for (int k = 0; k < n_pg * cpp; ++k) _mm512_store_ps(s + k * 16, _mm512_setzero_ps());
       continue;
     }
     const float m_old = rows.m[row], m_new = std::max(m_old, mx);
-    corr[r] = m_new == m_old ? 1.f : std::exp(m_old - m_new);  // deep in a context the max rarely moves
+    G.corr[r] = m_new == m_old ? 1.f : std::exp(m_old - m_new);  // deep in a context the max rarely moves
     const __m512 mv = _mm512_set1_ps(m_new);
     __m512 sum = _mm512_setzero_ps();
     for (int k = 0; k < n_pg * cpp; ++k) {
-      const __m512 p = vm[k] ? _mm512_maskz_mov_ps(vm[k], exp16(_mm512_sub_ps(_mm512_load_ps(s[r] + k * 16), mv)))
+      const __m512 p = vm[k] ? _mm512_maskz_mov_ps(vm[k], exp16(_mm512_sub_ps(_mm512_load_ps(s + k * 16), mv)))
                              : _mm512_setzero_ps();
-      _mm512_store_ps(s[r] + k * 16, p);
+      _mm512_store_ps(s + k * 16, p);
       sum = _mm512_add_ps(sum, p);
     }
-    rows.l[row] = rows.l[row] * corr[r] + _mm512_reduce_add_ps(sum);
+    rows.l[row] = rows.l[row] * G.corr[r] + _mm512_reduce_add_ps(sum);
     rows.m[row] = m_new;
     if (rows.lse) {  // eviction scores: each page's share, as a log-sum-exp at this row's max
       for (int i = 0; i < n_pg; ++i) {
         __m512 ps = _mm512_setzero_ps();
-        for (int c = 0; c < cpp; ++c) ps = _mm512_add_ps(ps, _mm512_load_ps(s[r] + (i * cpp + c) * 16));
+        for (int c = 0; c < cpp; ++c) ps = _mm512_add_ps(ps, _mm512_load_ps(s + (i * cpp + c) * 16));
         const float t = _mm512_reduce_add_ps(ps);
         if (t > 0.f) rows.lse[row * rows.lse_stride + pg[i].key0 / bs - rows.lse_page0] = m_new + std::log(t);
       }
     }
   }
+}
+
+// a0 = corr·acc, a1 = 0.
+template <int NR>
+__attribute__((always_inline)) inline void group_values_begin(GroupRows<NR>& G, const Rows& rows, int r0, int dv) {
+  for (int r = 0; r < NR; ++r) {
+    const float* acc = rows.acc[r0 + r];
+    const __m512 c = _mm512_set1_ps(G.corr[r]);
+    for (int cc = 0; cc < dv / 16; ++cc) {
+      _mm512_store_ps(G.a0[r] + cc * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + cc * 16), c));
+      _mm512_store_ps(G.a1[r] + cc * 16, _mm512_setzero_ps());
+    }
+  }
+}
+
+// acc = a0 + a1.
+template <int NR>
+__attribute__((always_inline)) inline void group_values_end(const GroupRows<NR>& G, Rows& rows, int r0, int dv) {
+  for (int r = 0; r < NR; ++r) {
+    float* acc = rows.acc[r0 + r];
+    for (int cc = 0; cc < dv / 16; ++cc)
+      _mm512_storeu_ps(acc + cc * 16, _mm512_add_ps(_mm512_load_ps(G.a0[r] + cc * 16), _mm512_load_ps(G.a1[r] + cc * 16)));
+  }
+}
+
+// Pages [i0, i1)'s Σ p·v into the group's sums, 16 channels at a time across those pages; float
+// pages (f32, f16, bf16), whose value weights are p itself. Any split of the group into ranges
+// gives the same bits.
+template <KvElem EV, int NR>
+__attribute__((always_inline)) inline void group_values(GroupRows<NR>& G, const PageRef* pg, int i0, int i1, int hd,
+                                                        int dv) {
+  static_assert(EV == KvElem::kF32 || EV == KvElem::kF16 || EV == KvElem::kBF16, "float pages only");
+  // C chunks of 16 channels at once (2: twice the independent sums of one chunk); each sum
+  // takes its keys in the same order either way.
+  auto pv = [&](auto nc, int cc0) __attribute__((always_inline)) {
+    constexpr int C = decltype(nc)::value;
+    __m512 a0[C][NR], a1[C][NR];
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < NR; ++r) {
+        a0[c][r] = _mm512_load_ps(G.a0[r] + (cc0 + c) * 16);
+        a1[c][r] = _mm512_load_ps(G.a1[r] + (cc0 + c) * 16);
+      }
+    for (int i = i0; i < i1; ++i) {
+      const int je = G.j_end[i], off = i * G.cpp * 16;
+      const uint8_t* vt = pg[i].vt;
+      int j = 0;
+      for (; j + 2 <= je; j += 2)
+        for (int c = 0; c < C; ++c) {
+          const __m512 v0 = load_v<EV>(vt, hd, hd, j, cc0 + c);
+          const __m512 v1 = load_v<EV>(vt, hd, hd, j + 1, cc0 + c);
+          for (int r = 0; r < NR; ++r) {
+            a0[c][r] = _mm512_fmadd_ps(_mm512_set1_ps(G.s[r][off + j]), v0, a0[c][r]);
+            a1[c][r] = _mm512_fmadd_ps(_mm512_set1_ps(G.s[r][off + j + 1]), v1, a1[c][r]);
+          }
+        }
+      if (j < je)
+        for (int c = 0; c < C; ++c) {
+          const __m512 v0 = load_v<EV>(vt, hd, hd, j, cc0 + c);
+          for (int r = 0; r < NR; ++r) a0[c][r] = _mm512_fmadd_ps(_mm512_set1_ps(G.s[r][off + j]), v0, a0[c][r]);
+        }
+    }
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < NR; ++r) {
+        _mm512_store_ps(G.a0[r] + (cc0 + c) * 16, a0[c][r]);
+        _mm512_store_ps(G.a1[r] + (cc0 + c) * 16, a1[c][r]);
+      }
+  };
+  const int n_cc = dv / 16;
+  int cc = 0;
+  for (; cc + 2 <= n_cc; cc += 2) pv(std::integral_constant<int, 2>{}, cc);
+  if (cc < n_cc) pv(std::integral_constant<int, 1>{}, cc);
+}
+
+// One KV head's group (the way for quantized pages and prefill tiles): the scores of every
+// page, the softmax update, then Σ p·v 16 channels at a time with the sums in registers across
+// the group's pages, loaded from and stored to the rows' accumulators once per group. Rows::pf's
+// tiles are asked for in even parts before each page's scores and each value chunk.
+template <KvElem E, KvElem EV, int NR>
+void group_rows(const PageRef* pg, int n_pg, int bs, int hd, int dv, int32_t window, Rows& rows, int r0) {
+  constexpr bool kIntV = EV == KvElem::kInt8 || EV == KvElem::kInt4;
+  constexpr bool kFp8V = EV == KvElem::kFp8E4M3 || EV == KvElem::kFp8E5M2;
+  const int64_t n = int64_t(bs) * hd;
+  GroupRows<NR> Gr;
+  if (!group_begin(Gr, pg, n_pg, bs, window, rows, r0)) return;
+  const int cpp = Gr.cpp;
+  const int* j_end = Gr.j_end;
+  auto& s = Gr.s;
+  const float* corr = Gr.corr;
+
+  // 1. scores, page i at s[r][i·cpp·16, ...)
+  const int64_t pf_step = rows.pf ? rows.pf->step(n_pg + dv / 16) : 0;
+  for (int i = 0; i < n_pg; ++i) {
+    if (pf_step) rows.pf->issue(pf_step);
+    group_page_scores<E>(Gr, pg[i], i, bs, hd, rows, r0);
+  }
+
+  // 2. one online-softmax update per row for the group
+  group_softmax(Gr, pg, n_pg, bs, rows, r0);
 
   // 3. value weights. fp8: p·(tile scale). int: v = min + scale·q per (token, channel group),
   // so Σ p·v = Σ (p·scale)·q + Σ p·min: pw[g][r][j] = p·scale, zr[i][r][g] = Σ_j p·min of page i
@@ -453,6 +574,67 @@ void group_rows(const PageRef* pg, int n_pg, int bs, int hd, int dv, int32_t win
     for (int r = 0; r < NR; ++r) {
       _mm512_storeu_ps(rows.acc[r0 + r] + cc * 16, _mm512_add_ps(a0[r], a1[r]));
     }
+  }
+}
+
+
+// The group for nh KV heads at once, NR rows each (pg[h]: head h's tiles of the same pages):
+// page by page, every head's scores, then page by page every head's Σ p·v, so the group's K
+// tiles and then its V tiles are read in the order they lie. Two heads' scores go through
+// page_scores together (twice the independent sums). Before each head's tile of a page, that
+// head's tile `ahead` pages on in the same stream is asked for. Each head's rows get the bits
+// of group_rows.
+template <KvElem E, int NR>
+void group_heads(const PageRef (*pg)[kGroupPages], int nh, int n_pg, int bs, int hd, int32_t window, Rows* rows,
+                 const StreamAhead& ahead) {
+  GroupRows<NR> G[kAttnMaxHeads];
+  bool any[kAttnMaxHeads], some = false;
+  for (int h = 0; h < nh; ++h) some |= any[h] = group_begin(G[h], pg[h], n_pg, bs, window, rows[h], 0);
+  if (!some) return;
+  const int64_t kt_bytes = ahead.k_bytes / nh, vt_bytes = ahead.v_bytes / nh;  // one head's tile
+  for (int i = 0; i < n_pg; ++i)
+    for (int h = 0; h < nh; ++h) {
+      if (ahead.k[i]) prefetch_tile(ahead.k[i] + h * kt_bytes, kt_bytes);
+      if (any[h]) group_page_scores<E>(G[h], pg[h][i], i, bs, hd, rows[h], 0);
+    }
+  for (int h = 0; h < nh; ++h)
+    if (any[h]) {
+      group_softmax(G[h], pg[h], n_pg, bs, rows[h], 0);
+      group_values_begin(G[h], rows[h], 0, hd);
+    }
+  for (int i = 0; i < n_pg; ++i)
+    for (int h = 0; h < nh; ++h) {
+      if (ahead.v[i]) prefetch_tile(ahead.v[i] + h * vt_bytes, vt_bytes);
+      if (any[h]) group_values<E>(G[h], pg[h], i, i + 1, hd, hd);
+    }
+  for (int h = 0; h < nh; ++h)
+    if (any[h]) group_values_end(G[h], rows[h], 0, hd);
+}
+
+// Whether attend runs a decode group's heads page by page (group_heads): for float pages,
+// which wait on memory. Quantized pages are bound by their conversions and keep one head at a
+// time with the sums in registers across the group's pages (group_rows): there the page-major
+// order measured ×0.955 end to end at 8k (int8, Zen 5 VM, 2026-12-01), where f16 gained.
+bool page_major_heads(KvElem e) {
+  return (e == KvElem::kF16 || e == KvElem::kBF16 || e == KvElem::kF32) && attention_page_major();
+}
+
+// group_heads for a float page type and a row count (1 to 4).
+void heads_dispatch(KvElem e, const PageRef (*pg)[kGroupPages], int nh, int n_pg, int bs, int hd, int32_t window,
+                    Rows* rows, int n_rows, const StreamAhead& ahead) {
+  auto by_rows = [&](auto et) {
+    constexpr KvElem E = decltype(et)::value;
+    switch (n_rows) {
+      case 1: return group_heads<E, 1>(pg, nh, n_pg, bs, hd, window, rows, ahead);
+      case 2: return group_heads<E, 2>(pg, nh, n_pg, bs, hd, window, rows, ahead);
+      case 3: return group_heads<E, 3>(pg, nh, n_pg, bs, hd, window, rows, ahead);
+      default: return group_heads<E, 4>(pg, nh, n_pg, bs, hd, window, rows, ahead);
+    }
+  };
+  switch (e) {
+    case KvElem::kF32: return by_rows(std::integral_constant<KvElem, KvElem::kF32>{});
+    case KvElem::kBF16: return by_rows(std::integral_constant<KvElem, KvElem::kBF16>{});
+    default: return by_rows(std::integral_constant<KvElem, KvElem::kF16>{});
   }
 }
 
@@ -1090,6 +1272,11 @@ void attend(const PagedKvView& kv, int kv_head, int n_group, const float* q, int
   // bit-identical to one pass). Within a group, rows are cut where their view of a staged page
   // changes: rows before it leave it out, rows on it read its staging copy at f16, rows past
   // it read its quantized tiles.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const bool page_major = kv.v_from_k == 0 && n_rows <= 4 && page_major_heads(kv.elem);  // decode, float pages
+#else
+  constexpr bool page_major = false;
+#endif
   for (int64_t j0 = 0; j0 < n_iter;) {
     const int64_t j1 = sparse ? std::min<int64_t>(j0 + kGroupPages, n_iter)
                               : std::min((page_at(j0) / kGroupPages + 1) * kGroupPages, pg_end) - pg0;
@@ -1099,7 +1286,7 @@ void attend(const PagedKvView& kv, int kv_head, int n_group, const float* q, int
     int n = 0;
     TilePrefetch pf;
     for (int64_t j = j0; j < j1; ++j) {
-      prefetch_page(&pf, j + kPrefetchAhead);
+      if (!page_major) prefetch_page(&pf, j + kPrefetchAhead);
       const int64_t pg = page_at(j);
       pages[n] = kv.pages[pg];
       key0s[n] = pg * bs;
@@ -1109,6 +1296,33 @@ void attend(const PagedKvView& kv, int kv_head, int n_group, const float* q, int
     }
     j0 = j1;
     if constexpr (!kGroupRowsPrefetch) pf.issue(pf.left);  // the portable loops ask for none
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (page_major && !any_staged) {
+      PageRef grp[kAttnMaxHeads][kGroupPages];
+      for (int h = 0; h < nh; ++h)
+        for (int i = 0; i < n; ++i)
+          grp[h][i] = {kq(pages[i], h), vq(pages[i], h), key0s[i], static_cast<int>(std::min<int64_t>(bs, hi - key0s[i]))};
+      // The tiles kStreamAhead pages on, asked for tile by tile just before the same head's
+      // tile of the page kStreamAhead pages back is computed: in each stream (K, then V) about
+      // two pages ahead of use. (Zen 5 VM, 2026-12-01, `bench_ops BM_PagedAttentionDecodeModel`
+      // 8k f16: 1, 2 and 3 pages alike, 4 and 8 slower; a page's heads asked for at once before
+      // its first head, instead of head by head, 20% slower.)
+      constexpr int kStreamAhead = 2;
+      StreamAhead ahead;
+      ahead.k_bytes = nh * k_bytes;
+      ahead.v_bytes = nh * v_bytes;
+      for (int i = 0; i < n; ++i) {
+        const int64_t j = j1 - n + i + kStreamAhead;
+        if (j >= n_iter) continue;
+        const int32_t page = kv.pages[page_at(j)];
+        if (page < 0 || has_stage(kv, page)) continue;
+        ahead.k[i] = kq(page, 0);
+        ahead.v[i] = vq(page, 0);
+      }
+      heads_dispatch(kv.elem, grp, nh, n, bs, hd, kv.window, rows, n_rows, ahead);
+      continue;
+    }
+#endif
     for (int h = 0; h < nh; ++h) {
       Rows& R = rows[h];
       R.pf = &pf;

@@ -595,6 +595,28 @@ TEST_P(PagedAttention, PageLogSumExpGivesEachPagesAttentionMass) {
   }
 }
 
+// The heads tests' case: hkv heads' pages (head_dim 64, 16-key pages) for pos0 + nq tokens,
+// the table with holes when asked, a window, and random queries. Built in place (the view
+// points into it).
+struct HeadsCase {
+  Store st;
+  std::vector<int32_t> table;
+  std::vector<float> q;
+  HeadsCase(KvElem elem, int64_t pos0, int nq, int win, bool holes, int hkv, int grp, uint32_t seed, uint32_t q_seed)
+      : st(hkv, 64, 16, elem, pos0 + nq, seed, 0.5f, nq), table(st.table) {
+    if (holes)
+      for (size_t i = 1; i + 2 < table.size(); ++i)
+        if (i % 3 == 0 || i == 5) table[i] = -1;
+    st.view.pages = table.data();
+    st.view.window = win;
+    std::mt19937 rng(q_seed);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    q.resize(size_t(nq) * hkv * grp * 64);
+    for (auto& x : q) x = nd(rng) * 2.f;
+  }
+  HeadsCase(const HeadsCase&) = delete;
+};
+
 // Several KV heads in one pass (what split decode runs) give each head's per-head result bit
 // for bit: acc, m, l and the pages' log-sum-exps, for every page type, with holes in the table,
 // a staged last page, a sliding window, a decode token and a tile of queries.
@@ -605,18 +627,10 @@ TEST_P(PagedAttention, HeadsInOnePassEqualOneHeadAtATime) {
     for (auto [pos0, nq, win, holes_on, hkv, grp] :
          {std::tuple<int64_t, int, int, bool, int, int>{700, 1, 0, false, 3, 3}, {700, 1, 0, true, 3, 3},
           {300, 6, 0, true, 3, 3}, {500, 2, 100, false, 3, 3}, {300, 8, 0, false, 2, 16}}) {
-      Store st(hkv, hd, bs, elem, pos0 + nq, 41, 0.5f, nq);
-      std::vector<int32_t> table = st.table;
-      if (holes_on)
-        for (size_t i = 1; i + 2 < table.size(); ++i)
-          if (i % 3 == 0 || i == 5) table[i] = -1;
-      st.view.pages = table.data();
-      st.view.window = win;
-      std::mt19937 rng(7);
-      std::normal_distribution<float> nd(0.f, 1.f);
+      HeadsCase hc(elem, pos0, nq, win, holes_on, hkv, grp, 41, 7);
+      Store& st = hc.st;
+      const std::vector<float>& q = hc.q;
       const int64_t stride = hkv * grp * hd, ctx = pos0 + nq, part = 128;
-      std::vector<float> q(nq * stride);
-      for (auto& x : q) x = nd(rng) * 2.f;
       const int rows = nq * grp, ppp = static_cast<int>(part / bs);
       const int n_parts = static_cast<int>((ctx + part - 1) / part);
       // per head: [n_parts][rows] m/l, [n_parts][rows][hd] acc, [n_parts][rows][ppp] lse
@@ -646,6 +660,65 @@ TEST_P(PagedAttention, HeadsInOnePassEqualOneHeadAtATime) {
       EXPECT_TRUE(bits_equal(m1, m2)) << kv_elem_name(elem) << " pos0=" << pos0 << " nq=" << nq;
       EXPECT_TRUE(bits_equal(l1, l2)) << kv_elem_name(elem) << " pos0=" << pos0 << " nq=" << nq;
       EXPECT_TRUE(bits_equal(lse1, lse2)) << kv_elem_name(elem) << " pos0=" << pos0 << " nq=" << nq;
+    }
+  }
+}
+
+// Decode over float pages runs a page group's KV heads page by page (all K tiles, then all V
+// tiles, in pool order) on AVX-512; every head's acc, m, l and page log-sum-exps are the bits
+// of the head-after-head way, for 1 to 4 rows per head (GQA groups 1-4 at one token, 2 tokens
+// × 2), 1 to 3 KV heads, holes, a window, a partial last page and key ranges split in parts.
+TEST_P(PagedAttention, PageMajorHeadsGiveTheBitsOfHeadAfterHead) {
+  for (KvElem elem : {KvElem::kF16, KvElem::kBF16, KvElem::kF32, KvElem::kInt8}) {
+    const int hd = 64, bs = 16;
+    for (auto [pos0, nq, win, holes_on, hkv, grp] :
+         {std::tuple<int64_t, int, int, bool, int, int>{700, 1, 0, false, 3, 3}, {700, 1, 0, true, 3, 3},
+          {517, 1, 0, false, 1, 4}, {333, 1, 60, true, 2, 1}, {250, 2, 0, false, 3, 2}, {901, 1, 0, true, 3, 2}}) {
+      HeadsCase hc(elem, pos0, nq, win, holes_on, hkv, grp, 43, 11);
+      Store& st = hc.st;
+      const std::vector<float>& q = hc.q;
+      const int64_t stride = hkv * grp * hd, ctx = pos0 + nq, part = 256;
+      const int rows = nq * grp, ppp = static_cast<int>(part / bs);
+      const int n_parts = static_cast<int>((ctx + part - 1) / part);
+      const size_t acc_h = size_t(n_parts) * rows * hd, ml_h = size_t(n_parts) * rows;
+      auto run = [&](bool page_major, std::vector<float>* acc, std::vector<float>* m, std::vector<float>* l,
+                     std::vector<float>* lse) {
+        set_attention_page_major_for_testing(page_major);
+        acc->assign(hkv * acc_h, 7.f);
+        m->assign(hkv * ml_h, 7.f);
+        l->assign(hkv * ml_h, 7.f);
+        lse->assign(hkv * ml_h * ppp, 7.f);
+        AttnHeads hs;
+        hs.n = hkv;
+        hs.acc_stride = static_cast<int64_t>(acc_h);
+        hs.ml_stride = static_cast<int64_t>(ml_h);
+        hs.lse_stride = static_cast<int64_t>(ml_h) * ppp;
+        for (int p = 0; p < n_parts; ++p)
+          paged_attention_partial_heads(st.view, 0, grp, q.data(), stride, pos0, nq, p * part,
+                                        std::min(ctx, (p + 1) * part), 0.125f, acc->data() + size_t(p) * rows * hd,
+                                        m->data() + p * rows, l->data() + p * rows,
+                                        lse->data() + size_t(p) * rows * ppp, ppp, hs);
+        set_attention_page_major_for_testing(true);
+      };
+      std::vector<float> acc1, m1, l1, lse1, acc2, m2, l2, lse2;
+      run(false, &acc1, &m1, &l1, &lse1);
+      run(true, &acc2, &m2, &l2, &lse2);
+      const auto bits_equal = [](const std::vector<float>& a, const std::vector<float>& b) {
+        return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+      };
+      const std::string what = std::string(kv_elem_name(elem)) + " pos0=" + std::to_string(pos0) +
+                               " hkv=" + std::to_string(hkv) + " grp=" + std::to_string(grp);
+      EXPECT_TRUE(bits_equal(acc1, acc2)) << what;
+      EXPECT_TRUE(bits_equal(m1, m2)) << what;
+      EXPECT_TRUE(bits_equal(l1, l2)) << what;
+      EXPECT_TRUE(bits_equal(lse1, lse2)) << what;
+      // and both agree with the reference
+      std::vector<float> out(nq * stride), ref(nq * stride);
+      for (int h = 0; h < hkv; ++h) {
+        paged_attention(st.view, h, grp, q.data(), stride, pos0, nq, 0.125f, out.data(), stride);
+        paged_attention_ref(st.view, h, grp, q.data(), stride, pos0, nq, 0.125f, ref.data(), stride);
+      }
+      for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out[i], ref[i], 2e-3f + 2e-3f * std::fabs(ref[i])) << what << " i=" << i;
     }
   }
 }
