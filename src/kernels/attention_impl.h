@@ -297,10 +297,14 @@ struct GroupRows {
   bool full = false;       // every row sees every slot of every page
   alignas(64) float s[NR][kGroupKeys];  // scores, then p; page i at s[r][i·cpp·16, ...)
   float corr[NR];                       // e^(m_old − m_new) of the group's update
-  // Σ p·v over the group, two sums per channel for ILP: a0 = corr·acc + the even keys', a1 =
-  // the odd keys' (and int pages' zero points); acc = a0 + a1 at the group's end. Kept here,
-  // not in the rows' accumulators, between pages: those may share cache lines with another
-  // thread's.
+};
+
+// group_heads' Σ p·v of one head's group between its pages, two sums per channel for ILP:
+// a0 = corr·acc + the even keys', a1 = the odd keys'; acc = a0 + a1 at the group's end (the
+// order of group_rows' register-held sums: the same bits). Kept here, not in the rows'
+// accumulators, between pages: those may share cache lines with another thread's.
+template <int NR>
+struct GroupSums {
   alignas(64) float a0[NR][kAttnMaxHeadDim];
   alignas(64) float a1[NR][kAttnMaxHeadDim];
 };
@@ -381,24 +385,24 @@ __attribute__((always_inline)) inline void group_softmax(GroupRows<NR>& G, const
 
 // a0 = corr·acc, a1 = 0.
 template <int NR>
-__attribute__((always_inline)) inline void group_values_begin(GroupRows<NR>& G, const Rows& rows, int r0, int dv) {
+__attribute__((always_inline)) inline void group_values_begin(const GroupRows<NR>& G, GroupSums<NR>& S, const Rows& rows, int r0, int dv) {
   for (int r = 0; r < NR; ++r) {
     const float* acc = rows.acc[r0 + r];
     const __m512 c = _mm512_set1_ps(G.corr[r]);
     for (int cc = 0; cc < dv / 16; ++cc) {
-      _mm512_store_ps(G.a0[r] + cc * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + cc * 16), c));
-      _mm512_store_ps(G.a1[r] + cc * 16, _mm512_setzero_ps());
+      _mm512_store_ps(S.a0[r] + cc * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + cc * 16), c));
+      _mm512_store_ps(S.a1[r] + cc * 16, _mm512_setzero_ps());
     }
   }
 }
 
 // acc = a0 + a1.
 template <int NR>
-__attribute__((always_inline)) inline void group_values_end(const GroupRows<NR>& G, Rows& rows, int r0, int dv) {
+__attribute__((always_inline)) inline void group_values_end(const GroupSums<NR>& S, Rows& rows, int r0, int dv) {
   for (int r = 0; r < NR; ++r) {
     float* acc = rows.acc[r0 + r];
     for (int cc = 0; cc < dv / 16; ++cc)
-      _mm512_storeu_ps(acc + cc * 16, _mm512_add_ps(_mm512_load_ps(G.a0[r] + cc * 16), _mm512_load_ps(G.a1[r] + cc * 16)));
+      _mm512_storeu_ps(acc + cc * 16, _mm512_add_ps(_mm512_load_ps(S.a0[r] + cc * 16), _mm512_load_ps(S.a1[r] + cc * 16)));
   }
 }
 
@@ -406,8 +410,8 @@ __attribute__((always_inline)) inline void group_values_end(const GroupRows<NR>&
 // pages (f32, f16, bf16), whose value weights are p itself. Any split of the group into ranges
 // gives the same bits.
 template <KvElem EV, int NR>
-__attribute__((always_inline)) inline void group_values(GroupRows<NR>& G, const PageRef* pg, int i0, int i1, int hd,
-                                                        int dv) {
+__attribute__((always_inline)) inline void group_values(const GroupRows<NR>& G, GroupSums<NR>& S, const PageRef* pg,
+                                                        int i0, int i1, int hd, int dv) {
   static_assert(EV == KvElem::kF32 || EV == KvElem::kF16 || EV == KvElem::kBF16, "float pages only");
   // C chunks of 16 channels at once (2: twice the independent sums of one chunk); each sum
   // takes its keys in the same order either way.
@@ -416,8 +420,8 @@ __attribute__((always_inline)) inline void group_values(GroupRows<NR>& G, const 
     __m512 a0[C][NR], a1[C][NR];
     for (int c = 0; c < C; ++c)
       for (int r = 0; r < NR; ++r) {
-        a0[c][r] = _mm512_load_ps(G.a0[r] + (cc0 + c) * 16);
-        a1[c][r] = _mm512_load_ps(G.a1[r] + (cc0 + c) * 16);
+        a0[c][r] = _mm512_load_ps(S.a0[r] + (cc0 + c) * 16);
+        a1[c][r] = _mm512_load_ps(S.a1[r] + (cc0 + c) * 16);
       }
     for (int i = i0; i < i1; ++i) {
       const int je = G.j_end[i], off = i * G.cpp * 16;
@@ -440,8 +444,8 @@ __attribute__((always_inline)) inline void group_values(GroupRows<NR>& G, const 
     }
     for (int c = 0; c < C; ++c)
       for (int r = 0; r < NR; ++r) {
-        _mm512_store_ps(G.a0[r] + (cc0 + c) * 16, a0[c][r]);
-        _mm512_store_ps(G.a1[r] + (cc0 + c) * 16, a1[c][r]);
+        _mm512_store_ps(S.a0[r] + (cc0 + c) * 16, a0[c][r]);
+        _mm512_store_ps(S.a1[r] + (cc0 + c) * 16, a1[c][r]);
       }
   };
   const int n_cc = dv / 16;
@@ -588,6 +592,7 @@ template <KvElem E, int NR>
 void group_heads(const PageRef (*pg)[kGroupPages], int nh, int n_pg, int bs, int hd, int32_t window, Rows* rows,
                  const StreamAhead& ahead) {
   GroupRows<NR> G[kAttnMaxHeads];
+  GroupSums<NR> S[kAttnMaxHeads];
   bool any[kAttnMaxHeads], some = false;
   for (int h = 0; h < nh; ++h) some |= any[h] = group_begin(G[h], pg[h], n_pg, bs, window, rows[h], 0);
   if (!some) return;
@@ -600,15 +605,15 @@ void group_heads(const PageRef (*pg)[kGroupPages], int nh, int n_pg, int bs, int
   for (int h = 0; h < nh; ++h)
     if (any[h]) {
       group_softmax(G[h], pg[h], n_pg, bs, rows[h], 0);
-      group_values_begin(G[h], rows[h], 0, hd);
+      group_values_begin(G[h], S[h], rows[h], 0, hd);
     }
   for (int i = 0; i < n_pg; ++i)
     for (int h = 0; h < nh; ++h) {
       if (ahead.v[i]) prefetch_tile(ahead.v[i] + h * vt_bytes, vt_bytes);
-      if (any[h]) group_values<E>(G[h], pg[h], i, i + 1, hd, hd);
+      if (any[h]) group_values<E>(G[h], S[h], pg[h], i, i + 1, hd, hd);
     }
   for (int h = 0; h < nh; ++h)
-    if (any[h]) group_values_end(G[h], rows[h], 0, hd);
+    if (any[h]) group_values_end(S[h], rows[h], 0, hd);
 }
 
 // Whether attend runs a decode group's heads page by page (group_heads): for float pages,
