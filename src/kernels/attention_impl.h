@@ -581,13 +581,11 @@ void group_rows(const PageRef* pg, int n_pg, int bs, int hd, int dv, int32_t win
   }
 }
 
-
 // The group for nh KV heads at once, NR rows each (pg[h]: head h's tiles of the same pages):
 // page by page, every head's scores, then page by page every head's Σ p·v, so the group's K
-// tiles and then its V tiles are read in the order they lie. Two heads' scores go through
-// page_scores together (twice the independent sums). Before each head's tile of a page, that
-// head's tile `ahead` pages on in the same stream is asked for. Each head's rows get the bits
-// of group_rows.
+// tiles and then its V tiles are read in the order they lie. Before each head's tile of a page,
+// that head's tile `ahead` pages on in the same stream is asked for. Each head's rows get the
+// bits of group_rows.
 template <KvElem E, int NR>
 void group_heads(const PageRef (*pg)[kGroupPages], int nh, int n_pg, int bs, int hd, int32_t window, Rows* rows,
                  const StreamAhead& ahead) {
