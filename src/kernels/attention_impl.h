@@ -1308,8 +1308,8 @@ void attend(const PagedKvView& kv, int kv_head, int n_group, const float* q, int
       // The tiles kStreamAhead pages on, asked for tile by tile just before the same head's
       // tile of the page kStreamAhead pages back is computed: in each stream (K, then V) about
       // two pages ahead of use. (Zen 5 VM, 2026-12-01, `bench_ops BM_PagedAttentionDecodeModel`
-      // 8k f16: 1, 2 and 3 pages alike, 4 and 8 slower; a page's heads asked for at once before
-      // its first head, instead of head by head, 20% slower.)
+      // 8k f16, one thread: 1, 2 and 3 pages alike; a page's heads asked for at once before its
+      // first head, instead of head by head, 20–30% slower, and slower still 4 or 8 pages ahead.)
       constexpr int kStreamAhead = 2;
       StreamAhead ahead;
       ahead.k_bytes = nh * k_bytes;
