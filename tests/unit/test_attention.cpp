@@ -595,6 +595,11 @@ TEST_P(PagedAttention, PageLogSumExpGivesEachPagesAttentionMass) {
   }
 }
 
+// Two float arrays equal bit for bit.
+static bool bits_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
 // The heads tests' case: hkv heads' pages (head_dim 64, 16-key pages) for pos0 + nq tokens,
 // the table with holes when asked, a window, and random queries. Built in place (the view
 // points into it).
@@ -653,9 +658,6 @@ TEST_P(PagedAttention, HeadsInOnePassEqualOneHeadAtATime) {
                                       acc2.data() + size_t(p) * rows * hd, m2.data() + p * rows, l2.data() + p * rows,
                                       lse2.data() + size_t(p) * rows * ppp, ppp, hs);
       }
-      const auto bits_equal = [](const std::vector<float>& a, const std::vector<float>& b) {
-        return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-      };
       EXPECT_TRUE(bits_equal(acc1, acc2)) << kv_elem_name(elem) << " pos0=" << pos0 << " nq=" << nq;
       EXPECT_TRUE(bits_equal(m1, m2)) << kv_elem_name(elem) << " pos0=" << pos0 << " nq=" << nq;
       EXPECT_TRUE(bits_equal(l1, l2)) << kv_elem_name(elem) << " pos0=" << pos0 << " nq=" << nq;
@@ -703,9 +705,6 @@ TEST_P(PagedAttention, PageMajorHeadsGiveTheBitsOfHeadAfterHead) {
       std::vector<float> acc1, m1, l1, lse1, acc2, m2, l2, lse2;
       run(false, &acc1, &m1, &l1, &lse1);
       run(true, &acc2, &m2, &l2, &lse2);
-      const auto bits_equal = [](const std::vector<float>& a, const std::vector<float>& b) {
-        return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-      };
       const std::string what = std::string(kv_elem_name(elem)) + " pos0=" + std::to_string(pos0) +
                                " hkv=" + std::to_string(hkv) + " grp=" + std::to_string(grp);
       EXPECT_TRUE(bits_equal(acc1, acc2)) << what;
