@@ -199,7 +199,7 @@ void BM_ModelWalk(benchmark::State& st, GgmlType type) {
       tp.run([&](int ith, int nth) {
         for (int l = 0; l < kLayers; ++l)
           for (int k = 0; k < 4; ++k) {
-            matmul_share(layers[static_cast<size_t>(4 * (l % distinct) + k)], x.data(), rows, y.data(), tp, ith, nth);
+            matmul_share(layers[static_cast<size_t>(4 * (l % distinct) + k)], x.data(), rows, y.data(), ith, nth);
             tp.barrier();
           }
       });

@@ -103,14 +103,8 @@ void ThreadPool::deal(int64_t n, int64_t chunk) {
   }
 }
 
-void ThreadPool::take(int ith, int64_t n) {
-  int64_t b, e;
-  split(n, ith, n_threads_, 1, &b, &e);
-  ranges_[static_cast<size_t>(ith)].fb.store(pack_fb(b, e), std::memory_order_release);
-}
-
-bool ThreadPool::next(int ith, int64_t chunk, int64_t* begin, int64_t* end) {
-  chunk = std::max<int64_t>(1, chunk);
+bool ThreadPool::next(int ith, int64_t* begin, int64_t* end) {
+  const int64_t chunk = chunk_;
   // Own range first, from its front.
   std::atomic<uint64_t>& own = ranges_[static_cast<size_t>(ith)].fb;
   uint64_t v = own.load(std::memory_order_acquire);

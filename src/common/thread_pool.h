@@ -36,14 +36,11 @@ class ThreadPool {
   // threads' ranges. Each thread still streams one contiguous range, and a thread that falls
   // behind (a busy host, a slower memory channel) is helped instead of waited for.
   // Returns false when no work is left anywhere.
+  // Every steal, and the owner's next chunk after one, moves a range's cache line between
+  // cores, so this is for work of milliseconds (prefill matmuls); decode-sized work splits
+  // statically (split).
   void deal(int64_t n, int64_t chunk);
-  bool next(int ith, int64_t* begin, int64_t* end) { return next(ith, chunk_, begin, end); }
-  // The same inside run(), without a deal() before it: each thread takes its own range of
-  // [0, n) (take), then next(ith, chunk, ...) as above. A thread only ever writes its own
-  // range, and a thief finds a range it reads too early (still the last phase's) empty, so
-  // this needs no barrier of its own; a barrier must separate two phases that use it.
-  void take(int ith, int64_t n);
-  bool next(int ith, int64_t chunk, int64_t* begin, int64_t* end);
+  bool next(int ith, int64_t* begin, int64_t* end);
 
  private:
   void worker(int ith);

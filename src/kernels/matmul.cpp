@@ -388,6 +388,12 @@ void gemm_groups(const Segments& segs, const uint8_t* data, int64_t n_in, int64_
 // Chunks of about 1/16 of a thread's share: fine enough to even out the tail, coarse enough
 // that a thread streams long contiguous runs of weights.
 int64_t share_chunk(int64_t n_units, int nth) { return std::max<int64_t>(1, n_units / (16 * nth)); }
+// Up to this many rows (decode batches) each thread takes exactly its share (ThreadPool::split);
+// more rows (prefill) take their shares in chunks with stealing at the tail. A steal, and the
+// owner's next chunk after it, each move a cache line between the cores: ~0.25–0.5 µs when
+// they sit in different core complexes, a large part of a decode matmul of a few µs a thread,
+// nothing beside a prefill matmul's milliseconds (docs/ARCHITECTURE.md, Matmul).
+constexpr int64_t kStaticSplitRows = 64;
 }  // namespace
 
 void matmul(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, ThreadPool& pool) {
@@ -405,8 +411,9 @@ void matmul(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, Thr
     bool split_quant;
     bool two;  // two-level activations
     bool s16;  // a Q6_K segment needs the per-16 activation sums
+    bool steal;  // the threads' shares with stealing at the tail (ThreadPool::deal / next)
     ThreadPool* pool;
-  } job{&w, x, n_rows, y, k, {}, false, g_act_quant == ActQuant::kQ8x2, false, &pool};
+  } job{&w, x, n_rows, y, k, {}, false, g_act_quant == ActQuant::kQ8x2, false, n_rows > kStaticSplitRows, &pool};
 
   std::function<void(int, int)> fn;  // fits the small-buffer: the lambda holds one pointer
   const int nth_max = pool.size();
@@ -435,13 +442,18 @@ void matmul(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, Thr
         quantize(0, p->n_rows, a);
       }
       if (nth == 1) return gemm_groups(w.segments_, w.data_.data(), w.n_in_, w.n_out_, p->k, a, p->n_rows, 0, (w.n_out_ + kGroup - 1) / kGroup, p->y);
-      // Each thread's half (pool.deal below), in chunks, then what is left of the other's.
       int64_t g0, g1;
+      if (!p->steal) {
+        ThreadPool::split((w.n_out_ + kGroup - 1) / kGroup, ith, nth, 1, &g0, &g1);
+        if (g0 < g1) gemm_groups(w.segments_, w.data_.data(), w.n_in_, w.n_out_, p->k, a, p->n_rows, g0, g1, p->y);
+        return;
+      }
+      // Each thread's half (pool.deal below), in chunks, then what is left of the other's.
       while (p->pool->next(ith, &g0, &g1)) gemm_groups(w.segments_, w.data_.data(), w.n_in_, w.n_out_, p->k, a, p->n_rows, g0, g1, p->y);
     };
   } else {
     n_units = n_out;
-    fn = [p = &job](int ith, int nth) { matmul_share(*p->w, p->x, p->n_rows, p->y, *p->pool, ith, nth); };
+    fn = [p = &job](int ith, int nth) { matmul_share(*p->w, p->x, p->n_rows, p->y, ith, nth); };
   }
 
   // Tiny matrices are not worth waking the pool.
@@ -450,12 +462,12 @@ void matmul(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, Thr
     job.split_quant = false;  // the caller quantizes every row into its own buffer
     fn(0, 1);
   } else {
-    if (w.layout_ == kInterleaved16) pool.deal(n_units, share_chunk(n_units, nth_max));
+    if (w.layout_ == kInterleaved16 && job.steal) pool.deal(n_units, share_chunk(n_units, nth_max));
     pool.run(fn);
   }
 }
 
-void matmul_share(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, ThreadPool& pool, int ith, int nth) {
+void matmul_share(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, int ith, int nth) {
   if (n_rows <= 0) return;
   const Kernels k = kernels_for(w.isa_);
   if (w.layout_ != kInterleaved16) {  // f32 or raw rows: a static split of the outputs
@@ -481,10 +493,10 @@ void matmul_share(const PackedMatrix& w, const float* x, int64_t n_rows, float* 
   const QAct a = tl_act.view(n_rows, w.n_in_, g_act_quant == ActQuant::kQ8x2);
   k.quantize(x, 0, n_rows, a);
   if (s16) sum16_rows(0, n_rows, a);
-  const int64_t n_units = (w.n_out_ + kGroup - 1) / kGroup, chunk = share_chunk(n_units, nth);
-  pool.take(ith, n_units);
+  // Exactly this thread's share, as matmul for few rows (kStaticSplitRows).
   int64_t g0, g1;
-  while (pool.next(ith, chunk, &g0, &g1)) gemm_groups(w.segments_, w.data_.data(), w.n_in_, w.n_out_, k, a, n_rows, g0, g1, y);
+  ThreadPool::split((w.n_out_ + kGroup - 1) / kGroup, ith, nth, 1, &g0, &g1);
+  if (g0 < g1) gemm_groups(w.segments_, w.data_.data(), w.n_in_, w.n_out_, k, a, n_rows, g0, g1, y);
 }
 
 void matmul_ref(const RawMatrix& w, const float* x, int64_t n_rows, float* y) {

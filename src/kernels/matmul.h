@@ -89,7 +89,7 @@ class PackedMatrix {
   std::vector<Segment> segments_;  // kInterleaved16
   HugeVector<uint8_t> data_;  // cache-line aligned, huge pages (decode streams every weight once per token)
   friend void matmul(const PackedMatrix&, const float*, int64_t, float*, ThreadPool&);
-  friend void matmul_share(const PackedMatrix&, const float*, int64_t, float*, ThreadPool&, int, int);
+  friend void matmul_share(const PackedMatrix&, const float*, int64_t, float*, int, int);
 };
 
 // Y[n_rows, n_out] = X[n_rows, n_in] · Wᵀ, parallel over pool. X and Y rows are contiguous;
@@ -101,11 +101,11 @@ class PackedMatrix {
 // no allocation once warm.
 void matmul(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, ThreadPool& pool);
 // matmul from inside a ThreadPool::run: every thread of the run calls it with the same
-// arguments, and takes its share of the outputs (ThreadPool::take / next: its own range, then
-// the back of the others'). Each thread quantizes all n_rows rows itself (meant for a few
-// rows). Y is complete only after a barrier; a barrier must also separate two calls.
-// Bit-identical to matmul.
-void matmul_share(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, ThreadPool& pool, int ith, int nth);
+// arguments and computes exactly its share of the outputs (ThreadPool::split of the output
+// groups; no stealing, see kStaticSplitRows). Each thread quantizes all n_rows rows itself
+// (meant for a few rows). Y is complete only after a barrier; a barrier must also separate
+// two calls. Bit-identical to matmul.
+void matmul_share(const PackedMatrix& w, const float* x, int64_t n_rows, float* y, int ith, int nth);
 
 // How quantized matmuls quantize their activations. kQ8x2 (default): two 8-bit levels per
 // element (~15-bit precision; a second vpdpbusd per weight vector). kQ8: one level (the

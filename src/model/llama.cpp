@@ -641,7 +641,7 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
   };
   auto mm = [&](int ith, const PackedMatrix& w, const float* in, float* out) {
     if (ith < 0) return matmul(w, in, n_tok, out, tp);
-    matmul_share(w, in, n_tok, out, tp, ith, nthr);
+    matmul_share(w, in, n_tok, out, ith, nthr);
     tp.barrier();
   };
   // The rest of a layer once its attention output (after Wo) is in tmp_: x += tmp_ (Gemma 3:

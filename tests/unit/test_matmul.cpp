@@ -696,47 +696,5 @@ TEST(ThreadPoolSteal, EveryUnitOnceAndASlowThreadIsHelped) {
   }
 }
 
-// take + next inside one run, with no deal() before it: two phases separated by a barrier
-// (as the forward's walk runs its matmuls), each hands out every unit exactly once, a thread's
-// own range front to back, and a slow thread is helped.
-TEST(ThreadPoolSteal, TakeInsideARunHandsOutEveryUnitOnce) {
-  for (int nth : {2, 3}) {
-    ThreadPool pool(nth);
-    for (int64_t n : {int64_t(0), int64_t(1), int64_t(5), int64_t(997)}) {
-      const int64_t chunk = 7;
-      std::vector<std::atomic<int>> taken(static_cast<size_t>(2 * n)), by(static_cast<size_t>(2 * n));
-      pool.run([&](int ith, int) {
-        for (int phase = 0; phase < 2; ++phase) {
-          pool.take(ith, n);
-          int64_t b, e, last = -1, own_b, own_e;
-          ThreadPool::split(n, ith, nth, 1, &own_b, &own_e);
-          while (pool.next(ith, chunk, &b, &e)) {
-            ASSERT_LT(b, e);
-            ASSERT_LE(e - b, chunk);
-            if (b >= own_b && b < own_e) {
-              EXPECT_GT(b, last);
-              last = b;
-            }
-            for (int64_t i = b; i < e; ++i) {
-              taken[static_cast<size_t>(phase * n + i)].fetch_add(1);
-              by[static_cast<size_t>(phase * n + i)].store(ith);
-            }
-            if (ith == 0 && n > 100) std::this_thread::sleep_for(std::chrono::microseconds(200));
-          }
-          pool.barrier();
-        }
-      });
-      for (int64_t i = 0; i < 2 * n; ++i) ASSERT_EQ(taken[static_cast<size_t>(i)].load(), 1) << "nth " << nth << " n " << n << " unit " << i;
-      if (n > 100) {
-        int64_t b0, e0;
-        ThreadPool::split(n, 0, nth, 1, &b0, &e0);
-        int helped = 0;
-        for (int64_t i = b0; i < e0; ++i) helped += by[static_cast<size_t>(n + i)].load() != 0;
-        EXPECT_GT(helped, (e0 - b0) / 4) << "nth " << nth;
-      }
-    }
-  }
-}
-
 }  // namespace
 }  // namespace kv
