@@ -358,13 +358,15 @@ bool PagePool::write_token(int32_t layer, int32_t page, int32_t slot, const floa
   return true;
 }
 
-void PagePool::write_slot(int32_t layer, int32_t page, int32_t slot, const float* k, const float* v) {
+void PagePool::write_slot(int32_t layer, int32_t page, int32_t slot, const float* k, const float* v, int32_t h0,
+                          int32_t h1) {
   const int bs = layout_.block_size, hd = layout_.head_dim;
+  if (h1 < 0) h1 = layout_.n_head_kv;
   if (layout_.staged(layer)) {
     const int32_t s = stage_of(layer, page);
     assert(s >= 0);  // begin_write
     const int64_t st = kv_stage_tile_bytes(bs, hd);
-    for (int32_t h = 0; h < layout_.n_head_kv; ++h) {
+    for (int32_t h = h0; h < h1; ++h) {
       kv_write_k(stage_k(layer, s) + h * st, KvElem::kF16, bs, hd, slot, k + int64_t(h) * hd);
       if (layout_.v_from_k == 0) kv_write_v(stage_v(layer, s) + h * st, KvElem::kF16, bs, hd, slot, v + int64_t(h) * hd);
     }
@@ -372,7 +374,7 @@ void PagePool::write_slot(int32_t layer, int32_t page, int32_t slot, const float
   }
   const KvElem e = layout_.dtype_of(layer);
   const int64_t kt = kv_k_tile_bytes(e, bs, hd), vt = kv_v_tile_bytes(e, bs, hd);
-  for (int32_t h = 0; h < layout_.n_head_kv; ++h) {
+  for (int32_t h = h0; h < h1; ++h) {
     kv_write_k(k_data(layer, page) + h * kt, e, bs, hd, slot, k + int64_t(h) * hd);
     if (layout_.v_from_k == 0) kv_write_v(v_data(layer, page) + h * vt, e, bs, hd, slot, v + int64_t(h) * hd);
   }

@@ -121,7 +121,9 @@ class PagePool {
   // finishes_pages (from any thread, each page by one), and mark_filled for each of them (owner
   // thread). The result is byte for byte that of write_token in the same order.
   bool begin_write(int32_t layer, int32_t page, int32_t slot) { return ensure_stage(layer, page, slot); }
-  void write_slot(int32_t layer, int32_t page, int32_t slot, const float* k, const float* v);
+  // Heads [h0, h1) only (default all), so that each head's slot can have its own writer.
+  void write_slot(int32_t layer, int32_t page, int32_t slot, const float* k, const float* v, int32_t h0 = 0,
+                  int32_t h1 = -1);
   // Whether a page of `layer` needs finish_page once its last slot is written (a staged layer,
   // or key summaries).
   bool finishes_pages(int32_t layer) const { return layout_.staged(layer) || !key_stats_.empty(); }

@@ -702,6 +702,25 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
       rope(row + n_q, c.n_head_kv, c.head_dim, c.n_rot, tok_pos_[t], rope_base, c.rope_scale, c.rope_style);
       pool.write_slot(li, page_of(t, grp), slot_of(t), row + n_q, row + n_q + n_kv);
     };
+    // In the walk (when no page fills in this layer, `own` below) each thread ropes the
+    // queries of the units it runs into its own buffer (walk_q_), and the unit whose key range
+    // holds a (token, KV head)'s key ropes that key and writes its slot: a unit reads only new
+    // slots its own thread wrote, so the attention needs no barrier after the writes.
+    auto own_q = [&](int ith, int64_t t, int kh) {
+      const float* src = qkv_.data() + t * n_qkv + int64_t(kh) * c.n_group() * HD;
+      float* dst = walk_q_[ith].data() + t * n_q + int64_t(kh) * c.n_group() * HD;
+      std::memcpy(dst, src, size_t(c.n_group() * HD) * sizeof(float));
+      if (c.gemma3)
+        for (int g = 0; g < c.n_group(); ++g) rms_norm(dst + g * HD, L.q_norm.data(), dst + g * HD, HD, c.rms_eps);
+      rope(dst, c.n_group(), c.head_dim, c.n_rot, tok_pos_[t], rope_base, c.rope_scale, c.rope_style);
+    };
+    auto own_kv = [&](int64_t t, int kh) {
+      float* row = qkv_.data() + t * n_qkv;
+      float* k = row + n_q + int64_t(kh) * HD;
+      if (c.gemma3) rms_norm(k, L.k_norm.data(), k, HD, c.rms_eps);
+      rope(k, 1, c.head_dim, c.n_rot, tok_pos_[t], rope_base, c.rope_scale, c.rope_style);
+      pool.write_slot(li, page_of(t, grp), slot_of(t), row + n_q, row + n_q + n_kv, kh, kh + 1);
+    };
     const bool score_layer = scoring && grp == 0, quest_layer = questing && grp == 0;
     // With more than one thread the tokens are written by the attention job's threads, each its
     // share, then the pages they filled (fill) are finished, each by one thread, before a
@@ -768,9 +787,31 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
       constexpr int kPages = 4;  // the kernels' own look-ahead (attention_impl.h, kPrefetchAhead)
       paged_attention_prefetch(v, w.head, kb, ke, kPages);
     };
+    // Walking with no page filled in this layer: each unit's queries roped into its thread's
+    // walk_q_, its new keys written by it (own_unit), no barrier before the attention. A page
+    // that fills (a staged layer's, or one with key summaries) is finished before any query
+    // reads it, and later tokens of the run read its quantized tiles: then the writes go first,
+    // as outside the walk.
+    const bool own = walking && walk_own_ && n_fill == 0;
     auto attend = [&](int ith, int nth) {
       int64_t b, e;
-      if (write_in_job) {
+      const float* qb = own ? walk_q_[ith].data() : qkv_.data();
+      const int64_t q_stride = own ? n_q : n_qkv;
+      auto own_unit = [&](const AttnUnit& w) {
+        const BatchSeq& s = batch.seqs[w.seq];
+        uint8_t* done = walk_roped_[ith].data();
+        for (int64_t t = s.offset + w.t0; t < s.offset + w.t0 + w.n; ++t) {
+          if (!done[t * c.n_head_kv + w.head]) {
+            done[t * c.n_head_kv + w.head] = 1;
+            own_q(ith, t, w.head);
+          }
+          // a split unit writes the run's keys in its key range, the only new keys it reads
+          if (w.split < 0 || (tok_pos_[t] >= w.key_begin && tok_pos_[t] < w.key_end)) own_kv(t, w.head);
+        }
+      };
+      if (own) {
+        std::fill(walk_roped_[ith].begin(), walk_roped_[ith].end(), uint8_t{0});
+      } else if (write_in_job) {
         ThreadPool::split(n_tok, ith, nth, 1, &b, &e);
         for (int64_t t = b; t < e; ++t) rope_write(t);
         tp.barrier();
@@ -785,11 +826,12 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
         const AttnUnit& w = units[u];
         const BatchSeq& s = batch.seqs[w.seq];
         if (u + 1 < e) prefetch_unit(units[u + 1]);
+        if (own) own_unit(w);
         PagedKvView v = view;
         v.pages = unit_pages(w);
         const int64_t t = s.offset + w.t0;
         if (w.split < 0 && !scored(s, w)) {
-          paged_attention(v, w.head, n_group, qkv_.data() + t * n_qkv, n_qkv, s.pos0 + w.t0, w.n, scale,
+          paged_attention(v, w.head, n_group, qb + t * q_stride, q_stride, s.pos0 + w.t0, w.n, scale,
                           attn_.data() + t * n_q, n_q);
         } else if (w.split < 0) {  // as paged_attention, tile by tile, keeping each page's share
           thread_local std::vector<float> acc, m, l, lse;
@@ -801,7 +843,7 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
           for (int32_t t0 = 0; t0 < w.n; t0 += kAttnQTile) {
             const int nt = std::min<int>(kAttnQTile, w.n - t0);
             const int64_t pos = s.pos0 + w.t0 + t0, tt = t + t0;
-            paged_attention_partial(v, w.head, n_group, qkv_.data() + tt * n_qkv, n_qkv, pos, nt, 0, pos + nt, scale,
+            paged_attention_partial(v, w.head, n_group, qb + tt * q_stride, q_stride, pos, nt, 0, pos + nt, scale,
                                     acc.data(), m.data(), l.data(), lse.data(), n_pg);
             attention_merge(1, n_group, nt, HD, acc.data(), m.data(), l.data(), w.head, attn_.data() + tt * n_q, n_q);
             for (int r = 0; r < nt * n_group; ++r)
@@ -820,13 +862,15 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
                    units[u + heads.n].seq == w.seq && units[u + heads.n].part == w.part &&
                    units[u + heads.n].split == w.split + heads.n && units[u + heads.n].head == w.head + heads.n)
               ++heads.n;
+          if (own)
+            for (int k = 1; k < heads.n; ++k) own_unit(units[u + k]);
           if (heads.n > 1) {
             heads.acc_stride = splits_[w.split + 1].acc_off - sp.acc_off;
             heads.ml_stride = splits_[w.split + 1].ml_off - sp.ml_off;
             heads.lse_stride = heads.ml_stride * ppp;
           }
           paged_attention_partial_heads(
-              v, w.head, n_group, qkv_.data() + t * n_qkv, n_qkv, s.pos0 + w.t0, w.n, w.key_begin, w.key_end, scale,
+              v, w.head, n_group, qb + t * q_stride, q_stride, s.pos0 + w.t0, w.n, w.key_begin, w.key_end, scale,
               part_acc_.data() + sp.acc_off + w.part * rows * HD, part_m_.data() + sp.ml_off + w.part * rows,
               part_l_.data() + sp.ml_off + w.part * rows,
               scored(s, w) ? part_lse_.data() + (sp.ml_off + w.part * rows) * ppp : nullptr, ppp, heads);
@@ -902,6 +946,26 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
       }
       fill_off_.push_back(static_cast<int64_t>(fill_pages_.size()));
     }
+    // The walk's attention writes each head's new keys on the thread that reads them (own
+    // below), unless a run reads a page another run of this forward writes (several runs of
+    // one sequence in a batch: SequenceRunner::feed_all_logits).
+    walk_own_ = true;
+    for (int g = 0; g < n_groups && walk_own_; ++g)
+      for (size_t a = 0; a < batch.seqs.size() && walk_own_; ++a) {
+        const BatchSeq& sa = batch.seqs[a];
+        const int32_t* ta = Batch::group_pages(sa, g);
+        for (int64_t pi = sa.pos0 / bs; pi <= (sa.pos0 + sa.n_tokens - 1) / bs && walk_own_; ++pi)
+          for (size_t r = 0; r < batch.seqs.size() && walk_own_; ++r) {
+            if (r == a) continue;
+            const BatchSeq& sr = batch.seqs[r];
+            const int32_t* tr = Batch::group_pages(sr, g);
+            for (int64_t j = 0; j <= (sr.pos0 + sr.n_tokens - 1) / bs; ++j)
+              if (tr[j] == ta[pi] && ta[pi] >= 0) {
+                walk_own_ = false;
+                break;
+              }
+          }
+      }
     // Each KV group's attention units shared out by their work (as balance_units per layer).
     walk_bounds_.resize(size_t(n_groups) * (nthr + 1));
     for (int g = 0; g < n_groups; ++g) {
@@ -911,7 +975,11 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
     walk_x_.resize(nthr);
     walk_h_.resize(nthr);
     walk_o_.resize(nthr);
+    walk_q_.resize(nthr);
+    walk_roped_.resize(nthr);
     for (int i = 0; i < nthr; ++i) {
+      walk_q_[i].resize(size_t(n_tok * n_q));
+      walk_roped_[i].resize(size_t(n_tok * c.n_head_kv));
       walk_x_[i].resize(size_t(n_tok * E));
       walk_h_[i].resize(size_t(n_tok * std::max<int64_t>(E, c.n_ff)));
       walk_o_[i].resize(size_t(n_tok * E));

@@ -236,5 +236,19 @@ TEST(ModelPaging, TheWalkGivesTheBitsOfAJobPerStep) {
         const auto walked = run(*m, tp, 16, chunk, d, toks, {}, 500);
         EXPECT_EQ(max_abs_diff(jobs, walked), 0.0) << m->config().n_layer << " layers, " << kv_dtype_name(d) << ", chunk " << chunk;
       }
+    // Every position's logits: a forward of runs of one token each, on one page table, where a
+    // run reads the keys the runs before it in the same forward write.
+    auto all_logits = [&](bool walk) {
+      m->set_walk(walk);
+      const bool g1 = m->kv_groups().size() > 1;
+      PagePool pool(m->kv_layout(16, KvDtype::kF16), 64);
+      PagePool pool_g1(m->kv_layout(16, KvDtype::kF16, {}, g1 ? 1 : 0), g1 ? 64 : 1);
+      std::vector<float> out;
+      SequenceRunner seq(*m, pool, g1 ? &pool_g1 : nullptr, tp, 5);
+      EXPECT_TRUE(seq.feed_all_logits(toks.data(), 40, &out).is_ok());
+      return out;
+    };
+    const auto jobs = all_logits(false), walked = all_logits(true);
+    EXPECT_EQ(max_abs_diff(jobs, walked), 0.0) << m->config().n_layer << " layers, every position's logits";
   }
 }
