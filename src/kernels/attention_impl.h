@@ -540,32 +540,46 @@ void group_rows(const PageRef* pg, int n_pg, int bs, int hd, int dv, int32_t win
     }
   }
 
-  // 4. acc = corr·acc + Σ_pages Σ_j p·v, 16 channels at a time, loaded and stored once per group
-  for (int cc = 0; cc < dv / 16; ++cc) {
-    if (pf_step) rows.pf->issue(pf_step);
-    const int g = kIntV ? cc * 16 / G : 0;
+  // 4. acc = corr·acc + Σ_pages Σ_j p·v, 16 channels at a time (two chunks at once when they
+  // share their value weights: each weight broadcast once for both, where one chunk at a time
+  // is bound by the core's loads), loaded and stored once per group. Each chunk's sums take
+  // their keys in the same order either way.
+  auto chunks = [&](auto nc, int cc0) __attribute__((always_inline)) {
+    constexpr int C = decltype(nc)::value;
+    const int g = kIntV ? cc0 * 16 / G : 0;
     auto w = [&](int r, int j) -> float {
       if constexpr (kIntV) return pw[g][r][j];
       return s[r][j];
     };
-    __m512 a0[NR], a1[NR] = {};
-    for (int r = 0; r < NR; ++r)
-      a0[r] = _mm512_mul_ps(_mm512_loadu_ps(rows.acc[r0 + r] + cc * 16), _mm512_set1_ps(corr[r]));
+    __m512 a0[C][NR], a1[C][NR];
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < NR; ++r) {
+        a0[c][r] = _mm512_mul_ps(_mm512_loadu_ps(rows.acc[r0 + r] + (cc0 + c) * 16), _mm512_set1_ps(corr[r]));
+        a1[c][r] = _mm512_setzero_ps();
+      }
     auto page_pv = [&](const uint8_t* vt, int off, int je, auto ev) {
       constexpr KvElem T = decltype(ev)::value;
       int j = 0;
       for (; j + 2 <= je; j += 2) {
-        const __m512 v0 = load_v<T>(vt, hd, G, j, cc);
-        const __m512 v1 = load_v<T>(vt, hd, G, j + 1, cc);
+        __m512 w0[NR], w1[NR];
         for (int r = 0; r < NR; ++r) {
-          a0[r] = _mm512_fmadd_ps(_mm512_set1_ps(w(r, off + j)), v0, a0[r]);
-          a1[r] = _mm512_fmadd_ps(_mm512_set1_ps(w(r, off + j + 1)), v1, a1[r]);
+          w0[r] = _mm512_set1_ps(w(r, off + j));
+          w1[r] = _mm512_set1_ps(w(r, off + j + 1));
+        }
+        for (int c = 0; c < C; ++c) {
+          const __m512 v0 = load_v<T>(vt, hd, G, j, cc0 + c);
+          const __m512 v1 = load_v<T>(vt, hd, G, j + 1, cc0 + c);
+          for (int r = 0; r < NR; ++r) {
+            a0[c][r] = _mm512_fmadd_ps(w0[r], v0, a0[c][r]);
+            a1[c][r] = _mm512_fmadd_ps(w1[r], v1, a1[c][r]);
+          }
         }
       }
-      if (j < je) {
-        const __m512 v0 = load_v<T>(vt, hd, G, j, cc);
-        for (int r = 0; r < NR; ++r) a0[r] = _mm512_fmadd_ps(_mm512_set1_ps(w(r, off + j)), v0, a0[r]);
-      }
+      if (j < je)
+        for (int c = 0; c < C; ++c) {
+          const __m512 v0 = load_v<T>(vt, hd, G, j, cc0 + c);
+          for (int r = 0; r < NR; ++r) a0[c][r] = _mm512_fmadd_ps(_mm512_set1_ps(w(r, off + j)), v0, a0[c][r]);
+        }
     };
     for (int i = 0; i < n_pg; ++i) {
       const int off = i * cpp * 16, je = j_end[i];
@@ -573,10 +587,22 @@ void group_rows(const PageRef* pg, int n_pg, int bs, int hd, int dv, int32_t win
       else page_pv(pg[i].vt, off, je, std::integral_constant<KvElem, EV>{});
       if constexpr (kIntV)
         if (je > 0)
-          for (int r = 0; r < NR; ++r) a1[r] = _mm512_add_ps(a1[r], _mm512_set1_ps(zr[i][r][g]));
+          for (int c = 0; c < C; ++c)
+            for (int r = 0; r < NR; ++r) a1[c][r] = _mm512_add_ps(a1[c][r], _mm512_set1_ps(zr[i][r][g]));
     }
-    for (int r = 0; r < NR; ++r) {
-      _mm512_storeu_ps(rows.acc[r0 + r] + cc * 16, _mm512_add_ps(a0[r], a1[r]));
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < NR; ++r) _mm512_storeu_ps(rows.acc[r0 + r] + (cc0 + c) * 16, _mm512_add_ps(a0[c][r], a1[c][r]));
+  };
+  const int n_cc = dv / 16;
+  for (int cc = 0; cc < n_cc;) {
+    if (cc + 2 <= n_cc && (!kIntV || cc * 16 / G == (cc + 1) * 16 / G)) {
+      if (pf_step) rows.pf->issue(2 * pf_step);
+      chunks(std::integral_constant<int, 2>{}, cc);
+      cc += 2;
+    } else {
+      if (pf_step) rows.pf->issue(pf_step);
+      chunks(std::integral_constant<int, 1>{}, cc);
+      ++cc;
     }
   }
 }
