@@ -633,6 +633,26 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
   // walk lists every layer's first, layer il's at [fill_off_[il], fill_off_[il + 1])).
   fill_pages_.clear();
   const bool walk = walk_on_ && nthr > 1 && n_tok < kParallelRows && !c.mla && !questing;
+  // Whether a run reads a page another run of this forward writes (several runs of one
+  // sequence in a batch: SequenceRunner::feed_all_logits). Then the walk's threads cannot each
+  // write the keys they read (`own` in the attention below).
+  auto runs_share_a_written_page = [&] {
+    auto last_page = [&](const BatchSeq& s) { return (s.pos0 + s.n_tokens - 1) / bs; };
+    for (int g = 0; g < n_groups; ++g)
+      for (size_t a = 0; a < batch.seqs.size(); ++a) {
+        const int32_t* ta = Batch::group_pages(batch.seqs[a], g);
+        for (int64_t pi = batch.seqs[a].pos0 / bs; pi <= last_page(batch.seqs[a]); ++pi) {
+          if (ta[pi] < 0) continue;
+          for (size_t r = 0; r < batch.seqs.size(); ++r) {
+            if (r == a) continue;
+            const int32_t *tr = Batch::group_pages(batch.seqs[r], g), *end = tr + last_page(batch.seqs[r]) + 1;
+            if (std::find(tr, end, ta[pi]) != end) return true;
+          }
+        }
+      }
+    return false;
+  };
+  const bool walk_own = walk && !runs_share_a_written_page();
   // The code of a layer, run by the engine thread (ith < 0: each step a job, x = x_, h = h_,
   // o = tmp_) or by thread ith of the walk (its own x, h and o).
   auto rows = [&](int ith, const auto& fn) {
@@ -690,16 +710,18 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
     rows(ith, [&](int64_t t) { rms_norm(x + t * E, L.attn_norm.data(), h + t * E, E, c.rms_eps); });
     mm(ith, L.wqkv, h, qkv_.data());
     const auto t_attn = Clock::now();
+    // QK-norm (Gemma 3: RMSNorm over each head) and RoPE on n contiguous heads of token t.
+    auto rope_heads = [&](float* x, const std::vector<float>& norm, int n, int64_t t) {
+      if (c.gemma3)
+        for (int h = 0; h < n; ++h) rms_norm(x + h * HD, norm.data(), x + h * HD, HD, c.rms_eps);
+      rope(x, n, c.head_dim, c.n_rot, tok_pos_[t], rope_base, c.rope_scale, c.rope_style);
+    };
     // RoPE on q and k of token t, then its k and v into the pages (staged layers: into the
     // page's f16 staging tiles).
     auto rope_write = [&](int64_t t) {
       float* row = qkv_.data() + t * n_qkv;
-      if (c.gemma3) {  // QK-norm: RMSNorm over each head
-        for (int h = 0; h < c.n_head; ++h) rms_norm(row + h * HD, L.q_norm.data(), row + h * HD, HD, c.rms_eps);
-        for (int h = 0; h < c.n_head_kv; ++h) rms_norm(row + n_q + h * HD, L.k_norm.data(), row + n_q + h * HD, HD, c.rms_eps);
-      }
-      rope(row, c.n_head, c.head_dim, c.n_rot, tok_pos_[t], rope_base, c.rope_scale, c.rope_style);
-      rope(row + n_q, c.n_head_kv, c.head_dim, c.n_rot, tok_pos_[t], rope_base, c.rope_scale, c.rope_style);
+      rope_heads(row, L.q_norm, c.n_head, t);
+      rope_heads(row + n_q, L.k_norm, c.n_head_kv, t);
       pool.write_slot(li, page_of(t, grp), slot_of(t), row + n_q, row + n_q + n_kv);
     };
     // In the walk (when no page fills in this layer, `own` below) each thread ropes the
@@ -707,18 +729,14 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
     // holds a (token, KV head)'s key ropes that key and writes its slot: a unit reads only new
     // slots its own thread wrote, so the attention needs no barrier after the writes.
     auto own_q = [&](int ith, int64_t t, int kh) {
-      const float* src = qkv_.data() + t * n_qkv + int64_t(kh) * c.n_group() * HD;
-      float* dst = walk_q_[ith].data() + t * n_q + int64_t(kh) * c.n_group() * HD;
-      std::memcpy(dst, src, size_t(c.n_group() * HD) * sizeof(float));
-      if (c.gemma3)
-        for (int g = 0; g < c.n_group(); ++g) rms_norm(dst + g * HD, L.q_norm.data(), dst + g * HD, HD, c.rms_eps);
-      rope(dst, c.n_group(), c.head_dim, c.n_rot, tok_pos_[t], rope_base, c.rope_scale, c.rope_style);
+      const int64_t off = int64_t(kh) * c.n_group() * HD;
+      float* dst = walk_q_[ith].data() + t * n_q + off;
+      std::memcpy(dst, qkv_.data() + t * n_qkv + off, size_t(c.n_group() * HD) * sizeof(float));
+      rope_heads(dst, L.q_norm, c.n_group(), t);
     };
     auto own_kv = [&](int64_t t, int kh) {
       float* row = qkv_.data() + t * n_qkv;
-      float* k = row + n_q + int64_t(kh) * HD;
-      if (c.gemma3) rms_norm(k, L.k_norm.data(), k, HD, c.rms_eps);
-      rope(k, 1, c.head_dim, c.n_rot, tok_pos_[t], rope_base, c.rope_scale, c.rope_style);
+      rope_heads(row + n_q + int64_t(kh) * HD, L.k_norm, 1, t);
       pool.write_slot(li, page_of(t, grp), slot_of(t), row + n_q, row + n_q + n_kv, kh, kh + 1);
     };
     const bool score_layer = scoring && grp == 0, quest_layer = questing && grp == 0;
@@ -792,7 +810,7 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
     // that fills (a staged layer's, or one with key summaries) is finished before any query
     // reads it, and later tokens of the run read its quantized tiles: then the writes go first,
     // as outside the walk.
-    const bool own = walking && walk_own_ && n_fill == 0;
+    const bool own = walking && walk_own && n_fill == 0;
     auto attend = [&](int ith, int nth) {
       int64_t b, e;
       const float* qb = own ? walk_q_[ith].data() : qkv_.data();
@@ -946,26 +964,6 @@ Status LlamaModel::forward(const Batch& batch, PagePool* const* pools, ThreadPoo
       }
       fill_off_.push_back(static_cast<int64_t>(fill_pages_.size()));
     }
-    // The walk's attention writes each head's new keys on the thread that reads them (own
-    // below), unless a run reads a page another run of this forward writes (several runs of
-    // one sequence in a batch: SequenceRunner::feed_all_logits).
-    walk_own_ = true;
-    for (int g = 0; g < n_groups && walk_own_; ++g)
-      for (size_t a = 0; a < batch.seqs.size() && walk_own_; ++a) {
-        const BatchSeq& sa = batch.seqs[a];
-        const int32_t* ta = Batch::group_pages(sa, g);
-        for (int64_t pi = sa.pos0 / bs; pi <= (sa.pos0 + sa.n_tokens - 1) / bs && walk_own_; ++pi)
-          for (size_t r = 0; r < batch.seqs.size() && walk_own_; ++r) {
-            if (r == a) continue;
-            const BatchSeq& sr = batch.seqs[r];
-            const int32_t* tr = Batch::group_pages(sr, g);
-            for (int64_t j = 0; j <= (sr.pos0 + sr.n_tokens - 1) / bs; ++j)
-              if (tr[j] == ta[pi] && ta[pi] >= 0) {
-                walk_own_ = false;
-                break;
-              }
-          }
-      }
     // Each KV group's attention units shared out by their work (as balance_units per layer).
     walk_bounds_.resize(size_t(n_groups) * (nthr + 1));
     for (int g = 0; g < n_groups; ++g) {

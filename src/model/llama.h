@@ -131,7 +131,6 @@ class LlamaModel {
   // and which (token, KV head)s it roped in the current layer; each KV group's unit_bounds_.
   std::vector<std::vector<float>> walk_x_, walk_h_, walk_o_, walk_q_;
   std::vector<std::vector<uint8_t>> walk_roped_;
-  bool walk_own_ = false;  // this walk's threads write the keys they read (forward)
   std::vector<int64_t> walk_bounds_;
   // The pages this forward fills (finished in the attention job); in a walk layer il's are
   // fill_pages_[fill_off_[il], fill_off_[il + 1]).
