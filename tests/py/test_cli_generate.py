@@ -201,6 +201,13 @@ def test_bench_batch_runs_the_engine_and_profiles_its_steps():
     assert set(phases) == {"schedule", "forward_matmul", "forward_attention", "forward_logits", "sample", "postprocess"}
     assert abs(sum(phases.values()) - 1) < 1e-6
     assert phases["forward_matmul"] > 0 and phases["sample"] > 0
+    # Prompts longer than a step's token budget: the first sequences decode while the last ones
+    # still prefill. The decode window starts once every prompt is computed (it used to start
+    # after n_seq tokens in all, then failed "expected more").
+    long = run("bench", "-m", MODEL, "--batch", "4", "-p", "40", "-n", "6", "--chunk", "32", "--repeat", "1",
+               "--temp", "0.7", "--json")
+    assert long.returncode == 0, long.stderr
+    assert json.loads(long.stdout)["decode_tok_s"] > 0
     # A pool too small for the batch is a clear error, not a crash.
     bad = run("bench", "-m", MODEL, "--batch", "64", "-p", "512", "-n", "512", "--kv-cache-memory", "8MiB", "--json")
     assert bad.returncode != 0 and "does not hold" in bad.stderr
