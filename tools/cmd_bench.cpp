@@ -161,7 +161,8 @@ void run_bench_batch(const BenchOptions& o) {
   LoadedModel lm = load_model(o.model, o.threads, o.kvo, o.json, /*with_runtime=*/false);
   const auto& cfg = lm.model->config();
   const int n_seq = o.batch;
-  const int n_prompt = std::max(o.prompt_tokens, 1);
+  // A sequence's prompt is its context before decoding: -p tokens, plus -d (depth) ones.
+  const int n_prompt = std::max(o.prompt_tokens + o.context, 1);
   kv::EngineConfig ec;
   ec.max_num_seqs = n_seq;
   ec.max_num_batched_tokens = std::max(o.chunk, n_seq);
@@ -259,6 +260,7 @@ void run_bench_batch(const BenchOptions& o) {
   j["isa"] = kv::isa_name(kv::detect_isa());
   j["kv_cache_dtype"] = layout.describe();
   j["prompt_tokens"] = n_prompt;
+  j["context"] = o.context;
   j["gen_tokens"] = o.gen_tokens;
   j["repeat"] = o.repeat;
   j["sampling"] = {{"temperature", o.sp.temperature}, {"top_k", o.sp.top_k}, {"top_p", o.sp.top_p}, {"min_p", o.sp.min_p}};
@@ -419,7 +421,7 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("-m,--model", o->model, "GGUF model path")->capture_default_str();
   cmd->add_option("--prompt-tokens,-p", o->prompt_tokens, "prefill test length (0 = skip)")->check(number_in(0, 1 << 20))->capture_default_str();
   cmd->add_option("--gen-tokens,-n", o->gen_tokens, "decode test length (0 = skip)")->check(number_in(0, 1 << 20))->capture_default_str();
-  cmd->add_option("--context,-d", o->context, "tokens already in the KV cache before decoding")->check(number_in(0, 1 << 20))->capture_default_str();
+  cmd->add_option("--context,-d", o->context, "tokens already in the KV cache before decoding (--batch: added to each sequence's -p prompt tokens)")->check(number_in(0, 1 << 20))->capture_default_str();
   cmd->add_option("-t,--threads", o->threads, "threads (default: all cores)")->check(number_in(1, 256));
   cmd->add_option("--repeat,-r", o->repeat, "repeats (medians reported)")->check(number_in(1, 1000))->capture_default_str();
   cmd->add_option("--chunk", o->chunk, "prefill chunk size")->check(number_in(1, 1 << 16))->capture_default_str();

@@ -203,11 +203,13 @@ def test_bench_batch_runs_the_engine_and_profiles_its_steps():
     assert phases["forward_matmul"] > 0 and phases["sample"] > 0
     # Prompts longer than a step's token budget: the first sequences decode while the last ones
     # still prefill. The decode window starts once every prompt is computed (it used to start
-    # after n_seq tokens in all, then failed "expected more").
-    long = run("bench", "-m", MODEL, "--batch", "4", "-p", "40", "-n", "6", "--chunk", "32", "--repeat", "1",
+    # after n_seq tokens in all, then failed "expected more"). -d adds context to each prompt
+    # (it used to be ignored with --batch).
+    long = run("bench", "-m", MODEL, "--batch", "4", "-p", "8", "-d", "32", "-n", "6", "--chunk", "32", "--repeat", "1",
                "--temp", "0.7", "--json")
     assert long.returncode == 0, long.stderr
-    assert json.loads(long.stdout)["decode_tok_s"] > 0
+    jl = json.loads(long.stdout)
+    assert jl["decode_tok_s"] > 0 and jl["context"] == 32 and jl["prompt_tokens"] == 40
     # A pool too small for the batch is a clear error, not a crash.
     bad = run("bench", "-m", MODEL, "--batch", "64", "-p", "512", "-n", "512", "--kv-cache-memory", "8MiB", "--json")
     assert bad.returncode != 0 and "does not hold" in bad.stderr
