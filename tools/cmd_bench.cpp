@@ -218,7 +218,8 @@ void run_bench_batch(const BenchOptions& o) {
       const kv::MetricsSnapshot m = engine.metrics();
       return m.prompt_tokens_total - mb.prompt_tokens_total < int64_t(n_seq) * n_prompt || m.generation_tokens_total - gen0 < n_seq;
     };
-    while (prefilling()) engine.step();
+    while (prefilling())
+      if (!engine.step()) fail("the engine stopped before every prompt was computed");
     const kv::MetricsSnapshot m0 = engine.metrics();
     const auto t0 = clock::now();
     while (engine.step()) {
