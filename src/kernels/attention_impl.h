@@ -338,6 +338,37 @@ __attribute__((always_inline)) inline void group_page_scores(GroupRows<NR>& G, c
 template <int NR>
 __attribute__((always_inline)) inline void group_softmax(GroupRows<NR>& G, const PageRef* pg, int n_pg, int bs, Rows& rows, int r0) {
   const int cpp = G.cpp;
+  if (G.full && !rows.lse) {
+    // Every row sees every key of the group (decode, away from a part's last page): the rows'
+    // steps interleaved, so one row's reductions and exponentials overlap the others' (each
+    // row's operations and their order are those of the loop below: the same bits).
+    const int nk = n_pg * cpp;
+    __m512 mxv[NR];
+    for (int r = 0; r < NR; ++r) mxv[r] = _mm512_set1_ps(kNegInf);
+    for (int k = 0; k < nk; ++k)
+      for (int r = 0; r < NR; ++r) mxv[r] = _mm512_max_ps(mxv[r], _mm512_load_ps(G.s[r] + k * 16));
+    float mx[NR];
+    bool none = false;
+    for (int r = 0; r < NR; ++r) none |= (mx[r] = _mm512_reduce_max_ps(mxv[r])) == kNegInf;
+    if (!none) {
+      __m512 mv[NR], sum[NR];
+      for (int r = 0; r < NR; ++r) {
+        const float m_old = rows.m[r0 + r], m_new = std::max(m_old, mx[r]);
+        G.corr[r] = m_new == m_old ? 1.f : std::exp(m_old - m_new);
+        rows.m[r0 + r] = m_new;
+        mv[r] = _mm512_set1_ps(m_new);
+        sum[r] = _mm512_setzero_ps();
+      }
+      for (int k = 0; k < nk; ++k)
+        for (int r = 0; r < NR; ++r) {
+          const __m512 p = exp16(_mm512_sub_ps(_mm512_load_ps(G.s[r] + k * 16), mv[r]));
+          _mm512_store_ps(G.s[r] + k * 16, p);
+          sum[r] = _mm512_add_ps(sum[r], p);
+        }
+      for (int r = 0; r < NR; ++r) rows.l[r0 + r] = rows.l[r0 + r] * G.corr[r] + _mm512_reduce_add_ps(sum[r]);
+      return;
+    }
+  }
   for (int r = 0; r < NR; ++r) {
     const int row = r0 + r;
     float* s = G.s[r];
