@@ -68,6 +68,7 @@ void set_timeouts(httplib::Client& c, const RouterOptions& o) {
   c.set_read_timeout(secs(o.read_timeout_s));
   c.set_write_timeout(secs(o.read_timeout_s));
   c.set_keep_alive(false);
+  c.set_tcp_nodelay(true);  // the request's body must not wait for the ACK of its headers
 }
 
 }  // namespace
@@ -193,6 +194,7 @@ Router::Router(RouterOptions opts, ApiContext ctx)
   svr_->new_task_queue = [n = opts_.http_threads] { return new httplib::ThreadPool(static_cast<size_t>(n)); };
   svr_->set_payload_max_length(opts_.max_body_bytes);
   svr_->set_keep_alive_max_count(1000);
+  svr_->set_tcp_nodelay(true);  // streamed chunks go out at once (HttpServer says why)
   routes();
   health_ = std::thread([this] { health_loop(); });
   watch_ = std::thread([this] { watch_loop(); });

@@ -21,7 +21,8 @@ import pytest
 import requests
 from openai import OpenAI
 
-from kvserve_server import KVSERVE, MODEL, MODEL_NAME, SLOWDOWN, Redis, Router, Server, free_port
+from kvserve_server import (KVSERVE, MODEL, MODEL_NAME, SLOWDOWN, Redis, Router, Server, first_token_ms_kept_alive_and_new,
+                            free_port)
 
 MAX_LEN = 2048
 BASE = open(os.path.join(os.path.dirname(__file__), "..", "..", "data", "text", "emma.txt"), encoding="utf-8").read()
@@ -281,6 +282,20 @@ def test_a_full_replica_sends_its_requests_to_the_other():
             s.wait_clean(timeout=30)
     finally:
         stop_all(router, a, b)
+
+
+def test_the_router_streams_to_a_kept_alive_connection_without_waiting_for_acks():
+    """The router's own server sends small writes at once too (see test_openai_api's kept-alive
+    test): through it, a kept-alive connection's first token is as early as a new one's."""
+    a = router = None
+    try:
+        a = Server("--debug", max_model_len=MAX_LEN, kv_memory="64MiB")
+        router = Router("--replica", a.url, max_model_len=MAX_LEN)
+        ka, nc = first_token_ms_kept_alive_and_new(router.url)
+        assert ka[len(ka) // 2] < nc[len(nc) // 2] + 20, f"kept-alive {ka} ms vs new connections {nc} ms"
+        a.wait_clean(timeout=30)
+    finally:
+        stop_all(router, a)
 
 
 def test_router_answers_bad_requests_and_503_without_backends():
