@@ -422,7 +422,7 @@ def plot(summ: dict, users: list[int], temps: list[float], path: Path, title: st
         return False
     colors = {"kvserve": "#1f77b4", "llama-server": "#ff7f0e"}
     styles, markers = ["-", "--", ":", "-."], ["o", "s", "^", "D"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
     for cfg, by_t in summ.items():
         for i, t in enumerate(map(tkey, temps)):
             by_u = by_t.get(t) or {}
@@ -430,7 +430,7 @@ def plot(summ: dict, users: list[int], temps: list[float], path: Path, title: st
             if not us:
                 continue
             lbl = f"{cfg} T={t}"
-            for ax, key in [(axes[0], "tok_per_s"), (axes[1], "itl_p50_ms")]:
+            for ax, key in [(axes[0], "tok_per_s"), (axes[1], "ttft_p50_ms"), (axes[2], "itl_p50_ms")]:
                 ys = [by_u[str(u)].get(key) for u in us]
                 pts = [(u, y) for u, y in zip(us, ys) if y is not None]
                 if not pts:
@@ -444,7 +444,8 @@ def plot(summ: dict, users: list[int], temps: list[float], path: Path, title: st
                         ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=off,
                                     ha="center", fontsize=7, color=colors.get(cfg))
     for ax, ttl in [(axes[0], "aggregate output tok/s (higher is better)"),
-                    (axes[1], "ITL p50, ms (lower is better)")]:
+                    (axes[1], "TTFT p50, ms (lower is better)"),
+                    (axes[2], "ITL p50, ms (lower is better)")]:
         ax.set_xscale("log")
         ax.minorticks_off()
         ax.set_xticks(users)
