@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from kvserve_server import MAX_MODEL_LEN, MODEL, MODEL_NAME, ROOT, first_token_ms_kept_alive_and_new
+from kvserve_server import MAX_MODEL_LEN, MODEL, MODEL_NAME, ROOT, assert_kept_alive_as_quick_as_new, first_token_ms
 
 PROMPT = "The three most important ideas in computer science are"
 CHAT = [{"role": "user", "content": "Name three colours."}]
@@ -114,23 +114,18 @@ def test_a_kept_alive_connection_gets_its_first_token_as_soon_as_a_new_one(serve
     with Nagle's algorithm on, the first token's chunk waited for the ACK of the role chunk, which
     a client delays ~40 ms on a connection past its first exchanges (`requests.Session` showed it;
     the OpenAI SDK's httpx did not here). Self-calibrating: medians against new connections."""
-    ka, nc = first_token_ms_kept_alive_and_new(server.url)
-    assert ka[len(ka) // 2] < nc[len(nc) // 2] + 20, f"kept-alive {ka} ms vs new connections {nc} ms"
+    assert_kept_alive_as_quick_as_new(lambda http, k: first_token_ms(http, server.url, k))
 
 
 def test_a_kept_alive_connection_gets_a_plain_answer_as_soon_as_a_new_one(server):
     """The same for a response of headers then a body (two writes): the body waited ~40 ms for
     the ACK of the headers on a kept-alive connection (GET /v1/models: 44 ms against 1 ms)."""
-    def ms(get):
+    def ms(http, k):
         t0 = time.perf_counter()
-        assert get(server.url + "/v1/models", timeout=30).status_code == 200
+        assert http.get(server.url + "/v1/models", timeout=30).status_code == 200
         return (time.perf_counter() - t0) * 1e3
 
-    with requests.Session() as kept:
-        ms(kept.get)
-        ka = sorted(ms(kept.get) for _ in range(9))
-    nc = sorted(ms(requests.get) for _ in range(9))
-    assert ka[4] < nc[4] + 20, f"kept-alive {ka} ms vs new connections {nc} ms"
+    assert_kept_alive_as_quick_as_new(ms, n=9)
 
 
 def test_stream_equals_non_stream_chat(client):
