@@ -156,7 +156,13 @@ std::string KvLayout::describe() const {
     while (e + 1 < n_layer && dtype_of(e + 1) == d) ++e;
     if (static_cast<int>(d) != main) {
       if (!rest.empty()) rest += ",";
-      rest += std::to_string(l) + (e > l ? "-" + std::to_string(e) : "") + ":" + kv_dtype_name(d);
+      rest += std::to_string(l);
+      if (e > l) {
+        rest += '-';
+        rest += std::to_string(e);
+      }
+      rest += ":";
+      rest += kv_dtype_name(d);
     }
     l = e + 1;
   }

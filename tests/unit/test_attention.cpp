@@ -588,7 +588,9 @@ TEST_P(PagedAttention, PageLogSumExpGivesEachPagesAttentionMass) {
         const double got = std::isinf(e) ? 0.0 : std::exp(double(e) - row_lse);
         total += got;
         EXPECT_NEAR(got, mass[pg], 1e-5) << kv_elem_name(elem) << " row " << r << " page " << pg;
-        if (holes[pg] < 0) EXPECT_TRUE(std::isinf(e) && e < 0);
+        if (holes[pg] < 0) {
+          EXPECT_TRUE(std::isinf(e) && e < 0);
+        }
       }
       EXPECT_NEAR(total, 1.0, 1e-5);
     }

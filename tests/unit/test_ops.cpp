@@ -262,7 +262,9 @@ TEST_P(OpsTest, ExpScaledBlockSums) {
         const double arg = std::fabs((static_cast<double>(x[i]) - mx) * scale);
         ASSERT_NEAR(got[i], want[i], 2.5e-7 * (1 + arg) * want[i] + 1e-37) << "n=" << n << " i=" << i;
       }
-      if (n > 5) ASSERT_EQ(got[3], 0.f);
+      if (n > 5) {
+        ASSERT_EQ(got[3], 0.f);
+      }
       double sum = 0;
       for (int64_t b = 0; b < nb; ++b) {
         ASSERT_NEAR(bg[b], bw[b], 1e-5 * bw[b]) << "n=" << n << " block " << b;

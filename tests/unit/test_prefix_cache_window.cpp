@@ -9,6 +9,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kv/prefix_cache.h"
@@ -32,6 +33,8 @@ KvLayout tiny_layout() {
 // A request as the engine drives it: one reference per block-table entry in each pool; window
 // pages before the window are released (-1), as Engine::slide does.
 struct Req {
+  Req() = default;
+  Req(std::string n, std::vector<int32_t> t) : ns(std::move(n)), tokens(std::move(t)) {}
   std::string ns;
   std::vector<int32_t> tokens;
   std::vector<int32_t> pages;   // [ceil(n / kBs)]

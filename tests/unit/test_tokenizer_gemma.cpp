@@ -89,7 +89,10 @@ std::vector<Case> load_corpus() {
 
 std::string show(const std::vector<int32_t>& v) {
   std::string s = "[";
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ",";
+    s += std::to_string(v[i]);
+  }
   return s + "]";
 }
 
@@ -138,7 +141,9 @@ TEST(TokenizerGemma, CorpusMatchesHuggingFace) {
     const bool ok = got == c.expect && raw == c.expect_raw;
     (c.exception ? n_exc : n_plain) += 1;
     (c.exception ? ok_exc : ok_plain) += ok;
-    if (c.exception) EXPECT_TRUE(c.ids != c.expect || c.ids_raw != c.expect_raw) << "stale exception";
+    if (c.exception) {
+      EXPECT_TRUE(c.ids != c.expect || c.ids_raw != c.expect_raw) << "stale exception";
+    }
     if (!ok && shown++ < 10) {
       ADD_FAILURE() << "text " << nlohmann::json(c.text).dump() << (c.exception ? " (exception)" : "") << "\n  want "
                     << show(c.expect) << "\n  got  " << show(got) << "\n  want raw " << show(c.expect_raw)
