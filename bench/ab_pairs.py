@@ -10,6 +10,10 @@ A pair sees nearly the same machine state, so the ratios scatter much less than 
   python3 bench/ab_pairs.py --a /tmp/kvserve.before --b build/kvserve --rounds 16 \\
       -- -p 0 -n 128 -r 2
   python3 bench/ab_pairs.py --a … --b … --key prefill_tok_s -- -p 512 -n 0 -r 2
+  python3 bench/ab_pairs.py --a build/kvserve --b build/kvserve --b-env KV_WALK=0 -- -p 0 -n 128 -r 2
+
+--a-env / --b-env KEY=VALUE (repeatable) set environment variables for one side only (a switch
+read from the environment, one binary; KEY= with nothing after it removes KEY for that side).
 
 Everything after `--` goes to `kvserve bench` (which gets `--json` added). JSON to --out
 (default bench/out/ab_pairs.json); one progress line per pair on stderr.
@@ -31,8 +35,24 @@ def bench_json(binary, bench_args, env=None, cwd=None):
     return json.loads(out.stdout)
 
 
-def run(binary, bench_args, key):
-    value = bench_json(binary, bench_args).get(key)
+def side_env(assignments):
+    """os.environ with KEY=VALUE assignments applied (KEY= removes KEY); None when there are none."""
+    if not assignments:
+        return None
+    env = dict(os.environ)
+    for a in assignments:
+        k, sep, v = a.partition("=")
+        if not sep or not k:
+            sys.exit(f"--a-env/--b-env take KEY=VALUE, got {a!r}")
+        if v:
+            env[k] = v
+        else:
+            env.pop(k, None)
+    return env
+
+
+def run(binary, bench_args, key, env=None):
+    value = bench_json(binary, bench_args, env=env).get(key)
     if value is None:
         sys.exit(f"{binary} bench: no '{key}' in its JSON (a -p 0 run has no prefill_tok_s)")
     return float(value)
@@ -54,6 +74,8 @@ def main():
     ap.add_argument("--b", required=True, help="the binary with the change")
     ap.add_argument("--rounds", type=int, default=12, help="pairs (default 12)")
     ap.add_argument("--key", default="decode_tok_s", help="field of kvserve bench's JSON (higher is better)")
+    ap.add_argument("--a-env", action="append", default=[], metavar="KEY=VALUE", help="environment of A's runs (repeatable)")
+    ap.add_argument("--b-env", action="append", default=[], metavar="KEY=VALUE", help="environment of B's runs (repeatable)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "ab_pairs.json"))
     args = ap.parse_args(argv)
     if args.rounds < 1:
@@ -62,15 +84,16 @@ def main():
         if not os.access(b, os.X_OK):
             ap.error(f"not an executable: {b}")
 
+    env_a, env_b = side_env(args.a_env), side_env(args.b_env)
     pairs = []
     t0 = time.time()
     for r in range(args.rounds):
         if r % 2 == 0:
-            vb = run(args.b, bench_args, args.key)
-            va = run(args.a, bench_args, args.key)
+            vb = run(args.b, bench_args, args.key, env_b)
+            va = run(args.a, bench_args, args.key, env_a)
         else:
-            va = run(args.a, bench_args, args.key)
-            vb = run(args.b, bench_args, args.key)
+            va = run(args.a, bench_args, args.key, env_a)
+            vb = run(args.b, bench_args, args.key, env_b)
         pairs.append({"a": va, "b": vb, "ratio": vb / va, "b_first": r % 2 == 0})
         print(f"[ab_pairs {time.time() - t0:6.1f}s] pair {r + 1}/{args.rounds}: A {va:.1f}  B {vb:.1f}  B/A {vb / va:.3f}",
               file=sys.stderr, flush=True)
@@ -78,7 +101,7 @@ def main():
     ratios = [p["ratio"] for p in pairs]
     q1, q3 = quartiles(ratios)
     result = {
-        "a": args.a, "b": args.b, "key": args.key, "bench_args": bench_args, "rounds": args.rounds,
+        "a": args.a, "b": args.b, "a_env": args.a_env, "b_env": args.b_env, "key": args.key, "bench_args": bench_args, "rounds": args.rounds,
         "median_a": statistics.median(p["a"] for p in pairs),
         "median_b": statistics.median(p["b"] for p in pairs),
         "ratio_median": statistics.median(ratios), "ratio_q1": q1, "ratio_q3": q3,
