@@ -307,8 +307,8 @@ void Router::routes() {
     return cors_preflight(req, res, opts_.allowed_origins) ? httplib::Server::HandlerResponse::Handled
                                                            : httplib::Server::HandlerResponse::Unhandled;
   });
-  svr_->Post("/v1/completions", safe_handler([this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); }));
-  svr_->Post("/v1/chat/completions", safe_handler([this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); }));
+  post_with_body_limit(*svr_, "/v1/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); });
+  post_with_body_limit(*svr_, "/v1/chat/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); });
   svr_->Get("/v1/models", safe_handler([this](const httplib::Request&, httplib::Response& res) {
               write_json(res, json{{"object", "list"},
                                    {"data", json::array({json{{"id", ctx_.model_names.at(0)}, {"object", "model"}, {"created", unix_now()},

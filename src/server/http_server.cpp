@@ -208,8 +208,8 @@ void HttpServer::routes() {
 
   auto safe = [](auto fn) { return safe_handler(fn); };
 
-  svr_->Post("/v1/completions", safe([this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); }));
-  svr_->Post("/v1/chat/completions", safe([this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); }));
+  post_with_body_limit(*svr_, "/v1/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); });
+  post_with_body_limit(*svr_, "/v1/chat/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); });
 
   auto model_object = [this] {
     return json{{"id", ctx_.model_names.at(0)}, {"object", "model"}, {"created", unix_now()}, {"owned_by", "kvserve"},
@@ -235,17 +235,16 @@ void HttpServer::routes() {
             }));
   svr_->Get("/dashboard/events", safe([this](const httplib::Request& req, httplib::Response& res) { handle_dashboard_events(req, res); }));
   // vLLM's and llama-server's shapes: both field names in, both out.
-  svr_->Post("/tokenize", safe([this](const httplib::Request& req, httplib::Response& res) {
-               std::vector<int32_t> ids = parse_tokenize_request(parse_json_body(req.body, ctx_), ctx_);
-               write_json(res, json{{"tokens", ids}, {"count", ids.size()}, {"max_model_len", ctx_.max_model_len}});
-             }));
+  post_with_body_limit(*svr_, "/tokenize", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) {
+    std::vector<int32_t> ids = parse_tokenize_request(parse_json_body(req.body, ctx_), ctx_);
+    write_json(res, json{{"tokens", ids}, {"count", ids.size()}, {"max_model_len", ctx_.max_model_len}});
+  });
   // Special tokens are rendered (<|im_start|>, <|endoftext|>), as vLLM's (tokenizer.decode with
   // skip_special_tokens=False) and llama-server's; completions' text skips them.
-  svr_->Post("/detokenize", safe([this](const httplib::Request& req, httplib::Response& res) {
-               const std::string text =
-                   ctx_.tok->decode(parse_detokenize_request(parse_json_body(req.body, ctx_), ctx_), /*special=*/true);
-               write_json(res, json{{"prompt", text}, {"content", text}});
-             }));
+  post_with_body_limit(*svr_, "/detokenize", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) {
+    const std::string text = ctx_.tok->decode(parse_detokenize_request(parse_json_body(req.body, ctx_), ctx_), /*special=*/true);
+    write_json(res, json{{"prompt", text}, {"content", text}});
+  });
   svr_->Get("/health", safe([this](const httplib::Request&, httplib::Response& res) {
               if (draining_.load()) {  // load balancers take this instance out of rotation
                 res.set_header("Retry-After", kRetryAfterSeconds);

@@ -67,10 +67,7 @@ void install_json_errors(httplib::Server& svr, size_t max_body_bytes) {
     ApiError e{res.status, "", error_type_for_status(res.status), "", ""};
     switch (res.status) {
       case 404: e.message = "Not found: " + req.method + " " + req.path; e.code = "not_found"; break;
-      case 413:
-        e.message = "The request body is too large: the limit is " + std::to_string(max_body_bytes) + " bytes.";
-        e.code = "payload_too_large";
-        break;
+      case 413: e = payload_too_large(max_body_bytes); break;
       case 414: e.message = "The request URI is too long."; break;
       default: e.message = "The HTTP request could not be handled (status " + std::to_string(res.status) + ")."; break;
     }
@@ -103,6 +100,43 @@ std::function<void(const httplib::Request&, httplib::Response&)> safe_handler(
       write_error(res, ApiError{500, "Internal server error.", "server_error", "", ""});
     }
   };
+}
+
+ApiError payload_too_large(size_t max_body_bytes) {
+  return ApiError{413, "The request body is too large: the limit is " + std::to_string(max_body_bytes) + " bytes.",
+                  error_type_for_status(413), "", "payload_too_large"};
+}
+
+void post_with_body_limit(httplib::Server& svr, const std::string& pattern, size_t max_body_bytes,
+                          std::function<void(const httplib::Request&, httplib::Response&)> fn) {
+  svr.Post(pattern, [max_body_bytes, fn = safe_handler(std::move(fn))](const httplib::Request& req, httplib::Response& res,
+                                                                        const httplib::ContentReader& read) {
+    std::string body;
+    bool over = false;
+    // The receiver gets the body as decoded (chunks joined, gzip / deflate inflated).
+    const bool ok = read([&](const char* data, size_t n) {
+      if (n > max_body_bytes - body.size()) {
+        over = true;
+        return false;
+      }
+      body.append(data, n);
+      return true;
+    });
+    if (!ok || over) {
+      // httplib sets 413 itself when a Content-Length is over its own limit (the same number).
+      if (over || res.status == 413)
+        write_error(res, payload_too_large(max_body_bytes));
+      else
+        write_error(res, ApiError{400, "The request body could not be read (a broken chunked or compressed encoding).",
+                                  "invalid_request_error", "", "invalid_body"});
+      res.set_header("Connection", "close");  // what is left of the body is not a request
+      return;
+    }
+    // httplib owns the request (not a const object); the handlers read req.body as for a
+    // route that httplib reads itself.
+    const_cast<httplib::Request&>(req).body = std::move(body);
+    fn(req, res);
+  });
 }
 
 // Linux lets listen() be called again on a listening socket to change the backlog, so find the

@@ -37,6 +37,17 @@ bool cors_preflight(const httplib::Request& req, httplib::Response& res, const s
 std::function<void(const httplib::Request&, httplib::Response&)> safe_handler(
     std::function<void(const httplib::Request&, httplib::Response&)> fn);
 
+// A POST route (wrapped by safe_handler) whose handler finds the body in req.body, read here
+// and never more than max_body_bytes of it as decoded. cpp-httplib 0.11 checks its payload
+// limit only against a Content-Length: a chunked body, or a gzip / deflate one that inflates
+// past the limit, was read whole into memory (a 400 KB gzip request became 400 MiB). Over the
+// limit: 413 payload_too_large (the same answer as a Content-Length over it), and the
+// response asks the client to close the connection. A body that cannot be read (a broken
+// chunked encoding, a corrupt gzip stream): 400.
+void post_with_body_limit(httplib::Server& svr, const std::string& pattern, size_t max_body_bytes,
+                          std::function<void(const httplib::Request&, httplib::Response&)> fn);
+ApiError payload_too_large(size_t max_body_bytes);
+
 // Debian's cpp-httplib (0.11, compiled into its .so) listens with a backlog of 5: 64 clients
 // connecting at once overflow it. Raises the backlog of this process's socket bound to `port`.
 void raise_listen_backlog(int port);

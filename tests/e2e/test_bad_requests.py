@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import zlib
 
 import pytest
 import requests
@@ -216,6 +217,54 @@ def check_error_body(r, status, param):
 def test_bad_request(server, name, method, path, headers, body, status, param):
     r = requests.request(method, server.url + path, headers=headers, data=body, timeout=30)
     check_error_body(r, status, param)
+
+
+def spaced_body(mib: int, closing: bytes = b"}"):
+    """A valid completion request padded with `mib` MiB of JSON whitespace, in 1 MiB pieces."""
+    yield b'{"prompt": "Hi", "max_tokens": 2'
+    for _ in range(mib):
+        yield b" " * (1 << 20)
+    yield closing
+
+
+def gzipped(chunks) -> bytes:
+    z = zlib.compressobj(9, zlib.DEFLATED, 31)  # gzip framing
+    return b"".join(z.compress(c) for c in chunks) + z.flush()
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return int(f.read().split("VmRSS:")[1].split()[0]) / 1024
+
+
+@pytest.mark.parametrize("path", [C, CH, "/tokenize"])
+def test_a_chunked_body_over_the_limit_is_a_413(server, path):
+    """cpp-httplib checks its payload limit only against a Content-Length: a chunked body (a
+    generator makes requests send one) was read whole, however large."""
+    r = requests.post(server.url + path, data=spaced_body(12), headers=JSON, timeout=60)
+    check_error_body(r, 413, None)
+    assert r.json()["error"]["code"] == "payload_too_large"
+
+
+def test_a_gzip_body_that_inflates_past_the_limit_is_a_413_and_is_never_inflated_whole(server):
+    """400 KB on the wire, 400 MiB inflated: it was inflated into memory (RSS +900 MiB) and
+    answered 200. Now the inflating stops at the limit."""
+    bomb = gzipped(spaced_body(400))
+    assert len(bomb) < 1 << 20
+    before = rss_mib(server.proc.pid)
+    r = requests.post(server.url + C, data=bomb, headers={**JSON, "Content-Encoding": "gzip"}, timeout=60)
+    check_error_body(r, 413, None)
+    assert r.headers.get("Connection") == "close"
+    assert rss_mib(server.proc.pid) - before < 64
+
+
+def test_chunked_and_gzip_bodies_under_the_limit_are_read(server):
+    for headers, data in [(JSON, spaced_body(1)), ({**JSON, "Content-Encoding": "gzip"}, gzipped(spaced_body(6)))]:
+        r = requests.post(server.url + C, data=data, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text[:300]
+        assert r.json()["usage"]["completion_tokens"] == 2
+    r = requests.post(server.url + C, data=b"\x1f\x8b\x08 not gzip", headers={**JSON, "Content-Encoding": "gzip"}, timeout=30)
+    check_error_body(r, 400, None)
 
 
 def test_raw_garbage_http(server):

@@ -312,6 +312,10 @@ def test_router_answers_bad_requests_and_503_without_backends():
         assert requests.get(router.url + "/health").status_code == 503
         assert requests.get(router.url + "/v1/models").json()["data"][0]["id"] == MODEL_NAME
         assert requests.get(router.url + "/nope").status_code == 404
+        # A chunked body is held to --max-body-size as a Content-Length is (it was read whole).
+        big = (b" " * (1 << 20) if i else b'{"prompt": "hi"' for i in range(12))
+        r = requests.post(router.url + "/v1/completions", data=big, headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
     finally:
         router.stop()
     r = subprocess.run([KVSERVE, "router", "-m", MODEL, "--listen", f"127.0.0.1:{free_port()}"], capture_output=True, text=True,
