@@ -84,6 +84,7 @@ struct SseState {
   std::vector<TextOffset> text_offset;  // per choice, completions' logprobs.text_offset
   std::vector<std::string> finish_reasons;  // per choice, once finished
   std::vector<StreamEvent> events;
+  int64_t completion_tokens = 0;  // streamed so far, every choice (continuous_usage_stats)
 };
 
 }  // namespace
@@ -360,6 +361,8 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
     ar.stream = false;
   }
   ResponseMeta meta{make_response_id(chat), unix_now(), ctx_.model_names.at(0), chat, ar.include_usage};
+  meta.continuous_usage = ar.continuous_usage;
+  meta.prompt_tokens = static_cast<int32_t>(ar.prompt.size());
 
   Request r;
   r.id = engine_.next_request_id();
@@ -455,6 +458,11 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
       [this, st, tok](size_t, httplib::DataSink& sink) -> bool {
         try {
           auto send = [&](const std::string& s) { return sink.write(s.data(), s.size()); };
+          // A choice's chunk; with continuous_usage_stats it carries the usage so far.
+          auto chunk = [&](json j) {
+            if (st->meta.continuous_usage) j["usage"] = running_usage(st->meta, st->completion_tokens);
+            return sse_event(j);
+          };
           if (!sink.is_writable()) {
             st->stream->cancel();
             return false;
@@ -465,7 +473,7 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
             st->started = true;
             if (st->meta.chat)
               for (int32_t i = 0; i < st->n; ++i)
-                if (!send(sse_event(chat_role_chunk(st->meta, i)))) return false;
+                if (!send(chunk(chat_role_chunk(st->meta, i)))) return false;
             return true;
           }
           const bool more = st->stream->pop(&st->events, kPollInterval);
@@ -473,12 +481,13 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
             if (ev.index < 0 || ev.index >= st->n) continue;
             std::string out;
             if (ev.kind == StreamEvent::kText) {
+              st->completion_tokens += static_cast<int64_t>(ev.tokens.size());
               if (ev.text.empty() && ev.logprobs.empty()) continue;
-              out = sse_event(text_chunk(st->meta, ev.index, ev.text, st->with_logprobs ? &ev.logprobs : nullptr,
-                                         &st->text_offset[ev.index], *tok));
+              out = chunk(text_chunk(st->meta, ev.index, ev.text, st->with_logprobs ? &ev.logprobs : nullptr,
+                                     &st->text_offset[ev.index], *tok));
             } else if (ev.kind == StreamEvent::kFinish) {
               st->finish_reasons[ev.index] = ev.finish_reason;
-              out = sse_event(finish_chunk(st->meta, ev.index, ev.finish_reason));
+              out = chunk(finish_chunk(st->meta, ev.index, ev.finish_reason));
             } else {
               out = sse_event(from_event(ev).to_json());
             }

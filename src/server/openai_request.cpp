@@ -182,6 +182,8 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
     if (!r->stream) value_error("stream_options", "stream_options is only allowed when 'stream' is true.");
     Fields sf(*so);
     r->include_usage = sf.boolean("include_usage").value_or(false);
+    // vLLM: with include_usage, every chunk also carries the usage so far.
+    r->continuous_usage = r->include_usage && sf.boolean("continuous_usage_stats").value_or(false);
   }
 
   if (const json* lb = f.get("logit_bias")) {
@@ -218,6 +220,11 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
     if (const json* v = f.get(name); v && !v->is_null() && !(v->is_number() && v->get<double>() == off)) unsupported(name, "");
   if (const json* v = f.get("top_n_sigma"); v && !v->is_null() && !(v->is_number() && v->get<double>() <= 0))  // llama.cpp: -1 is off
     unsupported("top_n_sigma", "");
+  // llama-server's length and time limits (-1 and 0 are its "none"): OpenAI's max_tokens is this server's.
+  if (const json* v = f.get("n_predict"); v && !v->is_null() && !(v->is_number_integer() && v->get<int64_t>() < 0))
+    unsupported("n_predict", "use max_tokens (max_completion_tokens in chat).");
+  if (const json* v = f.get("t_max_predict_ms"); v && !v->is_null() && !(v->is_number() && v->get<double>() <= 0))
+    unsupported("t_max_predict_ms", "");
 
   // {"policy": "snapkv", "budget": 2048, "sink_tokens": 4, "recent_tokens": 512, "obs_window": 32,
   //  "sparse": "quest", "sparse_pages": 64}: this request's long-context KV policy (kv/kv_eviction.h);

@@ -45,6 +45,7 @@ struct ApiRequest {
   RequestParams params;
   bool stream = false;
   bool include_usage = false;   // stream_options.include_usage
+  bool continuous_usage = false;  // stream_options.continuous_usage_stats (vLLM's), with include_usage
   bool logprobs = false;        // the response carries logprobs
 };
 

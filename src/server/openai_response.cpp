@@ -149,6 +149,11 @@ json finish_chunk(const ResponseMeta& meta, int32_t index, const std::string& re
   return with_choice(meta, {{"index", index}, {"text", ""}, {"logprobs", nullptr}, {"finish_reason", reason}});
 }
 
+json running_usage(const ResponseMeta& meta, int64_t completion_tokens) {
+  return {{"prompt_tokens", meta.prompt_tokens}, {"completion_tokens", completion_tokens},
+          {"total_tokens", meta.prompt_tokens + completion_tokens}};
+}
+
 json usage_chunk(const ResponseMeta& meta, const Usage& usage) {
   json j = chunk_base(meta);
   j["choices"] = json::array();

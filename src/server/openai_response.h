@@ -19,6 +19,10 @@ struct ResponseMeta {
   std::string model;
   bool chat = false;
   bool include_usage = false;  // streams: every chunk carries "usage": null, the last one the usage
+  // vLLM's continuous_usage_stats: every chunk carries the usage so far instead of null
+  // (prompt_tokens, completion_tokens streamed so far over all choices, total_tokens).
+  bool continuous_usage = false;
+  int32_t prompt_tokens = 0;
 };
 
 // One choice as the non-streaming response reports it, assembled from StreamEvents.
@@ -54,6 +58,8 @@ nlohmann::ordered_json text_chunk(const ResponseMeta& meta, int32_t index, const
                           TextOffset* text_offset, const Tokenizer& tok);
 nlohmann::ordered_json finish_chunk(const ResponseMeta& meta, int32_t index, const std::string& reason);
 nlohmann::ordered_json usage_chunk(const ResponseMeta& meta, const Usage& usage);
+// A chunk's usage so far, for continuous_usage_stats (meta.continuous_usage).
+nlohmann::ordered_json running_usage(const ResponseMeta& meta, int64_t completion_tokens);
 
 // "data: <json>\n\n"
 std::string sse_event(const nlohmann::ordered_json& j);

@@ -169,6 +169,11 @@ CORPUS = [
     ("response_format json on completions", "POST", C, JSON, comp(response_format={"type": "json_object"}), 400, "response_format"),
     ("llama.cpp repeat_penalty", "POST", C, JSON, comp(repeat_penalty=1.3), 400, "repeat_penalty"),
     ("llama.cpp top_n_sigma", "POST", CH, JSON, chat(top_n_sigma=2), 400, "top_n_sigma"),
+    # llama-server's length and time limits: accepted and ignored before (a chat with n_predict 3
+    # ran to the end of the context), found by a user test.
+    ("llama.cpp n_predict", "POST", CH, JSON, chat(n_predict=3), 400, "n_predict"),
+    ("llama.cpp n_predict on completions", "POST", C, JSON, comp(n_predict=3), 400, "n_predict"),
+    ("llama.cpp t_max_predict_ms", "POST", C, JSON, comp(t_max_predict_ms=500), 400, "t_max_predict_ms"),
     ("a request's template without --trust-request-chat-template", "POST", CH, JSON, chat(chat_template="{{ 1 }}"), 400, "chat_template"),
     ("use_beam_search", "POST", C, JSON, comp(use_beam_search=True), 400, "use_beam_search"),
     ("chat_template that does not parse", "POST", CH, JSON, chat(chat_template="{% for m in messages %}"), 400, "chat_template"),

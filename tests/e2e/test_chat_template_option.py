@@ -149,7 +149,7 @@ def own_template_and_kwargs(server):
     # The next request is back on the model's own template; the samplers' "off" values are accepted.
     plain = requests.post(server.url + "/v1/chat/completions",
                           json={"messages": conv, "max_tokens": 2, "typical_p": 1.0, "mirostat": 0, "skip_special_tokens": True,
-                                "prompt_logprobs": None})
+                                "prompt_logprobs": None, "n_predict": -1, "t_max_predict_ms": 0})
     assert plain.status_code == 200 and plain.json()["usage"]["prompt_tokens"] > len(want), plain.text
     empty = requests.post(server.url + "/v1/chat/completions", json={"messages": conv, "max_tokens": 2, "chat_template": ""})
     assert empty.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]  # "": the default, as vLLM

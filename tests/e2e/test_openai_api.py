@@ -142,6 +142,30 @@ def test_stream_equals_non_stream_chat(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries
+    prompt_tokens, the completion tokens streamed so far over all choices, and their total; it
+    was accepted and ignored (usage null on every chunk but the last)."""
+    for n in (1, 2):
+        chunks = list(chat(client, max_tokens=10, n=n, temperature=0.8, seed=5, stream=True,
+                           stream_options={"include_usage": True, "continuous_usage_stats": True}))
+        final = chunks[-1]
+        assert final.choices == [] and final.usage is not None
+        running = [c.usage for c in chunks[:-1]]
+        assert all(u is not None for u in running)
+        assert all(u.prompt_tokens == final.usage.prompt_tokens for u in running)
+        assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in running)
+        counts = [u.completion_tokens for u in running]
+        assert counts == sorted(counts) and counts[0] == 0  # the role chunk comes first
+        assert counts[-1] == final.usage.completion_tokens == 10 * n
+        # Each content chunk counts its own token: the count rises by one per chunk of a choice.
+        content = [c for c in chunks[:-1] if c.choices and c.choices[0].delta.content]
+        assert len({c.usage.completion_tokens for c in content}) == len(content)
+    # Without include_usage it changes nothing (as vLLM: both are needed).
+    chunks = list(chat(client, max_tokens=4, stream=True, stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in chunks)
+
+
 def test_sse_wire_format(server):
     body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 3, "temperature": 0, "stream": True}
     r = requests.post(server.url + "/v1/completions", json=body, stream=True)
