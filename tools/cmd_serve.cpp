@@ -174,6 +174,10 @@ void run_serve(const ServeOptions& o) {
                kv::format_bytes(engine.pool().total_bytes()).c_str(), layout.describe().c_str(), static_cast<long long>(n_pages),
                ec.block_size, static_cast<long long>(n_tokens), kv::format_bytes(layout.bytes_per_token()).c_str(),
                static_cast<long long>(n_pages / pages_per_seq), ec.max_model_len);
+  if (n_tokens < ec.max_model_len && !ec.kv_policy.evicts())
+    std::fprintf(stderr, "note: the KV cache holds %lld tokens, less than one sequence of max_model_len %d: a chat request without "
+                 "max_tokens gets at most what the cache leaves after its prompt (raise --kv-cache-memory or lower --max-model-len)\n",
+                 static_cast<long long>(n_tokens), ec.max_model_len);
   if (ec.kv_policy.evicts())  // a sequence holds its prompt, then at most the budget
     std::fprintf(stderr, "KV cache under --kv-eviction %s: %lld sequences of %lld tokens (the budget, once their prompts are cut down to it) fit\n",
                  kv::eviction_policy_name(ec.kv_policy.policy), static_cast<long long>(n_pages / ((ec.kv_policy.budget + ec.block_size - 1) / ec.block_size + 1)),
@@ -202,6 +206,7 @@ void run_serve(const ServeOptions& o) {
   kv::ApiContext ctx = kv::make_api_context(**tok, chat ? &*chat : nullptr, o.model, o.served_model_name, ec.max_model_len, ec.max_n);
   ctx.trust_request_chat_template = o.trust_request_chat_template;
   ctx.default_policy_evicts = ec.kv_policy.evicts();
+  ctx.kv_capacity_tokens = engine.pool().n_pages() * static_cast<int64_t>(ec.block_size);
 
   kv::ServerOptions so;
   so.api_keys = o.api_keys;

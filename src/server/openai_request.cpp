@@ -596,7 +596,12 @@ ApiRequest parse_chat_request(const json& body, const ApiContext& ctx) {
   r.prompt = chat_prompt(f, ctx);
 
   // max_completion_tokens is OpenAI's current name; max_tokens the deprecated one.
-  const int64_t room = static_cast<int64_t>(ctx.max_model_len) - static_cast<int64_t>(r.prompt.size());
+  // max_tokens absent: the rest of the context, within what the KV cache can hold unless the
+  // request's KV policy evicts (it then holds a budget, not the whole context).
+  int64_t limit = ctx.max_model_len;
+  const bool evicts = r.params.kv_policy_set ? r.params.kv_policy.evicts() : ctx.default_policy_evicts;
+  if (!evicts && ctx.kv_capacity_tokens > 0) limit = std::min<int64_t>(limit, ctx.kv_capacity_tokens);
+  const int64_t room = limit - static_cast<int64_t>(r.prompt.size());
   const char* name = f.get("max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
   r.params.max_tokens = parse_max_tokens(f, name, ctx, room, r.params);
   return r;

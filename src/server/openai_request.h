@@ -33,6 +33,11 @@ struct ApiContext {
   // The server's default KV policy evicts: requests may ask for more than max_model_len tokens
   // (the engine re-indexes past it, kv/kv_reindex.h), as may a request that sets such a policy.
   bool default_policy_evicts = false;
+  // Tokens one sequence's KV can hold (the KV pool's pages × block size; 0: not known). A chat
+  // request without max_tokens gets what is left of max_model_len after its prompt, as in vLLM,
+  // but no more than this leaves (a server started with a KV cache smaller than one
+  // max_model_len sequence refused every such request for pages it would need only if it ran that long).
+  int64_t kv_capacity_tokens = 0;
   // A request's own chat_template runs untrusted code on an HTTP thread (bounded, but seconds of CPU
   // for a 100-byte body): only with --trust-request-chat-template, as vLLM.
   bool trust_request_chat_template = false;

@@ -130,3 +130,29 @@ def test_max_model_len_past_the_training_context_warns_once():
         assert "training context" not in s.output()
     finally:
         s.stop()
+
+
+def test_a_kv_cache_smaller_than_max_model_len_bounds_the_default_max_tokens():
+    """A server whose KV cache holds fewer tokens than one max_model_len sequence (here 8 MiB:
+    22 pages of 16 = 352 tokens, against 8,192) refused every chat request without max_tokens:
+    the default (the rest of the context, as vLLM's) needed 512 pages. Now the default stops
+    where the cache ends, the start log says so, and an explicit max_tokens past it is still a
+    400 that names the cache."""
+    s = Server(max_model_len=8192, kv_memory="8MiB")
+    try:
+        out = s.output()
+        assert "less than one sequence of max_model_len 8192" in out, out
+        cap = int(out.split(" pages of 16 tokens = ")[1].split(" tokens")[0])
+        assert 16 <= cap < 8192
+        msgs = [{"role": "user", "content": "Count from one to a thousand."}]
+        r = requests.post(s.url + "/v1/chat/completions", json={"messages": msgs, "ignore_eos": True, "temperature": 0},
+                          timeout=300)
+        assert r.status_code == 200, r.text
+        usage, choice = r.json()["usage"], r.json()["choices"][0]
+        assert usage["total_tokens"] == cap and choice["finish_reason"] == "length", usage
+        r = requests.post(s.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": cap + 16}, timeout=60)
+        assert r.status_code == 400 and "raise --kv-cache-memory" in r.json()["error"]["message"], r.text
+        m = s.metrics()
+        assert m["kvserve:num_requests_running"] == 0 and m["kvserve:kv_cache_pages_used"] == 0
+    finally:
+        s.stop()
