@@ -307,7 +307,7 @@ void add_serve_command(CLI::App& app) {
       ->check(number_in(1, 1 << 24));
   cmd->add_flag("--past-trained-context", o->past_trained_context,
                 "a --max-model-len past the model's training context is meant (positions it was never trained on): no warning");
-  cmd->add_option("--max-queue", o->max_queue, "waiting requests before 429")->check(number_in(1, 1 << 20))->capture_default_str();
+  cmd->add_option("--max-queue", o->max_queue, "requests waiting for a sequence slot (beyond the free ones) before 429")->check(number_in(1, 1 << 20))->capture_default_str();
   cmd->add_option("--max-n", o->max_n, "largest n (choices per request)")->check(number_in(1, 256))->capture_default_str();
   cmd->add_option("-t,--threads", o->threads, "compute threads (default: all cores)")->check(number_in(1, 256));
   cmd->add_option("--http-threads", o->http_threads, "connection threads (default: max-num-seqs + 8 + the dashboards that may be open)")

@@ -242,7 +242,10 @@ Rejection Engine::submit(Request req) {
                   n_prompt + 1 > pool_->n_pages() * cfg_.block_size ? "messages" : "max_tokens");
   {
     std::lock_guard<std::mutex> l(in_mu_);
-    if (n_waiting_total_.load() >= cfg_.max_queue)
+    // Requests the next step can admit (free sequence slots) are not waiting: a burst of 8 on
+    // an idle server with --max-queue 1 got 429s while 16 slots stood free.
+    const int32_t free_slots = std::max(0, cfg_.max_num_seqs - n_running_seqs_.load());
+    if (n_waiting_total_.load() >= cfg_.max_queue + free_slots)
       return reject(429, "The server is busy: " + std::to_string(cfg_.max_queue) + " requests are waiting. Retry later.", "");
     n_waiting_total_.fetch_add(1);
     incoming_.push_back(std::move(req));
@@ -1375,6 +1378,7 @@ void Engine::publish_gauges() {
           if (p >= 0 && !held_scratch_[p]++) ++held;
   }
   pages_in_use_.store(held);
+  n_running_seqs_.store(static_cast<int32_t>(running_.size()));
   pages_cached_.store(cache_ ? cache_->n_cached_pages() : 0);
   window_pages_cached_.store(cache_ ? cache_->n_cached_window_pages() : 0);
   metrics_.set_gauges(static_cast<int64_t>(running_.size()), n_waiting_total_.load(), pool_->n_pages(), held_global);

@@ -156,3 +156,34 @@ def test_a_kv_cache_smaller_than_max_model_len_bounds_the_default_max_tokens():
         assert m["kvserve:num_requests_running"] == 0 and m["kvserve:kv_cache_pages_used"] == 0
     finally:
         s.stop()
+
+
+def test_a_burst_within_the_free_sequence_slots_is_not_refused_by_a_short_queue():
+    """--max-queue counts requests that wait for a sequence slot. A burst of 8 on an idle server
+    with 16 slots and --max-queue 1 got 429s (every request not yet admitted counted as waiting,
+    found by a user test); a burst past slots + queue still gets them."""
+    s = Server("--max-num-seqs", "16", "--max-queue", "1")
+    try:
+        # The last burst's requests run long enough that the first 17 still hold slot and queue
+        # when the others arrive.
+        for burst, want_429, n_tok in [(8, False, 24), (8, False, 24), (24, True, 160)]:
+            gate = threading.Barrier(burst)
+            codes, lock = [], threading.Lock()
+
+            def one(i):
+                gate.wait()
+                r = requests.post(s.url + "/v1/completions", timeout=120,
+                                  json={"prompt": f"Story {i}", "max_tokens": n_tok, "ignore_eos": True, "temperature": 0})
+                with lock:
+                    codes.append(r.status_code)
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(burst)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert set(codes) <= {200, 429}, codes
+            assert (429 in codes) == want_429, codes
+            assert codes.count(200) >= min(burst, 17), codes
+    finally:
+        s.stop()
