@@ -153,7 +153,7 @@ std::string render_prometheus(const MetricsSnapshot& m) {
   counter(out, "kvserve:prompt_tokens_total", "Prompt tokens computed (prefill work: prefix-cache and tier hits are not counted, a preempted prompt's recomputation is; vLLM's counts every prompt token).", double(m.prompt_tokens_total));
   counter(out, "kvserve:generation_tokens_total", "Tokens generated.", double(m.generation_tokens_total));
   counter(out, "kvserve:request_success_total", "Requests finished normally.", double(m.request_success_total));
-  counter(out, "kvserve:request_aborted_total", "Requests cancelled by the client.", double(m.request_aborted_total));
+  counter(out, "kvserve:request_aborted_total", "Requests cancelled before they finished: the client went away, --request-timeout passed, or the server shut down.", double(m.request_aborted_total));
   counter(out, "kvserve:request_rejected_total", "Requests refused at admission.", double(m.request_rejected_total));
   counter(out, "kvserve:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", double(m.prefix_cache_queries_total));
   counter(out, "kvserve:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", double(m.prefix_cache_hits_total));
