@@ -242,6 +242,7 @@ TEST(Engine, RejectsWhatCanNeverFit) {
   ASSERT_TRUE(m && tok);
   EngineConfig c = small_config(8);  // 128 tokens of KV
   c.max_queue = 2;
+  c.max_num_seqs = 1;  // the queue counts requests beyond the free sequence slots
   Engine e(*m, *tok, c);
   Request r;
   r.prompt = prompt_of(*tok, "hello");
@@ -267,7 +268,8 @@ TEST(Engine, RejectsWhatCanNeverFit) {
   r.params.sampling.temperature = std::nanf("");
   EXPECT_EQ(e.submit(r).param, "temperature");
   r.params.sampling.temperature = 0.f;
-  EXPECT_EQ(e.submit(r).http_status, 0);
+  EXPECT_EQ(e.submit(r).http_status, 0);  // the free slot
+  EXPECT_EQ(e.submit(r).http_status, 0);  // the queue
   EXPECT_EQ(e.submit(r).http_status, 0);
   EXPECT_EQ(e.submit(r).http_status, 429);  // queue full
   run_until_idle(e);
