@@ -80,8 +80,8 @@ kv::EvictionConfig make_eviction(const EvictionOptions& eo, int block_size) {
       fail("--kv-budget needs --kv-eviction POLICY (sinks, h2o, snapkv, window), or --kv-offload-cold with --kv-sparse quest");
     if (eo.sparse != "quest" && (eo.sink_tokens >= 0 || eo.recent_tokens >= 0))  // Quest reads its sink and recent pages
       fail("--kv-sink-tokens and --kv-recent-tokens need --kv-eviction POLICY or --kv-sparse quest");
-    if (eo.obs_window >= 0) fail("--kv-obs-window needs --kv-eviction snapkv");
   }
+  if (eo.obs_window >= 0 && c.policy != kv::EvictionPolicy::kSnapKV) fail("--kv-obs-window needs --kv-eviction snapkv");
   c.budget = eo.budget;
   if (eo.sink_tokens >= 0) c.sink_tokens = eo.sink_tokens;
   c.recent_tokens = eo.recent_tokens;

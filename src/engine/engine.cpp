@@ -557,7 +557,11 @@ void Engine::annotate(Sequence& s, BatchSeq& b) {
 // decode step) evicts when the policy says so, at a prompt's end or when a page has filled.
 void Engine::maybe_evict(Sequence& s, int32_t n_run) {
   if (s.n_computed != static_cast<int64_t>(s.tokens.size())) return;  // mid-prompt
-  evict_now(s, n_run > 1);
+  // The run that ends the prompt checks the budget whatever its length: a prompt whose tokens
+  // but the last came from the prefix cache ends with a run of one token, and was never cut
+  // down (window / sinks kept 972 of a 961-token prompt on a 64-token budget, and a greedy
+  // answer then depended on what the cache held).
+  evict_now(s, n_run > 1 || s.n_computed - n_run < s.n_prompt);
 }
 
 void Engine::evict_now(Sequence& s, bool prompt_end) {

@@ -254,6 +254,14 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
     c.sparse_pages = static_cast<int32_t>(kf.integer("sparse_pages", 0, kMax).value_or(0));
     if (sparse == "quest" && c.sparse_pages <= 0) value_error("kv_eviction", "sparse \"quest\" needs sparse_pages > 0.");
     if (sparse == "none") c.sparse_pages = 0;
+    // Settings that would do nothing are refused, as the CLI's flags are (tools/loaded_model.cpp):
+    // {"budget": 256} alone answered 200 with nothing evicted.
+    if (c.policy == EvictionPolicy::kNone && sparse == "none") {
+      if (c.budget > 0) value_error("budget", "a budget needs a \"policy\" (sinks, h2o, snapkv, window).");
+      for (const char* name : {"sink_tokens", "recent_tokens"})
+        if (kf.get(name)) value_error(name, "needs a \"policy\" (sinks, h2o, snapkv, window) or \"sparse\": \"quest\".");
+    }
+    if (kf.get("obs_window") && c.policy != EvictionPolicy::kSnapKV) value_error("obs_window", "SnapKV's observation window needs \"policy\": \"snapkv\".");
     } catch (ApiError& e) {  // a nested field: name it as kv_eviction.<field>
       if (!e.param.empty() && e.param != "kv_eviction") {
         const std::string q = "'" + e.param + "'";

@@ -53,6 +53,11 @@ def test_each_policy_streams_and_choices_share_the_evicted_prompt(server, client
     ({"sparse": "quest"}, "needs sparse_pages"),
     ({"sparse": "quest", "sparse_pages": 4}, "--kv-sparse quest"),  # this server keeps no key summaries
     ("snapkv", "expected an object"),
+    # settings that would do nothing (answered 200 before, the budget dropped; a user test)
+    ({"budget": 256}, "a budget needs a \"policy\""),
+    ({"policy": "none", "budget": 256}, "a budget needs a \"policy\""),
+    ({"sink_tokens": 8}, "needs a \"policy\""),
+    ({"policy": "window", "budget": 256, "obs_window": 8}, "needs \"policy\": \"snapkv\""),
 ])
 def test_bad_kv_eviction_is_a_400(server, client, field, message):
     with pytest.raises(openai.BadRequestError) as e:
@@ -60,6 +65,28 @@ def test_bad_kv_eviction_is_a_400(server, client, field, message):
     err = e.value.body
     assert err["param"].startswith("kv_eviction"), err
     assert message in err["message"], err
+
+
+@pytest.mark.parametrize("policy", ["window", "sinks"])
+def test_a_prompt_from_the_prefix_cache_is_cut_to_the_budget_as_a_computed_one(server, policy):
+    """A prompt of whole pages + 1 whose pages all come from the prefix cache ends with a run of
+    one token. That run did not count as the prompt's end, so window and sinks kept the whole
+    prompt (972 of 961 tokens on a 64-token budget) and the greedy answer depended on what the
+    cache held (found by a user test). Three requests: nothing cached, cached, another salt."""
+    words = " ".join(f"Item {i}: the lamp {i % 11} costs {i * 13 % 97} dollars in shop {i % 7}." for i in range(24))
+    ids = requests.post(server.url + "/tokenize", json={"prompt": words}).json()["tokens"]
+    ids = ids[:16 * (len(ids) // 16 - 1) + 1]  # whole pages + 1
+    assert 200 < len(ids) < 500
+    got = []
+    for salt in (f"{policy}-a", f"{policy}-a", f"{policy}-b"):
+        r = requests.post(server.url + "/v1/completions", json={
+            "model": MODEL_NAME, "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "kv_eviction": {"policy": policy, "budget": 64}, "cache_salt": salt}).json()
+        got.append((r["choices"][0]["text"], r["usage"]["kv_eviction"]["tokens_kept"],
+                    r["usage"]["prompt_tokens_details"]["cached_tokens"]))
+    assert got[1][2] == len(ids) - 1 and got[0][2] == got[2][2] == 0, got  # the second came from the cache
+    assert got[0][:2] == got[1][:2] == got[2][:2], got
+    assert got[1][1] <= 64 + 16, got
 
 
 def test_server_default_and_quest():
