@@ -471,6 +471,7 @@ bool Engine::schedule(Plan* plan) {
       waiting_.push_front(std::move(*victim));
       n_waiting_total_.fetch_add(1);
       running_.erase(victim);
+      n_running_seqs_.store(static_cast<int32_t>(running_.size()));
       if (v == &s) break;  // s itself was the newest: it waits
       ok = room();
     }
@@ -508,6 +509,7 @@ bool Engine::schedule(Plan* plan) {
     if (!admit(s, std::min(budget, cap), &n)) break;  // no overtaking: the chosen request waits for room
     running_.push_back(std::move(*pick));
     waiting_.erase(pick);
+    n_running_seqs_.store(static_cast<int32_t>(running_.size()));  // before the waiting count drops: submit never over-admits
     n_waiting_total_.fetch_sub(1);
     plan->items.push_back({&s, n, n == s.to_compute()});
     budget -= n;
@@ -531,6 +533,7 @@ bool Engine::schedule(Plan* plan) {
     waiting_.push_front(std::move(*victim));
     n_waiting_total_.fetch_add(1);
     running_.erase(victim);
+    n_running_seqs_.store(static_cast<int32_t>(running_.size()));
     return true;  // state changed: ask for another step
   }
   for (const auto& it : plan->items) {
@@ -741,6 +744,7 @@ Engine::Sequence* Engine::fork(Sequence& parent, int32_t index) {
   if (cache_) cache_->pin(c->pin);
   Sequence* raw = c.get();
   running_.push_back(std::move(c));
+  n_running_seqs_.store(static_cast<int32_t>(running_.size()));
   return raw;
 }
 

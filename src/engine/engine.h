@@ -214,7 +214,7 @@ class Engine {
   std::condition_variable in_cv_;
   std::deque<Request> incoming_;
   std::atomic<int32_t> n_waiting_total_{0};  // incoming + waiting, for the 429 check
-  std::atomic<int32_t> n_running_seqs_{0};   // running_.size() at the last step, for the 429 check
+  std::atomic<int32_t> n_running_seqs_{0};   // running_.size() as the engine thread last changed it, for the 429 check
 
   // Engine-thread state; state_mu_ is held for a whole step so other threads can inspect it.
   mutable std::mutex state_mu_;

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <deque>
+#include <map>
 #include <optional>
 
 #include <httplib.h>
@@ -113,6 +114,14 @@ void gave_no_answer(Router::Backend& b, int32_t index, std::vector<int32_t>& tri
   set_up(b, false);
   tried.push_back(index);
   retries.fetch_add(1);
+}
+
+// A backend that refused the request without starting it: its queue is full (429), or it is
+// draining or stopping (503: a rolling restart). The request goes to another backend; a
+// draining one is down until its health check passes again.
+bool refused(Router::Backend& b, int status) {
+  if (status == 503) set_up(b, false);
+  return status == 429 || status == 503;
 }
 
 ApiError draining_error() {
@@ -303,18 +312,17 @@ void Router::health_loop() {
 void Router::routes() {
   install_json_errors(*svr_, opts_.max_body_bytes);
   install_cors(*svr_, opts_.allowed_origins);
+  // Which methods each path answers; another method on a known path is a 405, as the server's.
+  static const std::map<std::string, std::string> kAllowed = {
+      {"/v1/completions", "POST"}, {"/v1/chat/completions", "POST"}, {"/v1/models", "GET"}, {"/health", "GET"}, {"/metrics", "GET"}};
   svr_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
-    return cors_preflight(req, res, opts_.allowed_origins) ? httplib::Server::HandlerResponse::Handled
-                                                           : httplib::Server::HandlerResponse::Unhandled;
+    return cors_preflight(req, res, opts_.allowed_origins) || refuse_wrong_method(req, res, kAllowed)
+               ? httplib::Server::HandlerResponse::Handled
+               : httplib::Server::HandlerResponse::Unhandled;
   });
   post_with_body_limit(*svr_, "/v1/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); });
   post_with_body_limit(*svr_, "/v1/chat/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); });
-  svr_->Get("/v1/models", safe_handler([this](const httplib::Request&, httplib::Response& res) {
-              write_json(res, json{{"object", "list"},
-                                   {"data", json::array({json{{"id", ctx_.model_names.at(0)}, {"object", "model"}, {"created", unix_now()},
-                                                              {"owned_by", "kvserve"}, {"max_model_len", ctx_.max_model_len},
-                                                              {"chat_template", ctx_.chat_template != nullptr}}})}});
-            }));
+  install_model_routes(*svr_, ctx_);
   svr_->Get("/health", safe_handler([this](const httplib::Request&, httplib::Response& res) {
               json backends = json::array();
               bool any = false;
@@ -353,7 +361,9 @@ void Router::handle_generate(const httplib::Request& req, httplib::Response& res
                               std::max(1, opts_.affinity_tokens / opts_.block_size));
   if (opts_.routing == RouterOptions::Routing::kRoundRobin) key = round_robin_key(*serve_, rr_.fetch_add(1));
   const std::string path = chat ? "/v1/chat/completions" : "/v1/completions";
-  if (!prefill_->empty()) {
+  // No decode instance up: forward answers 503 at once, without loading a prefill instance.
+  const std::vector<bool> up = serve_->up();
+  if (!prefill_->empty() && std::find(up.begin(), up.end(), true) != up.end()) {
     if (static_cast<int64_t>(ar.prompt.size()) >= opts_.prefill_min_tokens) prefill(key, path, req.body, auth);
     else n_prefill_skipped_.fetch_add(1);
   }
@@ -496,8 +506,9 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
         gave_no_answer(*b, c.backend, tried, n_retries_);
         continue;
       }
-      if (r->status == 429 && attempt + 1 < pool.backends.size()) {  // its queue is full: another replica may have room
-        tried.push_back(c.backend), n_retries_.fetch_add(1), n_full_.fetch_add(1);
+      if (refused(*b, r->status) && attempt + 1 < pool.backends.size()) {  // another replica may take it
+        tried.push_back(c.backend), n_retries_.fetch_add(1);
+        if (r->status == 429) n_full_.fetch_add(1);
         full.emplace(r->body, r->get_header_value("Content-Type", 0));
         continue;
       }
@@ -524,13 +535,14 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
       gave_no_answer(*b, c.backend, tried, n_retries_);
       continue;
     }
-    if (pipe->status == 429 && attempt + 1 < pool.backends.size()) {  // full: nothing was sent yet, try another
+    if (refused(*b, pipe->status) && attempt + 1 < pool.backends.size()) {  // nothing was sent yet: try another
       pipe->cv.wait(l, [&] { return pipe->done; });
       std::string out;
       for (auto& ch : pipe->chunks) out += ch;
       full.emplace(std::move(out), pipe->content_type);
       l.unlock();
-      tried.push_back(c.backend), n_retries_.fetch_add(1), n_full_.fetch_add(1);
+      tried.push_back(c.backend), n_retries_.fetch_add(1);
+      if (pipe->status == 429) n_full_.fetch_add(1);
       continue;
     }
     if (pipe->status != 200) {  // an error answer: whole, with its status
@@ -626,7 +638,7 @@ std::string Router::render_metrics() const {
   line("router_affinity_total", "result=\"new\"", double(n_new_.load()));
   line("router_affinity_total", "result=\"owner_down\"", double(n_owner_down_.load()));
   line("router_affinity_total", "result=\"owner_busy\"", double(n_owner_busy_.load()));
-  help("router_retries_total", "counter", "Requests sent again to another backend after one did not answer.");
+  help("router_retries_total", "counter", "Requests sent again to another backend after one did not answer or refused them (429 full, 503 draining).");
   line("router_retries_total", "", double(n_retries_.load()));
   help("router_client_disconnects_total", "counter",
        "Non-streamed requests whose client left before the answer: their upstream request was closed (the backend cancels it).");

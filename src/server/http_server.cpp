@@ -188,15 +188,8 @@ void HttpServer::routes() {
       res.set_header("WWW-Authenticate", "Bearer");
       return httplib::Server::HandlerResponse::Handled;
     }
-    if (path.rfind("/v1/models/", 0) == 0) path = "/v1/models";
-    auto it = kAllowed.find(path);
-    if (it != kAllowed.end() && req.method != it->second && !(req.method == "HEAD" && it->second == "GET")) {
-      write_error(res, ApiError{405, "Method " + req.method + " is not allowed on " + req.path + "; use " + it->second + ".",
-                                "invalid_request_error", "", "method_not_allowed"});
-      res.set_header("Allow", it->second);
-      return httplib::Server::HandlerResponse::Handled;
-    }
-    return httplib::Server::HandlerResponse::Unhandled;
+    return refuse_wrong_method(req, res, kAllowed) ? httplib::Server::HandlerResponse::Handled
+                                                   : httplib::Server::HandlerResponse::Unhandled;
   });
 
   install_json_errors(*svr_, opts_.max_body_bytes);
@@ -212,19 +205,7 @@ void HttpServer::routes() {
   post_with_body_limit(*svr_, "/v1/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); });
   post_with_body_limit(*svr_, "/v1/chat/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); });
 
-  auto model_object = [this] {
-    return json{{"id", ctx_.model_names.at(0)}, {"object", "model"}, {"created", unix_now()}, {"owned_by", "kvserve"},
-                {"max_model_len", ctx_.max_model_len}, {"chat_template", ctx_.chat_template != nullptr}};
-  };
-  svr_->Get("/v1/models", safe([model_object](const httplib::Request&, httplib::Response& res) {
-              write_json(res, json{{"object", "list"}, {"data", json::array({model_object()})}});
-            }));
-  svr_->Get(R"(/v1/models/(.+))", safe([this, model_object](const httplib::Request& req, httplib::Response& res) {
-              std::string id = req.matches[1];
-              if (std::find(ctx_.model_names.begin(), ctx_.model_names.end(), id) == ctx_.model_names.end())
-                throw ApiError{404, "The model `" + id + "` does not exist.", "invalid_request_error", "model", "model_not_found"};
-              write_json(res, model_object());
-            }));
+  install_model_routes(*svr_, ctx_);
   // The chat page (web/chat.html, compiled in).
   svr_->Get("/", safe([](const httplib::Request&, httplib::Response& res) {
               res.set_header("Cache-Control", "no-cache");

@@ -5,12 +5,15 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 
 #include <chrono>
 
 #include <httplib.h>
+
+#include "server/openai_request.h"
 
 namespace kv {
 
@@ -137,6 +140,33 @@ void post_with_body_limit(httplib::Server& svr, const std::string& pattern, size
     const_cast<httplib::Request&>(req).body = std::move(body);
     fn(req, res);
   });
+}
+
+bool refuse_wrong_method(const httplib::Request& req, httplib::Response& res, const std::map<std::string, std::string>& allowed) {
+  std::string path = req.path;
+  if (path.rfind("/v1/models/", 0) == 0) path = "/v1/models";
+  auto it = allowed.find(path);
+  if (it == allowed.end() || req.method == it->second || (req.method == "HEAD" && it->second == "GET")) return false;
+  write_error(res, ApiError{405, "Method " + req.method + " is not allowed on " + req.path + "; use " + it->second + ".",
+                            "invalid_request_error", "", "method_not_allowed"});
+  res.set_header("Allow", it->second);
+  return true;
+}
+
+void install_model_routes(httplib::Server& svr, const ApiContext& ctx) {
+  auto card = [&ctx] {
+    return nlohmann::ordered_json{{"id", ctx.model_names.at(0)}, {"object", "model"}, {"created", unix_now()}, {"owned_by", "kvserve"},
+                                  {"max_model_len", ctx.max_model_len}, {"chat_template", ctx.chat_template != nullptr}};
+  };
+  svr.Get("/v1/models", safe_handler([card](const httplib::Request&, httplib::Response& res) {
+            write_json(res, nlohmann::ordered_json{{"object", "list"}, {"data", nlohmann::ordered_json::array({card()})}});
+          }));
+  svr.Get(R"(/v1/models/(.+))", safe_handler([&ctx, card](const httplib::Request& req, httplib::Response& res) {
+            const std::string id = req.matches[1];
+            if (std::find(ctx.model_names.begin(), ctx.model_names.end(), id) == ctx.model_names.end())
+              throw ApiError{404, "The model `" + id + "` does not exist.", "invalid_request_error", "model", "model_not_found"};
+            write_json(res, card());
+          }));
 }
 
 // Linux lets listen() be called again on a listening socket to change the backlog, so find the

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstddef>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,8 @@ struct Response;
 }  // namespace httplib
 
 namespace kv {
+
+struct ApiContext;
 
 void write_error(httplib::Response& res, const ApiError& e);
 void write_json(httplib::Response& res, const nlohmann::ordered_json& j);
@@ -47,6 +50,14 @@ std::function<void(const httplib::Request&, httplib::Response&)> safe_handler(
 void post_with_body_limit(httplib::Server& svr, const std::string& pattern, size_t max_body_bytes,
                           std::function<void(const httplib::Request&, httplib::Response&)> fn);
 ApiError payload_too_large(size_t max_body_bytes);
+
+// A known path asked with another method (`allowed`: path → its method; /v1/models/{id} counts
+// as /v1/models): 405 with Allow and an OpenAI-shaped body, and true. HEAD passes for GET.
+bool refuse_wrong_method(const httplib::Request& req, httplib::Response& res, const std::map<std::string, std::string>& allowed);
+
+// GET /v1/models and GET /v1/models/{id} for the served model (its names: ctx.model_names), as
+// the server and the router answer them.
+void install_model_routes(httplib::Server& svr, const ApiContext& ctx);
 
 // Debian's cpp-httplib (0.11, compiled into its .so) listens with a backlog of 5: 64 clients
 // connecting at once overflow it. Raises the backlog of this process's socket bound to `port`.

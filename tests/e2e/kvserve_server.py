@@ -178,11 +178,12 @@ class Redis:
 class Router:
     """A real `build/kvserve router` in front of kvserve instances."""
 
-    def __init__(self, *backend_flags: str, model: str = MODEL, max_model_len: int = MAX_MODEL_LEN, wait_up: bool = True):
+    def __init__(self, *backend_flags: str, model: str = MODEL, max_model_len: int = MAX_MODEL_LEN, wait_up: bool = True,
+                 health_interval: float = 0.2):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-router-", suffix=".log", delete=False)
-        cmd = [KVSERVE, "router", "-m", model, "--listen", f"127.0.0.1:{self.port}", "--health-interval", "0.2",
+        cmd = [KVSERVE, "router", "-m", model, "--listen", f"127.0.0.1:{self.port}", "--health-interval", str(health_interval),
                "--max-model-len", str(max_model_len), "--max-n", str(MAX_N), *backend_flags]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 30

@@ -284,6 +284,65 @@ def test_a_full_replica_sends_its_requests_to_the_other():
         stop_all(router, a, b)
 
 
+def test_a_draining_replica_sends_new_requests_to_the_other():
+    """A replica told to stop (SIGINT) drains: it finishes what it runs and answers new requests
+    503. The router passed that 503 to the client while the other replica was up, until its
+    next health check (a rolling restart cost clients errors; found by a user test). Now a 503
+    sends the request to the other replica, as a 429 does, streamed or not."""
+    a = b = router = r = None
+    try:
+        a = Server("--debug", max_model_len=MAX_LEN, kv_memory="64MiB")
+        b = Server("--debug", max_model_len=MAX_LEN, kv_memory="64MiB")
+        # Health checks too rare to notice the drain: the requests below meet it themselves.
+        router = Router("--replica", a.url, "--replica", b.url, max_model_len=MAX_LEN, health_interval=60)
+        shared = "The quick brown fox jumps over the lazy dog. " * 12
+        r = requests.post(router.url + "/v1/completions", stream=True, timeout=120, json={
+            "model": MODEL_NAME, "prompt": shared + "first", "max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": True})
+        lines = r.iter_lines()
+        next(lines)  # running: its replica now owns the shared prefix and drains slowly
+        owner, other = (a, b) if a.metrics()["kvserve:num_requests_running"] == 1 else (b, a)
+        owner.proc.send_signal(signal.SIGINT)
+        deadline = time.time() + 10
+        while requests.get(owner.url + "/health", timeout=5).status_code != 503:
+            assert time.time() < deadline, "the replica did not start draining"
+            time.sleep(0.05)
+        before = other.metrics().get("kvserve:request_success_total", 0)
+        for stream in (True, False):
+            q = requests.post(router.url + "/v1/completions", timeout=60, json={
+                "model": MODEL_NAME, "prompt": shared + "second", "max_tokens": 4, "temperature": 0, "stream": stream})
+            assert q.status_code == 200, q.text[:300]
+            if stream:
+                assert q.text.rstrip().endswith("data: [DONE]"), q.text[-300:]
+        assert other.metrics()["kvserve:request_success_total"] == before + 2
+        assert router.metrics()["kvserve:router_retries_total"] >= 1
+    finally:
+        if r is not None:
+            r.close()
+        stop_all(router, a, b)
+
+
+def test_no_decode_instance_up_is_a_503_without_loading_the_prefill_instance(redis):
+    """With its decode instance down, the router still sent each long prompt to the prefill
+    instance, which computed it for nothing, then answered 503 (found by a user test)."""
+    pre = dec = router = None
+    try:
+        pre = role_server("prefill", redis)
+        dec = role_server("decode", redis)
+        router = Router("--prefill", pre.url, "--decode", dec.url, max_model_len=MAX_LEN)
+        dec.stop()
+        deadline = time.time() + 10
+        while any(x["up"] for x in requests.get(router.url + "/health", timeout=5).json()["backends"] if x["role"] != "prefill"):
+            assert time.time() < deadline, "the router did not see the decode instance go"
+            time.sleep(0.05)
+        r = requests.post(router.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": doc(0), "max_tokens": 4}, timeout=60)
+        assert r.status_code == 503, r.text[:300]
+        m = router.metrics()
+        assert m['kvserve:router_prefills_total{result="ok"}'] == 0 and m['kvserve:router_prefills_total{result="failed"}'] == 0, m
+        assert pre.metrics().get("kvserve:request_success_total", 0) == 0
+    finally:
+        stop_all(router, dec, pre)
+
+
 def test_the_router_streams_to_a_kept_alive_connection_without_waiting_for_acks():
     """The router's own server sends small writes at once too (see test_openai_api's kept-alive
     test): through it, a kept-alive connection's first token is as early as a new one's."""
@@ -312,6 +371,14 @@ def test_router_answers_bad_requests_and_503_without_backends():
         assert requests.get(router.url + "/health").status_code == 503
         assert requests.get(router.url + "/v1/models").json()["data"][0]["id"] == MODEL_NAME
         assert requests.get(router.url + "/nope").status_code == 404
+        # The server's answers for a model by id and a wrong method (the router had no
+        # /v1/models/{id}, and answered GET /v1/completions 404; found by a user test).
+        card = requests.get(router.url + "/v1/models/" + MODEL_NAME)
+        assert card.status_code == 200 and card.json()["id"] == MODEL_NAME and card.json()["object"] == "model"
+        r = requests.get(router.url + "/v1/models/gpt-4")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        r = requests.get(router.url + "/v1/completions")
+        assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed" and r.headers["Allow"] == "POST"
         # A chunked body is held to --max-body-size as a Content-Length is (it was read whole).
         big = (b" " * (1 << 20) if i else b'{"prompt": "hi"' for i in range(12))
         r = requests.post(router.url + "/v1/completions", data=big, headers={"Content-Type": "application/json"})
