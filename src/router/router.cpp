@@ -382,9 +382,11 @@ RouteChoice Router::choose(Pool& pool, uint64_t key, const std::vector<int32_t>&
 void Router::prefill(uint64_t key, const std::string& path, const std::string& body, const std::string& auth) {
   // The prefill instance forces one token, one choice, no stream: the body goes as it is.
   std::vector<int32_t> tried;
+  bool sent = false;  // to some prefill instance
   for (size_t attempt = 0; attempt < prefill_->backends.size(); ++attempt) {
     const RouteChoice c = choose(*prefill_, key, tried);
     if (c.backend < 0) break;
+    sent = true;
     Backend& b = *prefill_->backends[c.backend];
     InFlight f(b.in_flight);
     b.requests.fetch_add(1);
@@ -411,7 +413,9 @@ void Router::prefill(uint64_t key, const std::string& path, const std::string& b
     b.failures.fetch_add(1);
     break;  // it answered with an error: the decode side will give the client its own answer
   }
-  n_prefill_failed_.fetch_add(1);  // the decode instance computes the prompt itself
+  // The decode instance computes the prompt itself: a prefill instance failed, or none was up
+  // (then no backend failure is counted either: nothing was sent).
+  (sent ? n_prefill_failed_ : n_prefill_no_backend_).fetch_add(1);
 }
 
 // A streamed request's upstream half, on its own thread: the backend's answer goes into the pipe.
@@ -652,10 +656,12 @@ std::string Router::render_metrics() const {
   help("router_unavailable_total", "counter", "Requests answered 503: no backend up.");
   line("router_unavailable_total", "", double(n_unavailable_.load()));
   help("router_prefills_total", "counter",
-       "Prefill/decode: ok = prefilled remotely; failed = the decode instance computed the prompt itself; skipped = prompt too short.");
+       "Prefill/decode: ok = prefilled remotely; failed = a prefill instance failed and the decode instance computed the prompt; "
+       "no_backend = no prefill instance was up, the decode instance computed it; skipped = prompt too short.");
   line("router_prefills_total", "result=\"ok\"", double(n_prefill_ok_.load()));
   line("router_prefills_total", "result=\"failed\"", double(n_prefill_failed_.load()));
   line("router_prefills_total", "result=\"skipped\"", double(n_prefill_skipped_.load()));
+  line("router_prefills_total", "result=\"no_backend\"", double(n_prefill_no_backend_.load()));
   return out;
 }
 

@@ -137,7 +137,7 @@ class Router {
   // Counters for /metrics.
   std::atomic<uint64_t> n_owner_{0}, n_owner_down_{0}, n_owner_busy_{0}, n_new_{0};
   std::atomic<uint64_t> n_retries_{0}, n_unavailable_{0}, n_client_gone_{0}, n_stalled_{0}, n_full_{0};
-  std::atomic<uint64_t> n_prefill_ok_{0}, n_prefill_failed_{0}, n_prefill_skipped_{0};
+  std::atomic<uint64_t> n_prefill_ok_{0}, n_prefill_failed_{0}, n_prefill_skipped_{0}, n_prefill_no_backend_{0};
 };
 
 }  // namespace kv

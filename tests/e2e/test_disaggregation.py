@@ -177,8 +177,13 @@ def test_prefill_instance_killed_mid_load_fails_no_request(redis):
         assert got == expected
         m = router.metrics()
         assert m['kvserve:router_prefills_total{result="failed"}'] >= 1, m
-        # With the prefill side gone for good, requests still succeed: decode computes.
+        # With the prefill side gone for good, requests still succeed: decode computes. The
+        # metrics tell that from a failing instance (no request is sent to a down one).
+        before = router.metrics()
         assert complete(router.url, prompts[0], max_tokens=6)[0] == expected[0]
+        m = router.metrics()
+        assert m['kvserve:router_prefills_total{result="no_backend"}'] == before['kvserve:router_prefills_total{result="no_backend"}'] + 1, m
+        assert m['kvserve:router_prefills_total{result="failed"}'] == before['kvserve:router_prefills_total{result="failed"}'], m
         dec.wait_clean()
     finally:
         stop_all(router, dec, pre)
