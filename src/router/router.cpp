@@ -314,7 +314,8 @@ void Router::routes() {
   install_cors(*svr_, opts_.allowed_origins);
   // Which methods each path answers; another method on a known path is a 405, as the server's.
   static const std::map<std::string, std::string> kAllowed = {
-      {"/v1/completions", "POST"}, {"/v1/chat/completions", "POST"}, {"/v1/models", "GET"}, {"/health", "GET"}, {"/metrics", "GET"}};
+      {"/v1/completions", "POST"}, {"/v1/chat/completions", "POST"}, {"/v1/models", "GET"}, {"/health", "GET"}, {"/metrics", "GET"},
+      {"/tokenize", "POST"},       {"/detokenize", "POST"}};
   svr_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
     return cors_preflight(req, res, opts_.allowed_origins) || refuse_wrong_method(req, res, kAllowed)
                ? httplib::Server::HandlerResponse::Handled
@@ -323,6 +324,7 @@ void Router::routes() {
   post_with_body_limit(*svr_, "/v1/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); });
   post_with_body_limit(*svr_, "/v1/chat/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); });
   install_model_routes(*svr_, ctx_);
+  install_tokenize_routes(*svr_, ctx_, opts_.max_body_bytes);  // the router has the tokenizer and the template
   svr_->Get("/health", safe_handler([this](const httplib::Request&, httplib::Response& res) {
               json backends = json::array();
               bool any = false;

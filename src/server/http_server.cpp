@@ -216,17 +216,7 @@ void HttpServer::routes() {
               res.set_content(web::k_dashboard_html, "text/html; charset=utf-8");
             }));
   svr_->Get("/dashboard/events", safe([this](const httplib::Request& req, httplib::Response& res) { handle_dashboard_events(req, res); }));
-  // vLLM's and llama-server's shapes: both field names in, both out.
-  post_with_body_limit(*svr_, "/tokenize", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) {
-    std::vector<int32_t> ids = parse_tokenize_request(parse_json_body(req.body, ctx_), ctx_);
-    write_json(res, json{{"tokens", ids}, {"count", ids.size()}, {"max_model_len", ctx_.max_model_len}});
-  });
-  // Special tokens are rendered (<|im_start|>, <|endoftext|>), as vLLM's (tokenizer.decode with
-  // skip_special_tokens=False) and llama-server's; completions' text skips them.
-  post_with_body_limit(*svr_, "/detokenize", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) {
-    const std::string text = ctx_.tok->decode(parse_detokenize_request(parse_json_body(req.body, ctx_), ctx_), /*special=*/true);
-    write_json(res, json{{"prompt", text}, {"content", text}});
-  });
+  install_tokenize_routes(*svr_, ctx_, opts_.max_body_bytes);
   svr_->Get("/health", safe([this](const httplib::Request&, httplib::Response& res) {
               if (draining_.load()) {  // load balancers take this instance out of rotation
                 res.set_header("Retry-After", kRetryAfterSeconds);

@@ -14,6 +14,7 @@
 #include <httplib.h>
 
 #include "server/openai_request.h"
+#include "tokenizer/tokenizer.h"
 
 namespace kv {
 
@@ -167,6 +168,20 @@ void install_model_routes(httplib::Server& svr, const ApiContext& ctx) {
               throw ApiError{404, "The model `" + id + "` does not exist.", "invalid_request_error", "model", "model_not_found"};
             write_json(res, card());
           }));
+}
+
+void install_tokenize_routes(httplib::Server& svr, const ApiContext& ctx, size_t max_body_bytes) {
+  using ojson = nlohmann::ordered_json;
+  post_with_body_limit(svr, "/tokenize", max_body_bytes, [&ctx](const httplib::Request& req, httplib::Response& res) {
+    std::vector<int32_t> ids = parse_tokenize_request(parse_json_body(req.body, ctx), ctx);
+    write_json(res, ojson{{"tokens", ids}, {"count", ids.size()}, {"max_model_len", ctx.max_model_len}});
+  });
+  // Special tokens are rendered (<|im_start|>, <|endoftext|>), as vLLM's (tokenizer.decode with
+  // skip_special_tokens=False) and llama-server's; completions' text skips them.
+  post_with_body_limit(svr, "/detokenize", max_body_bytes, [&ctx](const httplib::Request& req, httplib::Response& res) {
+    const std::string text = ctx.tok->decode(parse_detokenize_request(parse_json_body(req.body, ctx), ctx), /*special=*/true);
+    write_json(res, ojson{{"prompt", text}, {"content", text}});
+  });
 }
 
 // Linux lets listen() be called again on a listening socket to change the backlog, so find the

@@ -59,6 +59,10 @@ bool refuse_wrong_method(const httplib::Request& req, httplib::Response& res, co
 // the server and the router answer them.
 void install_model_routes(httplib::Server& svr, const ApiContext& ctx);
 
+// POST /tokenize and POST /detokenize (vLLM's and llama-server's shapes: both field names in,
+// both out; special tokens rendered as both do), as the server and the router answer them.
+void install_tokenize_routes(httplib::Server& svr, const ApiContext& ctx, size_t max_body_bytes);
+
 // Debian's cpp-httplib (0.11, compiled into its .so) listens with a backlog of 5: 64 clients
 // connecting at once overflow it. Raises the backlog of this process's socket bound to `port`.
 void raise_listen_backlog(int port);

@@ -15,6 +15,7 @@ import concurrent.futures as cf
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -384,6 +385,20 @@ def test_router_answers_bad_requests_and_503_without_backends():
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         r = requests.get(router.url + "/v1/completions")
         assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed" and r.headers["Allow"] == "POST"
+        # /tokenize and /detokenize are answered by the router itself (it has the tokenizer and
+        # the chat template; they were 404). The ids are those the oracle tokenizer gives, and
+        # they come back as the text, special tokens written out.
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reference"))
+        import tokenizer_ref  # the HuggingFace `tokenizers` oracle built from the same GGUF
+        text = "Rivers of Europe: the Danube, the Rhine."
+        t = requests.post(router.url + "/tokenize", json={"prompt": text})
+        assert t.status_code == 200 and t.json()["count"] == len(t.json()["tokens"]) > 0, t.text
+        assert t.json()["tokens"] == tokenizer_ref.load_tokenizer(MODEL).encode(text).ids
+        d = requests.post(router.url + "/detokenize", json={"tokens": t.json()["tokens"]})
+        assert d.status_code == 200 and d.json()["prompt"] == text, d.text
+        chat_ids = requests.post(router.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
+        assert "<|im_start|>" in requests.post(router.url + "/detokenize", json={"tokens": chat_ids}).json()["prompt"]
+        assert requests.get(router.url + "/tokenize").status_code == 405
         # A chunked body is held to --max-body-size as a Content-Length is (it was read whole).
         big = (b" " * (1 << 20) if i else b'{"prompt": "hi"' for i in range(12))
         r = requests.post(router.url + "/v1/completions", data=big, headers={"Content-Type": "application/json"})
