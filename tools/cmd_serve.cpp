@@ -206,7 +206,7 @@ void run_serve(const ServeOptions& o) {
   kv::ApiContext ctx = kv::make_api_context(**tok, chat ? &*chat : nullptr, o.model, o.served_model_name, ec.max_model_len, ec.max_n);
   ctx.trust_request_chat_template = o.trust_request_chat_template;
   ctx.default_policy_evicts = ec.kv_policy.evicts();
-  ctx.kv_capacity_tokens = engine.pool().n_pages() * static_cast<int64_t>(ec.block_size);
+  ctx.kv_capacity_tokens = n_tokens;
 
   kv::ServerOptions so;
   so.api_keys = o.api_keys;

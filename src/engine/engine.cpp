@@ -471,7 +471,6 @@ bool Engine::schedule(Plan* plan) {
       waiting_.push_front(std::move(*victim));
       n_waiting_total_.fetch_add(1);
       running_.erase(victim);
-      n_running_seqs_.store(static_cast<int32_t>(running_.size()));
       if (v == &s) break;  // s itself was the newest: it waits
       ok = room();
     }
@@ -533,7 +532,6 @@ bool Engine::schedule(Plan* plan) {
     waiting_.push_front(std::move(*victim));
     n_waiting_total_.fetch_add(1);
     running_.erase(victim);
-    n_running_seqs_.store(static_cast<int32_t>(running_.size()));
     return true;  // state changed: ask for another step
   }
   for (const auto& it : plan->items) {

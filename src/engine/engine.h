@@ -214,7 +214,10 @@ class Engine {
   std::condition_variable in_cv_;
   std::deque<Request> incoming_;
   std::atomic<int32_t> n_waiting_total_{0};  // incoming + waiting, for the 429 check
-  std::atomic<int32_t> n_running_seqs_{0};   // running_.size() as the engine thread last changed it, for the 429 check
+  // running_.size() for the 429 check: stored where running_ grows (admission, forks), so submit
+  // never counts a slot twice, and at each step's end (publish_gauges), where it shrinks: a stale,
+  // larger count in between only refuses sooner.
+  std::atomic<int32_t> n_running_seqs_{0};
 
   // Engine-thread state; state_mu_ is held for a whole step so other threads can inspect it.
   mutable std::mutex state_mu_;
