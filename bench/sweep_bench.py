@@ -192,6 +192,11 @@ def request_body(model_id: str, args, temp: float, rep: int, cell: int, user: in
 _LINE_RE = re.compile(r'^(kvserve:[a-z_]+)(?:\{([^}]*)\})?\s+([0-9.eE+-]+|NaN|[+-]Inf)$')
 
 
+def aborted(m: dict) -> float:
+    """kvserve:request_aborted_total summed over its reasons."""
+    return sum(v for k, v in m.items() if k.startswith("kvserve:request_aborted_total"))
+
+
 def scrape(port: int) -> dict:
     """kvserve /metrics -> {name or name{labels}: value}; {} when unreachable."""
     try:
@@ -224,7 +229,7 @@ def step_profile(m0: dict, m1: dict, wall: float) -> dict | None:
             "ms_per_step": 1e3 * tot / steps if steps else None,
             "preemptions": m1.get("kvserve:num_preemptions_total", 0) - m0.get("kvserve:num_preemptions_total", 0),
             "rejected": m1.get("kvserve:request_rejected_total", 0) - m0.get("kvserve:request_rejected_total", 0),
-            "aborted": m1.get("kvserve:request_aborted_total", 0) - m0.get("kvserve:request_aborted_total", 0)}
+            "aborted": aborted(m1) - aborted(m0)}
 
 
 def delta(a, b):

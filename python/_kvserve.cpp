@@ -272,7 +272,7 @@ class PyEngine {
       n_done += newly;
       if (newly > 0 && !progress.is_none()) progress(newly);
       if (closing_) {  // close() on another thread: this call's requests end here
-        for (size_t i = 0; i < n; ++i) items[i].stream->cancel();
+        for (size_t i = 0; i < n; ++i) items[i].stream->cancel(kv::CancelReason::kShutdown);
         {
           py::gil_scoped_release nogil;
           wait_all(items, n, *waiter);

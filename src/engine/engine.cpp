@@ -1273,7 +1273,8 @@ bool Engine::wait_tier_writes(uint64_t mark, double timeout_s) { return !tiers_ 
 void Engine::maybe_finish_request(Sequence& s) {
   RequestState& rs = *s.rs;
   if (--rs.n_unfinished > 0) return;
-  const bool aborted = rs.req.stream->cancelled();
+  const CancelReason why = rs.req.stream->cancel_reason();
+  const bool aborted = why != CancelReason::kNone;
   Usage u;
   u.prompt_tokens = static_cast<int32_t>(rs.req.prompt.size());
   u.completion_tokens = rs.completion_tokens;
@@ -1286,7 +1287,7 @@ void Engine::maybe_finish_request(Sequence& s) {
     u.kv_tokens_reindexed = rs.kv_tokens_reindexed;
   }
   // Metrics first: a client that sees its response must also see it counted.
-  metrics_.add_finished(aborted);
+  metrics_.add_finished(why);
   metrics_.observe_e2e(seconds(rs.req.arrival, Clock::now()));
   finishing_.emplace_back(rs.req.stream, u);  // done at the end of the step, after the gauges
   const bool at_length = rs.completion_tokens >= int64_t(rs.req.params.max_tokens) * rs.req.params.n ||
@@ -1349,7 +1350,7 @@ bool Engine::step() {
     if (!st) {
       // A forward failure is a bug or a bad token; fail the affected requests, keep serving.
       for (auto& it : plan.items) it.seq->rs->req.stream->push(StreamEvent{StreamEvent::kError, it.seq->index, "", {}, "", st.message(), 500, {}, {}});
-      for (auto& it : plan.items) it.seq->rs->req.stream->cancel();
+      for (auto& it : plan.items) it.seq->rs->req.stream->cancel(CancelReason::kError);
     } else {
       postprocess(plan, logits_.data());
     }

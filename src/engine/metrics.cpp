@@ -85,9 +85,10 @@ void Metrics::add_reindexed_tokens(int64_t n, bool by_preemption) {
 void Metrics::observe_kv_kept(int64_t tokens) { std::lock_guard<std::mutex> l(mu_); m_.kv_kept_tokens.observe(double(tokens)); }
 void Metrics::add_prompt_tokens(int64_t n) { std::lock_guard<std::mutex> l(mu_); m_.prompt_tokens_total += n; }
 void Metrics::add_generation_tokens(int64_t n) { std::lock_guard<std::mutex> l(mu_); m_.generation_tokens_total += n; }
-void Metrics::add_finished(bool aborted) {
+void Metrics::add_finished(CancelReason aborted) {
   std::lock_guard<std::mutex> l(mu_);
-  if (aborted) ++m_.request_aborted_total; else ++m_.request_success_total;
+  if (aborted != CancelReason::kNone) ++m_.request_aborted_total[static_cast<int>(aborted)];
+  else ++m_.request_success_total;
 }
 void Metrics::add_rejected() { std::lock_guard<std::mutex> l(mu_); ++m_.request_rejected_total; }
 void Metrics::observe_ttft(double s) { std::lock_guard<std::mutex> l(mu_); m_.ttft.observe(s); }
@@ -153,7 +154,15 @@ std::string render_prometheus(const MetricsSnapshot& m) {
   counter(out, "kvserve:prompt_tokens_total", "Prompt tokens computed (prefill work: prefix-cache and tier hits are not counted, a preempted prompt's recomputation is; vLLM's counts every prompt token).", double(m.prompt_tokens_total));
   counter(out, "kvserve:generation_tokens_total", "Tokens generated.", double(m.generation_tokens_total));
   counter(out, "kvserve:request_success_total", "Requests finished normally.", double(m.request_success_total));
-  counter(out, "kvserve:request_aborted_total", "Requests cancelled before they finished: the client went away, --request-timeout passed, or the server shut down.", double(m.request_aborted_total));
+  out += "# HELP kvserve:request_aborted_total Requests cancelled before they finished, by reason: the client went away "
+         "(client), --request-timeout passed (timeout), the server shut down (shutdown), or the forward failed (error).\n"
+         "# TYPE kvserve:request_aborted_total counter\n";
+  for (CancelReason r : {CancelReason::kClient, CancelReason::kTimeout, CancelReason::kShutdown, CancelReason::kError}) {
+    char buf[96];
+    std::snprintf(buf, sizeof buf, "kvserve:request_aborted_total{reason=\"%s\"} %lld\n", cancel_reason_name(r),
+                  static_cast<long long>(m.request_aborted_total[static_cast<int>(r)]));
+    out += buf;
+  }
   counter(out, "kvserve:request_rejected_total", "Requests refused at admission.", double(m.request_rejected_total));
   counter(out, "kvserve:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", double(m.prefix_cache_queries_total));
   counter(out, "kvserve:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", double(m.prefix_cache_hits_total));

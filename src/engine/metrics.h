@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/request.h"
 #include "kv/cold_store.h"
 #include "kv/page_store.h"
 
@@ -57,7 +58,7 @@ struct MetricsSnapshot {
   int64_t generation_tokens_total = 0;
   int64_t request_success_total = 0;
   int64_t request_rejected_total = 0;
-  int64_t request_aborted_total = 0;
+  int64_t request_aborted_total[kNumCancelReasons] = {};  // by CancelReason
   // Owned by the prefix cache, copied here each step.
   int64_t prefix_cache_queries_total = 0;   // prompt tokens looked up
   int64_t prefix_cache_hits_total = 0;      // of those, tokens found cached
@@ -116,7 +117,7 @@ class Metrics {
   void observe_kv_kept(int64_t tokens);
   void add_prompt_tokens(int64_t n);
   void add_generation_tokens(int64_t n);
-  void add_finished(bool aborted);
+  void add_finished(CancelReason aborted);  // kNone: finished normally
   void add_rejected();
   void observe_ttft(double s);
   void observe_itl(double s);

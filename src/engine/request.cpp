@@ -2,6 +2,16 @@
 
 namespace kv {
 
+const char* cancel_reason_name(CancelReason r) {
+  switch (r) {
+    case CancelReason::kClient: return "client";
+    case CancelReason::kTimeout: return "timeout";
+    case CancelReason::kShutdown: return "shutdown";
+    case CancelReason::kError: return "error";
+    default: return "none";
+  }
+}
+
 void StreamWaiter::wait(std::vector<uint64_t>* ready, std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> l(mu_);
   cv_.wait_for(l, timeout, [&] { return !ready_.empty(); });

@@ -87,6 +87,11 @@ class StreamWaiter {
   std::vector<uint64_t> ready_;
 };
 
+// Why a request was cancelled (kvserve:request_aborted_total's `reason` label).
+enum class CancelReason : uint8_t { kNone, kClient, kTimeout, kShutdown, kError };
+inline constexpr int kNumCancelReasons = 5;
+const char* cancel_reason_name(CancelReason r);  // "client", "timeout", "shutdown", "error"
+
 class RequestStream {
  public:
   // Before submit: every later push/finish_all also notifies w.
@@ -102,8 +107,14 @@ class RequestStream {
   bool pop(std::vector<StreamEvent>* out, std::chrono::milliseconds timeout);
   bool done() const;
   Usage usage() const;
-  void cancel() { cancelled_.store(true); }
-  bool cancelled() const { return cancelled_.load(); }
+  // The first reason given is kept (a shutdown that cancels a request whose client then goes
+  // away still counts as the shutdown's).
+  void cancel(CancelReason why = CancelReason::kClient) {
+    uint8_t none = 0;
+    cancelled_.compare_exchange_strong(none, static_cast<uint8_t>(why));
+  }
+  bool cancelled() const { return cancelled_.load() != 0; }
+  CancelReason cancel_reason() const { return static_cast<CancelReason>(cancelled_.load()); }
 
  private:
   mutable std::mutex mu_;
@@ -111,7 +122,7 @@ class RequestStream {
   std::deque<StreamEvent> events_;
   bool done_ = false;
   Usage usage_;
-  std::atomic<bool> cancelled_{false};
+  std::atomic<uint8_t> cancelled_{0};  // a CancelReason
   std::shared_ptr<StreamWaiter> waiter_;
   uint64_t waiter_key_ = 0;
 };

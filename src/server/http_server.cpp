@@ -54,6 +54,9 @@ ApiError timeout_error(double limit_s) {
 
 constexpr const char* kRetryAfterSeconds = "5";
 
+// The cancel reason of why_end's error: its 504 is the deadline, its 503 the shutdown.
+CancelReason end_reason(const ApiError& e) { return e.status == 504 ? CancelReason::kTimeout : CancelReason::kShutdown; }
+
 // Cancels the request if the handler leaves early (an exception, a vanished client).
 struct CancelGuard {
   std::shared_ptr<RequestStream> stream;
@@ -369,7 +372,7 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
     std::optional<ApiError> ended;  // the server ended it: shutdown or the deadline
     bool client_gone = false;
     for (bool more = true; more;) {
-      if (!ended && (ended = why_end(deadline))) stream->cancel();
+      if (!ended && (ended = why_end(deadline))) stream->cancel(end_reason(*ended));
       if (!client_gone && client_fd >= 0 && peer_closed(client_fd)) {
         client_gone = true;
         stream->cancel();
@@ -439,7 +442,7 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
             return false;
           }
           if (!st->ended && (st->ended = why_end(st->deadline)))  // the choices still end: finish "abort", an error, [DONE]
-            st->stream->cancel();
+            st->stream->cancel(end_reason(*st->ended));
           if (!st->started) {
             st->started = true;
             if (st->meta.chat)

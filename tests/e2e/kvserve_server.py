@@ -18,6 +18,10 @@ import requests
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KVSERVE = os.environ.get("KVSERVE_BIN", os.path.join(ROOT, "build", "kvserve"))
 MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+# kvserve:request_aborted_total by reason (client, timeout, shutdown, error)
+ABORTED_CLIENT = 'kvserve:request_aborted_total{reason="client"}'
+ABORTED_TIMEOUT = 'kvserve:request_aborted_total{reason="timeout"}'
+ABORTED_SHUTDOWN = 'kvserve:request_aborted_total{reason="shutdown"}'
 MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1"  # the file's stem: the default served name
 MAX_MODEL_LEN = 512
 MAX_N = 4

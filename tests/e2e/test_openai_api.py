@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from kvserve_server import MAX_MODEL_LEN, MODEL, MODEL_NAME, ROOT, assert_kept_alive_as_quick_as_new, first_token_ms
+from kvserve_server import ABORTED_CLIENT, MAX_MODEL_LEN, MODEL, MODEL_NAME, ROOT, assert_kept_alive_as_quick_as_new, first_token_ms
 
 PROMPT = "The three most important ideas in computer science are"
 CHAT = [{"role": "user", "content": "Name three colours."}]
@@ -362,7 +362,7 @@ def test_client_disconnect_frees_pages(server):
     def pages_used():
         return server.metrics()["kvserve:kv_cache_pages_used"]
 
-    before = server.metrics()["kvserve:request_aborted_total"]
+    before = server.metrics()[ABORTED_CLIENT]
     body = json.dumps({"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 400, "temperature": 0,
                        "ignore_eos": True, "stream": True}).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -380,7 +380,7 @@ def test_client_disconnect_frees_pages(server):
     finally:
         s.close()
     t0 = time.time()
-    while pages_used() != 0 or server.metrics()["kvserve:request_aborted_total"] <= before:
+    while pages_used() != 0 or server.metrics()[ABORTED_CLIENT] <= before:
         assert time.time() - t0 < 3, server.metrics()
         time.sleep(0.02)
 

@@ -14,7 +14,7 @@ import time
 
 import requests
 
-from kvserve_server import Router, Server
+from kvserve_server import ABORTED_CLIENT, ABORTED_SHUTDOWN, ABORTED_TIMEOUT, Router, Server
 
 # A request that must still be running when a timeout or a signal comes: thousands of tokens,
 # seconds even on a host that decodes 400 tokens a second (400 tokens once took ~1 s and
@@ -140,7 +140,7 @@ def test_a_second_signal_exits_at_once():
 
 def test_a_client_that_leaves_a_non_streamed_request_cancels_it(server):
     # 400 tokens would take seconds; the server sees the socket close within a poll.
-    before = server.metrics().get("kvserve:request_aborted_total", 0)
+    before = server.metrics().get(ABORTED_CLIENT, 0)
     body = json.dumps({"prompt": "Tell me everything", "max_tokens": 400, "ignore_eos": True}).encode()
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -152,7 +152,7 @@ def test_a_client_that_leaves_a_non_streamed_request_cancels_it(server):
         assert time.time() - t0 < 2, "the request kept running after its client left"
         time.sleep(0.02)
     deadline = time.time() + 5
-    while server.metrics().get("kvserve:request_aborted_total", 0) < before + 1:
+    while server.metrics().get(ABORTED_CLIENT, 0) < before + 1:
         assert time.time() < deadline
         time.sleep(0.05)
 
@@ -174,7 +174,7 @@ def test_a_client_that_leaves_a_non_streamed_request_cancels_it_through_the_rout
             while s.debug_kv()["pages_in_use"] != 0:
                 assert time.time() - t0 < 3, "the backend kept running the request after its client left the router"
                 time.sleep(0.02)
-            assert s.metrics().get("kvserve:request_aborted_total", 0) >= 1
+            assert s.metrics().get(ABORTED_CLIENT, 0) >= 1
             assert r.metrics()["kvserve:router_client_disconnects_total"] == 1
             # the router still answers, and a finished request is not counted as a disconnect
             ok = requests.post(r.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
@@ -276,6 +276,9 @@ def test_request_timeout_ends_requests_with_504():
         r = requests.post(s.url + "/v1/completions", timeout=30, json={"prompt": "Hi", "max_tokens": 4})
         assert r.status_code == 200
         s.wait_clean()
+        # both counted as the deadline's, not as clients that left
+        m = s.metrics()
+        assert (m[ABORTED_TIMEOUT], m[ABORTED_CLIENT], m[ABORTED_SHUTDOWN]) == (2, 0, 0), m
     finally:
         s.stop()
     assert s.proc.returncode == 0, s.output()

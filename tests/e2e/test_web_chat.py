@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 
-from kvserve_server import MODEL_NAME, Server
+from kvserve_server import ABORTED_CLIENT, MODEL_NAME, Server
 from web_pages import ROOT, ask, last_stats, needs_chromium, screenshot, set_key, sync_api
 
 pytestmark = needs_chromium
@@ -74,7 +74,7 @@ def test_stop_cancels_the_request_on_the_server(server, browser):
     page = browser.new_page()
     page.goto(server.url + "/")
     sync_api.expect(page.locator("#model")).to_contain_text(MODEL_NAME)
-    before = server.metrics().get("kvserve:request_aborted_total", 0)
+    before = server.metrics().get(ABORTED_CLIENT, 0)
     ask(page, "Count from 1 to 500, one number per line.", 400)
     page.wait_for_function("() => { const b = document.querySelectorAll('.assistant .body'); return b.length && "
                            "b[b.length - 1].textContent.length > 10; }", timeout=60_000)
@@ -85,7 +85,7 @@ def test_stop_cancels_the_request_on_the_server(server, browser):
     while server.debug_kv()["pages_in_use"] != 0:
         assert time.time() - t0 < 3, "the server kept running the stopped request"
         time.sleep(0.05)
-    while server.metrics().get("kvserve:request_aborted_total", 0) < before + 1:
+    while server.metrics().get(ABORTED_CLIENT, 0) < before + 1:
         assert time.time() - t0 < 5
         time.sleep(0.05)
     page.close()
