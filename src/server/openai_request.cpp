@@ -618,6 +618,11 @@ ApiRequest parse_chat_request(const json& body, const ApiContext& ctx) {
 std::vector<int32_t> parse_tokenize_request(const json& body, const ApiContext& ctx) {
   Fields f(body);
   check_model(f, ctx);
+  // One text to tokenize: a request naming two would get the tokens of one of them, silently.
+  const int n_texts = (f.get("messages") != nullptr) + (f.get("prompt") != nullptr) + (f.get("content") != nullptr);
+  if (n_texts > 1)
+    throw bad_request("Give one of 'prompt', 'content' or 'messages', not several.", f.get("messages") ? "messages" : "content",
+                      "invalid_value");
   if (f.get("messages")) return chat_prompt(f, ctx);
   const char* name = f.get("prompt") ? "prompt" : "content";  // vLLM's name, llama-server's
   auto text = f.string(name);

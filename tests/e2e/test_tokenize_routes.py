@@ -52,7 +52,10 @@ def test_tokenize_messages_counts_what_chat_completions_prefills(server, client)
 def test_bad_tokenize_requests(server):
     for path, body, param in [("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": 3}, "prompt"),
                               ("/detokenize", {}, "tokens"), ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
-                              ("/detokenize", {"tokens": [-1]}, "tokens"), ("/detokenize", {"tokens": "abc"}, "tokens")]:
+                              ("/detokenize", {"tokens": [-1]}, "tokens"), ("/detokenize", {"tokens": "abc"}, "tokens"),
+                              # two texts: which one's tokens would be a guess
+                              ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "messages"),
+                              ("/tokenize", {"prompt": "a", "content": "b"}, "content")]:
         r = requests.post(server.url + path, json=body, timeout=10)
         assert r.status_code == 400, (path, body, r.text)
         assert r.json()["error"]["param"] == param
