@@ -19,14 +19,16 @@ json byte_list(const std::string& s) {
   return b;
 }
 
+// Tokens are spelled with control tokens as their text ("<|im_end|>"), as vLLM and llama-server
+// do: rendered empty, several at one position would collide in a completions top_logprobs dict.
 // Chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal": null}
 json chat_logprobs(const std::vector<TokenLogprob>& lps, const Tokenizer& tok) {
   json content = json::array();
   for (const auto& lp : lps) {
-    std::string s = tok.token_bytes(lp.token);
+    std::string s = tok.token_bytes(lp.token, /*special=*/true);
     json top = json::array();
     for (const auto& [id, l] : lp.top) {
-      std::string ts = tok.token_bytes(id);
+      std::string ts = tok.token_bytes(id, /*special=*/true);
       top.push_back({{"token", ts}, {"logprob", l}, {"bytes", byte_list(ts)}});
     }
     content.push_back({{"token", s}, {"logprob", lp.logprob}, {"bytes", byte_list(s)}, {"top_logprobs", top}});
@@ -38,16 +40,15 @@ json chat_logprobs(const std::vector<TokenLogprob>& lps, const Tokenizer& tok) {
 json completion_logprobs(const std::vector<TokenLogprob>& lps, TextOffset* offset, const Tokenizer& tok) {
   json tokens = json::array(), token_lps = json::array(), tops = json::array(), offsets = json::array();
   for (const auto& lp : lps) {
-    const std::string bytes = tok.token_bytes(lp.token);
-    const std::string s = logprob_token_string(bytes);
+    const std::string s = logprob_token_string(tok.token_bytes(lp.token, /*special=*/true));
     tokens.push_back(s);
     token_lps.push_back(lp.logprob);
     json top = json::object();
-    for (const auto& [id, l] : lp.top) top[logprob_token_string(tok.token_bytes(id))] = l;
+    for (const auto& [id, l] : lp.top) top[logprob_token_string(tok.token_bytes(id, /*special=*/true))] = l;
     if (lp.top.empty()) top[s] = lp.logprob;  // logprobs=0: the chosen token alone, as vLLM
     tops.push_back(top);
     offsets.push_back(offset->chars);
-    offset->add(bytes);
+    offset->add(tok.token_bytes(lp.token));  // the text skips control tokens: they move no offset
   }
   return {{"tokens", tokens}, {"token_logprobs", token_lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
 }

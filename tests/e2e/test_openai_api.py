@@ -243,6 +243,35 @@ def test_completion_logprobs_of_multibyte_text(client):
             done += token_bytes_of(t)
 
 
+def test_logprobs_spell_control_tokens_as_their_text(client, tokenizer):
+    # At the end of a user turn the likely next tokens include control tokens (<|im_end|>,
+    # <|im_start|>, ...). Rendered as "", several collided as keys of a completions top_logprobs
+    # dict (14 entries of 20 came back, the chosen token's key holding another's value) and could
+    # not be told apart in chat. Spelled as HuggingFace's decode(skip_special_tokens=False) does.
+    ids = tokenizer.encode("<|im_start|>user\nHi<|im_end|>\n").ids
+    control = {tokenizer.decode([i], skip_special_tokens=False) for i in range(tokenizer.get_vocab_size())
+               if tokenizer.decode([i], skip_special_tokens=True) == ""}
+    r = complete(client, prompt=ids, max_tokens=12, logprobs=20, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    seen = set()
+    for t, l, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 20 and t in top and math.isclose(top[t], l, abs_tol=1e-6), (t, l, top)
+        seen |= set(top) & control
+    assert seen, lp.top_logprobs  # the case under test happened
+    assert "" not in {k for top in lp.top_logprobs for k in top}
+    # the text still skips them
+    assert not any(c in r.choices[0].text for c in control)
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
+    c = chat(client, messages=msgs, max_tokens=12, logprobs=True, top_logprobs=20, extra_body={"ignore_eos": True})
+    seen = set()
+    for t in c.choices[0].logprobs.content:
+        names = [x.token for x in t.top_logprobs]
+        assert len(set(names)) == 20 and "" not in names, names
+        assert all(bytes(x.bytes).decode() == x.token for x in t.top_logprobs)
+        seen |= set(names) & control
+    assert seen
+
+
 def test_chat_logprobs(client):
     r = chat(client, max_tokens=5, logprobs=True, top_logprobs=2)
     content = r.choices[0].logprobs.content
