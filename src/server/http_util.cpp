@@ -173,8 +173,14 @@ void install_model_routes(httplib::Server& svr, const ApiContext& ctx) {
 void install_tokenize_routes(httplib::Server& svr, const ApiContext& ctx, size_t max_body_bytes) {
   using ojson = nlohmann::ordered_json;
   post_with_body_limit(svr, "/tokenize", max_body_bytes, [&ctx](const httplib::Request& req, httplib::Response& res) {
-    std::vector<int32_t> ids = parse_tokenize_request(parse_json_body(req.body, ctx), ctx);
-    write_json(res, ojson{{"tokens", ids}, {"count", ids.size()}, {"max_model_len", ctx.max_model_len}});
+    const TokenizeRequest t = parse_tokenize_request(parse_json_body(req.body, ctx), ctx);
+    ojson out{{"tokens", t.ids}, {"count", t.ids.size()}, {"max_model_len", ctx.max_model_len}};
+    if (t.token_strs) {  // the vocabulary's spelling (byte-level "Ġworld"), as HF's convert_ids_to_tokens
+      ojson strs = ojson::array();
+      for (int32_t id : t.ids) strs.push_back(ctx.tok->token_text(id));
+      out["token_strs"] = std::move(strs);
+    }
+    write_json(res, out);
   });
   // Special tokens are rendered (<|im_start|>, <|endoftext|>), as vLLM's (tokenizer.decode with
   // skip_special_tokens=False) and llama-server's; completions' text skips them.

@@ -525,6 +525,9 @@ namespace {
 // `messages` rendered by the model's chat template (add_generation_prompt, default true) and
 // tokenized, as transformers' apply_chat_template(tokenize=True): the template writes any BOS.
 std::vector<int32_t> chat_prompt(const Fields& f, const ApiContext& ctx) {
+  // Fields that would change the rendered prompt (here, so that /tokenize refuses them too).
+  if (f.requested("tools")) unsupported("tools", "tool calling is not available.");
+  if (f.requested("continue_final_message")) unsupported("continue_final_message", "the prompt always ends with a new assistant turn.");
   std::vector<ChatMessage> msgs = parse_messages(f);
   // vLLM's request fields: this request's template (its text) and extra template variables.
   std::optional<ChatTemplate> own;
@@ -580,8 +583,6 @@ ApiRequest parse_chat_request(const json& body, const ApiContext& ctx) {
   ApiRequest r;
   r.chat = true;
   parse_common(f, ctx, &r);
-  if (f.requested("tools")) unsupported("tools", "tool calling is not available.");
-  if (f.requested("continue_final_message")) unsupported("continue_final_message", "the prompt always ends with a new assistant turn.");
   if (f.requested("functions")) unsupported("functions", "function calling is not available.");
   if (const json* tc = f.get("tool_choice"); tc && !(tc->is_string() && tc->get<std::string>() == "none"))
     unsupported("tool_choice", "only \"none\" is accepted.");
@@ -615,20 +616,26 @@ ApiRequest parse_chat_request(const json& body, const ApiContext& ctx) {
   return r;
 }
 
-std::vector<int32_t> parse_tokenize_request(const json& body, const ApiContext& ctx) {
+TokenizeRequest parse_tokenize_request(const json& body, const ApiContext& ctx) {
   Fields f(body);
   check_model(f, ctx);
+  TokenizeRequest r;
+  r.token_strs = f.boolean("return_token_strs").value_or(false);
   // One text to tokenize: a request naming two would get the tokens of one of them, silently.
   const int n_texts = (f.get("messages") != nullptr) + (f.get("prompt") != nullptr) + (f.get("content") != nullptr);
   if (n_texts > 1)
     throw bad_request("Give one of 'prompt', 'content' or 'messages', not several.", f.get("messages") ? "messages" : "content",
                       "invalid_value");
-  if (f.get("messages")) return chat_prompt(f, ctx);
+  if (f.get("messages")) {
+    r.ids = chat_prompt(f, ctx);
+    return r;
+  }
   const char* name = f.get("prompt") ? "prompt" : "content";  // vLLM's name, llama-server's
   auto text = f.string(name);
   if (!text) throw bad_request("Missing required parameter: 'prompt' (or 'messages').", "prompt", "missing_required_parameter");
   const bool add_special = f.boolean("add_special_tokens").value_or(true);
-  return ctx.tok->encode(*text, add_special, /*parse_special=*/true);
+  r.ids = ctx.tok->encode(*text, add_special, /*parse_special=*/true);
+  return r;
 }
 
 std::vector<int32_t> parse_detokenize_request(const json& body, const ApiContext& ctx) {

@@ -73,10 +73,15 @@ ApiError from_rejection(const Rejection& r, bool chat);
 ApiError from_event(const StreamEvent& ev);
 
 // /tokenize: {"prompt" | "content": text, "add_special_tokens": true} or {"messages": [...],
-// "add_generation_prompt": true} (the chat template, as /v1/chat/completions) → token ids.
+// "add_generation_prompt": true} (the chat template, as /v1/chat/completions, with its refusals)
+// → token ids; "return_token_strs": true also asks for each id's vocabulary string (vLLM's).
 // /detokenize: {"tokens": [ids]} → the ids, checked against the vocabulary (the handler renders
 // special tokens, as vLLM and llama-server).
-std::vector<int32_t> parse_tokenize_request(const nlohmann::json& body, const ApiContext& ctx);
+struct TokenizeRequest {
+  std::vector<int32_t> ids;
+  bool token_strs = false;
+};
+TokenizeRequest parse_tokenize_request(const nlohmann::json& body, const ApiContext& ctx);
 std::vector<int32_t> parse_detokenize_request(const nlohmann::json& body, const ApiContext& ctx);
 
 // A speculative-decoding configuration in vLLM's shape (--speculative-config, and a request's

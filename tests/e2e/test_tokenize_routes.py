@@ -28,6 +28,15 @@ def test_tokenize_matches_huggingface_and_round_trips(server):
         assert d["prompt"] == t and d["content"] == d["prompt"]  # special tokens kept, as vLLM and llama-server
 
 
+def test_tokenize_returns_token_strings_as_huggingface(server):
+    # vLLM's return_token_strs: convert_ids_to_tokens, the vocabulary's spelling ("Ġworld")
+    tok = tokenizer_ref.load_tokenizer(MODEL)
+    for t in TEXTS:
+        j = requests.post(server.url + "/tokenize", json={"prompt": t, "return_token_strs": True}, timeout=10).json()
+        assert j["token_strs"] == [tok.id_to_token(i) for i in tok.encode(t).ids], j
+    assert "token_strs" not in requests.post(server.url + "/tokenize", json={"prompt": "x"}, timeout=10).json()
+
+
 def test_detokenize_keeps_special_tokens_as_huggingface(server):
     """vLLM's /detokenize is tokenizer.decode(ids) (skip_special_tokens=False), llama-server's renders
     special pieces too: a chat prompt comes back with its <|im_start|> / <|im_end|> markers."""
@@ -55,7 +64,12 @@ def test_bad_tokenize_requests(server):
                               ("/detokenize", {"tokens": [-1]}, "tokens"), ("/detokenize", {"tokens": "abc"}, "tokens"),
                               # two texts: which one's tokens would be a guess
                               ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "messages"),
-                              ("/tokenize", {"prompt": "a", "content": "b"}, "content")]:
+                              ("/tokenize", {"prompt": "a", "content": "b"}, "content"),
+                              # what chat completions refuses, since it would change the prompt
+                              ("/tokenize", {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+                                             "add_generation_prompt": False, "continue_final_message": True}, "continue_final_message"),
+                              ("/tokenize", {"messages": [{"role": "user", "content": "a"}],
+                                             "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")]:
         r = requests.post(server.url + path, json=body, timeout=10)
         assert r.status_code == 400, (path, body, r.text)
         assert r.json()["error"]["param"] == param
