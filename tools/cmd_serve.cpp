@@ -124,8 +124,6 @@ void run_serve(const ServeOptions& o) {
   kv::KvLayout layout = make_kv_layout(**model, o.kvo);
   ec.kv_dtype = layout.dtype;
   ec.kv_layer_dtypes = model_layer_dtypes(**model, o.kvo);
-  if (kv::PagePool::pages_for_bytes(layout, ec.kv_cache_bytes, kv::staging_slots(ec)) < 1)
-    fail("--kv-cache-memory " + o.kvo.memory + " holds no page (one page is " + kv::format_bytes(layout.page_bytes()) + ")");
 
   ec.tiers.disk_dir = o.kv_disk_dir;
   ec.tiers.disk_bytes = *kv::parse_byte_size(o.kv_disk_bytes);  // checked above; at least one page: TierManager::create
@@ -170,10 +168,18 @@ void run_serve(const ServeOptions& o) {
   const int64_t pages_per_seq = (ec.max_model_len + ec.block_size - 1) / ec.block_size;
   std::fprintf(stderr, "model: %s (%s, %d layers, %s %d/%d heads), kernels: %s, threads: %d\n", mc.name.c_str(), mc.arch.c_str(),
                mc.n_layer, mc.attention_kind(), mc.n_head, mc.n_head_kv, kv::isa_name(kv::detect_isa()), ec.n_threads);
-  std::fprintf(stderr, "KV cache: %s %s, %lld pages of %d tokens = %lld tokens (%s per token); %lld sequences of max_model_len %d fit\n",
-               kv::format_bytes(engine.pool().total_bytes()).c_str(), layout.describe().c_str(), static_cast<long long>(n_pages),
-               ec.block_size, static_cast<long long>(n_tokens), kv::format_bytes(layout.bytes_per_token()).c_str(),
-               static_cast<long long>(n_pages / pages_per_seq), ec.max_model_len);
+  // Quantized layers' pages fill in f16 staging tiles (a slot per filling page and layer), held
+  // apart from the pages: shown on its own so that the pages' figure adds up.
+  const kv::PagePool& pool = engine.pool();
+  const std::string staging = pool.stage_store_bytes() > 0
+                                  ? " + " + kv::format_bytes(double(pool.stage_store_bytes())) + " f16 staging (" +
+                                        std::to_string(pool.n_staging()) + " filling pages per quantized layer)"
+                                  : std::string();
+  std::fprintf(stderr, "KV cache: %s %s, %lld pages of %d tokens = %lld tokens (%s per token)%s; %lld sequences of max_model_len %d fit\n",
+               kv::format_bytes(double(pool.total_bytes() - pool.stage_store_bytes())).c_str(), layout.describe().c_str(),
+               static_cast<long long>(n_pages), ec.block_size, static_cast<long long>(n_tokens),
+               kv::format_bytes(layout.bytes_per_token()).c_str(), staging.c_str(), static_cast<long long>(n_pages / pages_per_seq),
+               ec.max_model_len);
   if (n_tokens < ec.max_model_len && !ec.kv_policy.evicts())
     std::fprintf(stderr, "note: the KV cache holds %lld tokens, less than one sequence of max_model_len %d: a chat request without "
                  "max_tokens gets at most what the cache leaves after its prompt (raise --kv-cache-memory or lower --max-model-len)\n",

@@ -121,11 +121,17 @@ Engine::Engine(LlamaModel& model, const Tokenizer& tok, const EngineConfig& cfg)
     n_pages = static_cast<int64_t>(double(n_pages) * layout.page_bytes() / (layout.page_bytes() + stats));
   }
   pool_ = std::make_unique<PagePool>(layout, static_cast<int32_t>(std::max<int64_t>(n_pages, 0)), n_staging);
-  if (n_pages < 1)  // every request would be refused: say so at start (a Gemma 3 server once started with 0 pages)
-    init_status_ = Status::error(
-        "--kv-cache-memory " + format_bytes(double(cfg.kv_cache_bytes)) + " holds no page of the KV cache (one page is " +
-        format_bytes(double(layout.page_bytes())) + ")" +
-        (pool_g1_ ? "; the sliding-window layers take " + format_bytes(double(pool_g1_->total_bytes())) + " of it" : std::string()));
+  if (n_pages < 1) {  // every request would be refused: say so at start (a Gemma 3 server once started with 0 pages)
+    std::string why = "--kv-cache-memory " + format_bytes(double(cfg.kv_cache_bytes)) + " holds no page of the KV cache (one page is " +
+                      format_bytes(double(layout.page_bytes())) + ")";
+    if (pool_g1_) why += "; the sliding-window layers take " + format_bytes(double(pool_g1_->total_bytes())) + " of it";
+    if (pool_->stage_store_bytes() > 0)
+      why += "; the f16 staging tiles of the quantized layers' filling pages take " + format_bytes(double(pool_->stage_store_bytes())) +
+             " of it (" + std::to_string(n_staging) + " per layer: --max-num-seqs " + std::to_string(cfg.max_num_seqs) + " + " +
+             std::to_string(cfg.max_n) + " (--max-n) + " + std::to_string(cfg.max_num_batched_tokens / cfg.block_size) +
+             " pages a --max-num-batched-tokens step fills + 4): raise the budget or lower those flags";
+    init_status_ = Status::error(why);
+  }
   if (cfg.kv_policy.sparse()) pool_->enable_key_stats();
   staged_kv_ = pool_->layout().n_staged_layers() > 0 || (pool_g1_ && pool_g1_->layout().n_staged_layers() > 0);
   threads_ = std::make_unique<ThreadPool>(cfg.n_threads);

@@ -1,6 +1,7 @@
 """`kvserve generate` and `kvserve bench` as a user runs them: real binary, real model."""
 import json
 import os
+import re
 import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -233,6 +234,27 @@ def test_generate_offloads_cold_pages_and_gives_quests_text():
     assert cold.returncode == 0 and warm.returncode == 0, cold.stderr
     assert "cold pages to disk beyond 112 tokens" in cold.stderr
     assert cold.stdout == warm.stdout and cold.stdout.strip()
+
+
+def test_a_budget_the_quantized_layers_staging_fills_says_so_and_the_start_line_adds_up():
+    # int8 pages fill in f16 staging tiles held apart from the pages (41 MiB at the defaults for
+    # SmolLM2): 12 MiB was refused as "holds no page (one page is 208 KiB)", and at 48 MiB the start
+    # line said "47.89 MiB int8, 35 pages" where 35 pages are 7 MiB.
+    r = run("serve", "-m", MODEL, "--kv-cache-memory", "12MiB", "--kv-cache-dtype", "int8", "--port", "65432", timeout=60)
+    assert r.returncode == 1 and "staging" in r.stderr and "--max-num-seqs" in r.stderr, r.stderr[-600:]
+    p = subprocess.Popen([KVSERVE, "serve", "-m", MODEL, "--kv-cache-memory", "12MiB", "--kv-cache-dtype", "int8",
+                          "--max-num-seqs", "4", "--max-n", "1", "--max-num-batched-tokens", "64", "--port", "65431"],
+                         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT)
+    try:
+        line = next(l for l in p.stderr if l.startswith("KV cache:") or l.startswith("error"))
+    finally:
+        p.kill()
+        p.wait()
+    m = re.match(r"KV cache: ([\d.]+) MiB int8, (\d+) pages of 16 tokens .*\(([\d.]+) KiB per token\) \+ ([\d.]+) MiB f16 staging", line)
+    assert m, line
+    pages_mib, n_pages, per_token_kib, staging_mib = float(m[1]), int(m[2]), float(m[3]), float(m[4])
+    assert abs(pages_mib - n_pages * 16 * per_token_kib / 1024) < 0.02, line
+    assert pages_mib + staging_mib <= 12.0 + 0.01 and n_pages > 30, line
 
 
 def test_a_budget_the_window_layers_fill_is_refused_at_start():
