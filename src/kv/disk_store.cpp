@@ -252,6 +252,10 @@ void DiskStore::scan(const PageIdentity& id) {
     }
   }
   std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.mtime < b.mtime; });
+  if (dropped_at_open_ > 0)  // the counter alone would not say why the cache came back smaller
+    std::fprintf(stderr, "kv tier: disk %s: removed %lld files at start that were corrupt, truncated, interrupted writes or of "
+                 "another page format (their pages are recomputed when needed; counted in kvserve:kv_tier_corrupt_total)\n",
+                 root_.c_str(), static_cast<long long>(dropped_at_open_));
   std::lock_guard<std::mutex> l(mu_);
   for (const Found& f : found) add_locked(f.h, f.bytes, f.parent, f.mtime);
   trim_locked(max_bytes_, 0);

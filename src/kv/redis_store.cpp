@@ -69,6 +69,7 @@ uint16_t redis_key_slot(std::string_view key) {
 
 struct RedisStore::Conn {
   redisContext* ctx = nullptr;
+  Endpoint at;
   bool answered = false;  // this connection has had a reply (so it was good once)
   SteadyClock::time_point retry_at{};
   int backoff_ms = 0;
@@ -120,6 +121,7 @@ RedisStore::Conn* RedisStore::conn(ThreadConns& tc, const Endpoint& e) {
   if (c.ctx) return &c;
   if (SteadyClock::now() < c.retry_at) return nullptr;  // backing off
   c.answered = false;
+  c.at = e;
   c.ctx = redisConnectWithTimeout(e.host.c_str(), e.port, to_tv(timeout_ms_));
   if (!c.ctx || c.ctx->err) {
     fail(tc, e);
@@ -131,6 +133,13 @@ RedisStore::Conn* RedisStore::conn(ThreadConns& tc, const Endpoint& e) {
   // of memory per connection; a 256-page GET batch took 53-81 ms of user CPU, now 8-35 ms.
   c.ctx->reader->maxbuf = 0;
   return &c;
+}
+
+// The node answers: its next failure starts the backoff afresh. An outage that was told (fail)
+// is told over too.
+void RedisStore::answers(Conn& c) {
+  if (c.backoff_ms != 0) std::fprintf(stderr, "kv tier: redis %s:%d answers again\n", c.at.host.c_str(), c.at.port);
+  c.backoff_ms = 0;
 }
 
 void RedisStore::fail(ThreadConns& tc, const Endpoint& e) {
@@ -172,7 +181,7 @@ void RedisStore::discover(ThreadConns& tc) {
       fail(tc, e);
       continue;
     }
-    c->backoff_ms = 0;
+    answers(*c);
     std::vector<std::pair<std::pair<int, int>, Endpoint>> slots;
     const bool cluster = r->type == REDIS_REPLY_ARRAY && r->elements > 0;
     if (cluster)
@@ -235,7 +244,7 @@ std::vector<std::optional<std::string>> RedisStore::run(const std::vector<std::s
   auto read = [&](Conn* c, size_t i, bool collect_redirect) -> bool {
     void* raw = nullptr;
     if (redisGetReply(c->ctx, &raw) != REDIS_OK) return false;
-    c->backoff_ms = 0;  // the node answers: its next failure starts the backoff afresh
+    answers(*c);
     c->answered = true;
     Reply r(static_cast<redisReply*>(raw));
     if (r->type == REDIS_REPLY_STRING && want_value) {

@@ -91,6 +91,7 @@ class RedisStore : public PageStore {
   struct ThreadConns;
   ThreadConns& conns();
   Conn* conn(ThreadConns& tc, const Endpoint& e);  // connected, or null (down / backing off)
+  void answers(Conn& c);
   void fail(ThreadConns& tc, const Endpoint& e);   // drop the connection, start a backoff
   void reply_error(const std::string& err);         // an error reply (OOM, NOAUTH, ...): counted; each kind told once
   void discover(ThreadConns& tc);                  // cluster or not; slot map

@@ -491,6 +491,15 @@ void TierManager::loader_loop() {
       st.s.hits += hits;
       st.s.bytes_in += bytes;
       st.s.corrupt += corrupt;
+      st.corrupt_untold += corrupt;
+      if (st.corrupt_untold > 0 && (st.corrupt_told == SteadyClock::time_point{} || SteadyClock::now() - st.corrupt_told > std::chrono::minutes(1))) {
+        // the counter alone would not say that a tier is handing back damaged pages
+        std::fprintf(stderr, "kv tier: %s: %lld stored pages failed their checks (corrupt, truncated or not the page asked for) "
+                     "since this was last told: removed, their tokens recomputed (kvserve:kv_tier_corrupt_total)\n",
+                     stores_[i]->name(), static_cast<long long>(st.corrupt_untold));
+        st.corrupt_untold = 0;
+        st.corrupt_told = SteadyClock::now();
+      }
       if (have < f.hashes.size()) ++st.s.misses;  // the lookup ended (or moved on) here
       if (have > before) {
         const auto& b = tier_load_buckets();

@@ -33,6 +33,7 @@
 // stats() from any thread.
 #pragma once
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -76,6 +77,9 @@ struct TierSnapshot {
   std::vector<uint64_t> load_counts;  // per tier_load_buckets() bucket, last = +Inf
   double load_sum = 0;
   uint64_t load_count = 0;
+  // Corrupt pages found since the log last said so (at most once a minute per tier).
+  int64_t corrupt_untold = 0;
+  std::chrono::steady_clock::time_point corrupt_told{};
 };
 
 class TierManager : public PageListener {

@@ -249,6 +249,8 @@ def test_corrupt_and_truncated_page_files_are_recomputed(disk_dir):
         m = b.metrics()
         assert m['kvserve:kv_tier_corrupt_total{tier="disk"}'] >= 1
         assert m['kvserve:kv_tier_hits_total{tier="disk"}'] == 0
+        # and the log says so, not only the counter
+        assert "kv tier: disk: 1 stored pages failed their checks" in b.output(), b.output()[-2000:]
         assert_clean(b)
     finally:
         stop(b)
@@ -262,6 +264,7 @@ def test_corrupt_and_truncated_page_files_are_recomputed(disk_dir):
         m = c.metrics()
         assert m['kvserve:kv_tier_pages_stored{tier="disk"}'] == 0
         assert m['kvserve:kv_tier_corrupt_total{tier="disk"}'] >= len(files)
+        assert f"removed {len(files)} files at start that were corrupt" in c.output(), c.output()[-2000:]
         text, _, cached = ask(c, p)
         assert text == cold and cached == 0
     finally:
@@ -453,6 +456,8 @@ def test_redis_down_or_frozen_fails_no_request_and_hits_resume(redis):
             r = doc(25000 + int(time.time() * 1000) % 5000)  # a fresh prompt: A's RAM already holds the last
         warm_r, _, cached = ask(b, r, max_tokens=2)
         assert warm_r == cold_r and cached >= n_r - 16 - 1
+        # the end of the outage is told as its start was
+        assert f"kv tier: redis 127.0.0.1:{redis.port} answers again" in a.output(), a.output()[-2000:]
         assert_clean(a)
         assert_clean(b)
     finally:
