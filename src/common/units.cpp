@@ -46,10 +46,15 @@ Result<int64_t> parse_memory_size(const std::string& s) {
   for (auto& ch : unit) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
   double mult = 1;
   if (unit.empty()) {
-    if (v <= 1.0 && s.find('.') != std::string::npos) return static_cast<int64_t>(v * physical_ram_bytes());
+    if (s.find('.') != std::string::npos) {  // a fraction of RAM
+      if (v > 1.0)
+        return Result<int64_t>::error("memory size '" + s + "' reads as a fraction of RAM, and is more than all of it (give a fraction up to 1, or a size such as 2GiB)");
+      return static_cast<int64_t>(v * physical_ram_bytes());
+    }
   } else if (unit == "k" || unit == "kb" || unit == "kib") mult = 1024.0;
   else if (unit == "m" || unit == "mb" || unit == "mib") mult = 1024.0 * 1024;
   else if (unit == "g" || unit == "gb" || unit == "gib") mult = 1024.0 * 1024 * 1024;
+  else if (unit == "t" || unit == "tb" || unit == "tib") mult = 1024.0 * 1024 * 1024 * 1024;
   else if (unit == "b") mult = 1;
   else return bad();
   double bytes = v * mult;

@@ -40,6 +40,7 @@ Result<KvDtype> parse_kv_dtype(const std::string& s) {
 Result<std::vector<KvDtype>> parse_kv_dtype_layers(const std::string& spec, int32_t n_layer, KvDtype base) {
   using R = Result<std::vector<KvDtype>>;
   std::vector<KvDtype> out(n_layer, base);
+  std::vector<bool> set(n_layer, false);
   size_t i = 0;
   while (i < spec.size()) {
     size_t j = spec.find(',', i);
@@ -67,9 +68,15 @@ Result<std::vector<KvDtype>> parse_kv_dtype_layers(const std::string& spec, int3
     } catch (const std::exception&) {
       return R::error("--kv-cache-dtype-layers: '" + range + "' is not a layer or a range like 0-3");
     }
-    if (lo < 0 || hi < lo || hi >= n_layer)
+    if (hi < lo) return R::error("--kv-cache-dtype-layers: layers " + range + " run backwards (write " + std::to_string(hi) + "-" + std::to_string(lo) + ")");
+    if (lo < 0 || hi >= n_layer)
       return R::error("--kv-cache-dtype-layers: layers " + range + " outside 0-" + std::to_string(n_layer - 1));
-    for (long l = lo; l <= hi; ++l) out[l] = *d;
+    for (long l = lo; l <= hi; ++l) {
+      if (set[l])  // two dtypes for one layer: which one was meant is a guess
+        return R::error("--kv-cache-dtype-layers: layer " + std::to_string(l) + " is named twice ('" + item + "' and an earlier item)");
+      set[l] = true;
+      out[l] = *d;
+    }
   }
   return out;
 }

@@ -129,6 +129,11 @@ def test_what_needs_no_model_fails_before_the_weights_load():
         assert "loading weights" not in r.stderr
         r = run(*cmd, "--kv-cache-memory", "3XB", timeout=30)
         assert r.returncode != 0 and "cannot read memory size '3XB'" in r.stderr and "loading weights" not in r.stderr, r.stderr
+        # 1.5 is a fraction of RAM over the whole; 2TiB reads (and is more than this machine has)
+        r = run(*cmd, "--kv-cache-memory", "1.5", timeout=30)
+        assert r.returncode != 0 and "more than all of it" in r.stderr and "loading weights" not in r.stderr, r.stderr
+        r = run(*cmd, "--kv-cache-memory", "2TiB", timeout=30)
+        assert r.returncode != 0 and "is more than the memory available" in r.stderr, r.stderr
     # kv-size takes the engine's names, no more (it took q4, which generate refused).
     assert run("kv-size", "--preset", "llama-2-7b", "--kv-cache-dtype", "q4", timeout=10).returncode != 0
     assert run("kv-size", "--preset", "llama-2-7b", "--kv-cache-dtype", "FP16", timeout=10).returncode == 0

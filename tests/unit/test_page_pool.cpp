@@ -134,8 +134,11 @@ TEST(PagePool, DtypeParsingAndPerLayerOverrides) {
   auto l = parse_kv_dtype_layers("0-1:f16,28-29:f16", 30, KvDtype::kInt4);
   ASSERT_TRUE(l.is_ok());
   for (int i = 0; i < 30; ++i) EXPECT_EQ((*l)[i], (i < 2 || i >= 28) ? KvDtype::kF16 : KvDtype::kInt4) << i;
-  for (const char* bad : {"0-1", "0-1:q9", "a-b:f16", "5-2:f16", "0-30:f16", "-1:f16", "3x:f16"})
+  for (const char* bad : {"0-1", "0-1:q9", "a-b:f16", "5-2:f16", "0-30:f16", "-1:f16", "3x:f16", "0:int4,0:int8", "0-3:f16,2:int8"})
     EXPECT_FALSE(parse_kv_dtype_layers(bad, 30, KvDtype::kInt4).is_ok()) << bad;
+  // each says what is wrong: a reversed range is not "outside" the model, a layer named twice
+  EXPECT_NE(parse_kv_dtype_layers("5-2:int8", 30, KvDtype::kF16).message().find("run backwards"), std::string::npos);
+  EXPECT_NE(parse_kv_dtype_layers("0:int4,0:int8", 30, KvDtype::kF16).message().find("layer 0 is named twice"), std::string::npos);
   KvLayout lay;
   lay.n_layer = 30;
   lay.n_head_kv = 3;
