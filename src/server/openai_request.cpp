@@ -348,7 +348,9 @@ std::vector<int32_t> parse_prompt(const Fields& f, const ApiContext& ctx) {
 }
 
 // One message's content as text: a string, or a list of {"type": "text", "text": ...} parts.
-std::string message_text(const json& content, const std::string& role, size_t i) {
+// A message's text; content given as text parts also fills *parts, and the text joins them with
+// "\n", as vLLM does for templates that take content as a string.
+std::string message_text(const json& content, const std::string& role, size_t i, std::vector<std::string>* parts) {
   const std::string name = "messages[" + std::to_string(i) + "].content";
   if (content.is_null()) {
     if (role == "assistant") return "";
@@ -369,7 +371,9 @@ std::string message_text(const json& content, const std::string& role, size_t i)
                         "unsupported_parameter");
     auto text = pf.string("text");
     if (!text) throw bad_request("Missing required parameter: '" + pname + ".text'.", pname + ".text", "missing_required_parameter");
+    if (k > 0) out += '\n';
     out += *text;
+    parts->push_back(std::move(*text));
   }
   return out;
 }
@@ -402,9 +406,10 @@ std::vector<ChatMessage> parse_messages(const Fields& f) {
     auto it = m.find("content");
     if (it == m.end() && role != "assistant")
       throw bad_request("Missing required parameter: '" + name + ".content'.", name + ".content", "missing_required_parameter");
-    std::string text = it == m.end() ? std::string() : message_text(*it, role, i);
+    std::vector<std::string> parts;
+    std::string text = it == m.end() ? std::string() : message_text(*it, role, i, &parts);
     // Templates written before OpenAI's "developer" role know it as "system".
-    out.push_back(ChatMessage{role == "developer" ? "system" : role, std::move(text)});
+    out.push_back(ChatMessage{role == "developer" ? "system" : role, std::move(text), std::move(parts)});
   }
   return out;
 }

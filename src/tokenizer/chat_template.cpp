@@ -1,5 +1,7 @@
 #include "tokenizer/chat_template.h"
 
+#include <regex>
+
 #include <sys/stat.h>
 
 #include <fstream>
@@ -45,6 +47,8 @@ Result<ChatTemplate> ChatTemplate::parse(const std::string& source) {
     ChatTemplate ct;
     ct.source_ = source;
     ct.tmpl_ = jinja::parse_template(source);
+    static const std::regex loops_over_content(R"(for\s+\w+\s+in\s+\w+\s*(\[\s*['"]content['"]\s*\]|\.content\b))");
+    ct.iterates_content_ = std::regex_search(source, loops_over_content);
     return ct;
   } catch (const jinja::Error& e) {
     return Result<ChatTemplate>::error("chat template syntax error: " + std::string(e.what()));
@@ -58,8 +62,15 @@ Result<std::string> ChatTemplate::render(const std::vector<ChatMessage>& msgs, b
                                          const nlohmann::json& extra) const {
   jinja::Array arr;
   arr.reserve(msgs.size());
-  for (const auto& m : msgs)
-    arr.push_back(jinja::Value::object({{"role", jinja::Value(m.role)}, {"content", jinja::Value(m.content)}}));
+  for (const auto& m : msgs) {
+    if (!m.parts.empty() && iterates_content_) {
+      jinja::Array parts;
+      for (const auto& p : m.parts) parts.push_back(jinja::Value::object({{"type", jinja::Value("text")}, {"text", jinja::Value(p)}}));
+      arr.push_back(jinja::Value::object({{"role", jinja::Value(m.role)}, {"content", jinja::Value::array(std::move(parts))}}));
+    } else {
+      arr.push_back(jinja::Value::object({{"role", jinja::Value(m.role)}, {"content", jinja::Value(m.content)}}));
+    }
+  }
   return render_values(*tmpl_, jinja::Value::array(std::move(arr)), add_generation_prompt, bos_token, eos_token,
                        jinja::Value::from_json(extra));
 }

@@ -34,6 +34,10 @@ struct Template;
 struct ChatMessage {
   std::string role;
   std::string content;
+  // Content given as text parts: content is their join with "\n", and a template that loops over
+  // a message's content (iterates_content()) is given the parts as [{"type": "text", "text": ...}]
+  // instead: vLLM's "string" and "openai" content formats.
+  std::vector<std::string> parts = {};
 };
 
 class ChatTemplate {
@@ -58,10 +62,14 @@ class ChatTemplate {
                                   const nlohmann::ordered_json& extra = nlohmann::ordered_json::object()) const;
 
   const std::string& source() const { return source_; }
+  // Whether the template loops over a message's content (`for item in message['content']`), so
+  // takes content as a list of parts, as vLLM detects it.
+  bool iterates_content() const { return iterates_content_; }
 
  private:
   ChatTemplate() = default;
   std::string source_;
+  bool iterates_content_ = false;
   std::shared_ptr<const jinja::Template> tmpl_;
 };
 

@@ -156,3 +156,18 @@ def own_template_and_kwargs(server):
     bad = requests.post(server.url + "/v1/chat/completions",
                         json={"messages": conv, "chat_template": "{{ raise_exception('no thanks') }}"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template", bad.text
+
+
+def test_content_parts_reach_the_template_as_vllm_passes_them(gemma_chat, gemma_tok, server):
+    """vLLM gives a template that loops over message['content'] (Gemma 3's) the parts themselves, and
+    joins the parts with "\\n" for one that takes content as a string (SmolLM2's ChatML). kvserve
+    joined them with nothing for both: "Hello" + "World" reached the model as "HelloWorld"."""
+    parts = [{"type": "text", "text": "Hello "}, {"type": "text", "text": " World"}]
+    conv = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Very."}]},
+            {"role": "user", "content": parts}]
+    want = oracle_ids(gemma_tok, template_source("gemma3"), conv)
+    assert requests.post(gemma_chat.url + "/tokenize", json={"messages": conv}, timeout=10).json()["tokens"] == want
+    # a string-content template: the same tokens as the parts joined by "\n"
+    as_parts = requests.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": parts}]}, timeout=10).json()
+    joined = requests.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "Hello \n World"}]}, timeout=10).json()
+    assert as_parts["tokens"] == joined["tokens"]

@@ -391,3 +391,23 @@ TEST(ChatTemplate, Copyable) {
 
 }  // namespace
 }  // namespace kv
+
+namespace kv {
+namespace {
+// vLLM's content formats: a template that loops over a message's content takes parts; others a
+// string, the parts joined by "\n" (the caller's join; render passes parts only to the first kind).
+TEST(ChatTemplate, ContentPartsGoToTemplatesThatLoopOverContent) {
+  EXPECT_TRUE(load_chat_template("gemma3")->iterates_content());
+  EXPECT_TRUE(load_chat_template("chatml")->iterates_content());  // both built-ins take parts
+  auto loops = ChatTemplate::parse("{% for m in messages %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endfor %}");
+  ASSERT_TRUE(loops.is_ok());
+  EXPECT_TRUE(loops->iterates_content());
+  ChatMessage m{"user", "a\nb", {"a", "b"}};
+  EXPECT_EQ(*loops->render({m}, false, "", ""), "[a][b]");
+  auto plain = ChatTemplate::parse("{% for m in messages %}<{{ m['content'] }}>{% endfor %}");
+  ASSERT_TRUE(plain.is_ok());
+  EXPECT_FALSE(plain->iterates_content());
+  EXPECT_EQ(*plain->render({m}, false, "", ""), "<a\nb>");
+}
+}  // namespace
+}  // namespace kv
