@@ -879,14 +879,15 @@ void Engine::postprocess(Plan& plan, const float* logits) {
       if (!p.ignore_eos && tok_.is_eog(tok)) {
         reason = "stop";
         ev.eog_logprobs.swap(ev.logprobs);  // the end-of-generation token is not part of the text
-        // Text held back because it could begin a stop string is the answer's end after all.
-        e->held += e->detok.flush();
+        // Text held back because it could begin a stop string is the answer's end after all; a
+        // character the last tokens left incomplete is not (no U+FFFD the model never wrote).
+        e->detok.finish();
         ev.text.swap(e->held);
       } else {
         e->held += e->detok.push(tok);
         const bool at_limit = e->n_generated >= p.max_tokens ||
                               (!goes_past_context(*e) && static_cast<int64_t>(e->tokens.size()) >= cfg_.max_model_len);
-        if (at_limit) e->held += e->detok.flush();
+        if (at_limit) e->detok.finish();
         size_t cut = std::string::npos;
         for (const auto& st : p.stop) {
           size_t at = e->held.find(st);

@@ -98,6 +98,9 @@ class IncrementalDetokenizer {
   std::string push(int32_t id);
   // Whatever is still pending (invalid or truncated UTF-8 is replaced by U+FFFD).
   std::string flush();
+  // The end of a generation: the bytes of a character the last tokens left incomplete are
+  // dropped, never emitted as U+FFFD (vLLM's incremental detokenizer holds them back for good).
+  void finish() { pending_.clear(); }
 
  private:
   const Tokenizer& tok_;

@@ -256,6 +256,11 @@ TEST(Tokenizer, IncrementalDetokenizerInvalid) {
   for (int32_t id : lead) s2 += d2.push(id);
   for (int32_t id : tok.encode("ok", false, false)) s2 += d2.push(id);
   EXPECT_EQ(s2 + d2.flush(), "\xEF\xBF\xBDok");
+  // The end of a generation drops a truncated character instead (as vLLM): nothing is left.
+  IncrementalDetokenizer d3(tok);
+  for (int32_t id : lead) EXPECT_EQ(d3.push(id), "");
+  d3.finish();
+  EXPECT_EQ(d3.flush(), "");
 }
 
 TEST(Utf8, Sanitize) {
