@@ -1339,8 +1339,12 @@ bool Engine::step() {
   const auto t0 = Clock::now();
   drain_incoming();
   Plan plan;
+  const size_t running_before = running_.size(), waiting_before = waiting_.size();
   const bool work = schedule(&plan);
   note_runs(plan, t0);
+  // Admissions and preemptions are in the gauges before the forward: a long prefill step once
+  // showed an admitted request as neither running nor waiting for its whole length.
+  if (running_.size() != running_before || waiting_.size() != waiting_before) publish_gauges();
   double phase[kNumStepPhases] = {};
   phase[static_cast<int>(StepPhase::kSchedule)] = seconds(t0, Clock::now());
   sample_seconds_ = 0;

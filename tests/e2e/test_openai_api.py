@@ -432,6 +432,28 @@ def test_client_disconnect_frees_pages(server):
         time.sleep(0.02)
 
 
+def test_gauges_show_an_admitted_request_while_its_one_prefill_step_runs():
+    # The gauges were published only after each step's forward: a 3,000-token prompt prefilled in
+    # one step showed neither running nor waiting nor holding pages for the step's whole length
+    # (~1 s here), and an autoscaler reading num_requests_waiting saw an idle server.
+    from kvserve_server import Server
+    s = Server("--max-num-batched-tokens", "4096", max_model_len=4096, kv_memory="256MiB")
+    try:
+        body = {"prompt": "The quick brown fox jumps over the lazy dog. " * 300, "max_tokens": 1}
+        seen = []
+        with ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(requests.post, s.url + "/v1/completions", json=body, timeout=120)
+            while not fut.done():
+                m = s.metrics()
+                seen.append((m["kvserve:num_requests_running"], m["kvserve:kv_cache_pages_used"]))
+                time.sleep(0.01)
+            r = fut.result()
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 2500, r.text
+        assert (1, 0) < max(seen) and any(run == 1 and pages > 100 for run, pages in seen), seen
+    finally:
+        s.stop()
+
+
 def test_metrics(server, client):
     names = ["kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:kv_cache_usage_perc",
              "kvserve:num_preemptions_total", "kvserve:prompt_tokens_total", "kvserve:generation_tokens_total",
