@@ -32,6 +32,7 @@ struct RouterCliOptions {
   bool past_trained_context = false;  // as on the backends: a --max-model-len past the training context is meant
   int max_n = 16;
   std::string max_body = "8MiB";
+  double http_read_timeout = 30;
   std::string routing = "cache-aware";
   std::string kv_eviction = "none";
   double shutdown_timeout = 30;
@@ -72,6 +73,7 @@ void run_router(RouterCliOptions o) {
   auto max_body = kv::parse_byte_size(o.max_body);
   if (!max_body) fail("--max-body-size: " + max_body.message());
   o.ro.max_body_bytes = static_cast<size_t>(*max_body);
+  o.ro.http_read_timeout_s = o.http_read_timeout;
   o.ro.allowed_origins = parse_allowed_origins(o.allowed_origins);
   // "affinity" is the ring's name from before cache-aware routing: a deployment that asked for it
   // keeps the stateless ring (several routers behind a load balancer agree only on the ring).
@@ -189,6 +191,7 @@ void add_router_command(CLI::App& app) {
                   "--max-model-len, as it does on the backends")
       ->capture_default_str();
   cmd->add_option("--max-body-size", o->max_body, "largest request body (413 above)")->capture_default_str();
+  cmd->add_option("--http-read-timeout", o->http_read_timeout, "as the server's")->check(number_in(0.0, 86400.0))->capture_default_str();
   cmd->add_option("--shutdown-timeout", o->shutdown_timeout,
                   "seconds in-flight requests get to finish after SIGTERM/SIGINT (new ones get 503); a second signal exits at once")
       ->check(number_in(0.0, 86400.0))->capture_default_str();

@@ -41,6 +41,7 @@ struct ServeOptions {
   int max_dashboards = 8;
   double shutdown_timeout = 30;
   double request_timeout = 600;
+  double http_read_timeout = 30;
   std::string max_body = "8MiB";
   bool debug = false;
   bool prefix_caching = true;
@@ -222,6 +223,7 @@ void run_serve(const ServeOptions& o) {
   so.max_dashboard_clients = o.max_dashboards;
   so.allowed_origins = parse_allowed_origins(o.allowed_origins);
   so.request_timeout_s = o.request_timeout;
+  so.http_read_timeout_s = o.http_read_timeout;
   so.role = role;
   kv::HttpServer server(engine, ctx, so);
   if (!server.bind(o.host, o.port)) fail("cannot listen on " + o.host + ":" + std::to_string(o.port) + " (address in use or invalid)");
@@ -329,6 +331,11 @@ void add_serve_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--request-timeout", o->request_timeout,
                   "seconds a generation request may run before it is cancelled (504; streams end with an error event); 0: no limit")
+      ->check(non_negative())
+      ->capture_default_str();
+  cmd->add_option("--http-read-timeout", o->http_read_timeout,
+                  "seconds a client may take to send a request's line and headers (counted from its connection's opening or "
+                  "last response), and again its body: a slower one is closed (body: 408); 0: no limit")
       ->check(non_negative())
       ->capture_default_str();
   cmd->add_flag("--debug", o->debug, "enable /debug/kv and log one line per request");

@@ -219,7 +219,9 @@ Router::~Router() {
 }
 
 bool Router::bind(const std::string& host, int port) {
-  return bind_exclusive(*svr_, host, port);
+  if (!bind_exclusive(*svr_, host, port)) return false;
+  if (opts_.http_read_timeout_s > 0) watchdog_ = std::make_unique<ConnectionWatchdog>(port, opts_.http_read_timeout_s);
+  return true;
 }
 
 void Router::run() { svr_->listen_after_bind(); }
@@ -316,15 +318,20 @@ void Router::routes() {
   static const std::map<std::string, std::string> kAllowed = {
       {"/v1/completions", "POST"}, {"/v1/chat/completions", "POST"}, {"/v1/models", "GET"}, {"/health", "GET"}, {"/metrics", "GET"},
       {"/tokenize", "POST"},       {"/detokenize", "POST"}};
+  svr_->set_logger([this](const httplib::Request& req, const httplib::Response&) {
+    if (watchdog_) watchdog_->end(req);
+  });
   svr_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    if (watchdog_) watchdog_->begin(req);  // ends in the logger, once the response is written
     return cors_preflight(req, res, opts_.allowed_origins) || refuse_wrong_method(req, res, kAllowed)
                ? httplib::Server::HandlerResponse::Handled
                : httplib::Server::HandlerResponse::Unhandled;
   });
-  post_with_body_limit(*svr_, "/v1/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); });
-  post_with_body_limit(*svr_, "/v1/chat/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); });
+  const double body_s = opts_.http_read_timeout_s > 0 ? opts_.http_read_timeout_s : 1e9;
+  post_with_body_limit(*svr_, "/v1/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); }, body_s);
+  post_with_body_limit(*svr_, "/v1/chat/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); }, body_s);
   install_model_routes(*svr_, ctx_);
-  install_tokenize_routes(*svr_, ctx_, opts_.max_body_bytes);  // the router has the tokenizer and the template
+  install_tokenize_routes(*svr_, ctx_, opts_.max_body_bytes, body_s);  // the router has the tokenizer and the template
   svr_->Get("/health", safe_handler([this](const httplib::Request&, httplib::Response& res) {
               json backends = json::array();
               bool any = false;

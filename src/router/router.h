@@ -41,6 +41,10 @@
 #include "router/affinity.h"
 #include "server/openai_request.h"
 
+namespace kv {
+class ConnectionWatchdog;  // server/http_util.h
+}  // namespace kv
+
 namespace httplib {
 class Client;
 class Server;
@@ -68,6 +72,7 @@ struct RouterOptions {
   double stall_timeout_s = 10.0;      // ... once its health check fails: down and silent this long, it is left (0: never)
   int32_t http_threads = 128;
   size_t max_body_bytes = size_t(8) << 20;
+  double http_read_timeout_s = 30;  // as ServerOptions::http_read_timeout_s
 };
 
 // "http://HOST:PORT" or "HOST:PORT" → host and port; an error names what is wrong.
@@ -109,6 +114,7 @@ class Router {
   std::unique_ptr<Pool> serve_;    // replicas, or decode instances
   std::unique_ptr<Pool> prefill_;  // empty unless P/D
   std::unique_ptr<httplib::Server> svr_;
+  std::unique_ptr<ConnectionWatchdog> watchdog_;  // from bind on
   std::atomic<bool> stopping_{false};
   std::atomic<bool> draining_{false};  // no new requests
   std::atomic<bool> aborting_{false};  // drain timed out: end what is in flight

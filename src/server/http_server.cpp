@@ -124,7 +124,9 @@ HttpServer::~HttpServer() = default;
 
 
 bool HttpServer::bind(const std::string& host, int port) {
-  return bind_exclusive(*svr_, host, port);
+  if (!bind_exclusive(*svr_, host, port)) return false;
+  if (opts_.http_read_timeout_s > 0) watchdog_ = std::make_unique<ConnectionWatchdog>(port, opts_.http_read_timeout_s);
+  return true;
 }
 
 void HttpServer::run() { svr_->listen_after_bind(); }
@@ -176,6 +178,7 @@ void HttpServer::routes() {
 
   install_cors(*svr_, opts_.allowed_origins);
   svr_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    if (watchdog_) watchdog_->begin(req);  // ends in the logger, once the response is written
     if (cors_preflight(req, res, opts_.allowed_origins)) return httplib::Server::HandlerResponse::Handled;
     std::string path = req.path;
     if (path == "/debug/kv" && !opts_.debug) return httplib::Server::HandlerResponse::Unhandled;  // → 404
@@ -197,16 +200,15 @@ void HttpServer::routes() {
 
   install_json_errors(*svr_, opts_.max_body_bytes);
 
-  if (opts_.debug) {
-    svr_->set_logger([](const httplib::Request& req, const httplib::Response& res) {
-      std::fprintf(stderr, "%s %s %d\n", req.method.c_str(), req.path.c_str(), res.status);
-    });
-  }
+  svr_->set_logger([this](const httplib::Request& req, const httplib::Response& res) {
+    if (watchdog_) watchdog_->end(req);
+    if (opts_.debug) std::fprintf(stderr, "%s %s %d\n", req.method.c_str(), req.path.c_str(), res.status);
+  });
 
   auto safe = [](auto fn) { return safe_handler(fn); };
 
-  post_with_body_limit(*svr_, "/v1/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); });
-  post_with_body_limit(*svr_, "/v1/chat/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); });
+  post_with_body_limit(*svr_, "/v1/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); }, body_timeout());
+  post_with_body_limit(*svr_, "/v1/chat/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); }, body_timeout());
 
   install_model_routes(*svr_, ctx_);
   // The chat page (web/chat.html, compiled in).
@@ -219,7 +221,7 @@ void HttpServer::routes() {
               res.set_content(web::k_dashboard_html, "text/html; charset=utf-8");
             }));
   svr_->Get("/dashboard/events", safe([this](const httplib::Request& req, httplib::Response& res) { handle_dashboard_events(req, res); }));
-  install_tokenize_routes(*svr_, ctx_, opts_.max_body_bytes);
+  install_tokenize_routes(*svr_, ctx_, opts_.max_body_bytes, body_timeout());
   svr_->Get("/health", safe([this](const httplib::Request&, httplib::Response& res) {
               if (draining_.load()) {  // load balancers take this instance out of rotation
                 res.set_header("Retry-After", kRetryAfterSeconds);

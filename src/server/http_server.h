@@ -38,6 +38,10 @@
 
 #include "server/openai_request.h"
 
+namespace kv {
+class ConnectionWatchdog;  // server/http_util.h
+}  // namespace kv
+
 namespace httplib {
 class Server;
 struct Request;
@@ -65,6 +69,10 @@ struct ServerOptions {
   ServerRole role = ServerRole::kBoth;
   double prefill_write_timeout_s = 10;    // prefill role: longest wait for the pages to be stored
   size_t max_body_bytes = size_t(8) << 20;
+  // Seconds a client may take to send a request's line and headers (from its connection's
+  // opening or its last response), and then its body; slower ones are closed
+  // (ConnectionWatchdog, post_with_body_limit). 0: no limit.
+  double http_read_timeout_s = 30;
   bool debug = false;                     // /debug/kv and one log line per request
   int32_t http_threads = 0;               // 0: max_num_seqs + 16
   double request_timeout_s = 0;           // > 0: a generation request running longer is cancelled (504)
@@ -87,6 +95,7 @@ class HttpServer {
   bool drain(double timeout_s);
   void stop();                                    // any thread
   int32_t in_flight() const { return in_flight_.load(); }
+  double body_timeout() const { return opts_.http_read_timeout_s > 0 ? opts_.http_read_timeout_s : 1e9; }
 
  private:
   void routes();
@@ -102,6 +111,7 @@ class HttpServer {
   ApiContext ctx_;
   ServerOptions opts_;
   std::unique_ptr<httplib::Server> svr_;
+  std::unique_ptr<ConnectionWatchdog> watchdog_;  // from bind on
   std::atomic<bool> stopping_{false};
   std::atomic<bool> draining_{false};
   std::atomic<int32_t> in_flight_{0};  // generation requests admitted and not yet answered

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 
 #include <chrono>
@@ -112,23 +113,34 @@ ApiError payload_too_large(size_t max_body_bytes) {
 }
 
 void post_with_body_limit(httplib::Server& svr, const std::string& pattern, size_t max_body_bytes,
-                          std::function<void(const httplib::Request&, httplib::Response&)> fn) {
-  svr.Post(pattern, [max_body_bytes, fn = safe_handler(std::move(fn))](const httplib::Request& req, httplib::Response& res,
-                                                                        const httplib::ContentReader& read) {
+                          std::function<void(const httplib::Request&, httplib::Response&)> fn, double body_timeout_s) {
+  svr.Post(pattern, [max_body_bytes, body_timeout_s, fn = safe_handler(std::move(fn))](
+                        const httplib::Request& req, httplib::Response& res, const httplib::ContentReader& read) {
     std::string body;
-    bool over = false;
+    bool over = false, late = false;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                                 std::chrono::duration<double>(body_timeout_s));
     // The receiver gets the body as decoded (chunks joined, gzip / deflate inflated).
     const bool ok = read([&](const char* data, size_t n) {
       if (n > max_body_bytes - body.size()) {
         over = true;
         return false;
       }
+      if (std::chrono::steady_clock::now() > deadline) {
+        late = true;
+        return false;
+      }
       body.append(data, n);
       return true;
     });
-    if (!ok || over) {
+    if (!ok || over || late) {
+      char secs[32];
+      std::snprintf(secs, sizeof secs, "%g", body_timeout_s);
       // httplib sets 413 itself when a Content-Length is over its own limit (the same number).
-      if (over || res.status == 413)
+      if (late)
+        write_error(res, ApiError{408, std::string("The request body took longer than ") + secs + " s to arrive.",
+                                  "invalid_request_error", "", "request_timeout"});
+      else if (over || res.status == 413)
         write_error(res, payload_too_large(max_body_bytes));
       else
         write_error(res, ApiError{400, "The request body could not be read (a broken chunked or compressed encoding).",
@@ -170,7 +182,7 @@ void install_model_routes(httplib::Server& svr, const ApiContext& ctx) {
           }));
 }
 
-void install_tokenize_routes(httplib::Server& svr, const ApiContext& ctx, size_t max_body_bytes) {
+void install_tokenize_routes(httplib::Server& svr, const ApiContext& ctx, size_t max_body_bytes, double body_timeout_s) {
   using ojson = nlohmann::ordered_json;
   post_with_body_limit(svr, "/tokenize", max_body_bytes, [&ctx](const httplib::Request& req, httplib::Response& res) {
     const TokenizeRequest t = parse_tokenize_request(parse_json_body(req.body, ctx), ctx);
@@ -181,13 +193,13 @@ void install_tokenize_routes(httplib::Server& svr, const ApiContext& ctx, size_t
       out["token_strs"] = std::move(strs);
     }
     write_json(res, out);
-  });
+  }, body_timeout_s);
   // Special tokens are rendered (<|im_start|>, <|endoftext|>), as vLLM's (tokenizer.decode with
   // skip_special_tokens=False) and llama-server's; completions' text skips them.
   post_with_body_limit(svr, "/detokenize", max_body_bytes, [&ctx](const httplib::Request& req, httplib::Response& res) {
     const std::string text = ctx.tok->decode(parse_detokenize_request(parse_json_body(req.body, ctx), ctx), /*special=*/true);
     write_json(res, ojson{{"prompt", text}, {"content", text}});
-  });
+  }, body_timeout_s);
 }
 
 // Linux lets listen() be called again on a listening socket to change the backlog, so find the
@@ -267,6 +279,94 @@ bool peer_closed(int fd) {
   if (n > 0) return false;
   if (n == 0) return true;
   return errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
+}
+
+ConnectionWatchdog::ConnectionWatchdog(int port, double limit_s)
+    : port_(port), limit_s_(limit_s), thread_([this] { loop(); }) {}
+
+ConnectionWatchdog::~ConnectionWatchdog() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void ConnectionWatchdog::begin(const httplib::Request& req) {
+  std::lock_guard<std::mutex> l(mu_);
+  ++conns_[{req.remote_addr, req.remote_port}].active;
+}
+
+void ConnectionWatchdog::end(const httplib::Request& req) {
+  std::lock_guard<std::mutex> l(mu_);
+  Conn& c = conns_[{req.remote_addr, req.remote_port}];  // a request refused before routing never began
+  c.active = std::max(0, c.active - 1);
+  c.since = std::chrono::steady_clock::now();
+}
+
+void ConnectionWatchdog::loop() {
+  std::unique_lock<std::mutex> l(mu_);
+  while (!stop_) {
+    cv_.wait_for(l, std::chrono::seconds(1), [this] { return stop_; });
+    if (stop_) break;
+    l.unlock();
+    check();
+    l.lock();
+  }
+}
+
+void ConnectionWatchdog::check() {
+  // This process's connected sockets on the port (the listening one has no peer).
+  std::vector<std::pair<int, Peer>> open;
+  if (DIR* dir = opendir("/proc/self/fd")) {
+    while (dirent* e = readdir(dir)) {
+      if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+      const int fd = std::atoi(e->d_name);
+      if (fd == dirfd(dir)) continue;
+      sockaddr_storage peer{}, local{};
+      socklen_t plen = sizeof peer, llen = sizeof local;
+      std::string host;
+      int port = -1;
+      if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &llen) != 0 || !endpoint(local, &host, &port) || port != port_) continue;
+      if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &plen) != 0 || !endpoint(peer, &host, &port)) continue;
+      open.push_back({fd, {host, port}});
+    }
+    closedir(dir);
+  }
+  const auto now = std::chrono::steady_clock::now();
+  const auto limit = std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(limit_s_));
+  std::vector<std::pair<int, Peer>> idle;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    for (auto& [peer, c] : conns_) c.seen = false;
+    for (const auto& [fd, peer] : open) {
+      auto [it, fresh] = conns_.try_emplace(peer);
+      if (fresh) it->second.since = now;
+      it->second.seen = true;
+      if (it->second.active == 0 && now - it->second.since > limit) idle.push_back({fd, peer});
+    }
+    for (auto it = conns_.begin(); it != conns_.end();) it = it->second.seen ? std::next(it) : conns_.erase(it);
+  }
+  for (const auto& [fd, peer] : idle) {
+    // Still that connection (its descriptor was not closed and reused meanwhile): shut it down;
+    // its thread's next read fails and httplib closes it.
+    sockaddr_storage addr{};
+    socklen_t len = sizeof addr;
+    std::string host;
+    int port = -1;
+    if (getpeername(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0 || !endpoint(addr, &host, &port) || Peer{host, port} != peer)
+      continue;
+    ::shutdown(fd, SHUT_RDWR);
+    closed_.fetch_add(1);
+  }
+  const int64_t closed = closed_.load();
+  if (closed > told_ && (told_ == 0 || now - told_at_ > std::chrono::minutes(1))) {
+    std::fprintf(stderr, "http: closed %lld connections that sent no complete request within %g s (--http-read-timeout)\n",
+                 static_cast<long long>(closed - told_), limit_s_);
+    told_ = closed;
+    told_at_ = now;
+  }
 }
 
 }  // namespace kv

@@ -1,10 +1,17 @@
 // HTTP plumbing shared by the server (http_server.h) and the router (router/router.h): JSON
 // answers, OpenAI-shaped errors for what cpp-httplib answers itself, the listen backlog.
 #pragma once
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -47,8 +54,10 @@ std::function<void(const httplib::Request&, httplib::Response&)> safe_handler(
 // limit: 413 payload_too_large (the same answer as a Content-Length over it), and the
 // response asks the client to close the connection. A body that cannot be read (a broken
 // chunked encoding, a corrupt gzip stream): 400.
+// A body still arriving body_timeout_s after its headers (a client trickling it a byte at a time
+// holds a connection thread meanwhile): 408 request_timeout, and the connection is closed.
 void post_with_body_limit(httplib::Server& svr, const std::string& pattern, size_t max_body_bytes,
-                          std::function<void(const httplib::Request&, httplib::Response&)> fn);
+                          std::function<void(const httplib::Request&, httplib::Response&)> fn, double body_timeout_s = 30);
 ApiError payload_too_large(size_t max_body_bytes);
 
 // A known path asked with another method (`allowed`: path → its method; /v1/models/{id} counts
@@ -61,7 +70,7 @@ void install_model_routes(httplib::Server& svr, const ApiContext& ctx);
 
 // POST /tokenize and POST /detokenize (vLLM's and llama-server's shapes: both field names in,
 // both out; special tokens rendered as both do), as the server and the router answer them.
-void install_tokenize_routes(httplib::Server& svr, const ApiContext& ctx, size_t max_body_bytes);
+void install_tokenize_routes(httplib::Server& svr, const ApiContext& ctx, size_t max_body_bytes, double body_timeout_s = 30);
 
 // Debian's cpp-httplib (0.11, compiled into its .so) listens with a backlog of 5: 64 clients
 // connecting at once overflow it. Raises the backlog of this process's socket bound to `port`.
@@ -82,5 +91,44 @@ int find_client_socket(const httplib::Request& req);
 bool peer_closed(int fd);
 
 int64_t unix_now();
+
+// Closes connections that hold a connection thread without a request in progress. cpp-httplib
+// 0.11 times out each read (5 s), not a request: a client sending its request line and headers
+// a byte every few seconds held its thread for as long as it liked, and ~80 of them took every
+// thread, /health's included. A connection to `port` with no request begun (its headers read)
+// for limit_s since it opened or since its last response ended is shut down; one inside a
+// request (its body being read, with post_with_body_limit's own deadline, or its answer being
+// computed or streamed) is never touched. An idle kept-alive connection is closed by httplib
+// after 5 s first. begin and end come from the server's pre-routing handler and logger (httplib
+// calls both for every routed request, the logger once its response is written); connections
+// are matched to requests by their peer address. Looks once a second.
+class ConnectionWatchdog {
+ public:
+  ConnectionWatchdog(int port, double limit_s);
+  ~ConnectionWatchdog();
+  void begin(const httplib::Request& req);
+  void end(const httplib::Request& req);
+  int64_t n_closed() const { return closed_.load(); }
+
+ private:
+  using Peer = std::pair<std::string, int>;
+  struct Conn {
+    int active = 0;  // requests begun and not ended
+    std::chrono::steady_clock::time_point since;  // opened (first seen), or its last response ended
+    bool seen = false;
+  };
+  void loop();
+  void check();
+  const int port_;
+  const double limit_s_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::map<Peer, Conn> conns_;
+  std::atomic<int64_t> closed_{0};
+  int64_t told_ = 0;
+  std::chrono::steady_clock::time_point told_at_{};
+  std::thread thread_;
+};
 
 }  // namespace kv

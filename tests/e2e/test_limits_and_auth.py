@@ -187,3 +187,70 @@ def test_a_burst_within_the_free_sequence_slots_is_not_refused_by_a_short_queue(
             assert codes.count(200) >= min(burst, 17), codes
     finally:
         s.stop()
+
+
+def test_clients_that_send_their_request_slowly_are_closed_and_others_served():
+    """cpp-httplib times out each read, not a request: 100 clients sending their headers a byte a
+    second held every connection thread (there are max-num-seqs + 8 + dashboards), and /health
+    timed out. Now a connection with no complete request for --http-read-timeout is closed, a body
+    still arriving after it is a 408; kept-alive connections and long streams are left alone."""
+    import http.client
+    import socket
+    import time
+    s = Server("--debug", "--http-read-timeout", "2", "--max-num-seqs", "4", "--max-dashboards", "1",  # 4 + 8 + 1 threads
+               max_model_len=2048, kv_memory="128MiB")
+    socks = []
+    try:
+        # a kept-alive connection asking every 0.25 s for 4 s is served throughout on one socket
+        keep = http.client.HTTPConnection("127.0.0.1", s.port, timeout=10)
+        for _ in range(16):
+            keep.request("GET", "/health")
+            assert keep.getresponse().read()
+            time.sleep(0.25)
+        # 20 slow clients, more than the connection threads
+        for _ in range(20):
+            c = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            socks.append(c)
+        t0 = time.time()
+        closed = set()
+        while len(closed) < len(socks):
+            assert time.time() - t0 < 10, f"{len(closed)} of {len(socks)} slow clients were closed"
+            for i, c in enumerate(socks):
+                if i in closed:
+                    continue
+                try:
+                    c.sendall(b"X")  # a header byte a second: each read is well within httplib's 5 s
+                except OSError:
+                    closed.add(i)
+            time.sleep(0.5)
+        assert requests.get(s.url + "/health", timeout=5).status_code == 200
+        assert "http: closed" in s.output() and "--http-read-timeout" in s.output()
+        # a body trickled a byte a second: 408 once the deadline passes
+        b = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+        socks.append(b)
+        b.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        reply = b""
+        for _ in range(10):
+            time.sleep(1)
+            try:
+                b.sendall(b" ")
+            except OSError:
+                break
+        b.settimeout(5)
+        try:
+            reply = b.recv(4096)
+        except OSError:
+            pass
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        # a stream longer than the timeout is not cut
+        r = requests.post(s.url + "/v1/completions", stream=True, timeout=60,
+                          json={"prompt": "Hi", "max_tokens": 1800, "ignore_eos": True, "stream": True, "temperature": 0})
+        t0 = time.time()
+        lines = [ln for ln in r.iter_lines() if ln]
+        assert time.time() - t0 > 2.0 and lines[-1] == b"data: [DONE]", (time.time() - t0, lines[-2:])
+        s.wait_clean()
+    finally:
+        for c in socks:
+            c.close()
+        s.stop()
