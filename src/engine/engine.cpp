@@ -333,9 +333,15 @@ bool Engine::ensure_pages(Sequence& s, int64_t n_new) {
     need1 = std::max(BlockTable::pages_for(end, bs) - static_cast<int32_t>(s.table_g1.pages.size()), 0);
     cow1 = shared_tail(s.table_g1, *pool_g1_);
     const int32_t total1 = need1 + (cow1 ? 1 : 0);
-    if (!pool_g1_->can_allocate(total1) && !(cache_ && cache_->ensure_free_window(total1))) return false;
+    if (!pool_g1_->can_allocate(total1) &&
+        !(cache_ && pool_g1_->n_free() + cache_->n_evictable_window_pages() >= total1 && cache_->ensure_free_window(total1)))
+      return false;
   }
-  if (!pool_->can_allocate(total) && !(cache_ && cache_->ensure_free(total))) return false;
+  // Evict only when it can succeed: a waiting head that cannot fit emptied the prefix cache each
+  // step for nothing, pages just loaded from a tier for the sequences behind it among them.
+  if (!pool_->can_allocate(total) &&
+      !(cache_ && pool_->n_free() + cache_->n_evictable_pages() >= total && cache_->ensure_free(total)))
+    return false;
   auto copy_on_write = [&](BlockTable& t, PagePool& p) {
     std::vector<int32_t> fresh;
     p.allocate(1, &fresh);
@@ -1019,9 +1025,16 @@ void Engine::lookup_tiers() {
   const int32_t bs = cfg_.block_size;
   const auto now = Clock::now();
   int k = 0;
+  // Pages the waiting sequences ahead need before this one may be admitted (admission takes them
+  // in order), and those of the swap-ins asked for in this pass: two swapped sequences behind a
+  // blocked head both passed the room check against the same evictable pages, and each install
+  // evicted the other's (1,400 pages loaded for ~150 used).
+  int64_t ahead = 0, own = 0;
   for (auto& sp : waiting_) {
     if (++k > kLpmWindow) break;
     Sequence& s = *sp;
+    ahead += own;  // the sequence before this one's
+    own = BlockTable::pages_for(static_cast<int64_t>(s.tokens.size()) + 1, bs);
     if (s.tier_ticket != 0) {
       if (now > s.tier_deadline) {  // too slow: compute instead (the pages still land when they come)
         s.tier_ticket = 0;
@@ -1049,8 +1062,8 @@ void Engine::lookup_tiers() {
     // evict pages the running sequences need, and they would evict these again (thrashing).
     // (Its own RAM pages are evictable but needed: they count on neither side.)
     if (s.swapped) {
-      const int64_t avail = int64_t(pool_->n_free()) + cache_->n_evictable_pages() - ram;
-      if (avail < BlockTable::pages_for(static_cast<int64_t>(s.tokens.size()) + 1, bs) - ram) continue;
+      const int64_t avail = int64_t(pool_->n_free()) + cache_->n_evictable_pages() - ram - ahead;
+      if (avail < own - ram) continue;
     }
     // A decode instance asks for the prompt's tail page too (one more page, after the full ones).
     std::vector<int32_t> toks;

@@ -584,3 +584,32 @@ def test_swap_preemption_resumes_with_the_same_output(disk_dir):
         assert_clean(s)
     finally:
         stop(s)
+
+
+def test_swapped_sequences_behind_a_blocked_head_do_not_load_their_pages_over_and_over(disk_dir):
+    """A waiting head that could not fit emptied the prefix cache at each step for nothing, pages
+    just loaded for the swapped sequences behind it among them, and two of those passed the room
+    check against the same evictable pages, each install evicting the other's: a user test saw
+    ~1,400 pages loaded from disk for ~150 used (outputs right, disk reads and TTFT wasted). Pages
+    loaded are now bounded by what the prompts and the swap-ins can use."""
+    import concurrent.futures as cf
+    prompts = [doc(60000 + 2000 * i, 700) for i in range(8)]
+    s = tier_server("--kv-disk-dir", disk_dir, "--preemption-mode", "swap", "--kv-cache-dtype", "int8",
+                    "--kv-cache-dtype-layers", "0-1:f16,28-29:f16", kv_memory="48MiB")
+    try:
+        want = [ask(s, p, max_tokens=250)[0] for p in prompts]  # alone, one after another
+        m0 = s.metrics()
+        with cf.ThreadPoolExecutor(8) as ex:
+            got = list(ex.map(lambda p: ask(s, p, max_tokens=250)[0], prompts))
+        assert got == want
+        m1 = s.metrics()
+        preempted = m1["kvserve:num_preemptions_total"] - m0["kvserve:num_preemptions_total"]
+        loaded = m1["kvserve:kv_tier_loaded_pages_total"] - m0["kvserve:kv_tier_loaded_pages_total"]
+        pages_per_seq = (180 + 250) // 16 + 2  # a prompt of ~170 tokens and its 250 new ones
+        assert preempted >= 2, m1  # the case under test happened
+        # each prompt's pages once, and each swap-in a sequence's pages, with room for one more each
+        bound = 2 * (len(prompts) + preempted) * pages_per_seq
+        assert loaded <= bound, (loaded, bound, preempted)
+        assert_clean(s)
+    finally:
+        stop(s)
