@@ -102,6 +102,14 @@ void Metrics::observe_step(const double* phase_seconds) {
 MetricsSnapshot Metrics::snapshot() const { std::lock_guard<std::mutex> l(mu_); return m_; }
 
 namespace {
+// A counter with one label: HELP and TYPE once, then a line per label value.
+void labelled_counter(std::string& out, const char* name, const char* help, const char* label,
+                      const std::vector<std::pair<const char*, int64_t>>& values) {
+  out.append("# HELP ").append(name).append(" ").append(help).append("\n# TYPE ").append(name).append(" counter\n");
+  for (const auto& [value, n] : values)
+    out.append(name).append("{").append(label).append("=\"").append(value).append("\"} ").append(std::to_string(n)).append("\n");
+}
+
 // HELP texts of any length (a fixed buffer once cut a long one, and the value line with it).
 void series(std::string& out, const char* type, const char* name, const char* help, double v) {
   char value[32];
@@ -154,15 +162,13 @@ std::string render_prometheus(const MetricsSnapshot& m) {
   counter(out, "kvserve:prompt_tokens_total", "Prompt tokens computed (prefill work: prefix-cache and tier hits are not counted, a preempted prompt's recomputation is; vLLM's counts every prompt token).", double(m.prompt_tokens_total));
   counter(out, "kvserve:generation_tokens_total", "Tokens generated.", double(m.generation_tokens_total));
   counter(out, "kvserve:request_success_total", "Requests finished normally.", double(m.request_success_total));
-  out += "# HELP kvserve:request_aborted_total Requests cancelled before they finished, by reason: the client went away "
-         "(client), --request-timeout passed (timeout), the server shut down (shutdown), or the forward failed (error).\n"
-         "# TYPE kvserve:request_aborted_total counter\n";
-  for (CancelReason r : {CancelReason::kClient, CancelReason::kTimeout, CancelReason::kShutdown, CancelReason::kError}) {
-    char buf[96];
-    std::snprintf(buf, sizeof buf, "kvserve:request_aborted_total{reason=\"%s\"} %lld\n", cancel_reason_name(r),
-                  static_cast<long long>(m.request_aborted_total[static_cast<int>(r)]));
-    out += buf;
-  }
+  std::vector<std::pair<const char*, int64_t>> aborted;
+  for (CancelReason r : {CancelReason::kClient, CancelReason::kTimeout, CancelReason::kShutdown, CancelReason::kError})
+    aborted.push_back({cancel_reason_name(r), m.request_aborted_total[static_cast<int>(r)]});
+  labelled_counter(out, "kvserve:request_aborted_total",
+                   "Requests cancelled before they finished, by reason: the client went away (client), --request-timeout "
+                   "passed (timeout), the server shut down (shutdown), or the forward failed (error).",
+                   "reason", aborted);
   counter(out, "kvserve:request_rejected_total", "Requests refused at admission.", double(m.request_rejected_total));
   counter(out, "kvserve:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", double(m.prefix_cache_queries_total));
   counter(out, "kvserve:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", double(m.prefix_cache_hits_total));
@@ -220,15 +226,13 @@ std::string render_prometheus(const MetricsSnapshot& m) {
             double(m.tier_loaded_pages_total));
     counter(out, "kvserve:kv_tier_load_timeouts_total", "Lower-tier lookups a request stopped waiting for (it computed instead).",
             double(m.tier_load_timeouts_total));
-    out += "# HELP kvserve:kv_tier_prompt_tails_total Prompt tails (a prompt's partly filled last page): stored or dropped by a "
-           "prefill instance; loaded (installed instead of recomputed) or unused by a decode instance.\n"
-           "# TYPE kvserve:kv_tier_prompt_tails_total counter\n";
-    for (TailEvent e : {TailEvent::kStored, TailEvent::kDropped, TailEvent::kLoaded, TailEvent::kUnused}) {
-      char buf[128];
-      std::snprintf(buf, sizeof buf, "kvserve:kv_tier_prompt_tails_total{result=\"%s\"} %lld\n", tail_event_name(e),
-                    static_cast<long long>(m.tier_tails_total[static_cast<int>(e)]));
-      out += buf;
-    }
+    std::vector<std::pair<const char*, int64_t>> tails;
+    for (TailEvent e : {TailEvent::kStored, TailEvent::kDropped, TailEvent::kLoaded, TailEvent::kUnused})
+      tails.push_back({tail_event_name(e), m.tier_tails_total[static_cast<int>(e)]});
+    labelled_counter(out, "kvserve:kv_tier_prompt_tails_total",
+                     "Prompt tails (a prompt's partly filled last page): stored or dropped by a prefill instance; loaded "
+                     "(installed instead of recomputed) or unused by a decode instance.",
+                     "result", tails);
     struct Series {
       const char* name;
       const char* type;

@@ -249,27 +249,36 @@ bool endpoint(const sockaddr_storage& addr, std::string* host, int* port) {
 }
 }  // namespace
 
-int find_client_socket(const httplib::Request& req) {
-  if (req.remote_port <= 0 || req.local_port <= 0) return -1;
+namespace {
+// Calls fn(fd, peer host, peer port) for each of this process's connected sockets whose local
+// port is local_port, until fn returns false.
+void each_connection(int local_port, const std::function<bool(int, const std::string&, int)>& fn) {
   DIR* dir = opendir("/proc/self/fd");
-  if (!dir) return -1;
-  int found = -1;
+  if (!dir) return;
   while (dirent* e = readdir(dir)) {
     if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
     const int fd = std::atoi(e->d_name);
     if (fd == dirfd(dir)) continue;
     sockaddr_storage peer{}, local{};
     socklen_t plen = sizeof peer, llen = sizeof local;
-    if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &plen) != 0) continue;
     std::string host;
     int port = -1;
-    if (!endpoint(peer, &host, &port) || port != req.remote_port || host != req.remote_addr) continue;
-    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &llen) != 0) continue;
-    if (!endpoint(local, &host, &port) || port != req.local_port) continue;
-    found = fd;
-    break;
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &llen) != 0 || !endpoint(local, &host, &port) || port != local_port) continue;
+    if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &plen) != 0 || !endpoint(peer, &host, &port)) continue;
+    if (!fn(fd, host, port)) break;
   }
   closedir(dir);
+}
+}  // namespace
+
+int find_client_socket(const httplib::Request& req) {
+  if (req.remote_port <= 0 || req.local_port <= 0) return -1;
+  int found = -1;
+  each_connection(req.local_port, [&](int fd, const std::string& host, int port) {
+    if (port != req.remote_port || host != req.remote_addr) return true;
+    found = fd;
+    return false;
+  });
   return found;
 }
 
@@ -319,21 +328,10 @@ void ConnectionWatchdog::loop() {
 void ConnectionWatchdog::check() {
   // This process's connected sockets on the port (the listening one has no peer).
   std::vector<std::pair<int, Peer>> open;
-  if (DIR* dir = opendir("/proc/self/fd")) {
-    while (dirent* e = readdir(dir)) {
-      if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
-      const int fd = std::atoi(e->d_name);
-      if (fd == dirfd(dir)) continue;
-      sockaddr_storage peer{}, local{};
-      socklen_t plen = sizeof peer, llen = sizeof local;
-      std::string host;
-      int port = -1;
-      if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &llen) != 0 || !endpoint(local, &host, &port) || port != port_) continue;
-      if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &plen) != 0 || !endpoint(peer, &host, &port)) continue;
-      open.push_back({fd, {host, port}});
-    }
-    closedir(dir);
-  }
+  each_connection(port_, [&](int fd, const std::string& host, int port) {
+    open.push_back({fd, {host, port}});
+    return true;
+  });
   const auto now = std::chrono::steady_clock::now();
   const auto limit = std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(limit_s_));
   std::vector<std::pair<int, Peer>> idle;
