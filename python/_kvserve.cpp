@@ -76,9 +76,9 @@ class PyEngine {
            const std::string& kv_cache_dtype_layers, const std::string& act_quant, const std::string& served_model_name, bool quiet,
            const std::string& speculative_config, const std::string& chat_template, bool past_trained_context) {
     // Before the model loads: as the CLI's ranges (0 = the default: every core, the model's context).
-    if (threads < 0 || threads > 256) fail("threads must be in [1, 256] (or None: every core), got " + std::to_string(threads));
+    if (threads < 0 || threads > 256) fail("threads must be in [0, 256] (0 or None: every core), got " + std::to_string(threads));
     if (max_model_len < 0 || max_model_len > (1 << 24))  // serve's --max-model-len range
-      fail("max_model_len must be in [1, " + std::to_string(1 << 24) + "] (or None: the model's context), got " + std::to_string(max_model_len));
+      fail("max_model_len must be in [0, " + std::to_string(1 << 24) + "] (0 or None: the model's context), got " + std::to_string(max_model_len));
     if (!act_quant.empty()) {
       if (act_quant != "q8" && act_quant != "q8x2") fail("act_quant must be \"q8x2\" or \"q8\", got \"" + act_quant + "\"");
       kv::set_act_quant(act_quant == "q8" ? kv::ActQuant::kQ8 : kv::ActQuant::kQ8x2);
@@ -148,6 +148,13 @@ class PyEngine {
     engine_ = std::make_unique<kv::Engine>(*model_, *tok_, ec);
     if (!engine_->init_status()) fail(engine_->init_status().message());
     ctx_ = kv::make_api_context(*tok_, chat_ ? &*chat_ : nullptr, model, served_model_name, ec.max_model_len, ec.max_n);
+    // As serve: a request without max_tokens gets what the cache holds for one sequence, when that
+    // is less than max_model_len (every such request was refused: "needs 512 KV pages ... 364").
+    ctx_.kv_capacity_tokens = static_cast<int64_t>(eng().pool().n_pages()) * block_size;
+    if (!quiet && ctx_.kv_capacity_tokens < ec.max_model_len)
+      std::fprintf(stderr, "kvserve: the KV cache holds %lld tokens, less than one sequence of max_model_len %d: max_tokens=None gets "
+                   "at most what the cache leaves after the prompt (raise kv_cache_memory or lower max_model_len)\n",
+                   static_cast<long long>(ctx_.kv_capacity_tokens), ec.max_model_len);
     if (!quiet)
       std::fprintf(stderr, "kvserve: %s (%s, %d layers), kernels %s, %d threads; KV cache %s %s = %lld tokens\n", mc.name.c_str(),
                    mc.arch.c_str(), mc.n_layer, kv::isa_name(kv::detect_isa()), ec.n_threads,
@@ -191,6 +198,7 @@ class PyEngine {
 
   std::string model_name() const { return ctx_.model_names.at(0); }
   int32_t max_model_len() const { return ctx_.max_model_len; }
+  int64_t kv_capacity_tokens() const { return ctx_.kv_capacity_tokens; }
   bool has_chat_template() const { return ctx_.chat_template != nullptr; }
 
   std::vector<int32_t> tokenize(const std::string& text, bool add_special) const {
@@ -464,6 +472,7 @@ PYBIND11_MODULE(_kvserve, m) {
       .def("close", &PyEngine::close)
       .def_property_readonly("model_name", &PyEngine::model_name)
       .def_property_readonly("max_model_len", &PyEngine::max_model_len)
+      .def_property_readonly("kv_capacity_tokens", &PyEngine::kv_capacity_tokens)
       .def_property_readonly("has_chat_template", &PyEngine::has_chat_template)
       .def("tokenize", &PyEngine::tokenize, py::arg("text"), py::arg("add_special") = true)
       .def("detokenize_bytes", &PyEngine::detokenize_bytes, py::arg("ids"), py::arg("special") = false)

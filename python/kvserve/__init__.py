@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -196,6 +197,10 @@ class LLM:
                             f"(kvserve takes: {', '.join(sorted(_ENGINE_ARGS | {'seed'}))})")
         if tokenizer is not None and tokenizer != model:
             raise TypeError("kvserve reads the tokenizer from the GGUF file: leave `tokenizer` unset")
+        if not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"model is the path of a GGUF file, not {type(model).__name__}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed is an int or None, not {type(seed).__name__}")
         args = dict(kwargs)
         for key in ("kv_cache_memory",):
             if key in args and not isinstance(args[key], str):
@@ -218,7 +223,7 @@ class LLM:
                  *, use_tqdm: bool = True) -> List[RequestOutput]:
         """Completes every prompt (str, {"prompt": str}, {"prompt_token_ids": [...]}), batched
         continuously; returns one RequestOutput per prompt, in order."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params_for(sampling_params, len(prompts))
@@ -231,8 +236,8 @@ class LLM:
                     prompt = p["prompt"]
                 else:
                     raise TypeError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-            elif isinstance(p, list):
-                prompt = p
+            elif isinstance(p, (list, tuple)):
+                prompt = list(p)
             elif isinstance(p, str):
                 prompt = p
             else:
@@ -244,7 +249,12 @@ class LLM:
                 # so the room is computed here, from the same tokenization the server does.
                 ids = prompt if isinstance(prompt, list) else self._engine.tokenize(prompt, True)
                 prompt = ids
-                body["max_tokens"] = max(1, self._engine.max_model_len - len(ids))
+                # Within what the KV cache holds for one sequence, unless a KV policy evicts (the
+                # server's chat default, openai_request.cpp).
+                limit = self._engine.max_model_len
+                if (sp.kv_eviction or {}).get("policy", "none") == "none":
+                    limit = min(limit, self._engine.kv_capacity_tokens)
+                body["max_tokens"] = max(1, limit - len(ids))
             body["prompt"] = prompt
             bodies.append(json.dumps(body))
         return self._run(bodies, params, texts, chat=False, use_tqdm=use_tqdm)
@@ -299,9 +309,14 @@ class LLM:
             return [SamplingParams()] * n
         if isinstance(sp, SamplingParams):
             return [sp] * n
+        if isinstance(sp, (dict, str)):
+            raise TypeError(f"sampling_params is a SamplingParams or a list of them, not {type(sp).__name__}")
         sp = list(sp)
         if len(sp) != n:
             raise ValueError(f"{len(sp)} sampling_params for {n} prompts: give one, or one per prompt")
+        for x in sp:
+            if not isinstance(x, SamplingParams):
+                raise TypeError(f"sampling_params is a SamplingParams or a list of them, not a list holding {type(x).__name__}")
         return sp
 
     def _sampling_body(self, sp: SamplingParams, chat: bool) -> Dict[str, Any]:

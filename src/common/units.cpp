@@ -41,7 +41,8 @@ Result<int64_t> parse_memory_size(const std::string& s) {
   if (s.empty()) return bad();
   char* end = nullptr;
   double v = std::strtod(s.c_str(), &end);
-  if (end == s.c_str() || !std::isfinite(v) || v <= 0) return bad();
+  if (end == s.c_str() || !std::isfinite(v)) return bad();
+  if (v <= 0) return Result<int64_t>::error("memory size '" + s + "' must be more than 0");
   std::string unit(end);
   for (auto& ch : unit) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
   double mult = 1;

@@ -45,7 +45,9 @@ json completion_logprobs(const std::vector<TokenLogprob>& lps, TextOffset* offse
     token_lps.push_back(lp.logprob);
     json top = json::object();
     for (const auto& [id, l] : lp.top) top[logprob_token_string(tok.token_bytes(id, /*special=*/true))] = l;
-    if (lp.top.empty()) top[s] = lp.logprob;  // logprobs=0: the chosen token alone, as vLLM
+    // The chosen token is always there ("up to logprobs+1 elements", OpenAI; vLLM): with
+    // logprobs=0 alone, and when it was sampled from outside the top k.
+    if (!top.contains(s)) top[s] = lp.logprob;
     tops.push_back(top);
     offsets.push_back(offset->chars);
     offset->add(tok.token_bytes(lp.token));  // the text skips control tokens: they move no offset

@@ -290,6 +290,19 @@ def test_a_character_cut_by_max_tokens_is_dropped_not_replaced(client):
     assert cut, "no max_tokens cut a character: the case under test did not happen"
 
 
+def test_completions_top_logprobs_always_hold_the_sampled_token(client):
+    # OpenAI: "the API will always return the logprob of the sampled token, so there may be up to
+    # logprobs+1 elements"; vLLM does. A token sampled from outside the top k was missing.
+    r = complete(client, max_tokens=48, logprobs=1, temperature=1.5, seed=5)
+    lp = r.choices[0].logprobs
+    outside = 0
+    for t, l, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert t in top and math.isclose(top[t], l, abs_tol=1e-6), (t, l, top)
+        assert 1 <= len(top) <= 2
+        outside += len(top) == 2
+    assert outside, "every sampled token was the most likely: the case under test did not happen"
+
+
 def test_chat_logprobs(client):
     r = chat(client, max_tokens=5, logprobs=True, top_logprobs=2)
     content = r.choices[0].logprobs.content

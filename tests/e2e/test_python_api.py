@@ -230,9 +230,46 @@ def test_a_bad_model_file_is_an_exception_not_a_crash(tmp_path):
         LLM(MODEL, kv_cache_dtype="int3", quiet=True)
     with pytest.raises(ValueError):
         LLM(str(tmp_path / "missing.gguf"), quiet=True)
-    for kw, word in [({"threads": -1}, "threads"), ({"threads": 1000}, "threads"), ({"max_model_len": -5}, "max_model_len")]:
+    for kw, word in [({"threads": -1}, r"threads must be in \[0, 256\]"), ({"threads": 1000}, "threads"),
+                     ({"max_model_len": -5}, r"max_model_len must be in \[0, ")]:
         with pytest.raises(ValueError, match=word):
             LLM(MODEL, quiet=True, **kw)
+    with pytest.raises(ValueError, match="must be more than 0"):
+        LLM(MODEL, quiet=True, kv_cache_memory=0)
+
+
+def test_arguments_of_the_wrong_type_are_a_type_error(llm):
+    # They were accepted (seed="x": random.Random takes strings), or failed somewhere else
+    # (LLM(None): "None: cannot open"; sampling params as a dict: AttributeError '_body').
+    with pytest.raises(TypeError, match="model is the path"):
+        LLM(None, quiet=True)
+    with pytest.raises(TypeError, match="seed is an int"):
+        LLM(MODEL, seed="x", quiet=True)
+    with pytest.raises(TypeError, match="sampling_params is a SamplingParams"):
+        llm.generate(["a"], {"temperature": 0})
+    with pytest.raises(TypeError, match="sampling_params is a SamplingParams"):
+        llm.generate(["a"], [{"temperature": 0}])
+    # a tuple of ids is a token-id prompt, as a list is
+    ids = llm.generate([504, 3575, 282], GREEDY, use_tqdm=False)[0]
+    assert llm.generate((504, 3575, 282), GREEDY, use_tqdm=False)[0].outputs[0].text == ids.outputs[0].text
+
+
+def test_max_tokens_none_fits_a_kv_cache_smaller_than_max_model_len():
+    # As the server's chat default: a cache holding less than one max_model_len sequence gave
+    # "needs 512 KV pages (8192 tokens) but the whole KV cache has 364" for every such call.
+    small = LLM(MODEL, kv_cache_memory="12MiB", quiet=True)  # 8,192-token context, ~500 tokens of cache
+    try:
+        assert small._engine.max_model_len > small._engine.kv_capacity_tokens > 0
+        out = small.chat([{"role": "user", "content": "Count from 1 to 5."}], SamplingParams(temperature=0, max_tokens=None),
+                         use_tqdm=False)[0]
+        assert out.outputs[0].finish_reason in ("stop", "length") and out.outputs[0].text
+        long = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+        got = small.generate("Once upon a time", long, use_tqdm=False)[0]
+        assert got.outputs[0].finish_reason == "length"
+        assert len(got.prompt_token_ids) + len(got.outputs[0].token_ids) == small._engine.kv_capacity_tokens
+        small.check_integrity()
+    finally:
+        small.close()
 
 
 def test_a_value_json_cannot_carry_is_refused_where_it_is_set():
@@ -387,7 +424,7 @@ def test_close_from_a_signal_handler_inside_generate():
 def test_max_model_len_past_the_training_context_warns_once(capfd):
     # As `kvserve serve --max-model-len`: SmolLM2 was trained on 8,192 positions; past it, one warning
     # (quiet or not), unless past_trained_context=True says it is meant. Above serve's range: refused.
-    with pytest.raises(ValueError, match=r"max_model_len must be in \[1, 16777216\].*got 100000000"):
+    with pytest.raises(ValueError, match=r"max_model_len must be in \[0, 16777216\].*got 100000000"):
         LLM(MODEL, max_model_len=10**8, quiet=True)
     capfd.readouterr()
     warning = "warning: max_model_len 16384 is past the model's training context (8192 tokens"
