@@ -281,6 +281,12 @@ void run_bench(const BenchOptions& o) {
   if (o.batch > 0) return run_bench_batch(o);
   LoadedModel lm = load_model(o.model, o.threads, o.kvo, o.json);
   const auto& cfg = lm.model->config();
+  // A context past what the model was trained on still runs (RoPE extrapolates), as serve warns.
+  const int64_t ctx_tokens = int64_t(o.prompt_tokens) + o.context + o.gen_tokens;
+  if (cfg.n_ctx_train > 0 && ctx_tokens > cfg.n_ctx_train)
+    std::fprintf(stderr, "warning: -d + -p + -n = %lld tokens of context, past the %lld this model was trained on: its output there "
+                 "is not what the model was made for (speed still measures)\n",
+                 static_cast<long long>(ctx_tokens), static_cast<long long>(cfg.n_ctx_train));
   // Deterministic pseudo-random prompt tokens, away from the control-token range.
   std::vector<int32_t> prompt(std::max({o.prompt_tokens, o.context, 1}));
   uint64_t s = 12345;
@@ -313,7 +319,7 @@ void run_bench(const BenchOptions& o) {
     // The context once; every repeat decodes from it and rolls back to it.
     if (o.context > 0) {
       auto t0 = clock::now();
-      if (kv::Status st = seq.feed(prompt.data(), o.context, false); !st) fail(st.message());
+      if (kv::Status st = seq.feed(prompt.data(), o.context, false); !st) fail("-d " + std::to_string(o.context) + ": " + st.message());
       context_prefill_s = std::chrono::duration<double>(clock::now() - t0).count();
       if (!o.json) std::fprintf(stderr, "context: %d tokens prefilled in %.2f s\n", o.context, context_prefill_s);
       if (evc.evicts()) kv_tokens_read = static_cast<double>(seq.kept_tokens());

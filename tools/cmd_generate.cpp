@@ -94,6 +94,7 @@ void run_generate_engine(const GenerateOptions& o, const kv::SpecConfig& spec) {
 }
 
 void run_generate(const GenerateOptions& o) {
+  if (!(o.sp.top_p > 0)) fail("--top-p must be more than 0 (as the server's top_p; 1 is off)");
   // -n 0 only prefills: nothing to draft (the engine's path would produce one token).
   if (const kv::SpecConfig spec = parse_speculative_option(o.speculative_config); spec.enabled() && o.n_predict > 0)
     return run_generate_engine(o, spec);
@@ -160,7 +161,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("-n,--n-predict", o->n_predict, "tokens to generate")->check(number_in(0, 1 << 20))->capture_default_str();
   cmd->add_option("--temp", o->sp.temperature, "temperature (0 = greedy)")->check(number_in(0.0, 100.0))->capture_default_str();
   cmd->add_option("--top-k", o->sp.top_k, "top-k (0 = off)")->check(non_negative());
-  cmd->add_option("--top-p", o->sp.top_p, "top-p (1 = off)")->check(number_in(0.0, 1.0));
+  cmd->add_option("--top-p", o->sp.top_p, "top-p in (0, 1] (1 = off)")->check(number_in(0.0, 1.0));
   cmd->add_option("--min-p", o->sp.min_p, "min-p (0 = off)")->check(number_in(0.0, 1.0));
   cmd->add_option("--repeat-penalty", o->sp.repetition_penalty, "repetition penalty (1 = off)")->check(number_in(0.01, 10.0));
   CLI::Option* seed = cmd->add_option("--seed", o->sp.seed, "sampling seed (default, or -1: a random one, printed)");

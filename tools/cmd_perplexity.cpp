@@ -44,6 +44,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "tokenizer/utf8.h"
 #include "commands.h"
 #include "common/units.h"
 #include "engine/sequence_runner.h"
@@ -307,6 +308,8 @@ void run_perplexity(const PerplexityOptions& o) {
   }
   if (!text.empty() && text.back() == '\n') text.pop_back();  // as llama.cpp's -f
   if (text.empty()) fail(std::filesystem::is_directory(o.text) ? o.text + " is a directory, not a text file" : "text file " + o.text + " is empty");
+  // A binary file tokenizes to byte tokens and gives a number that means nothing.
+  if (!kv::utf8::is_valid(text)) fail(o.text + " is not UTF-8 text");
 
   const bool progress_tty = isatty(fileno(stderr));
   LoadedModel lm = load_model(o.model, o.threads, o.kvo, false);

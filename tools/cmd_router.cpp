@@ -75,6 +75,10 @@ void run_router(RouterCliOptions o) {
   o.ro.max_body_bytes = static_cast<size_t>(*max_body);
   o.ro.http_read_timeout_s = o.http_read_timeout;
   o.ro.allowed_origins = parse_allowed_origins(o.allowed_origins);
+  for (const auto* urls : {&o.ro.replicas, &o.ro.prefill, &o.ro.decode})  // one backend counted twice would take twice its share
+    for (size_t i = 0; i < urls->size(); ++i)
+      for (size_t j = 0; j < i; ++j)
+        if ((*urls)[i] == (*urls)[j]) fail("backend " + (*urls)[i] + " is given twice");
   // "affinity" is the ring's name from before cache-aware routing: a deployment that asked for it
   // keeps the stateless ring (several routers behind a load balancer agree only on the ring).
   if (o.routing == "affinity") {

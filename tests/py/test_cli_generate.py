@@ -270,3 +270,19 @@ def test_a_budget_the_window_layers_fill_is_refused_at_start():
         r = run(cmd[0], "-m", gemma, "--kv-cache-memory", "8MiB", *cmd[1:], timeout=60)
         assert r.returncode == 1, (cmd, r.returncode, r.stderr[-500:])
         assert "holds no page" in r.stderr and "the sliding-window layers take" in r.stderr, r.stderr[-500:]
+
+
+def test_cli_values_the_server_refuses_are_refused_and_a_long_bench_warns(tmp_path):
+    # generate took --top-p 0 and decoded greedily (the server and Python refuse top_p 0); perplexity
+    # gave a number for a binary file; the router took one backend twice (twice its share); bench
+    # ran past the trained context without the warning serve gives.
+    r = run("generate", "-m", MODEL, "-p", "hi", "-n", "2", "--top-p", "0", "--temp", "1", timeout=30)
+    assert r.returncode != 0 and "--top-p must be more than 0" in r.stderr, r.stderr
+    binary = tmp_path / "bytes.bin"
+    binary.write_bytes(bytes(range(256)) * 8)
+    r = run("perplexity", "-m", MODEL, "-f", str(binary), timeout=30)
+    assert r.returncode != 0 and "is not UTF-8 text" in r.stderr, r.stderr
+    r = run("router", "--replica", "http://127.0.0.1:9", "--replica", "http://127.0.0.1:9", "--listen", "127.0.0.1:65430", timeout=30)
+    assert r.returncode != 0 and "is given twice" in r.stderr, r.stderr
+    r = run("bench", "-m", MODEL, "-p", "8190", "-n", "4", "-r", "1", "--kv-cache-memory", "1GiB", timeout=120)
+    assert r.returncode == 0 and "past the 8192 this model was trained on" in r.stderr, r.stderr[-500:]
