@@ -50,7 +50,7 @@ class SamplingParams:
 
     temperature 0 is greedy. top_k 0 or -1 is off. seed None draws a fresh seed per request
     (or one from LLM(seed=...)). logprobs k: the chosen token's logprob and the top k.
-    max_tokens None: up to the model's context. kv_eviction: a long-context KV policy, as the
+    max_tokens None: up to the model's context (within what the KV cache holds). kv_eviction: a long-context KV policy, as the
     server's request field ({"policy": "snapkv", "budget": 2048}). cache_salt: the prefix
     cache namespace (requests of different salts never share pages).
     """
