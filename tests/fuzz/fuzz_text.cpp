@@ -148,7 +148,7 @@ void run_request(std::string_view data) {
   for (bool detok : {false, true}) {  // /tokenize and /detokenize
     try {
       const nlohmann::json j = kv::parse_json_body(body, g_ctx);
-      const std::vector<int32_t> ids = detok ? kv::parse_detokenize_request(j, g_ctx) : kv::parse_tokenize_request(j, g_ctx);
+      const std::vector<int32_t> ids = detok ? kv::parse_detokenize_request(j, g_ctx) : kv::parse_tokenize_request(j, g_ctx).ids;
       for (int32_t id : ids)
         if (id < 0 || id >= g_ctx.tok->n_vocab()) die("/tokenize or /detokenize let a token outside the vocabulary through");
       if (detok) (void)g_ctx.tok->decode(ids);
