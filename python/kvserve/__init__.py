@@ -65,6 +65,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: Optional[int] = None
     stop: Optional[Union[str, List[str]]] = None
+    stop_token_ids: Optional[List[int]] = None
     ignore_eos: bool = False
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
@@ -96,6 +97,8 @@ class SamplingParams:
             b["seed"] = self.seed
         if self.stop is not None:
             b["stop"] = self.stop
+        if self.stop_token_ids:
+            b["stop_token_ids"] = list(self.stop_token_ids)
         if self.max_tokens is not None:
             b["max_tokens"] = self.max_tokens
         if self.logprobs is not None:
@@ -374,7 +377,9 @@ class LLM:
                 logprobs.append(entry)
                 cumulative += lp
         stop_reason = None
-        if c["finish_reason"] == "stop" and token_ids and not self._engine.is_eog(token_ids[-1]):
+        if c["finish_reason"] == "stop" and token_ids and sp.stop_token_ids and token_ids[-1] in sp.stop_token_ids:
+            stop_reason = token_ids[-1]  # vLLM: the stop token's id
+        elif c["finish_reason"] == "stop" and token_ids and not self._engine.is_eog(token_ids[-1]):
             full = self._decode(token_ids)
             for s in sp._stops():
                 if full.startswith(s, len(text)):

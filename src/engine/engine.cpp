@@ -882,7 +882,8 @@ void Engine::postprocess(Plan& plan, const float* logits) {
       metrics_.add_generation_tokens(1);
       if (e->n_generated > 1) metrics_.observe_itl(itl);
       ev.tokens.push_back(tok);
-      if (!p.ignore_eos && tok_.is_eog(tok)) {
+      const bool stop_id = !p.stop_token_ids.empty() && std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), tok) != p.stop_token_ids.end();
+      if ((!p.ignore_eos && tok_.is_eog(tok)) || (stop_id && tok_.token_type(tok) == TokenType::kControl)) {
         reason = "stop";
         ev.eog_logprobs.swap(ev.logprobs);  // the end-of-generation token is not part of the text
         // Text held back because it could begin a stop string is the answer's end after all; a
@@ -890,8 +891,8 @@ void Engine::postprocess(Plan& plan, const float* logits) {
         e->detok.finish();
         ev.text.swap(e->held);
       } else {
-        e->held += e->detok.push(tok);
-        const bool at_limit = e->n_generated >= p.max_tokens ||
+        e->held += e->detok.push(tok);  // a stop token with text is kept in the output, as vLLM
+        const bool at_limit = stop_id || e->n_generated >= p.max_tokens ||
                               (!goes_past_context(*e) && static_cast<int64_t>(e->tokens.size()) >= cfg_.max_model_len);
         if (at_limit) e->detok.finish();
         size_t cut = std::string::npos;
@@ -905,7 +906,7 @@ void Engine::postprocess(Plan& plan, const float* logits) {
           reason = "stop";
         } else if (at_limit) {
           ev.text.swap(e->held);
-          reason = "length";
+          reason = stop_id ? "stop" : "length";
         } else {
           const size_t keep = stop_holdback(e->held, p.stop);
           ev.text = e->held.substr(0, e->held.size() - keep);

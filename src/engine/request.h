@@ -24,6 +24,9 @@ struct RequestParams {
   SamplingParams sampling;
   int32_t max_tokens = 16;           // new tokens per choice
   std::vector<std::string> stop;     // stop strings: matched across token boundaries, never emitted
+  // Token ids that end a choice as end-of-generation does (vLLM's stop_token_ids; not under
+  // ignore_eos's control): the token's text is kept, unless it is a control token.
+  std::vector<int32_t> stop_token_ids;
   bool ignore_eos = false;
   int32_t n = 1;                     // choices; they share the prompt's pages
   int32_t logprobs = -1;             // -1: none; k ≥ 0: chosen token's logprob + top k alternatives

@@ -194,7 +194,16 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
   // refused, not ignored (an ignored one answers 200 with a different answer than asked for).
   if (const json* v = f.get("min_tokens"); v && !(v->is_number_integer() && v->get<int64_t>() == 0))
     unsupported("min_tokens", "generation stops at the first stop string or end of text.");
-  if (f.requested("stop_token_ids")) unsupported("stop_token_ids", "use stop strings.");
+  if (const json* v = f.get("stop_token_ids"); v && !v->is_null()) {
+    if (!v->is_array()) type_error("stop_token_ids", "an array of token ids", *v);
+    if (v->size() > 256) value_error("stop_token_ids", "at most 256 ids.");
+    for (const json& t : *v) {
+      if (!t.is_number_integer()) type_error("stop_token_ids", "an array of token ids", t);
+      if (t.is_number_unsigned() ? t.get<uint64_t>() >= static_cast<uint64_t>(ctx.tok->n_vocab()) : (t.get<int64_t>() < 0 || t.get<int64_t>() >= ctx.tok->n_vocab()))
+        value_error("stop_token_ids", "token id " + t.dump() + " is outside the vocabulary [0, " + std::to_string(ctx.tok->n_vocab()) + ").");
+      r->params.stop_token_ids.push_back(t.get<int32_t>());
+    }
+  }
   if (f.requested("include_stop_str_in_output")) unsupported("include_stop_str_in_output", "the stop string is never part of the output.");
   if (const json* rf = f.get("response_format"); rf && !rf->is_null()) {
     if (!rf->is_object()) type_error("response_format", "an object", *rf);

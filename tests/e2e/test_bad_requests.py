@@ -150,7 +150,9 @@ CORPUS = [
     ("suffix", "POST", C, JSON, comp(suffix="end"), 400, "suffix"),
     # vLLM extensions not implemented: refused, not ignored (they answered 200 without effect).
     ("min_tokens", "POST", C, JSON, comp(min_tokens=10), 400, "min_tokens"),
-    ("stop_token_ids", "POST", C, JSON, comp(stop_token_ids=[5279]), 400, "stop_token_ids"),
+    ("stop_token_ids out of the vocabulary", "POST", C, JSON, comp(stop_token_ids=[10**9]), 400, "stop_token_ids"),
+    ("stop_token_ids negative", "POST", C, JSON, comp(stop_token_ids=[-1]), 400, "stop_token_ids"),
+    ("stop_token_ids not ids", "POST", C, JSON, comp(stop_token_ids="abc"), 400, "stop_token_ids"),
     ("include_stop_str_in_output", "POST", C, JSON, comp(include_stop_str_in_output=True, stop=["a"]), 400, "include_stop_str_in_output"),
     ("continue_final_message", "POST", CH, JSON, chat(continue_final_message=True), 400, "continue_final_message"),
     # More of them, found by a user test (each answered 200 as if it had not been sent).

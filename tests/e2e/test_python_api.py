@@ -112,6 +112,33 @@ def test_stop_strings_and_stop_reason(llm):
     assert " five" not in c.text and c.text.startswith(" four")
 
 
+def test_stop_token_ids_end_a_choice_as_vllm_does(llm, server):
+    # vLLM's stop_token_ids: the choice ends at the first of them, finish "stop", stop_reason the id;
+    # a token with text stays in the output, a control token does not; ignore_eos does not stop them.
+    prompt = "Count: one, two, three,"
+    (full,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    ids = full.outputs[0].token_ids
+    t = ids[4]
+    k = ids.index(t)
+    (o,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[t, 10]), use_tqdm=False)
+    c = o.outputs[0]
+    assert c.token_ids == ids[:k + 1] and c.finish_reason == "stop" and c.stop_reason == t
+    assert c.text == llm._decode(ids[:k + 1]) and full.outputs[0].text.startswith(c.text)
+    # the server gives the same
+    import requests
+    r = requests.post(server.url + "/v1/completions", timeout=60,
+                      json={"prompt": prompt, "max_tokens": 12, "temperature": 0, "stop_token_ids": [t, 10]}).json()
+    assert r["choices"][0]["text"] == c.text and r["choices"][0]["finish_reason"] == "stop", r
+    # a control token, past ignore_eos: ends the choice, and its text is not in the output
+    chat = [{"role": "user", "content": "Say hi."}]
+    im_end = llm._engine.tokenize("<|im_end|>", False)
+    assert len(im_end) == 1
+    (o,) = llm.chat(chat, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, stop_token_ids=im_end), use_tqdm=False)
+    c = o.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == im_end[0] and c.token_ids[-1] == im_end[0]
+    assert "<|im_end|>" not in c.text and len(c.token_ids) < 64
+
+
 def test_prefix_cache_hit_is_reported(llm):
     prompt = "The quick brown fox jumps over the lazy dog. " * 8
     llm.generate(prompt, GREEDY, use_tqdm=False)
