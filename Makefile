@@ -55,7 +55,7 @@ test-tsan: deps models
 python-install: deps
 	$(PYTHON) -m pip install .
 
-# The OpenAI-compatible server on the default model; SERVE_ARGS adds flags (--port, --api-key, ...).
+# The OpenAI-compatible server on the default model; PORT= picks the port, SERVE_ARGS adds flags (--api-key, ...).
 HOST        ?= 127.0.0.1
 PORT        ?= 8080
 SERVE_ARGS  ?=
