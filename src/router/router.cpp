@@ -327,11 +327,10 @@ void Router::routes() {
                ? httplib::Server::HandlerResponse::Handled
                : httplib::Server::HandlerResponse::Unhandled;
   });
-  const double body_s = opts_.http_read_timeout_s > 0 ? opts_.http_read_timeout_s : 1e9;
-  post_with_body_limit(*svr_, "/v1/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); }, body_s);
-  post_with_body_limit(*svr_, "/v1/chat/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); }, body_s);
+  post_with_body_limit(*svr_, "/v1/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); }, opts_.http_read_timeout_s);
+  post_with_body_limit(*svr_, "/v1/chat/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); }, opts_.http_read_timeout_s);
   install_model_routes(*svr_, ctx_);
-  install_tokenize_routes(*svr_, ctx_, opts_.max_body_bytes, body_s);  // the router has the tokenizer and the template
+  install_tokenize_routes(*svr_, ctx_, opts_.max_body_bytes, opts_.http_read_timeout_s);  // the router has the tokenizer and the template
   svr_->Get("/health", safe_handler([this](const httplib::Request&, httplib::Response& res) {
               json backends = json::array();
               bool any = false;

@@ -207,8 +207,8 @@ void HttpServer::routes() {
 
   auto safe = [](auto fn) { return safe_handler(fn); };
 
-  post_with_body_limit(*svr_, "/v1/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); }, body_timeout());
-  post_with_body_limit(*svr_, "/v1/chat/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); }, body_timeout());
+  post_with_body_limit(*svr_, "/v1/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); }, opts_.http_read_timeout_s);
+  post_with_body_limit(*svr_, "/v1/chat/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); }, opts_.http_read_timeout_s);
 
   install_model_routes(*svr_, ctx_);
   // The chat page (web/chat.html, compiled in).
@@ -221,7 +221,7 @@ void HttpServer::routes() {
               res.set_content(web::k_dashboard_html, "text/html; charset=utf-8");
             }));
   svr_->Get("/dashboard/events", safe([this](const httplib::Request& req, httplib::Response& res) { handle_dashboard_events(req, res); }));
-  install_tokenize_routes(*svr_, ctx_, opts_.max_body_bytes, body_timeout());
+  install_tokenize_routes(*svr_, ctx_, opts_.max_body_bytes, opts_.http_read_timeout_s);
   svr_->Get("/health", safe([this](const httplib::Request&, httplib::Response& res) {
               if (draining_.load()) {  // load balancers take this instance out of rotation
                 res.set_header("Retry-After", kRetryAfterSeconds);

@@ -95,7 +95,6 @@ class HttpServer {
   bool drain(double timeout_s);
   void stop();                                    // any thread
   int32_t in_flight() const { return in_flight_.load(); }
-  double body_timeout() const { return opts_.http_read_timeout_s > 0 ? opts_.http_read_timeout_s : 1e9; }
 
  private:
   void routes();

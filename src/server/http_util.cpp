@@ -118,8 +118,9 @@ void post_with_body_limit(httplib::Server& svr, const std::string& pattern, size
                         const httplib::Request& req, httplib::Response& res, const httplib::ContentReader& read) {
     std::string body;
     bool over = false, late = false;
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                                                 std::chrono::duration<double>(body_timeout_s));
+    const auto deadline = body_timeout_s > 0 ? std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                                                    std::chrono::duration<double>(body_timeout_s))
+                                             : std::chrono::steady_clock::time_point::max();
     // The receiver gets the body as decoded (chunks joined, gzip / deflate inflated).
     const bool ok = read([&](const char* data, size_t n) {
       if (n > max_body_bytes - body.size()) {
@@ -134,13 +135,13 @@ void post_with_body_limit(httplib::Server& svr, const std::string& pattern, size
       return true;
     });
     if (!ok || over || late) {
-      char secs[32];
-      std::snprintf(secs, sizeof secs, "%g", body_timeout_s);
       // httplib sets 413 itself when a Content-Length is over its own limit (the same number).
-      if (late)
+      if (late) {
+        char secs[32];
+        std::snprintf(secs, sizeof secs, "%g", body_timeout_s);
         write_error(res, ApiError{408, std::string("The request body took longer than ") + secs + " s to arrive.",
                                   "invalid_request_error", "", "request_timeout"});
-      else if (over || res.status == 413)
+      } else if (over || res.status == 413)
         write_error(res, payload_too_large(max_body_bytes));
       else
         write_error(res, ApiError{400, "The request body could not be read (a broken chunked or compressed encoding).",
@@ -247,9 +248,7 @@ bool endpoint(const sockaddr_storage& addr, std::string* host, int* port) {
   *host = buf;
   return true;
 }
-}  // namespace
 
-namespace {
 // Calls fn(fd, peer host, peer port) for each of this process's connected sockets whose local
 // port is local_port, until fn returns false.
 void each_connection(int local_port, const std::function<bool(int, const std::string&, int)>& fn) {

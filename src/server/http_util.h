@@ -56,6 +56,7 @@ std::function<void(const httplib::Request&, httplib::Response&)> safe_handler(
 // chunked encoding, a corrupt gzip stream): 400.
 // A body still arriving body_timeout_s after its headers (a client trickling it a byte at a time
 // holds a connection thread meanwhile): 408 request_timeout, and the connection is closed.
+// body_timeout_s <= 0: no limit.
 void post_with_body_limit(httplib::Server& svr, const std::string& pattern, size_t max_body_bytes,
                           std::function<void(const httplib::Request&, httplib::Response&)> fn, double body_timeout_s = 30);
 ApiError payload_too_large(size_t max_body_bytes);
