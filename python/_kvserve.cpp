@@ -151,6 +151,8 @@ class PyEngine {
     // As serve: a request without max_tokens gets what the cache holds for one sequence, when that
     // is less than max_model_len (every such request was refused: "needs 512 KV pages ... 364").
     ctx_.kv_capacity_tokens = static_cast<int64_t>(eng().pool().n_pages()) * block_size;
+    constraints_ = std::make_unique<kv::ConstraintCompiler>(*tok_, model_->config().n_vocab);
+    ctx_.constraints = constraints_.get();
     if (!quiet && ctx_.kv_capacity_tokens < ec.max_model_len)
       std::fprintf(stderr, "kvserve: the KV cache holds %lld tokens, less than one sequence of max_model_len %d: max_tokens=None gets "
                    "at most what the cache leaves after the prompt (raise kv_cache_memory or lower max_model_len)\n",
@@ -437,6 +439,7 @@ class PyEngine {
   std::optional<kv::ChatTemplate> chat_;
   std::unique_ptr<kv::Engine> engine_;
   kv::ApiContext ctx_;
+  std::unique_ptr<kv::ConstraintCompiler> constraints_;  // structured outputs (ctx_.constraints)
   std::mutex calls_mu_;
   std::condition_variable calls_cv_;
   std::vector<std::thread::id> call_threads_;  // threads inside generate() (calls_mu_)

@@ -47,6 +47,9 @@ else
   log "apt: all ${#APT_PACKAGES[@]} packages present"
 fi
 
+# ---------------------------------------------------------------- xgrammar (source, compiled by CMake)
+PYTHON="$PY" "$ROOT/scripts/fetch_xgrammar.sh"
+
 # ---------------------------------------------------------------- pip
 pyver="$("$PY" -c 'import sys; print(sys.executable, sys.version)')"
 key="$( { sha256sum "$REQ" | cut -d' ' -f1; echo "$pyver"; } | sha256sum | cut -c1-16)"

@@ -70,6 +70,7 @@ void run_router(RouterCliOptions o) {
   if (!policy) fail("--kv-eviction: " + policy.message());
   ctx.default_policy_evicts = *policy != kv::EvictionPolicy::kNone;
   ctx.trust_request_chat_template = o.trust_request_chat_template;
+  ctx.constraints_forwarded = true;  // structured outputs: the backends compile them
   auto max_body = kv::parse_byte_size(o.max_body);
   if (!max_body) fail("--max-body-size: " + max_body.message());
   o.ro.max_body_bytes = static_cast<size_t>(*max_body);

@@ -214,6 +214,8 @@ void run_serve(const ServeOptions& o) {
   ctx.trust_request_chat_template = o.trust_request_chat_template;
   ctx.default_policy_evicts = ec.kv_policy.evicts();
   ctx.kv_capacity_tokens = n_tokens;
+  kv::ConstraintCompiler constraints(**tok, (*model)->config().n_vocab);  // structured outputs
+  ctx.constraints = &constraints;
 
   kv::ServerOptions so;
   so.api_keys = o.api_keys;

@@ -20,7 +20,8 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 from . import _kvserve
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestError"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "RequestError"]
 
 
 class RequestError(ValueError):
@@ -45,6 +46,32 @@ _kvserve.set_error_class(RequestError)
 
 
 @dataclass
+class StructuredOutputsParams:
+    """vLLM's StructuredOutputsParams: what a choice may say. Give one of json (a JSON schema, as
+    a dict or its text), regex (the whole output matches it), choice (one of these strings),
+    grammar (EBNF/GBNF, start rule `root`) or json_object=True (any JSON value).
+    disable_any_whitespace: JSON without whitespace between its tokens. See docs/structured_output.md.
+    """
+
+    json: Optional[Union[str, Dict[str, Any]]] = None
+    regex: Optional[str] = None
+    choice: Optional[List[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: bool = False
+
+    def _body(self) -> Dict[str, Any]:
+        b: Dict[str, Any] = {}
+        for name in ("json", "regex", "choice", "grammar", "json_object"):
+            v = getattr(self, name)
+            if v is not None:
+                b[name] = list(v) if name == "choice" and not isinstance(v, str) else v
+        if self.disable_any_whitespace:
+            b["disable_any_whitespace"] = True
+        return b
+
+
+@dataclass
 class SamplingParams:
     """vLLM's SamplingParams (the fields kvserve supports; others raise TypeError).
 
@@ -52,7 +79,8 @@ class SamplingParams:
     (or one from LLM(seed=...)). logprobs k: the chosen token's logprob and the top k.
     max_tokens None: up to the model's context (within what the KV cache holds). kv_eviction: a long-context KV policy, as the
     server's request field ({"policy": "snapkv", "budget": 2048}). cache_salt: the prefix
-    cache namespace (requests of different salts never share pages).
+    cache namespace (requests of different salts never share pages). structured_outputs: a
+    StructuredOutputsParams constraint (JSON schema, regex, choice, grammar).
     """
 
     n: int = 1
@@ -71,6 +99,7 @@ class SamplingParams:
     logprobs: Optional[int] = None
     cache_salt: Optional[str] = None
     kv_eviction: Optional[Dict[str, Any]] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         # JSON has no NaN or infinity: say which field, not what the request body could not hold.
@@ -111,6 +140,11 @@ class SamplingParams:
             b["cache_salt"] = self.cache_salt
         if self.kv_eviction is not None:
             b["kv_eviction"] = self.kv_eviction
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise TypeError("structured_outputs must be a StructuredOutputsParams, not "
+                                f"{type(self.structured_outputs).__name__}")
+            b["structured_outputs"] = self.structured_outputs._body()
         return b
 
 

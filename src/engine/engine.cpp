@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "common/units.h"
 #include "engine/sampler.h"
@@ -81,6 +82,8 @@ struct Engine::Sequence {
   SpecStats spec_stats;
   std::vector<int32_t> draft;
   std::vector<int32_t> spec_run;
+  // Structured output: this choice's walk through the request's constraint (null: none).
+  std::unique_ptr<ConstraintMatcher> constraint;
 
   Sequence(const Tokenizer& tok, const SamplingParams& sp) : sampler(sp), detok(tok) {}
   int64_t to_compute() const { return static_cast<int64_t>(tokens.size()) - n_computed; }
@@ -300,6 +303,7 @@ void Engine::drain_incoming() {
     s->tokens = rs->req.prompt;
     s->n_prompt = static_cast<int32_t>(s->tokens.size());
     s->evict = rs->req.params.kv_policy_set ? rs->req.params.kv_policy : cfg_.kv_policy;
+    if (rs->req.params.constraint) s->constraint = std::make_unique<ConstraintMatcher>(rs->req.params.constraint);
     attach_cold(*s);
     switch (rs->req.params.spec_choice) {
       case RequestParams::Spec::kDefault: s->spec = cfg_.spec; break;
@@ -738,6 +742,8 @@ Engine::Sequence* Engine::fork(Sequence& parent, int32_t index) {
     if (p >= 0) pool_->retain(p);  // shared until written (copy-on-write); -1: evicted
   c->evict = parent.evict;
   c->spec = parent.spec;
+  // Forks are made before the first token is drawn: each choice starts the constraint afresh.
+  if (parent.rs->req.params.constraint) c->constraint = std::make_unique<ConstraintMatcher>(parent.rs->req.params.constraint);
   c->scores = parent.scores;
   c->evicted_tokens = parent.evicted_tokens;
   c->first_evicted_page = parent.first_evicted_page;
@@ -763,9 +769,10 @@ Engine::Sequence* Engine::fork(Sequence& parent, int32_t index) {
 int32_t Engine::make_draft(Sequence& s, int32_t k_cap) {
   s.draft.clear();
   const RequestParams& p = s.rs->req.params;
-  // Not for a first token (forks of n > 1 are made from it) nor under a long-context KV policy
-  // (rejected positions would vote in its scores).
-  if (!s.spec.enabled() || s.n_generated < 1 || s.evict.active()) return 0;
+  // Not for a first token (forks of n > 1 are made from it), nor under a long-context KV policy
+  // (rejected positions would vote in its scores), nor under a structured-output constraint
+  // (a draft would need the constraint's mask at every position).
+  if (!s.spec.enabled() || s.n_generated < 1 || s.evict.active() || s.constraint) return 0;
   const int32_t bs = cfg_.block_size;
   const int64_t n_tok = static_cast<int64_t>(s.tokens.size());
   int64_t k = std::min<int64_t>({k_cap, s.spec.num_speculative_tokens, p.max_tokens - s.n_generated - 1,
@@ -961,7 +968,7 @@ void Engine::sample_all(int32_t nv) {
       // Row j verifies draft token j (verify_draft); logprobs of each row drawn.
       const std::vector<int32_t>* draft = d.n_rows > 1 ? &s.draft : nullptr;
       verify_draft(s.sampler, d.logits, d.n_rows, nv, draft, s.tokens, static_cast<size_t>(s.n_prompt), &ws.sampler, ws.row.data(),
-                   &d.out, [&](int32_t, const float* lg, int32_t tok) {
+                   &d.out, s.constraint.get(), [&](int32_t, const float* lg, int32_t tok) {
                      if (p.logprobs < 0) return;
                      // Log-probabilities of the model's distribution (before penalties and temperature).
                      const float mx = max_value(lg, nv);
@@ -971,7 +978,8 @@ void Engine::sample_all(int32_t nv) {
                      TokenLogprob tl;
                      if (p.logprobs > 0) {
                        top_k_select(lg, nv, std::min(p.logprobs, nv), &ws.sampler.cand);
-                       for (const auto& [v, id] : ws.sampler.cand) tl.top.emplace_back(id, static_cast<float>(double(v) - lz));
+                       for (const auto& [v, id] : ws.sampler.cand)  // a structured output's masked tokens: not candidates
+                         if (v != -std::numeric_limits<float>::infinity()) tl.top.emplace_back(id, static_cast<float>(double(v) - lz));
                      }
                      tl.token = tok;
                      tl.logprob = static_cast<float>(double(lg[tok]) - lz);  // same arithmetic as `top`

@@ -16,6 +16,7 @@
 
 #include "engine/sampler.h"
 #include "engine/speculative.h"
+#include "engine/structured_output.h"
 #include "kv/kv_eviction.h"
 
 namespace kv {
@@ -38,6 +39,9 @@ struct RequestParams {
   // with its defaults when the server has none), or this request's own configuration.
   enum class Spec { kDefault, kOff, kOn, kCustom } spec_choice = Spec::kDefault;
   SpecConfig spec;  // kCustom
+  // Structured output (engine/structured_output.h): compiled by whoever built the request; each
+  // choice walks it with its own matcher. Null: free text.
+  std::shared_ptr<const CompiledConstraint> constraint;
 };
 
 struct TokenLogprob {

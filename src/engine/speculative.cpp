@@ -3,16 +3,36 @@
 #include <algorithm>
 #include <cmath>
 
+#include "engine/structured_output.h"
+
 namespace kv {
 
 void verify_draft(Sampler& sampler, const float* rows, int32_t n_rows, int32_t nv, const std::vector<int32_t>* draft,
                   std::vector<int32_t>& history, size_t n_prompt, SamplerScratch* scratch, float* row_buf,
-                  std::vector<int32_t>* out, const std::function<void(int32_t, const float*, int32_t)>& on_draw) {
+                  std::vector<int32_t>* out, ConstraintMatcher* constraint,
+                  const std::function<void(int32_t, const float*, int32_t)>& on_draw) {
   const size_t n0 = history.size();
   for (int32_t j = 0; j < n_rows; ++j) {
     const float* lg = rows + int64_t(j) * nv;
     int32_t tok;
-    if (sampler.reads_only()) {
+    if (constraint && !constraint->terminated()) {
+      // The tokens the constraint does not allow are out of the draw: the sampler sees the row
+      // with their logits at −inf (greedy: the best allowed token), and so do the logprobs, as
+      // in vLLM, which applies the mask before its sampler.
+      thread_local std::vector<float> masked;
+      masked.assign(lg, lg + nv);
+      constraint->mask(masked.data(), nv);
+      if (sampler.reads_only()) {
+        tok = argmax(masked.data(), nv);
+      } else {
+        std::copy(masked.begin(), masked.end(), row_buf);
+        tok = sampler.sample(row_buf, nv, history, n_prompt, scratch);
+      }
+      constraint->accept(tok);
+      if (on_draw) on_draw(j, masked.data(), tok);
+      out->push_back(tok);
+      break;  // no draft under a constraint
+    } else if (sampler.reads_only()) {
       tok = argmax(lg, nv);  // what sample() returns, without a copy of the row
     } else {
       std::copy(lg, lg + nv, row_buf);  // the sampler rewrites its row

@@ -34,6 +34,8 @@
 
 namespace kv {
 
+class ConstraintMatcher;
+
 struct SpecConfig {
   enum class Method { kNone, kNgram, kSuffix } method = Method::kNone;
   int32_t num_speculative_tokens = 5;  // most draft tokens per sequence and step
@@ -84,10 +86,12 @@ bool parse_spec_method(const std::string& s, SpecConfig::Method* out);
 // draft[j] is accepted when the draw equals it, and the first draw that differs (or the last
 // row's) ends it. The draws go to *out (accepted drafts, then one more); on_draw(j, row, token)
 // sees each (the sampler itself rewrites a copy in row_buf[nv]). history is restored.
-// draft null: one row, a plain draw.
+// draft null: one row, a plain draw. constraint (structured output; never with a draft): the draw
+// is from the tokens it allows, and it advances by the token drawn.
 void verify_draft(Sampler& sampler, const float* rows, int32_t n_rows, int32_t nv, const std::vector<int32_t>* draft,
                   std::vector<int32_t>& history, size_t n_prompt, SamplerScratch* scratch, float* row_buf,
-                  std::vector<int32_t>* out, const std::function<void(int32_t, const float*, int32_t)>& on_draw);
+                  std::vector<int32_t>* out, ConstraintMatcher* constraint,
+                  const std::function<void(int32_t, const float*, int32_t)>& on_draw);
 
 // Prompt lookup over tokens[0, n): appends at most k_max tokens to *out; returns how many.
 int32_t ngram_draft(const int32_t* tokens, int64_t n, const SpecConfig& cfg, int32_t k_max, std::vector<int32_t>* out);

@@ -153,6 +153,106 @@ std::vector<std::string> parse_stop(const Fields& f, const ApiContext& ctx) {
   return out;
 }
 
+// A JSON schema given as an object or as its text: the text xgrammar compiles.
+std::string schema_text(const std::string& name, const json& v) {
+  if (v.is_object() || v.is_boolean()) return v.dump();
+  if (v.is_string()) {
+    json parsed = json::parse(v.get<std::string>(), nullptr, /*allow_exceptions=*/false);
+    if (parsed.is_discarded() || !(parsed.is_object() || parsed.is_boolean())) value_error(name, "is not a JSON schema (an object).");
+    return parsed.dump();
+  }
+  type_error(name, "a JSON schema object", v);
+}
+
+// Structured output, in each of the shapes clients send it (one per request):
+//   OpenAI: response_format {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": …}};
+//   vLLM: guided_json / guided_regex / guided_choice / guided_grammar, and structured_outputs
+//         {"json" | "regex" | "choice" | "grammar" | "json_object": …};
+//   llama.cpp: json_schema, grammar (GBNF).
+// Compiled here (ctx.constraints), on the HTTP thread: a bad schema, regex or grammar is a 400.
+void parse_constraint(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
+  OutputConstraint c;
+  std::string given;  // the field that set it
+  auto set = [&](const std::string& name, OutputConstraint::Kind kind) {
+    if (!given.empty())
+      throw bad_request("Give one structured-output constraint per request; got '" + given + "' and '" + name + "'.", name, "invalid_value");
+    given = name;
+    c.kind = kind;
+  };
+  auto take_regex = [&](const std::string& name, const json& v) {
+    if (!v.is_string()) type_error(name, "a string", v);
+    if (v.get<std::string>().empty()) value_error(name, "must not be empty.");
+    set(name, OutputConstraint::Kind::kRegex);
+    c.spec = v.get<std::string>();
+  };
+  auto take_grammar = [&](const std::string& name, const json& v) {
+    if (!v.is_string()) type_error(name, "a string (an EBNF/GBNF grammar whose start rule is 'root')", v);
+    if (v.get<std::string>().empty()) value_error(name, "must not be empty.");
+    set(name, OutputConstraint::Kind::kGrammar);
+    c.spec = v.get<std::string>();
+  };
+  auto take_choice = [&](const std::string& name, const json& v) {
+    if (!v.is_array() || v.empty()) type_error(name, "a non-empty array of strings", v);
+    set(name, OutputConstraint::Kind::kChoice);
+    for (const json& e : v) {
+      if (!e.is_string()) type_error(name, "a non-empty array of strings", e);
+      if (e.get<std::string>().empty()) value_error(name, "a choice must not be empty.");
+      c.choices.push_back(e.get<std::string>());
+    }
+  };
+  auto take_schema = [&](const std::string& name, const json& v) {
+    set(name, OutputConstraint::Kind::kJsonSchema);
+    c.spec = schema_text(name, v);
+  };
+
+  if (const json* rf = f.get("response_format")) {
+    if (!rf->is_object()) type_error("response_format", "an object", *rf);
+    Fields rff(*rf);
+    const std::string type = rff.string("type").value_or("text");
+    if (type == "json_object") {
+      set("response_format", OutputConstraint::Kind::kJson);
+    } else if (type == "json_schema") {
+      const json* js = rff.get("json_schema");
+      if (!js) value_error("response_format", "type 'json_schema' needs a 'json_schema' object with a 'schema'.");
+      if (!js->is_object()) type_error("response_format", "a 'json_schema' object", *js);
+      const json* schema = Fields(*js).get("schema");
+      if (!schema) value_error("response_format", "its 'json_schema' needs a 'schema'.");
+      take_schema("response_format", *schema);
+    } else if (type != "text") {
+      value_error("response_format", "type must be 'text', 'json_object' or 'json_schema', got '" + type + "'.");
+    }
+  }
+  if (const json* v = f.get("guided_json")) take_schema("guided_json", *v);
+  if (const json* v = f.get("guided_regex")) take_regex("guided_regex", *v);
+  if (const json* v = f.get("guided_choice")) take_choice("guided_choice", *v);
+  if (const json* v = f.get("guided_grammar")) take_grammar("guided_grammar", *v);
+  if (const json* v = f.get("json_schema")) take_schema("json_schema", *v);  // llama.cpp
+  if (const json* v = f.get("grammar")) take_grammar("grammar", *v);          // llama.cpp (GBNF)
+  if (const json* so = f.get("structured_outputs")) {
+    if (!so->is_object()) type_error("structured_outputs", "an object", *so);
+    Fields sf(*so);
+    if (const json* v = sf.get("json")) take_schema("structured_outputs.json", *v);
+    if (const json* v = sf.get("regex")) take_regex("structured_outputs.regex", *v);
+    if (const json* v = sf.get("choice")) take_choice("structured_outputs.choice", *v);
+    if (const json* v = sf.get("grammar")) take_grammar("structured_outputs.grammar", *v);
+    if (sf.boolean("json_object").value_or(false)) set("structured_outputs.json_object", OutputConstraint::Kind::kJson);
+    for (const char* name : {"structural_tag", "whitespace_pattern"})
+      if (sf.requested(name)) unsupported(std::string("structured_outputs.") + name, "");
+    if (sf.boolean("disable_any_whitespace").value_or(false)) c.any_whitespace = false;
+  }
+  if (f.requested("guided_whitespace_pattern")) unsupported("guided_whitespace_pattern", "");
+  for (const char* name : {"structural_tag", "regex"})
+    if (f.requested(name)) unsupported(name, "");
+  if (c.kind == OutputConstraint::Kind::kNone) return;
+  if (ctx.constraints_forwarded) return;  // the router: the backend compiles (and answers a bad one)
+  if (!ctx.constraints) unsupported(given, "structured output is not available here.");
+  try {
+    r->params.constraint = ctx.constraints->compile(c);
+  } catch (const std::invalid_argument& e) {
+    value_error(given, e.what());
+  }
+}
+
 // Fields shared by both endpoints: sampling, n, stop, stream, penalties, cache_salt.
 void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
   check_model(f, ctx);
@@ -205,14 +305,7 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
     }
   }
   if (f.requested("include_stop_str_in_output")) unsupported("include_stop_str_in_output", "the stop string is never part of the output.");
-  if (const json* rf = f.get("response_format"); rf && !rf->is_null()) {
-    if (!rf->is_object()) type_error("response_format", "an object", *rf);
-    auto type = Fields(*rf).string("type");
-    if (type && *type != "text") unsupported("response_format", "only {\"type\": \"text\"} is accepted, got '" + *type + "'.");
-  }
-  for (const char* name : {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "grammar", "json_schema",
-                           "structural_tag", "regex"})
-    if (f.requested(name)) unsupported(name, "structured output (a grammar, regex or JSON schema) is not implemented; the answer would be free-form.");
+  parse_constraint(f, ctx, r);
   if (const json* v = f.get("prompt_logprobs"); v && !v->is_null()) unsupported("prompt_logprobs", "");
   if (const json* v = f.get("truncate_prompt_tokens"); v && !v->is_null())
     unsupported("truncate_prompt_tokens", "a prompt is never truncated (one over max_model_len is refused).");

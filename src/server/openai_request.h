@@ -41,6 +41,11 @@ struct ApiContext {
   // A request's own chat_template runs untrusted code on an HTTP thread (bounded, but seconds of CPU
   // for a 100-byte body): only with --trust-request-chat-template, as vLLM.
   bool trust_request_chat_template = false;
+  // Structured output (engine/structured_output.h): requests' constraints are compiled with it;
+  // null: refused as unsupported, unless constraints_forwarded (the router: checked for shape
+  // and passed on, the backend compiles).
+  ConstraintCompiler* constraints = nullptr;
+  bool constraints_forwarded = false;
 };
 
 // What the HTTP layer needs beyond the engine's Request.

@@ -468,3 +468,38 @@ def test_block_size_is_the_servers_range():
     # Python took block sizes up to 256; above the attention kernels' 64 a long prompt segfaulted.
     with pytest.raises(ValueError, match=r"block_size must be in \[1, 64\], got 128"):
         LLM(MODEL, block_size=128, quiet=True)
+
+
+def test_structured_outputs_as_vllm_takes_them(llm, client):
+    """vLLM's StructuredOutputsParams: every finished output satisfies its constraint (jsonschema,
+    re), the same seed gives the server's text, and a bad regex is the server's 400 message."""
+    import re
+
+    import jsonschema
+    from kvserve import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 15}, "pop": {"type": "integer"}},
+              "required": ["city", "pop"], "additionalProperties": False}
+    sp = SamplingParams(temperature=1.0, seed=9, n=3, max_tokens=60,
+                        structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    out = llm.generate(["A city and its population as JSON:"], sp)[0].outputs
+    for o in out:
+        if o.finish_reason == "stop":
+            jsonschema.validate(json.loads(o.text), schema)
+    assert sum(o.finish_reason == "stop" for o in out) >= 2
+    server = client.completions.create(model=client.models.list().data[0].id, prompt="A city and its population as JSON:",
+                                       temperature=1.0, seed=9, n=3, max_tokens=60,
+                                       extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}})
+    assert [c.text for c in server.choices] == [o.text for o in out]
+
+    sp = SamplingParams(temperature=1.0, seed=2, n=4, max_tokens=8,
+                        structured_outputs=StructuredOutputsParams(regex=r"[A-Z]{2}-[0-9]{3}"))
+    for o in llm.generate(["Code:"], sp)[0].outputs:
+        assert o.finish_reason == "stop" and re.fullmatch(r"[A-Z]{2}-[0-9]{3}", o.text), o.text
+    for o in llm.generate(["Pick:"], SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=5,
+                                                   structured_outputs=StructuredOutputsParams(choice=["up", "down"])))[0].outputs:
+        assert o.text in ("up", "down")
+    with pytest.raises(RequestError, match="parenthesis"):
+        llm.generate(["x"], SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="((")))
+    with pytest.raises(TypeError, match="StructuredOutputsParams"):
+        llm.generate(["x"], SamplingParams(max_tokens=2, structured_outputs={"regex": "a"}))

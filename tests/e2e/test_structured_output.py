@@ -1,0 +1,246 @@
+"""Structured outputs (src/engine/structured_output.h): a JSON schema, JSON, a regex, a list of
+choices or a GBNF grammar constrains what a choice says, in each shape clients send it (OpenAI's
+response_format, vLLM's guided_* and structured_outputs, llama.cpp's json_schema and grammar).
+
+The oracles are independent of the constraint's compiler (xgrammar): `jsonschema` validates the
+JSON outputs, Python's `re` matches the regex ones, HuggingFace `tokenizers` spells the vocabulary.
+Sampling at temperature 1 with several seeds explores what the constraint lets through: a choice
+that ends ("stop") must satisfy it every time. A small model given free rein breaks every one of
+these constraints (checked: the same requests without the constraint).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+import threading
+
+import jsonschema
+import pytest
+import requests
+from openai import BadRequestError, OpenAI
+
+from kvserve_server import MODEL, MODEL_NAME, ROOT, SLOWDOWN, Router, Server
+
+sys.path.insert(0, os.path.join(ROOT, "tests", "reference"))
+import tokenizer_ref  # noqa: E402
+
+GEMMA = os.path.join(ROOT, "models", "gemma-3-270m-Q4_K_M.gguf")
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "maxItems": 3},
+        "admin": {"type": "boolean"},
+    },
+    "required": ["name", "age", "pets", "admin"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Describe a person who owns pets, as JSON."}]
+
+
+def chat(client, **kw):
+    kw.setdefault("model", MODEL_NAME)
+    kw.setdefault("messages", ASK)
+    return client.chat.completions.create(**kw)
+
+
+def finished(choices):
+    return [c for c in choices if c.finish_reason == "stop"]
+
+
+def test_json_schema_outputs_validate(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    outs = []
+    for seed in (1, 2):
+        r = chat(client, response_format=fmt, temperature=1.0, seed=seed, n=4, max_tokens=120,
+                 extra_body={"structured_outputs": {"disable_any_whitespace": True}} if seed == 2 else None)
+        outs += r.choices
+    done = finished(outs)
+    assert len(done) >= 6, [c.message.content for c in outs]
+    for c in done:
+        jsonschema.validate(json.loads(c.message.content), PERSON)
+    # without the constraint the same request answers in prose
+    free = chat(client, temperature=1.0, seed=1, n=4, max_tokens=120)
+    assert not all(_is_valid(c.message.content, PERSON) for c in free.choices)
+
+
+def _is_valid(text, schema):
+    try:
+        jsonschema.validate(json.loads(text), schema)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+def test_json_object_mode_gives_json(client):
+    for seed in (3, 4):
+        r = chat(client, response_format={"type": "json_object"}, temperature=0.8, seed=seed, n=2, max_tokens=150)
+        for c in r.choices:
+            if c.finish_reason == "stop":
+                json.loads(c.message.content)
+    g = chat(client, messages=[{"role": "user", "content": "Give the name and age of a cat as a JSON object."}],
+             response_format={"type": "json_object"}, temperature=0, max_tokens=150)
+    assert g.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(g.choices[0].message.content), (dict, list))
+
+
+@pytest.mark.parametrize("shape", ["guided_regex", "structured_outputs"])
+def test_regex_output_matches_in_full(client, shape):
+    pattern = r"(Mon|Tue|Wed) [0-9]{1,2}:[0-5][0-9] (am|pm)"
+    body = {"guided_regex": pattern} if shape == "guided_regex" else {"structured_outputs": {"regex": pattern}}
+    r = client.completions.create(model=MODEL_NAME, prompt="The meeting is on", temperature=1.0, seed=5, n=4,
+                                  max_tokens=20, extra_body=body)
+    assert len(finished(r.choices)) == 4
+    for c in r.choices:
+        assert re.fullmatch(pattern, c.text), c.text
+
+
+def test_choice_output_is_one_of_them(client):
+    choices = ["Paris", "London", "Rome, Italy", 'say "hi"']
+    seen = set()
+    for seed in (6, 7):
+        r = chat(client, messages=[{"role": "user", "content": "Name a city."}], temperature=1.0, seed=seed, n=4,
+                 max_tokens=10, extra_body={"guided_choice": choices})
+        for c in r.choices:
+            assert c.finish_reason == "stop" and c.message.content in choices, c.message.content
+            seen.add(c.message.content)
+    assert len(seen) >= 2  # temperature 1: not one answer forced
+
+
+def test_gbnf_grammar_as_llama_cpp_takes_it(client):
+    gbnf = 'root ::= colour " " number\ncolour ::= "red" | "green" | "blue"\nnumber ::= [1-9] [0-9]?'
+    r = client.completions.create(model=MODEL_NAME, prompt="A colour and a number:", temperature=1.0, seed=8, n=4,
+                                  max_tokens=10, extra_body={"grammar": gbnf})
+    for c in r.choices:
+        assert c.finish_reason == "stop" and re.fullmatch(r"(red|green|blue) [1-9][0-9]?", c.text), c.text
+
+
+def test_llama_cpp_json_schema_field(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    r = chat(client, temperature=0, max_tokens=30, extra_body={"json_schema": schema})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_streamed_output_is_the_same_text(client):
+    kw = dict(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}, temperature=0.9,
+              seed=11, max_tokens=120)
+    whole = chat(client, **kw).choices[0].message.content
+    parts = [ch.choices[0].delta.content or "" for ch in chat(client, stream=True, **kw) if ch.choices]
+    assert "".join(parts) == whole
+
+
+def test_logprobs_are_over_the_allowed_tokens(client):
+    """As vLLM (the mask is applied before the sampler): the alternatives are tokens the choice
+    list allows, and their probabilities add up to (nearly) one."""
+    tok = tokenizer_ref.load_tokenizer(MODEL)
+    choices = ["yes", "no"]
+    r = chat(client, messages=[{"role": "user", "content": "Is water wet?"}], temperature=0, max_tokens=5,
+             logprobs=True, top_logprobs=20, extra_body={"guided_choice": choices})
+    first = r.choices[0].logprobs.content[0]
+    alts = first.top_logprobs
+    assert alts and all(any(ch.startswith(a.token) for ch in choices) for a in alts), [a.token for a in alts]
+    assert math.isclose(sum(math.exp(a.logprob) for a in alts), 1.0, rel_tol=1e-3)
+    assert r.choices[0].message.content in choices
+    # every allowed first token: a prefix of a choice that is one token of the vocabulary
+    allowed = {t for ch in choices for i in range(1, len(ch) + 1) if (t := ch[:i]) and tok.token_to_id(t) is not None}
+    assert {a.token for a in alts} <= allowed
+
+
+def test_bad_constraints_are_400s_with_the_reason(server):
+    def post(body):
+        return requests.post(server.url + "/v1/chat/completions",
+                             json={"messages": ASK, "max_tokens": 4, **body}, timeout=30)
+    cases = [
+        ({"guided_regex": "(("}, "parenthesis"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_json": {"type": "nonsense"}}, "nonsense"),
+        ({"guided_grammar": "root ::= foo"}, "foo"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_choice": ["a", 1]}, "guided_choice"),
+        ({"guided_choice": ["a"], "guided_regex": "b"}, "one structured-output constraint"),
+        ({"response_format": {"type": "xml"}}, "json_schema"),
+        ({"response_format": {"type": "json_schema"}}, "json_schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema"),
+        ({"structured_outputs": {"structural_tag": "x"}}, "structural_tag"),
+    ]
+    for body, needle in cases:
+        r = post(body)
+        assert r.status_code == 400, (body, r.text)
+        msg = r.json()["error"]["message"]
+        assert needle in msg, (body, msg)
+        assert ".cc:" not in msg  # the library's source position is not the client's business
+    assert post({"response_format": {"type": "text"}}).status_code == 200
+
+
+def test_preempted_constrained_requests_stay_valid():
+    """8 constrained choices in a cache too small for them all: preemption recomputes, the
+    constraint's state carries over, every finished answer validates, every page comes back."""
+    s = Server("--debug", kv_memory="8MiB")
+    try:
+        c = OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120 * SLOWDOWN)
+        fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+        results = [None] * 8
+
+        def one(i):
+            results[i] = chat(c, response_format=fmt, temperature=1.0, seed=100 + i, max_tokens=100,
+                              extra_body={"structured_outputs": {"disable_any_whitespace": True}}).choices[0]
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert s.metrics().get("kvserve:num_preemptions_total", 0) > 0, "the cache was not small enough to preempt"
+        for ch in results:
+            if ch.finish_reason == "stop":
+                jsonschema.validate(json.loads(ch.message.content), PERSON)
+        assert len(finished(results)) >= 6
+        c.close()
+        s.wait_clean()
+    finally:
+        s.stop()
+
+
+def test_router_passes_constraints_on():
+    b = Server()
+    try:
+        r = Router("--replica", b.url)
+        try:
+            c = OpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0, timeout=60 * SLOWDOWN)
+            out = chat(c, temperature=1.0, seed=3, max_tokens=10, extra_body={"guided_choice": ["alpha", "beta"]})
+            assert out.choices[0].message.content in ("alpha", "beta")
+            with pytest.raises(BadRequestError, match="parenthesis"):
+                chat(c, max_tokens=4, extra_body={"guided_regex": "(("})
+            c.close()
+        finally:
+            r.stop()
+    finally:
+        b.stop()
+
+
+def test_sentencepiece_vocabulary_gemma3():
+    """Gemma 3's vocabulary (SentencePiece, ▁ for spaces, <0xXX> byte pieces) is handed over as
+    bytes too: its outputs satisfy a schema and a regex with spaces and a newline."""
+    s = Server("--debug", "--chat-template", "gemma3", model=GEMMA)
+    try:
+        c = OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60 * SLOWDOWN)
+        name = c.models.list().data[0].id
+        r = c.chat.completions.create(model=name, messages=ASK, temperature=1.0, seed=2, n=3, max_tokens=120,
+                                      response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
+        done = finished(r.choices)
+        assert len(done) >= 2, [ch.message.content for ch in r.choices]
+        for ch in done:
+            jsonschema.validate(json.loads(ch.message.content), PERSON)
+        pattern = r"[A-Z][a-z]{1,8} [a-z]{1,8}\n[0-9]{1,3}"
+        r = c.completions.create(model=name, prompt="Write:", temperature=1.0, seed=4, n=3, max_tokens=20,
+                                 extra_body={"guided_regex": pattern})
+        for ch in r.choices:
+            assert ch.finish_reason == "stop" and re.fullmatch(pattern, ch.text), ch.text
+        c.close()
+        s.wait_clean()
+    finally:
+        s.stop()
