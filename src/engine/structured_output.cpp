@@ -2,6 +2,8 @@
 
 #include <dlpack/dlpack.h>
 
+#include <algorithm>
+#include <bit>
 #include <cctype>
 #include <cmath>
 #include <limits>
@@ -154,10 +156,13 @@ int32_t ConstraintMatcher::mask(float* logits, int32_t n_vocab) {
       n_allowed += 32;
       continue;
     }
-    for (int32_t v = v0; v < v1; ++v) {
-      if (word >> (v - v0) & 1u) ++n_allowed;
-      else logits[v] = kNegInf;
+    if (word == 0) {  // most words under a narrow constraint
+      std::fill(logits + v0, logits + v1, kNegInf);
+      continue;
     }
+    const int32_t n = v1 - v0;
+    n_allowed += std::popcount(n == 32 ? word : word & ((1u << n) - 1));
+    for (int32_t i = 0; i < n; ++i) logits[v0 + i] = (word >> i & 1u) ? logits[v0 + i] : kNegInf;  // branch-free
   }
   if (n_allowed == 0)
     for (size_t i = 0; i < stop.size(); ++i)
