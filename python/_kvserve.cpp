@@ -237,6 +237,12 @@ class PyEngine {
       try {
         const nlohmann::json body = kv::parse_json_body(bodies[i], ctx);
         items[i].ar = chat ? kv::parse_chat_request(body, ctx) : kv::parse_completion_request(body, ctx);
+        // A prompt of generate() is one prompt; the server's batch form (several in one body) is
+        // generate's own list.
+        if (items[i].ar.prompts.size() != 1)
+          throw kv::ApiError{400, "Invalid value for 'prompt': one prompt per item of generate() (got " + std::to_string(items[i].ar.prompts.size()) +
+                                      "); give several prompts as generate()'s list.",
+                             "invalid_request_error", "prompt", "invalid_value"};
       } catch (const kv::ApiError& e) {
         throw RequestFailure{e, static_cast<int64_t>(i)};
       }
@@ -253,7 +259,7 @@ class PyEngine {
         it.stream->set_waiter(waiter, n_submitted);
         kv::Request r;
         r.id = engine.next_request_id();
-        r.prompt = it.ar.prompt;
+        r.prompt = it.ar.prompts[0];
         r.params = it.ar.params;
         r.stream = it.stream;
         if (kv::Rejection rej = engine.submit(std::move(r)); rej.http_status != 0) {
@@ -403,7 +409,7 @@ class PyEngine {
 
   py::dict to_python(const Pending& it) const {
     py::dict d;
-    d["prompt_token_ids"] = it.ar.prompt;
+    d["prompt_token_ids"] = it.ar.prompts[0];
     const kv::Usage u = it.stream->usage();
     d["prompt_tokens"] = u.prompt_tokens;
     d["completion_tokens"] = u.completion_tokens;

@@ -200,14 +200,10 @@ Engine::~Engine() {
     }
 }
 
-Rejection Engine::submit(Request req) {
-  Rejection r;
+Rejection Engine::check_request(const Request& req) const {
   const RequestParams& p = req.params;
   const int64_t n_prompt = static_cast<int64_t>(req.prompt.size());
-  auto reject = [&](int32_t status, std::string msg, std::string param) {
-    metrics_.add_rejected();
-    return Rejection{status, std::move(msg), std::move(param)};
-  };
+  auto reject = [](int32_t status, std::string msg, std::string param) { return Rejection{status, std::move(msg), std::move(param)}; };
   if (n_prompt == 0) return reject(400, "The prompt is empty.", "prompt");
   for (int32_t t : req.prompt)
     if (t < 0 || t >= model_.config().n_vocab) return reject(400, "Token id " + std::to_string(t) + " is out of range.", "prompt");
@@ -249,18 +245,45 @@ Rejection Engine::submit(Request req) {
                       " tokens" + (ev.evicts() ? " at once under its KV policy" : "") + ") but the whole KV cache has " +
                       std::to_string(pool_->n_pages()) + "; raise --kv-cache-memory.",
                   n_prompt + 1 > pool_->n_pages() * cfg_.block_size ? "messages" : "max_tokens");
+  return Rejection{};
+}
+
+Rejection Engine::submit(Request req) {
+  std::vector<Request> one;
+  one.push_back(std::move(req));
+  return submit_all(std::move(one));
+}
+
+Rejection Engine::submit_all(std::vector<Request> reqs, int32_t* failed) {
+  if (failed) *failed = -1;
+  auto reject = [&](Rejection r) {
+    metrics_.add_rejected();
+    return r;
+  };
+  for (size_t i = 0; i < reqs.size(); ++i)  // every request first: a bad one queues none
+    if (Rejection r = check_request(reqs[i]); r.http_status != 0) {
+      if (failed) *failed = static_cast<int32_t>(i);
+      return reject(std::move(r));
+    }
+  const auto n_new = static_cast<int64_t>(reqs.size());
+  if (n_new > static_cast<int64_t>(cfg_.max_queue) + cfg_.max_num_seqs)  // could never be queued: not a retry later
+    return reject(Rejection{400,
+                            "A batch of " + std::to_string(n_new) + " prompts is more than this server takes at once (" +
+                                std::to_string(static_cast<int64_t>(cfg_.max_queue) + cfg_.max_num_seqs) +
+                                ": --max-num-seqs + --max-queue); send fewer prompts per request.",
+                            "prompt"});
   {
     std::lock_guard<std::mutex> l(in_mu_);
     // Requests the next step can admit (free sequence slots) are not waiting: a burst of 8 on
     // an idle server with --max-queue 1 got 429s while 16 slots stood free.
     const int32_t free_slots = std::max(0, cfg_.max_num_seqs - n_running_seqs_.load());
-    if (n_waiting_total_.load() >= cfg_.max_queue + free_slots)
-      return reject(429, "The server is busy: " + std::to_string(cfg_.max_queue) + " requests are waiting. Retry later.", "");
-    n_waiting_total_.fetch_add(1);
-    incoming_.push_back(std::move(req));
+    if (n_waiting_total_.load() + n_new > static_cast<int64_t>(cfg_.max_queue) + free_slots)
+      return reject(Rejection{429, "The server is busy: " + std::to_string(cfg_.max_queue) + " requests are waiting. Retry later.", ""});
+    n_waiting_total_.fetch_add(static_cast<int32_t>(n_new));
+    for (Request& r : reqs) incoming_.push_back(std::move(r));
   }
   in_cv_.notify_one();
-  return r;
+  return Rejection{};
 }
 
 void Engine::start() {

@@ -106,6 +106,12 @@ class Engine {
   // Thread-safe. Validates against the limits (max_model_len, pool capacity, max_n, queue)
   // and enqueues. On rejection nothing is enqueued and the stream receives nothing.
   Rejection submit(Request req);
+  // Several requests as one (completions' batch form: one per prompt): each is checked as
+  // submit checks it, then all are queued, or none. The queue counts each as one request (as
+  // submit counts a request of n choices); a batch larger than max_num_seqs + max_queue could
+  // never be queued and is a 400. On a rejection *failed (if given) is the index of the request
+  // at fault, -1 when it is the batch (the queue, its size).
+  Rejection submit_all(std::vector<Request> reqs, int32_t* failed = nullptr);
   uint64_t next_request_id() { return next_id_.fetch_add(1); }
 
   void start();  // engine thread runs step() until stop()
@@ -141,6 +147,8 @@ class Engine {
   struct Sequence;
   struct Plan;
   void drain_incoming();
+  // submit's checks of one request against the limits (not the queue); status 0: it may run.
+  Rejection check_request(const Request& req) const;
   bool schedule(Plan* plan);
   bool ensure_pages(Sequence& s, int64_t n_new);
   void preempt(Sequence& s);

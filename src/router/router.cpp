@@ -365,14 +365,21 @@ void Router::handle_generate(const httplib::Request& req, httplib::Response& res
   // keys affinity too, so tenants spread as their caches do.
   std::string ns = ar.params.cache_namespace;
   if (!auth.empty()) ns = std::to_string(XXH3_64bits(auth.data(), auth.size())) + "/" + ns;
-  uint64_t key = affinity_key(ns, ar.prompt.data(), static_cast<int64_t>(ar.prompt.size()), opts_.block_size,
+  // A completions batch (several prompts) goes whole to one backend, the one of its first prompt:
+  // its choices come back as one response, and a batch often shares its prefix.
+  const std::vector<int32_t>& first = ar.prompts.at(0);
+  uint64_t key = affinity_key(ns, first.data(), static_cast<int64_t>(first.size()), opts_.block_size,
                               std::max(1, opts_.affinity_tokens / opts_.block_size));
   if (opts_.routing == RouterOptions::Routing::kRoundRobin) key = round_robin_key(*serve_, rr_.fetch_add(1));
   const std::string path = chat ? "/v1/chat/completions" : "/v1/completions";
   // No decode instance up: forward answers 503 at once, without loading a prefill instance.
   const std::vector<bool> up = serve_->up();
   if (!prefill_->empty() && std::find(up.begin(), up.end(), true) != up.end()) {
-    if (static_cast<int64_t>(ar.prompt.size()) >= opts_.prefill_min_tokens) prefill(key, path, req.body, auth);
+    // A batch is prefilled whole (the prefill instance computes every prompt) when its longest
+    // prompt is long enough, on the prefill instance of its first prompt.
+    size_t longest = 0;
+    for (const auto& p : ar.prompts) longest = std::max(longest, p.size());
+    if (static_cast<int64_t>(longest) >= opts_.prefill_min_tokens) prefill(key, path, req.body, auth);
     else n_prefill_skipped_.fetch_add(1);
   }
   // A non-streamed request's client is watched while the backend answers (a stream notices a

@@ -57,12 +57,78 @@ constexpr const char* kRetryAfterSeconds = "5";
 // The cancel reason of why_end's error: its 504 is the deadline, its 503 the shutdown.
 CancelReason end_reason(const ApiError& e) { return e.status == 504 ? CancelReason::kTimeout : CancelReason::kShutdown; }
 
-// Cancels the request if the handler leaves early (an exception, a vanished client).
+// The engine requests of one HTTP request: one per prompt (completions' batch form has
+// several), each of n choices. Events come out with the response's choice index,
+// prompt * n + choice, as OpenAI and vLLM number a batch's choices.
+class RequestGroup {
+ public:
+  RequestGroup(std::vector<std::shared_ptr<RequestStream>> streams, int32_t n) : streams_(std::move(streams)), n_(n), done_(streams_.size()) {
+    if (streams_.size() > 1) {
+      waiter_ = std::make_shared<StreamWaiter>();
+      for (size_t k = 0; k < streams_.size(); ++k) streams_[k]->set_waiter(waiter_, k);  // before submit
+    }
+  }
+  int32_t n_choices() const { return static_cast<int32_t>(streams_.size()) * n_; }
+
+  // Waits up to `timeout` for events; appends them (choice indices as above; an index out of
+  // range becomes -1) to out. Returns false once every request is done.
+  bool pop(std::vector<StreamEvent>* out, std::chrono::milliseconds timeout) {
+    if (streams_.size() == 1) return streams_[0]->pop(out, timeout);
+    // Wait for news from any stream, then take every stream's events: a push after a stream was
+    // read leaves its key in the waiter, so the next wait returns at once and nothing is missed.
+    ready_.clear();
+    waiter_->wait(&ready_, timeout);
+    bool more = false;
+    for (size_t k = 0; k < streams_.size(); ++k) {
+      if (done_[k]) continue;
+      const size_t from = out->size();
+      done_[k] = !streams_[k]->pop(out, std::chrono::milliseconds(0));
+      for (size_t e = from; e < out->size(); ++e) {
+        StreamEvent& ev = (*out)[e];
+        ev.index = ev.index >= 0 && ev.index < n_ ? static_cast<int32_t>(k) * n_ + ev.index : -1;
+      }
+      more = more || !done_[k];
+    }
+    return more;
+  }
+
+  void cancel(CancelReason why = CancelReason::kClient) {
+    for (auto& s : streams_) s->cancel(why);
+  }
+
+  // The requests' usage, summed (each prompt's tokens, every choice's completion).
+  Usage usage() const {
+    Usage sum;
+    for (size_t k = 0; k < streams_.size(); ++k) {
+      const Usage u = streams_[k]->usage();
+      if (k == 0) {
+        sum = u;
+        continue;
+      }
+      sum.prompt_tokens += u.prompt_tokens;
+      sum.completion_tokens += u.completion_tokens;
+      sum.cached_tokens += u.cached_tokens;
+      sum.kv_tokens_kept += u.kv_tokens_kept;
+      sum.kv_tokens_evicted += u.kv_tokens_evicted;
+      sum.kv_tokens_reindexed += u.kv_tokens_reindexed;
+    }
+    return sum;
+  }
+
+ private:
+  std::vector<std::shared_ptr<RequestStream>> streams_;
+  int32_t n_;
+  std::vector<bool> done_;
+  std::shared_ptr<StreamWaiter> waiter_;  // several streams only
+  std::vector<uint64_t> ready_;
+};
+
+// Cancels the requests if the handler leaves early (an exception, a vanished client).
 struct CancelGuard {
-  std::shared_ptr<RequestStream> stream;
+  std::shared_ptr<RequestGroup> group;
   bool armed = true;
   ~CancelGuard() {
-    if (armed) stream->cancel();
+    if (armed) group->cancel();
   }
 };
 
@@ -76,9 +142,9 @@ bool same_secret(const std::string& given, const std::string& key) {
 
 // The streaming side of one request: what has been sent, what is left.
 struct SseState {
-  std::shared_ptr<RequestStream> stream;
+  std::shared_ptr<RequestGroup> stream;
   ResponseMeta meta;
-  int32_t n = 1;
+  int32_t n = 1;                     // choices in all (prompts × n)
   bool with_logprobs = false;
   bool started = false;
   bool finished = false;             // [DONE] written
@@ -338,27 +404,36 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
   }
   ResponseMeta meta{make_response_id(chat), unix_now(), ctx_.model_names.at(0), chat, ar.include_usage};
   meta.continuous_usage = ar.continuous_usage;
-  meta.prompt_tokens = static_cast<int32_t>(ar.prompt.size());
+  for (const auto& p : ar.prompts) meta.prompt_tokens += static_cast<int32_t>(p.size());
 
-  Request r;
-  r.id = engine_.next_request_id();
-  r.prompt = std::move(ar.prompt);
-  r.params = ar.params;
   // Prefix-cache namespace: the caller's cache_salt, and with auth on, the key itself (hashed,
   // never stored raw), so tenants with different keys never share a page.
-  if (!opts_.api_keys.empty()) r.params.cache_namespace = tenant_prefix(req.get_header_value("Authorization").substr(7)) + r.params.cache_namespace;
+  if (!opts_.api_keys.empty()) ar.params.cache_namespace = tenant_prefix(req.get_header_value("Authorization").substr(7)) + ar.params.cache_namespace;
   // Without keys a salt is the whole namespace: one spelled as a tenant's prefix would reach that
   // tenant's pages in a disk or Redis tier shared with servers that check keys.
-  else if (r.params.cache_namespace.rfind(kTenantPrefixTag, 0) == 0)
+  else if (ar.params.cache_namespace.rfind(kTenantPrefixTag, 0) == 0)
     throw ApiError{400, std::string("Invalid value for 'cache_salt': it may not start with \"") + kTenantPrefixTag +
                             "\", which names the namespaces of API-key tenants.",
                    "invalid_request_error", "cache_salt", "invalid_value"};
-  r.stream = std::make_shared<RequestStream>();
-  std::shared_ptr<RequestStream> stream = r.stream;
-  const int32_t n = ar.params.n;
-  if (Rejection rej = engine_.submit(std::move(r)); rej.http_status != 0) {
+  // One engine request per prompt, all queued or none (a bad prompt anywhere in a batch is
+  // answered before anything runs).
+  std::vector<Request> reqs(ar.prompts.size());
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (size_t k = 0; k < reqs.size(); ++k) {
+    reqs[k].id = engine_.next_request_id();
+    reqs[k].prompt = std::move(ar.prompts[k]);
+    reqs[k].params = ar.params;
+    reqs[k].stream = std::make_shared<RequestStream>();
+    streams.push_back(reqs[k].stream);
+  }
+  const int32_t n = ar.params.n * static_cast<int32_t>(reqs.size());  // choices in all
+  auto stream = std::make_shared<RequestGroup>(std::move(streams), ar.params.n);
+  int32_t failed = -1;
+  if (Rejection rej = engine_.submit_all(std::move(reqs), &failed); rej.http_status != 0) {
     if (rej.http_status == 429 || rej.http_status == 503) res.set_header("Retry-After", "1");  // the queue is full: soon
-    throw from_rejection(rej, chat);
+    ApiError e = from_rejection(rej, chat);
+    if (failed >= 0 && stream->n_choices() > ar.params.n) e.message = "prompt[" + std::to_string(failed) + "]: " + e.message;
+    throw e;
   }
   CancelGuard guard{stream};
   const auto deadline = opts_.request_timeout_s > 0

@@ -409,44 +409,52 @@ int32_t parse_max_tokens(const Fields& f, const char* name, const ApiContext& ct
   return static_cast<int32_t>(v->get<int64_t>());
 }
 
-// The prompt of /v1/completions: a string, a list of token ids, or a list holding one of those.
-std::vector<int32_t> parse_prompt(const Fields& f, const ApiContext& ctx) {
+// The prompts of /v1/completions: a string or a list of token ids (one prompt), or OpenAI's batch
+// form, a list of strings or a list of token-id lists (one prompt each; a list of one is one
+// prompt, as before). The kinds do not mix, as in OpenAI's schema. Errors in a batch name the
+// prompt (prompt[k]).
+std::vector<std::vector<int32_t>> parse_prompts(const Fields& f, const ApiContext& ctx) {
   const json* v = f.get("prompt");
   if (!v) throw bad_request("Missing required parameter: 'prompt'.", "prompt", "missing_required_parameter");
-  const char* expected = "a string, an array of token ids, or an array with one string";
-  auto from_ids = [&](const json& arr) {
+  const char* expected = "a string, an array of token ids, an array of strings or an array of token-id arrays";
+  auto from_ids = [&](const json& arr, const std::string& where) {
     std::vector<int32_t> ids;
     ids.reserve(arr.size());
     for (const auto& t : arr) {
       if (!t.is_number_integer()) type_error("prompt", expected, t);
       if (t.is_number_unsigned() ? t.get<uint64_t>() >= static_cast<uint64_t>(ctx.tok->n_vocab()) : (t.get<int64_t>() < 0 || t.get<int64_t>() >= ctx.tok->n_vocab()))
-        value_error("prompt", "token id " + t.dump() + " is outside the vocabulary [0, " + std::to_string(ctx.tok->n_vocab()) + ").");
+        value_error("prompt", "token id " + t.dump() + where + " is outside the vocabulary [0, " + std::to_string(ctx.tok->n_vocab()) + ").");
       ids.push_back(static_cast<int32_t>(t.get<int64_t>()));
     }
     return ids;
   };
   auto from_text = [&](const std::string& s) { return ctx.tok->encode(s, /*add_special=*/true, /*parse_special=*/true); };
 
-  std::vector<int32_t> ids;
+  std::vector<std::vector<int32_t>> out;
   if (v->is_string()) {
-    ids = from_text(v->get<std::string>());
+    out.push_back(from_text(v->get<std::string>()));
   } else if (v->is_array()) {
     if (v->empty()) value_error("prompt", "the prompt is empty.");
     const json& first = (*v)[0];
     if (first.is_string() || first.is_array()) {
-      if (v->size() != 1)
-        throw bad_request("Only one prompt per request is supported; got " + std::to_string(v->size()) + ". Send one request per prompt.",
-                          "prompt", "unsupported_parameter");
-      if (first.is_string()) ids = from_text(first.get<std::string>());
-      else ids = from_ids(first);
+      const bool texts = first.is_string();
+      const bool batch = v->size() > 1;
+      for (size_t k = 0; k < v->size(); ++k) {
+        const json& p = (*v)[k];
+        const std::string where = batch ? " in prompt[" + std::to_string(k) + "]" : "";
+        if (texts ? !p.is_string() : !p.is_array())
+          type_error("prompt", texts ? "an array of strings (several prompts)" : "an array of token-id arrays (several prompts)", p);
+        out.push_back(texts ? from_text(p.get<std::string>()) : from_ids(p, where));
+        if (out.back().empty()) value_error("prompt", batch ? "prompt[" + std::to_string(k) + "] is empty." : "the prompt is empty.");
+      }
     } else {
-      ids = from_ids(*v);
+      out.push_back(from_ids(*v, ""));
     }
   } else {
     type_error("prompt", expected, *v);
   }
-  if (ids.empty()) value_error("prompt", "the prompt is empty.");
-  return ids;
+  if (out.size() == 1 && out[0].empty()) value_error("prompt", "the prompt is empty.");
+  return out;
 }
 
 // One message's content as text: a string, or a list of {"type": "text", "text": ...} parts.
@@ -680,7 +688,7 @@ ApiRequest parse_completion_request(const json& body, const ApiContext& ctx) {
     r.params.logprobs = static_cast<int32_t>(*lp);
     r.logprobs = true;
   }
-  r.prompt = parse_prompt(f, ctx);
+  r.prompts = parse_prompts(f, ctx);
   r.params.max_tokens = parse_max_tokens(f, "max_tokens", ctx, 16, r.params);  // OpenAI's default for completions
   return r;
 }
@@ -709,7 +717,7 @@ ApiRequest parse_chat_request(const json& body, const ApiContext& ctx) {
     r.logprobs = true;
   }
 
-  r.prompt = chat_prompt(f, ctx);
+  r.prompts = {chat_prompt(f, ctx)};
 
   // max_completion_tokens is OpenAI's current name; max_tokens the deprecated one.
   // max_tokens absent: the rest of the context, within what the KV cache can hold unless the
@@ -717,7 +725,7 @@ ApiRequest parse_chat_request(const json& body, const ApiContext& ctx) {
   int64_t limit = ctx.max_model_len;
   const bool evicts = r.params.kv_policy_set ? r.params.kv_policy.evicts() : ctx.default_policy_evicts;
   if (!evicts && ctx.kv_capacity_tokens > 0) limit = std::min<int64_t>(limit, ctx.kv_capacity_tokens);
-  const int64_t room = limit - static_cast<int64_t>(r.prompt.size());
+  const int64_t room = limit - static_cast<int64_t>(r.prompts[0].size());
   const char* name = f.get("max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
   r.params.max_tokens = parse_max_tokens(f, name, ctx, room, r.params);
   return r;

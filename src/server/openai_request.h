@@ -51,7 +51,10 @@ struct ApiContext {
 // What the HTTP layer needs beyond the engine's Request.
 struct ApiRequest {
   bool chat = false;
-  std::vector<int32_t> prompt;  // token ids, ready for Engine::submit
+  // Token ids, ready for Engine::submit: one prompt, or several for a completions `prompt` in
+  // OpenAI's batch form (a list of strings or of token-id lists). Each prompt is one engine
+  // request of n choices; choice i of prompt p is the response's choice p * n + i.
+  std::vector<std::vector<int32_t>> prompts;
   RequestParams params;
   bool stream = false;
   bool include_usage = false;   // stream_options.include_usage
@@ -68,7 +71,7 @@ ApiContext make_api_context(const Tokenizer& tok, const ChatTemplate* chat_templ
 // deeper than ctx.max_nesting, or not an object.
 nlohmann::json parse_json_body(const std::string& body, const ApiContext& ctx);
 
-ApiRequest parse_completion_request(const nlohmann::json& body, const ApiContext& ctx);  // /v1/completions
+ApiRequest parse_completion_request(const nlohmann::json& body, const ApiContext& ctx);  // /v1/completions: one prompt or more
 ApiRequest parse_chat_request(const nlohmann::json& body, const ApiContext& ctx);        // /v1/chat/completions
 
 // What a client sees when Engine::submit refuses (429 has code rate_limit_exceeded), and when

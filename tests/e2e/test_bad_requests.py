@@ -68,7 +68,12 @@ CORPUS = [
     ("prompt token out of vocab", "POST", C, JSON, comp(prompt=[1, 2, 10**9]), 400, "prompt"),
     ("prompt negative token", "POST", C, JSON, comp(prompt=[1, -5]), 400, "prompt"),
     ("prompt mixed list", "POST", C, JSON, comp(prompt=[1, "a"]), 400, "prompt"),
-    ("two prompts", "POST", C, JSON, comp(prompt=["a", "b"]), 400, "prompt"),
+    # OpenAI's batch form (several prompts) is served; its prompts must be of one kind, none empty, none too long
+    ("batch of strings and ids", "POST", C, JSON, comp(prompt=["a", [1, 2]]), 400, "prompt"),
+    ("batch of ids and strings", "POST", C, JSON, comp(prompt=[[1, 2], "a"]), 400, "prompt"),
+    ("batch with an empty string", "POST", C, JSON, comp(prompt=["a", ""]), 400, "prompt"),
+    ("batch with a number", "POST", C, JSON, comp(prompt=["a", 5]), 400, "prompt"),
+    ("batch with a prompt too long", "POST", C, JSON, comp(prompt=["a", [100] * (MAX_MODEL_LEN + 10)]), 400, "prompt"),
     ("prompt too long", "POST", C, JSON, comp(prompt=[100] * (MAX_MODEL_LEN + 10)), 400, None),
     # --- messages
     ("missing messages", "POST", CH, JSON, without(chat(), "messages"), 400, "messages"),

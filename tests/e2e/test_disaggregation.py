@@ -158,6 +158,89 @@ def test_short_prompts_skip_the_prefill_instance(redis):
         stop_all(router, dec, pre)
 
 
+def batch(url: str, prompts: list, max_tokens: int = 10, stream: bool = False):
+    """One completions request holding several prompts (OpenAI's batch form): the choices' texts
+    in index order, and the usage."""
+    c = client(url)
+    try:
+        if not stream:
+            r = c.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=max_tokens, temperature=0)
+            assert [ch.index for ch in r.choices] == list(range(len(prompts)))
+            return [ch.text for ch in r.choices], r.usage
+        texts, usage = [""] * len(prompts), None
+        for ch in c.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=max_tokens, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}):
+            for choice in ch.choices:
+                texts[choice.index] += choice.text
+            usage = ch.usage or usage
+        return texts, usage
+    finally:
+        c.close()
+
+
+def test_a_batch_of_prompts_is_prefilled_and_decoded_whole(redis):
+    # The router sends a batch whole: to the prefill instance when its longest prompt is long
+    # enough (every prompt is prefilled there, the short one too), then to the decode instance,
+    # which finds every prompt's pages, and answers as one instance would.
+    prompts = [doc(0, 1500), "Name three rivers in Europe:", doc(6000, 1200)]
+    solo = Server("--debug", max_model_len=MAX_LEN, kv_memory="64MiB")
+    try:
+        expected, solo_usage = batch(solo.url, prompts)
+    finally:
+        solo.stop()
+    pre = dec = router = None
+    try:
+        pre = role_server("prefill", redis)
+        dec = role_server("decode", redis)
+        router = Router("--prefill", pre.url, "--decode", dec.url, max_model_len=MAX_LEN)
+        for stream in (False, True):
+            texts, usage = batch(router.url, prompts, stream=stream)
+            assert texts == expected, stream
+            assert usage.prompt_tokens == solo_usage.prompt_tokens
+            # Each long prompt's last token alone was computed on the decode instance; the short one
+            # (less than a page: nothing goes through the tier) whole.
+            n_short = requests.post(router.url + "/tokenize", json={"prompt": prompts[1]}).json()["count"]
+            assert n_short < 16
+            assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 2 - n_short, (stream, usage)
+        m = router.metrics()
+        assert m['kvserve:router_prefills_total{result="ok"}'] == 2
+        assert pre.metrics()["kvserve:request_success_total"] == 2 * len(prompts)
+        # A batch of short prompts only skips the prefill instance.
+        texts, usage = batch(router.url, ["The capital of France is", "1, 2, 3,"], max_tokens=4)
+        assert all(texts) and router.metrics()['kvserve:router_prefills_total{result="skipped"}'] == 1
+        dec.wait_clean()
+        pre.wait_clean()
+    finally:
+        stop_all(router, dec, pre)
+
+
+def test_a_batch_goes_whole_to_one_replica():
+    a = b = router = None
+    try:
+        a = Server("--debug", max_model_len=MAX_LEN, kv_memory="64MiB")
+        b = Server("--debug", max_model_len=MAX_LEN, kv_memory="64MiB")
+        prompts = ["The capital of France is", doc(100, 400), "def fib(n):", "1, 2, 3,"]
+        expected, _ = batch(a.url, prompts)
+        router = Router("--replica", a.url, "--replica", b.url, max_model_len=MAX_LEN)
+        for stream in (False, True):
+            texts, usage = batch(router.url, prompts, stream=stream)
+            assert texts == expected
+            assert usage.completion_tokens == 10 * len(prompts)
+        per = [s.metrics()["kvserve:request_success_total"] for s in (a, b)]
+        n = len(prompts)  # `a` answered the batch once alone; the router's two went whole to one replica
+        assert per in ([3 * n, 0], [n, 2 * n]), per
+        m = router.metrics()
+        routed = [m[f'kvserve:router_requests_total{{backend="{s.url}",role="replica"}}'] for s in (a, b)]
+        assert routed in ([2, 0], [0, 2]), routed  # the same first prompt: the same replica, both times
+        # A bad prompt anywhere: the router answers the 400 itself, naming it.
+        r = requests.post(router.url + "/v1/completions", json={"prompt": [[1, 2], [3, 10**9]]})
+        assert r.status_code == 400 and "prompt[1]" in r.json()["error"]["message"], r.text
+        a.wait_clean()
+        b.wait_clean()
+    finally:
+        stop_all(router, a, b)
+
+
 def test_prefill_instance_killed_mid_load_fails_no_request(redis):
     prompts = [doc(1000 * i, 2500) for i in range(6)]
     solo = Server("--debug", max_model_len=MAX_LEN, kv_memory="64MiB")

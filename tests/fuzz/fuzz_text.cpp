@@ -136,9 +136,13 @@ void run_request(std::string_view data) {
     try {
       const nlohmann::json j = kv::parse_json_body(body, g_ctx);
       kv::ApiRequest r = chat ? kv::parse_chat_request(j, g_ctx) : kv::parse_completion_request(j, g_ctx);
-      if (r.prompt.empty()) die("an accepted request with an empty prompt");
-      for (int32_t id : r.prompt)
-        if (id < 0 || id >= g_ctx.tok->n_vocab()) die("an accepted prompt token outside the vocabulary");
+      if (r.prompts.empty()) die("an accepted request with no prompt");
+      if (chat && r.prompts.size() != 1) die("a chat request with several prompts");
+      for (const auto& prompt : r.prompts) {
+        if (prompt.empty()) die("an accepted request with an empty prompt");
+        for (int32_t id : prompt)
+          if (id < 0 || id >= g_ctx.tok->n_vocab()) die("an accepted prompt token outside the vocabulary");
+      }
       if (r.params.n < 1 || r.params.n > g_ctx.max_n) die("n outside its bounds");
       if (r.params.max_tokens < 1) die("max_tokens < 1 accepted");
     } catch (const kv::ApiError& e) {

@@ -50,6 +50,8 @@ BODIES = [
      "logprobs": True, "top_logprobs": 3, "max_completion_tokens": 5},
     {"prompt": "x", "kv_eviction": {"policy": "snapkv", "budget": 256, "sparse": "quest", "sparse_pages": 4}, "cache_salt": "t1"},
     {"prompt": "x", "temperature": 5}, {"model": "nope", "prompt": "x"}, [1, 2], {"prompt": ""},
+    {"prompt": ["hi", "there", ""], "n": 2, "stream": True},  # OpenAI's batch form
+    {"prompt": [[1, 2], [3], [4, 5, 6]], "logprobs": 1},
 ]
 
 
