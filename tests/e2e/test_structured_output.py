@@ -244,3 +244,12 @@ def test_sentencepiece_vocabulary_gemma3():
         s.wait_clean()
     finally:
         s.stop()
+
+
+def test_a_batch_of_prompts_shares_one_constraint(client):
+    """OpenAI's batch form: each prompt's choices walk the constraint on their own."""
+    r = client.completions.create(model=MODEL_NAME, prompt=["The weather is", "My answer is", "Colour:"], n=2,
+                                  temperature=1.0, seed=12, max_tokens=6, extra_body={"guided_choice": ["sunny", "rainy", "grey"]})
+    assert sorted(c.index for c in r.choices) == list(range(6))
+    for c in r.choices:
+        assert c.finish_reason == "stop" and c.text in ("sunny", "rainy", "grey"), c.text
