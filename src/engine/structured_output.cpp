@@ -78,9 +78,10 @@ std::string xgrammar_message(std::string msg) {
 std::shared_ptr<const CompiledConstraint> ConstraintCompiler::compile(const OutputConstraint& c) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!impl_) {
-    std::vector<std::string> vocab(tok_.n_vocab());
+    const int32_t n_tok = std::min(tok_.n_vocab(), n_vocab_);  // ids past the logits are never drawn
+    std::vector<std::string> vocab(n_tok);
     std::vector<int32_t> stop;
-    for (int32_t id = 0; id < tok_.n_vocab(); ++id) {
+    for (int32_t id = 0; id < n_tok; ++id) {
       if (tok_.token_type(id) != TokenType::kControl) vocab[id] = tok_.token_bytes(id, false);
       if (tok_.is_eog(id)) stop.push_back(id);
     }
