@@ -80,7 +80,8 @@ class SamplingParams:
     max_tokens None: up to the model's context (within what the KV cache holds). kv_eviction: a long-context KV policy, as the
     server's request field ({"policy": "snapkv", "budget": 2048}). cache_salt: the prefix
     cache namespace (requests of different salts never share pages). structured_outputs: a
-    StructuredOutputsParams constraint (JSON schema, regex, choice, grammar).
+    StructuredOutputsParams constraint (JSON schema, regex, choice, grammar). logit_bias: {token id:
+    bias in [-100, 100]} added to the logits before the draw.
     """
 
     n: int = 1
@@ -100,6 +101,7 @@ class SamplingParams:
     cache_salt: Optional[str] = None
     kv_eviction: Optional[Dict[str, Any]] = None
     structured_outputs: Optional[StructuredOutputsParams] = None
+    logit_bias: Optional[Dict[int, float]] = None
 
     def __post_init__(self) -> None:
         # JSON has no NaN or infinity: say which field, not what the request body could not hold.
@@ -140,6 +142,10 @@ class SamplingParams:
             b["cache_salt"] = self.cache_salt
         if self.kv_eviction is not None:
             b["kv_eviction"] = self.kv_eviction
+        if self.logit_bias:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"logit_bias must be a dict of token id to bias, not {type(self.logit_bias).__name__}")
+            b["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise TypeError("structured_outputs must be a StructuredOutputsParams, not "

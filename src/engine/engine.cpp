@@ -991,7 +991,7 @@ void Engine::sample_all(int32_t nv) {
       // Row j verifies draft token j (verify_draft); logprobs of each row drawn.
       const std::vector<int32_t>* draft = d.n_rows > 1 ? &s.draft : nullptr;
       verify_draft(s.sampler, d.logits, d.n_rows, nv, draft, s.tokens, static_cast<size_t>(s.n_prompt), &ws.sampler, ws.row.data(),
-                   &d.out, s.constraint.get(), [&](int32_t, const float* lg, int32_t tok) {
+                   &d.out, DrawRules{s.constraint.get(), &p.logit_bias}, [&](int32_t, const float* lg, int32_t tok) {
                      if (p.logprobs < 0) return;
                      // Log-probabilities of the model's distribution (before penalties and temperature).
                      const float mx = max_value(lg, nv);

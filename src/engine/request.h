@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/sampler.h"
@@ -28,6 +29,9 @@ struct RequestParams {
   // Token ids that end a choice as end-of-generation does (vLLM's stop_token_ids; not under
   // ignore_eos's control): the token's text is kept, unless it is a control token.
   std::vector<int32_t> stop_token_ids;
+  // OpenAI's logit_bias: (token id, bias) sorted by id, added to the logits before the draw
+  // (the logprobs are the model's, without them, as vLLM's).
+  std::vector<std::pair<int32_t, float>> logit_bias;
   bool ignore_eos = false;
   int32_t n = 1;                     // choices; they share the prompt's pages
   int32_t logprobs = -1;             // -1: none; k ≥ 0: chosen token's logprob + top k alternatives

@@ -9,37 +9,37 @@ namespace kv {
 
 void verify_draft(Sampler& sampler, const float* rows, int32_t n_rows, int32_t nv, const std::vector<int32_t>* draft,
                   std::vector<int32_t>& history, size_t n_prompt, SamplerScratch* scratch, float* row_buf,
-                  std::vector<int32_t>* out, ConstraintMatcher* constraint,
+                  std::vector<int32_t>* out, const DrawRules& rules,
                   const std::function<void(int32_t, const float*, int32_t)>& on_draw) {
   const size_t n0 = history.size();
+  ConstraintMatcher* constraint = rules.constraint && !rules.constraint->terminated() ? rules.constraint : nullptr;
+  const bool bias = rules.logit_bias && !rules.logit_bias->empty();
   for (int32_t j = 0; j < n_rows; ++j) {
     const float* lg = rows + int64_t(j) * nv;
+    const float* seen = lg;  // the row the logprobs see
     int32_t tok;
-    if (constraint && !constraint->terminated()) {
-      // The tokens the constraint does not allow are out of the draw: the sampler sees the row
-      // with their logits at −inf (greedy: the best allowed token), and so do the logprobs, as
-      // in vLLM, which applies the mask before its sampler.
-      thread_local std::vector<float> masked;
-      masked.assign(lg, lg + nv);
-      constraint->mask(masked.data(), nv);
-      if (sampler.reads_only()) {
-        tok = argmax(masked.data(), nv);
-      } else {
-        std::copy(masked.begin(), masked.end(), row_buf);
-        tok = sampler.sample(row_buf, nv, history, n_prompt, scratch);
+    if (constraint || bias) {
+      if (constraint) {  // disallowed tokens at −inf, for the draw and the logprobs
+        thread_local std::vector<float> masked;
+        masked.assign(lg, lg + nv);
+        constraint->mask(masked.data(), nv);
+        seen = masked.data();
       }
-      constraint->accept(tok);
-      if (on_draw) on_draw(j, masked.data(), tok);
-      out->push_back(tok);
-      break;  // no draft under a constraint
+      std::copy(seen, seen + nv, row_buf);  // the row drawn from: that, plus the biases
+      if (bias)
+        for (const auto& [id, b] : *rules.logit_bias)
+          if (id < nv) row_buf[id] += b;
+      tok = sampler.reads_only() ? argmax(row_buf, nv) : sampler.sample(row_buf, nv, history, n_prompt, scratch);
+      if (constraint) constraint->accept(tok);
     } else if (sampler.reads_only()) {
       tok = argmax(lg, nv);  // what sample() returns, without a copy of the row
     } else {
       std::copy(lg, lg + nv, row_buf);  // the sampler rewrites its row
       tok = sampler.sample(row_buf, nv, history, n_prompt, scratch);
     }
-    if (on_draw) on_draw(j, lg, tok);
+    if (on_draw) on_draw(j, seen, tok);
     out->push_back(tok);
+    if (constraint) break;  // no draft under a constraint
     if (!draft || j + 1 >= n_rows || j >= static_cast<int32_t>(draft->size()) || tok != (*draft)[j]) break;
     history.push_back(tok);  // the next row's draw sees the accepted token, as it would unspeculated
   }

@@ -36,6 +36,16 @@ namespace kv {
 
 class ConstraintMatcher;
 
+// What a request changes in a row before its draw, beyond the sampler's own parameters.
+struct DrawRules {
+  // Structured output (never with a draft): only the tokens it allows; it advances by the token
+  // drawn, and the logprobs see its mask (vLLM applies the grammar's bitmask before its sampler).
+  ConstraintMatcher* constraint = nullptr;
+  // OpenAI's logit_bias, sorted by id: added to the row the sampler draws from, not to the
+  // logprobs' (vLLM's raw logprobs).
+  const std::vector<std::pair<int32_t, float>>* logit_bias = nullptr;
+};
+
 struct SpecConfig {
   enum class Method { kNone, kNgram, kSuffix } method = Method::kNone;
   int32_t num_speculative_tokens = 5;  // most draft tokens per sequence and step
@@ -86,11 +96,10 @@ bool parse_spec_method(const std::string& s, SpecConfig::Method* out);
 // draft[j] is accepted when the draw equals it, and the first draw that differs (or the last
 // row's) ends it. The draws go to *out (accepted drafts, then one more); on_draw(j, row, token)
 // sees each (the sampler itself rewrites a copy in row_buf[nv]). history is restored.
-// draft null: one row, a plain draw. constraint (structured output; never with a draft): the draw
-// is from the tokens it allows, and it advances by the token drawn.
+// draft null: one row, a plain draw. rules: what the request changes in each row (DrawRules).
 void verify_draft(Sampler& sampler, const float* rows, int32_t n_rows, int32_t nv, const std::vector<int32_t>* draft,
                   std::vector<int32_t>& history, size_t n_prompt, SamplerScratch* scratch, float* row_buf,
-                  std::vector<int32_t>* out, ConstraintMatcher* constraint,
+                  std::vector<int32_t>* out, const DrawRules& rules,
                   const std::function<void(int32_t, const float*, int32_t)>& on_draw);
 
 // Prompt lookup over tokens[0, n): appends at most k_max tokens to *out; returns how many.

@@ -1,6 +1,7 @@
 #include "server/openai_request.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <filesystem>
 #include <limits>
@@ -286,9 +287,22 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
     r->continuous_usage = r->include_usage && sf.boolean("continuous_usage_stats").value_or(false);
   }
 
-  if (const json* lb = f.get("logit_bias")) {
-    if (!lb->is_object()) type_error("logit_bias", "an object", *lb);
-    if (!lb->empty()) unsupported("logit_bias", "");
+  if (const json* lb = f.get("logit_bias")) {  // OpenAI's: {"token id": bias in [-100, 100]}, added to the logits
+    if (!lb->is_object()) type_error("logit_bias", "an object mapping token ids to biases", *lb);
+    if (lb->size() > 1024) value_error("logit_bias", "at most 1024 tokens.");
+    for (const auto& [key, v] : lb->items()) {
+      int64_t id = -1;
+      const auto [end, ec] = std::from_chars(key.data(), key.data() + key.size(), id);
+      if (ec != std::errc() || end != key.data() + key.size() || key.empty())
+        value_error("logit_bias", "'" + key + "' is not a token id.");
+      if (id < 0 || id >= ctx.tok->n_vocab())
+        value_error("logit_bias", "token id " + key + " is outside the vocabulary [0, " + std::to_string(ctx.tok->n_vocab()) + ").");
+      if (!v.is_number()) type_error("logit_bias", "a number for each token", v);
+      const double b = v.get<double>();
+      if (!(b >= -100.0 && b <= 100.0)) value_error("logit_bias", "the bias of token " + key + " is " + num_text(b) + ", outside [-100, 100].");
+      r->params.logit_bias.emplace_back(static_cast<int32_t>(id), static_cast<float>(b));
+    }
+    std::sort(r->params.logit_bias.begin(), r->params.logit_bias.end());
   }
   // vLLM's extensions that would change the answer and that this server does not implement:
   // refused, not ignored (an ignored one answers 200 with a different answer than asked for).

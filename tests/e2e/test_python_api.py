@@ -503,3 +503,14 @@ def test_structured_outputs_as_vllm_takes_them(llm, client):
         llm.generate(["x"], SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="((")))
     with pytest.raises(TypeError, match="StructuredOutputsParams"):
         llm.generate(["x"], SamplingParams(max_tokens=2, structured_outputs={"regex": "a"}))
+
+
+def test_logit_bias_as_vllm_takes_it(llm):
+    sys.path.insert(0, os.path.join(ROOT, "tests", "reference"))
+    import tokenizer_ref
+    cat = tokenizer_ref.load_tokenizer(MODEL).token_to_id("Ġcat")
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=1.0, seed=1, max_tokens=4,
+                                                                   logit_bias={cat: 100}))[0].outputs[0]
+    assert out.token_ids == [cat] * 4
+    with pytest.raises(RequestError, match="outside"):
+        llm.generate(["x"], SamplingParams(max_tokens=1, logit_bias={cat: 500}))

@@ -165,7 +165,7 @@ TEST(VerifyDraft, AcceptedTokensFollowTheTargetDistribution) {
       p.seed = 1000 + static_cast<uint64_t>(i);
       kv::Sampler sampler(p);
       out.clear();
-      kv::verify_draft(sampler, rows.data(), 3, nv, &draft, hist, 3, &ws, buf.data(), &out, nullptr, nullptr);
+      kv::verify_draft(sampler, rows.data(), 3, nv, &draft, hist, 3, &ws, buf.data(), &out, kv::DrawRules{}, nullptr);
       ASSERT_EQ(hist, history);  // restored
       ASSERT_GE(out.size(), 1u);
       ++first[out[0]];

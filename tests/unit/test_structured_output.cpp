@@ -150,7 +150,7 @@ TEST(StructuredOutput, DrawsStayInsideTheMask) {
       std::vector<int32_t> hist = {1, 2, 3}, out;
       kv::SamplerScratch ws;
       std::vector<float> seen;
-      kv::verify_draft(sampler, logits.data(), 1, nv, nullptr, hist, 3, &ws, buf.data(), &out, &m,
+      kv::verify_draft(sampler, logits.data(), 1, nv, nullptr, hist, 3, &ws, buf.data(), &out, kv::DrawRules{&m, nullptr},
                        [&](int32_t, const float* row, int32_t) { seen.assign(row, row + nv); });
       ASSERT_EQ(out.size(), 1u);
       const std::string first = tok->token_bytes(out[0]);
