@@ -1,6 +1,6 @@
 // OpenAI request bodies → engine requests. Parsing is strict where a mistake would silently
 // change what the client gets (types, ranges, unknown models, fields we do not support such
-// as tools or logit_bias) and lenient where OpenAI's clients send harmless extras (user,
+// as tools) and lenient where OpenAI's clients send harmless extras (user,
 // metadata, store, ...).
 //
 // Every function here throws ApiError (api_error.h) with the status, message and param the
