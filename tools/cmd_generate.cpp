@@ -17,6 +17,7 @@ struct GenerateOptions {
   std::string model = kDefaultModel;
   std::string prompt;
   int n_predict = 64;
+  int min_tokens = 0;  // vLLM's: no end of text before this many tokens
   int threads = 0;
   int chunk = 512;
   int ctx = 0;
@@ -62,6 +63,7 @@ void run_generate_engine(const GenerateOptions& o, const kv::SpecConfig& spec) {
   req.params.sampling = o.sp;
   req.params.max_tokens = static_cast<int32_t>(
       past ? std::max(o.n_predict, 1) : std::min<int64_t>(std::max(o.n_predict, 1), ec.max_model_len - static_cast<int64_t>(toks.size())));
+  req.params.min_tokens = std::min(o.min_tokens, req.params.max_tokens);  // a full context ends it first, as below
   req.stream = std::make_shared<kv::RequestStream>();
   if (kv::Rejection rej = engine.submit(req); rej.http_status) fail(rej.message);
   auto t0 = std::chrono::steady_clock::now();
@@ -95,6 +97,8 @@ void run_generate_engine(const GenerateOptions& o, const kv::SpecConfig& spec) {
 
 void run_generate(const GenerateOptions& o) {
   if (!(o.sp.top_p > 0)) fail("--top-p must be more than 0 (as the server's top_p; 1 is off)");
+  if (o.min_tokens > o.n_predict)  // as the server's min_tokens against max_tokens
+    fail("--min-tokens " + std::to_string(o.min_tokens) + " is more than -n " + std::to_string(o.n_predict));
   // -n 0 only prefills: nothing to draft (the engine's path would produce one token).
   if (const kv::SpecConfig spec = parse_speculative_option(o.speculative_config); spec.enabled() && o.n_predict > 0)
     return run_generate_engine(o, spec);
@@ -126,6 +130,7 @@ void run_generate(const GenerateOptions& o) {
   std::vector<float> logits;
   for (; n_gen < max_new; ++n_gen) {
     logits = seq.logits();
+    if (n_gen < o.min_tokens) kv::mask_tokens(logits.data(), cfg.n_vocab, lm.tokenizer->eog_ids());  // no end of text yet
     int32_t id = sampler.sample(logits.data(), cfg.n_vocab, history);
     if (lm.tokenizer->is_eog(id)) break;
     history.push_back(id);
@@ -159,6 +164,8 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("-m,--model", o->model, "GGUF model path")->capture_default_str();
   cmd->add_option("-p,--prompt", o->prompt, "prompt text")->required();
   cmd->add_option("-n,--n-predict", o->n_predict, "tokens to generate")->check(number_in(0, 1 << 20))->capture_default_str();
+  cmd->add_option("--min-tokens", o->min_tokens, "no end of text before this many tokens (vLLM's min_tokens; at most -n)")
+      ->check(number_in(0, 1 << 20));
   cmd->add_option("--temp", o->sp.temperature, "temperature (0 = greedy)")->check(number_in(0.0, 100.0))->capture_default_str();
   cmd->add_option("--top-k", o->sp.top_k, "top-k (0 = off)")->check(non_negative());
   cmd->add_option("--top-p", o->sp.top_p, "top-p in (0, 1] (1 = off)")->check(number_in(0.0, 1.0));

@@ -77,7 +77,9 @@ class SamplingParams:
 
     temperature 0 is greedy. top_k 0 or -1 is off. seed None draws a fresh seed per request
     (or one from LLM(seed=...)). logprobs k: the chosen token's logprob and the top k.
-    max_tokens None: up to the model's context (within what the KV cache holds). kv_eviction: a long-context KV policy, as the
+    max_tokens None: up to the model's context (within what the KV cache holds). min_tokens: as
+    vLLM's, no end of text, stop_token_ids or stop string before that many tokens (at most
+    max_tokens). kv_eviction: a long-context KV policy, as the
     server's request field ({"policy": "snapkv", "budget": 2048}). cache_salt: the prefix
     cache namespace (requests of different salts never share pages). structured_outputs: a
     StructuredOutputsParams constraint (JSON schema, regex, choice, grammar). logit_bias: {token id:
@@ -97,6 +99,7 @@ class SamplingParams:
     stop_token_ids: Optional[List[int]] = None
     ignore_eos: bool = False
     max_tokens: Optional[int] = 16
+    min_tokens: int = 0
     logprobs: Optional[int] = None
     cache_salt: Optional[str] = None
     kv_eviction: Optional[Dict[str, Any]] = None
@@ -132,6 +135,8 @@ class SamplingParams:
             b["stop_token_ids"] = list(self.stop_token_ids)
         if self.max_tokens is not None:
             b["max_tokens"] = self.max_tokens
+        if self.min_tokens != 0:  # checked by the server's parser (a range, an integer, at most max_tokens)
+            b["min_tokens"] = self.min_tokens
         if self.logprobs is not None:
             if chat:
                 b["logprobs"] = True

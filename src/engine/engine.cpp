@@ -40,6 +40,10 @@ struct RequestState {
   int64_t kv_tokens_kept = 0, kv_tokens_evicted = 0, kv_tokens_reindexed = 0;  // KV policy outcome, summed over finished choices
   bool forked = false;      // n > 1: children created after the prompt's prefill
   bool first_token = false;
+  // min_tokens > 0: the ids a choice may not draw before it has min_tokens tokens (the
+  // tokenizer's end-of-generation ids and the request's stop_token_ids, as vLLM's
+  // all_stop_token_ids).
+  std::vector<int32_t> min_tokens_mask;
 };
 
 struct Engine::Sequence {
@@ -54,6 +58,9 @@ struct Engine::Sequence {
   Sampler sampler;
   IncrementalDetokenizer detok;
   std::string held;                // decoded text not yet emitted (stop-string holdback)
+  // min_tokens: held[0, stop_floor) came from the first min_tokens tokens; a stop string must end
+  // past it (vLLM checks stop strings in the text of later tokens only).
+  size_t stop_floor = 0;
   int32_t n_generated = 0;
   Clock::time_point last_token_time;
   PrefixHandle pin;                // the cached prefix this sequence reuses (pinned)
@@ -209,6 +216,9 @@ Rejection Engine::check_request(const Request& req) const {
     if (t < 0 || t >= model_.config().n_vocab) return reject(400, "Token id " + std::to_string(t) + " is out of range.", "prompt");
   if (p.n < 1 || p.n > cfg_.max_n) return reject(400, "n must be between 1 and " + std::to_string(cfg_.max_n) + ".", "n");
   if (p.max_tokens < 1) return reject(400, "max_tokens must be at least 1.", "max_tokens");
+  if (p.min_tokens < 0 || p.min_tokens > p.max_tokens)
+    return reject(400, "min_tokens must be between 0 and max_tokens (" + std::to_string(p.max_tokens) + "), got " + std::to_string(p.min_tokens) + ".",
+                  "min_tokens");
   // Every front end checks these; a non-finite one would hang or crash the sampler.
   for (auto [v, name] : {std::pair{p.sampling.temperature, "temperature"}, {p.sampling.top_p, "top_p"}, {p.sampling.min_p, "min_p"},
                          {p.sampling.repetition_penalty, "repetition_penalty"}, {p.sampling.presence_penalty, "presence_penalty"},
@@ -320,6 +330,13 @@ void Engine::drain_incoming() {
     auto rs = std::make_shared<RequestState>();
     rs->req = std::move(r);
     rs->n_unfinished = rs->req.params.n;
+    if (rs->req.params.min_tokens > 0) {
+      std::vector<int32_t>& m = rs->min_tokens_mask;
+      m = tok_.eog_ids();
+      m.insert(m.end(), rs->req.params.stop_token_ids.begin(), rs->req.params.stop_token_ids.end());
+      std::sort(m.begin(), m.end());
+      m.erase(std::unique(m.begin(), m.end()), m.end());
+    }
     auto s = std::make_unique<Sequence>(tok_, rs->req.params.sampling);
     s->id = next_seq_id_++;
     s->rs = rs;
@@ -925,14 +942,18 @@ void Engine::postprocess(Plan& plan, const float* logits) {
         const bool at_limit = stop_id || e->n_generated >= p.max_tokens ||
                               (!goes_past_context(*e) && static_cast<int64_t>(e->tokens.size()) >= cfg_.max_model_len);
         if (at_limit) e->detok.finish();
+        // min_tokens: the text of the first min_tokens tokens ends no stop string (vLLM); one that
+        // begins there and ends in a later token's text does.
+        if (e->n_generated <= p.min_tokens) e->stop_floor = e->held.size();
         size_t cut = std::string::npos;
         for (const auto& st : p.stop) {
-          size_t at = e->held.find(st);
+          size_t at = e->held.find(st, e->stop_floor >= st.size() ? e->stop_floor - st.size() + 1 : 0);
           if (at != std::string::npos) cut = std::min(cut, at);
         }
         if (cut != std::string::npos) {
           ev.text = e->held.substr(0, cut);
           e->held.clear();
+          e->stop_floor = 0;
           reason = "stop";
         } else if (at_limit) {
           ev.text.swap(e->held);
@@ -941,6 +962,7 @@ void Engine::postprocess(Plan& plan, const float* logits) {
           const size_t keep = stop_holdback(e->held, p.stop);
           ev.text = e->held.substr(0, e->held.size() - keep);
           e->held.erase(0, e->held.size() - keep);
+          e->stop_floor = e->stop_floor > ev.text.size() ? e->stop_floor - ev.text.size() : 0;
         }
       }
       rs.req.stream->push(std::move(ev));  // always carries the token
@@ -988,10 +1010,14 @@ void Engine::sample_all(int32_t nv) {
       const RequestParams& p = s.rs->req.params;
       d.out.clear();
       d.lps.clear();
+      // min_tokens: row j draws the choice's token n_generated + j; the first rows below
+      // min_tokens draw without its end-of-generation and stop ids.
+      const int32_t n_masked = std::max(0, p.min_tokens - s.n_generated);
       // Row j verifies draft token j (verify_draft); logprobs of each row drawn.
       const std::vector<int32_t>* draft = d.n_rows > 1 ? &s.draft : nullptr;
       verify_draft(s.sampler, d.logits, d.n_rows, nv, draft, s.tokens, static_cast<size_t>(s.n_prompt), &ws.sampler, ws.row.data(),
-                   &d.out, DrawRules{s.constraint.get(), &p.logit_bias}, [&](int32_t, const float* lg, int32_t tok) {
+                   &d.out, DrawRules{s.constraint.get(), &p.logit_bias, n_masked > 0 ? &s.rs->min_tokens_mask : nullptr, n_masked},
+                   [&](int32_t, const float* lg, int32_t tok) {
                      if (p.logprobs < 0) return;
                      // Log-probabilities of the model's distribution (before penalties and temperature).
                      const float mx = max_value(lg, nv);

@@ -33,6 +33,10 @@ struct RequestParams {
   // (the logprobs are the model's, without them, as vLLM's).
   std::vector<std::pair<int32_t, float>> logit_bias;
   bool ignore_eos = false;
+  // vLLM's min_tokens: until a choice has generated this many tokens, its end-of-generation ids
+  // and stop_token_ids cannot be drawn (logit -inf, ignore_eos or not) and no stop string ends it
+  // (one may end in the text of a later token). Logprobs stay those of the raw logits.
+  int32_t min_tokens = 0;
   int32_t n = 1;                     // choices; they share the prompt's pages
   int32_t logprobs = -1;             // -1: none; k ≥ 0: chosen token's logprob + top k alternatives
   std::string cache_namespace;       // tenant / cache_salt (prefix cache isolation)

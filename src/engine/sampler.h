@@ -93,6 +93,10 @@ class Sampler {
   SamplerScratch own_;
 };
 
+// Sets logits[id] = -inf for every id of `ids` inside [0, n_vocab): those tokens cannot be drawn
+// (vLLM's min_tokens keeps a choice's end-of-generation and stop ids out this way).
+void mask_tokens(float* logits, int32_t n_vocab, const std::vector<int32_t>& ids);
+
 // The first index of x's largest value; NaN entries are ignored; 0 when no entry is above -inf.
 int32_t argmax(const float* x, int32_t n);
 

@@ -17,8 +17,9 @@ void verify_draft(Sampler& sampler, const float* rows, int32_t n_rows, int32_t n
   for (int32_t j = 0; j < n_rows; ++j) {
     const float* lg = rows + int64_t(j) * nv;
     const float* seen = lg;  // the row the logprobs see
+    const bool banned = rules.banned && !rules.banned->empty() && j < rules.n_banned_rows;
     int32_t tok;
-    if (constraint || bias) {
+    if (constraint || bias || banned) {
       if (constraint) {  // disallowed tokens at −inf, for the draw and the logprobs
         thread_local std::vector<float> masked;
         masked.assign(lg, lg + nv);
@@ -29,6 +30,7 @@ void verify_draft(Sampler& sampler, const float* rows, int32_t n_rows, int32_t n
       if (bias)
         for (const auto& [id, b] : *rules.logit_bias)
           if (id < nv) row_buf[id] += b;
+      if (banned) mask_tokens(row_buf, nv, *rules.banned);
       tok = sampler.reads_only() ? argmax(row_buf, nv) : sampler.sample(row_buf, nv, history, n_prompt, scratch);
       if (constraint) constraint->accept(tok);
     } else if (sampler.reads_only()) {

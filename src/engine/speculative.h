@@ -44,6 +44,10 @@ struct DrawRules {
   // OpenAI's logit_bias, sorted by id: added to the row the sampler draws from, not to the
   // logprobs' (vLLM's raw logprobs).
   const std::vector<std::pair<int32_t, float>>* logit_bias = nullptr;
+  // vLLM's min_tokens: rows j < n_banned_rows draw without these ids (mask_tokens: the choice's
+  // end-of-generation and stop ids); the logprobs do not see it either.
+  const std::vector<int32_t>* banned = nullptr;
+  int32_t n_banned_rows = 0;
 };
 
 struct SpecConfig {
@@ -95,8 +99,9 @@ bool parse_spec_method(const std::string& s, SpecConfig::Method* out);
 // Verification: row j of rows[n_rows][nv] is drawn by `sampler` with history + draft[0, j);
 // draft[j] is accepted when the draw equals it, and the first draw that differs (or the last
 // row's) ends it. The draws go to *out (accepted drafts, then one more); on_draw(j, row, token)
-// sees each (the sampler itself rewrites a copy in row_buf[nv]). history is restored.
-// draft null: one row, a plain draw. rules: what the request changes in each row (DrawRules).
+// sees each, with the constraint's mask but not the biases or min_tokens' (the sampler itself
+// rewrites a copy in row_buf[nv]). history is restored. draft null: one row, a plain draw. rules:
+// what the request changes in each row (DrawRules); a draft token they rule out is never accepted.
 void verify_draft(Sampler& sampler, const float* rows, int32_t n_rows, int32_t nv, const std::vector<int32_t>* draft,
                   std::vector<int32_t>& history, size_t n_prompt, SamplerScratch* scratch, float* row_buf,
                   std::vector<int32_t>* out, const DrawRules& rules,

@@ -399,6 +399,7 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
   const bool prefill = opts_.role == ServerRole::kPrefill;
   if (prefill) {  // the prompt's KV is the product; one token proves the prompt ran
     ar.params.max_tokens = 1;
+    ar.params.min_tokens = 0;  // the decode instance holds the end off; this token is thrown away
     ar.params.n = 1;
     ar.stream = false;
   }

@@ -306,8 +306,8 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
   }
   // vLLM's extensions that would change the answer and that this server does not implement:
   // refused, not ignored (an ignored one answers 200 with a different answer than asked for).
-  if (const json* v = f.get("min_tokens"); v && !(v->is_number_integer() && v->get<int64_t>() == 0))
-    unsupported("min_tokens", "generation stops at the first stop string or end of text.");
+  // vLLM's min_tokens: checked against max_tokens once that is known (check_min_tokens).
+  r->params.min_tokens = static_cast<int32_t>(f.integer("min_tokens", 0, std::numeric_limits<int32_t>::max()).value_or(0));
   if (const json* v = f.get("stop_token_ids"); v && !v->is_null()) {
     if (!v->is_array()) type_error("stop_token_ids", "an array of token ids", *v);
     if (v->size() > 256) value_error("stop_token_ids", "at most 256 ids.");
@@ -421,6 +421,13 @@ int32_t parse_max_tokens(const Fields& f, const char* name, const ApiContext& ct
                                    : v->dump() + " is more than this model's maximum context length of " + std::to_string(ctx.max_model_len) +
                                          " tokens (max_model_len), which the prompt and the completion share.");
   return static_cast<int32_t>(v->get<int64_t>());
+}
+
+// min_tokens may not exceed max_tokens (vLLM's check), whether max_tokens was given or is the default.
+void check_min_tokens(const RequestParams& p, const char* max_name) {
+  if (p.min_tokens > p.max_tokens)
+    value_error("min_tokens", std::to_string(p.min_tokens) + " is more than " + max_name + " (" + std::to_string(p.max_tokens) +
+                                  "); min_tokens must be at most " + max_name + ".");
 }
 
 // The prompts of /v1/completions: a string or a list of token ids (one prompt), or OpenAI's batch
@@ -704,6 +711,7 @@ ApiRequest parse_completion_request(const json& body, const ApiContext& ctx) {
   }
   r.prompts = parse_prompts(f, ctx);
   r.params.max_tokens = parse_max_tokens(f, "max_tokens", ctx, 16, r.params);  // OpenAI's default for completions
+  check_min_tokens(r.params, "max_tokens");
   return r;
 }
 
@@ -742,6 +750,7 @@ ApiRequest parse_chat_request(const json& body, const ApiContext& ctx) {
   const int64_t room = limit - static_cast<int64_t>(r.prompts[0].size());
   const char* name = f.get("max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
   r.params.max_tokens = parse_max_tokens(f, name, ctx, room, r.params);
+  check_min_tokens(r.params, name);
   return r;
 }
 

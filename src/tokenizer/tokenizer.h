@@ -49,6 +49,7 @@ class Tokenizer {
   bool add_bos() const { return add_bos_; }
   // End of generation: EOS, EOT and similar ids from the metadata.
   bool is_eog(int32_t id) const;
+  const std::vector<int32_t>& eog_ids() const { return eog_ids_; }  // sorted
   const std::string& token_text(int32_t id) const { return tokens_[id]; }
   // The id whose vocab text is exactly `text` (as stored: byte-level spelling for BPE), or -1.
   int32_t find_token(std::string_view text) const;

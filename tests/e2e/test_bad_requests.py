@@ -154,8 +154,18 @@ CORPUS = [
     ("logit_bias", "POST", C, JSON, comp(logit_bias={"50256": -100}), 400, "logit_bias"),
     ("echo", "POST", C, JSON, comp(echo=True), 400, "echo"),
     ("suffix", "POST", C, JSON, comp(suffix="end"), 400, "suffix"),
+    # vLLM's min_tokens: a non-negative integer, at most max_tokens (given, or the default)
+    ("min_tokens over max_tokens", "POST", C, JSON, comp(min_tokens=10), 400, "min_tokens"),
+    ("min_tokens over the default max_tokens", "POST", C, JSON, without(comp(min_tokens=17), "max_tokens"), 400, "min_tokens"),
+    ("min_tokens over max_completion_tokens", "POST", CH, JSON, chat(max_tokens=None, max_completion_tokens=4, min_tokens=5), 400,
+     "min_tokens"),
+    ("min_tokens over the chat default", "POST", CH, JSON, chat(max_tokens=None, min_tokens=MAX_MODEL_LEN), 400, "min_tokens"),
+    ("min_tokens negative", "POST", C, JSON, comp(min_tokens=-1), 400, "min_tokens"),
+    ("min_tokens decimal", "POST", C, JSON, comp(min_tokens=1.5), 400, "min_tokens"),
+    ("min_tokens string", "POST", C, JSON, comp(min_tokens="1"), 400, "min_tokens"),
+    ("min_tokens bool", "POST", C, JSON, comp(min_tokens=True), 400, "min_tokens"),
+    ("min_tokens beyond 64 bits", "POST", C, JSON, comp(min_tokens=2**70), 400, "min_tokens"),
     # vLLM extensions not implemented: refused, not ignored (they answered 200 without effect).
-    ("min_tokens", "POST", C, JSON, comp(min_tokens=10), 400, "min_tokens"),
     ("stop_token_ids out of the vocabulary", "POST", C, JSON, comp(stop_token_ids=[10**9]), 400, "stop_token_ids"),
     ("stop_token_ids negative", "POST", C, JSON, comp(stop_token_ids=[-1]), 400, "stop_token_ids"),
     ("stop_token_ids not ids", "POST", C, JSON, comp(stop_token_ids="abc"), 400, "stop_token_ids"),
@@ -307,3 +317,17 @@ def test_integers_beyond_64_bits_are_out_of_range(server):
         assert r.status_code == 400
         err = r.json()["error"]
         assert err["param"] == field and word in err["message"] and err["code"] == "invalid_value", err
+
+
+def test_min_tokens_is_checked_not_refused(server):
+    """min_tokens was refused as unsupported whatever its value; now a bad value is an invalid
+    value or type (OpenAI's codes) and a good one is served."""
+    for body, code, word in [(comp(min_tokens=3), "invalid_value", "3 is more than max_tokens (2)"),
+                             (comp(min_tokens=-1), "invalid_value", "below the minimum of 0"),
+                             (comp(min_tokens=1.5), "invalid_type", "expected an integer")]:
+        r = requests.post(server.url + C, data=body, headers=JSON, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == code and word in err["message"] and err["param"] == "min_tokens", err
+    for n in (0, 1, 2):
+        r = requests.post(server.url + C, data=comp(min_tokens=n), headers=JSON, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text

@@ -205,6 +205,15 @@ def test_a_batch_of_prompts_is_prefilled_and_decoded_whole(redis):
         m = router.metrics()
         assert m['kvserve:router_prefills_total{result="ok"}'] == 2
         assert pre.metrics()["kvserve:request_success_total"] == 2 * len(prompts)
+        # min_tokens goes through the prefill instance too (it forces one token: min_tokens is not
+        # its business), and the decode instance holds the end off.
+        c = client(router.url)
+        try:
+            r = c.completions.create(model=MODEL_NAME, prompt=prompts[0], max_tokens=10, temperature=0, extra_body={"min_tokens": 10})
+        finally:
+            c.close()
+        assert r.usage.completion_tokens == 10 and r.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1
+        assert router.metrics()['kvserve:router_prefills_total{result="ok"}'] == 3
         # A batch of short prompts only skips the prefill instance.
         texts, usage = batch(router.url, ["The capital of France is", "1, 2, 3,"], max_tokens=4)
         assert all(texts) and router.metrics()['kvserve:router_prefills_total{result="skipped"}'] == 1

@@ -533,3 +533,54 @@ def test_cached_tokens_and_cache_salt(client):
     assert again.usage.prompt_tokens_details.cached_tokens >= 16  # at least one full page reused
     assert other.usage.prompt_tokens_details.cached_tokens == 0   # another namespace shares nothing
     assert first.choices[0].text == again.choices[0].text == other.choices[0].text
+
+
+SAY_OK = [{"role": "user", "content": "Say OK."}]
+
+
+def test_min_tokens_holds_off_the_end_of_text(client):
+    # vLLM's min_tokens: the greedy answer to "Say OK." ends after a few tokens; with min_tokens
+    # its end of text cannot be drawn before 20 tokens (the logprobs list the answer's tokens, the
+    # end of text not among them). It ends later, "stop" at its end of text or "length" at max_tokens.
+    free = chat(client, messages=SAY_OK, max_tokens=48, logprobs=True)
+    n_free = len(free.choices[0].logprobs.content)
+    assert free.choices[0].finish_reason == "stop" and n_free < 20, free
+    held = chat(client, messages=SAY_OK, max_tokens=48, logprobs=True, extra_body={"min_tokens": 20})
+    c = held.choices[0]
+    n_held = len(c.logprobs.content)
+    assert n_held >= 20 and c.message.content.startswith(free.choices[0].message.content)
+    assert c.finish_reason == ("length" if n_held == 48 else "stop")
+    assert held.usage.completion_tokens == n_held + (c.finish_reason == "stop")  # the end of text counts, as vLLM
+    # Streamed: the same text.
+    text = "".join(ch.choices[0].delta.content or "" for ch in
+                   chat(client, messages=SAY_OK, max_tokens=48, stream=True, extra_body={"min_tokens": 20}) if ch.choices)
+    assert text == c.message.content
+    # Completions too, and min_tokens = max_tokens gives exactly max_tokens tokens.
+    prompt = "<|im_start|>user\nSay OK.<|im_end|>\n<|im_start|>assistant\n"
+    r = complete(client, prompt=prompt, max_tokens=24, extra_body={"min_tokens": 24})
+    assert r.usage.completion_tokens == 24 and r.choices[0].finish_reason == "length"
+
+
+def test_min_tokens_holds_off_stop_strings_in_its_tokens(client):
+    # A "." early in the answer ends it without min_tokens; with min_tokens 20 the "." inside the
+    # first 20 tokens' text does not, and the answer runs on to a later "." (or its end).
+    free = chat(client, messages=SAY_OK, max_tokens=48)
+    first = free.choices[0].message.content.find(".")
+    assert first >= 0
+    assert chat(client, messages=SAY_OK, max_tokens=48, stop=["."]).choices[0].message.content == free.choices[0].message.content[:first]
+    full = chat(client, messages=SAY_OK, max_tokens=48, logprobs=True, extra_body={"min_tokens": 20})
+    toks = full.choices[0].logprobs.content
+    text20 = "".join(bytes(t.bytes).decode("utf-8", "replace") for t in toks[:20])
+    whole = full.choices[0].message.content
+    assert whole.startswith(text20) and "." in text20
+    cut = chat(client, messages=SAY_OK, max_tokens=48, stop=["."], extra_body={"min_tokens": 20}).choices[0]
+    nxt = whole.find(".", len(text20))
+    assert cut.message.content == (whole if nxt < 0 else whole[:nxt])
+    assert len(cut.message.content) > first
+
+
+def test_min_tokens_keeps_seeded_sampling_reproducible(client):
+    kw = dict(messages=SAY_OK, max_tokens=30, temperature=0.9, seed=5, n=2, extra_body={"min_tokens": 15})
+    a, b = chat(client, **kw), chat(client, **kw)
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert a.usage.completion_tokens >= 30 and a.usage.completion_tokens == b.usage.completion_tokens

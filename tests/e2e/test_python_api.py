@@ -139,6 +139,33 @@ def test_stop_token_ids_end_a_choice_as_vllm_does(llm, server):
     assert "<|im_end|>" not in c.text and len(c.token_ids) < 64
 
 
+def test_min_tokens_as_vllm_and_as_the_server(llm, client):
+    # vLLM's SamplingParams.min_tokens: no end of text and no stop string before that many tokens;
+    # the same text as the server's min_tokens.
+    msgs = [{"role": "user", "content": "Say OK."}]
+    (free,) = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)
+    f = free.outputs[0]
+    assert f.finish_reason == "stop" and llm._engine.is_eog(f.token_ids[-1]) and len(f.token_ids) < 20
+    for stop in (None, ["."]):
+        (o,) = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=48, min_tokens=20, stop=stop), use_tqdm=False)
+        c = o.outputs[0]
+        assert len(c.token_ids) >= 20 and not any(llm._engine.is_eog(t) for t in c.token_ids[:20])
+        if stop is None:
+            assert c.text.startswith(f.text) and c.text != f.text
+        else:
+            assert len(c.text) > f.text.find(".")  # the "." in the first 20 tokens did not end it
+        r = client.chat.completions.create(model=server_model(client), messages=msgs, temperature=0, max_tokens=48, stop=stop,
+                                           extra_body={"min_tokens": 20})
+        assert r.choices[0].message.content == c.text and r.choices[0].finish_reason == c.finish_reason
+    # Bad values: the server's messages.
+    for sp, word in [(SamplingParams(min_tokens=-1), "below the minimum of 0"),
+                     (SamplingParams(max_tokens=4, min_tokens=5), "5 is more than max_tokens (4)"),
+                     (SamplingParams(min_tokens=1.5), "expected an integer")]:
+        with pytest.raises(RequestError, match="min_tokens") as ei:
+            llm.generate("hello", sp, use_tqdm=False)
+        assert word in str(ei.value) and ei.value.param == "min_tokens"
+
+
 def test_prefix_cache_hit_is_reported(llm):
     prompt = "The quick brown fox jumps over the lazy dog. " * 8
     llm.generate(prompt, GREEDY, use_tqdm=False)

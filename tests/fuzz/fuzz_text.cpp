@@ -145,6 +145,7 @@ void run_request(std::string_view data) {
       }
       if (r.params.n < 1 || r.params.n > g_ctx.max_n) die("n outside its bounds");
       if (r.params.max_tokens < 1) die("max_tokens < 1 accepted");
+      if (r.params.min_tokens < 0 || r.params.min_tokens > r.params.max_tokens) die("min_tokens outside [0, max_tokens] accepted");
     } catch (const kv::ApiError& e) {
       if (e.status < 400 || e.status >= 500 || e.message.empty()) die("an ApiError that is not a 4xx with a message");
     }

@@ -52,6 +52,7 @@ BODIES = [
     {"prompt": "x", "temperature": 5}, {"model": "nope", "prompt": "x"}, [1, 2], {"prompt": ""},
     {"prompt": ["hi", "there", ""], "n": 2, "stream": True},  # OpenAI's batch form
     {"prompt": [[1, 2], [3], [4, 5, 6]], "logprobs": 1},
+    {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 3, "max_tokens": 8, "stop": ["."], "stop_token_ids": [2]},
 ]
 
 

@@ -286,3 +286,22 @@ def test_cli_values_the_server_refuses_are_refused_and_a_long_bench_warns(tmp_pa
     assert r.returncode != 0 and "is given twice" in r.stderr, r.stderr
     r = run("bench", "-m", MODEL, "-p", "8190", "-n", "4", "-r", "1", "--kv-cache-memory", "1GiB", timeout=120)
     assert r.returncode == 0 and "past the 8192 this model was trained on" in r.stderr, r.stderr[-500:]
+
+
+def test_min_tokens_holds_off_the_end_of_text():
+    # vLLM's min_tokens as a flag: the greedy answer to "Say OK." ends after a few tokens; with
+    # --min-tokens 20 it goes on past them, the same text first, on both paths (the sequence
+    # runner, and the engine's under --speculative-config); more than -n is refused.
+    prompt = "<|im_start|>user\nSay OK.<|im_end|>\n<|im_start|>assistant\n"
+    free = run("generate", "-m", MODEL, "-p", prompt, "-n", "40")
+    assert free.returncode == 0, free.stderr
+    n_free = int(re.search(r"generated: (\d+) tokens", free.stderr).group(1))
+    assert n_free < 20
+    held = run("generate", "-m", MODEL, "-p", prompt, "-n", "40", "--min-tokens", "20")
+    assert held.returncode == 0, held.stderr
+    assert int(re.search(r"generated: (\d+) tokens", held.stderr).group(1)) >= 20
+    assert held.stdout.startswith(free.stdout.rstrip("\n")) and len(held.stdout) > len(free.stdout)
+    spec = run("generate", "-m", MODEL, "-p", prompt, "-n", "40", "--min-tokens", "20", "--speculative-config", '{"method": "ngram"}')
+    assert spec.returncode == 0 and spec.stdout == held.stdout, spec.stderr
+    r = run("generate", "-m", MODEL, "-p", "hi", "-n", "4", "--min-tokens", "5", timeout=30)
+    assert r.returncode != 0 and "--min-tokens 5 is more than -n 4" in r.stderr, r.stderr

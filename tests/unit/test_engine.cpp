@@ -24,9 +24,10 @@ struct Outcome {
 };
 
 std::shared_ptr<RequestStream> submit(Engine& e, const std::vector<int32_t>& prompt, int max_tokens, int n = 1,
-                                      std::vector<std::string> stop = {}, const SamplingParams& sp = {}) {
+                                      std::vector<std::string> stop = {}, const SamplingParams& sp = {}, int32_t min_tokens = 0) {
   Request r;
   r.params.sampling = sp;
+  r.params.min_tokens = min_tokens;
   r.id = e.next_request_id();
   r.prompt = prompt;
   r.params.max_tokens = max_tokens;
@@ -137,7 +138,8 @@ TEST(Engine, BatchInvarianceAloneVsAmongFifteen) {
 TEST(Engine, SeededSamplingIsBatchInvariant) {
   // Temperature > 0 with top-p and a seed per request: the tokens depend on the request alone,
   // not on which other sequences share its steps or which pool thread samples it. n = 2
-  // checks the forked choices too.
+  // checks the forked choices too; min_tokens (the end of text masked for the first 12 tokens)
+  // on every other request.
   LlamaModel* m = kvtest::smollm2_model();
   const Tokenizer* tok = smollm2_tokenizer();
   ASSERT_TRUE(m && tok);
@@ -152,12 +154,14 @@ TEST(Engine, SeededSamplingIsBatchInvariant) {
   };
   Engine e(*m, *tok, small_config(512));
   std::vector<std::shared_ptr<RequestStream>> streams;
-  for (size_t i = 0; i < 16; ++i) streams.push_back(submit(e, prompt_of(*tok, kPrompts[i]), 20, i == 0 ? 2 : 1, {}, params(i)));
+  auto min_tokens = [](size_t i) { return i % 2 == 0 ? 12 : 0; };
+  for (size_t i = 0; i < 16; ++i)
+    streams.push_back(submit(e, prompt_of(*tok, kPrompts[i]), 20, i == 0 ? 2 : 1, {}, params(i), min_tokens(i)));
   run_until_idle(e);
   expect_drained(e);
   for (size_t i : {0, 1, 2, 5}) {
     Engine solo(*m, *tok, small_config(512));
-    auto s = submit(solo, prompt_of(*tok, kPrompts[i]), 20, i == 0 ? 2 : 1, {}, params(i));
+    auto s = submit(solo, prompt_of(*tok, kPrompts[i]), 20, i == 0 ? 2 : 1, {}, params(i), min_tokens(i));
     run_until_idle(solo);
     const Outcome a = collect(*streams[i]), b = collect(*s);
     EXPECT_EQ(a.text, b.text) << kPrompts[i];
@@ -234,6 +238,102 @@ TEST(Engine, StopStringIsNeverEmitted) {
   Outcome o = collect(*s);
   EXPECT_EQ(o.finish[0], "stop");
   EXPECT_EQ(o.text[0], full.substr(0, full.find(stop)));
+}
+
+// vLLM's min_tokens on a chat answer that ends early (greedy): the end of text cannot be drawn
+// before min_tokens tokens, nor a stop_token_id; a stop string in their text does not end the
+// answer, one ending in a later token's text does; logprobs stay the raw distribution's.
+TEST(Engine, MinTokensHoldsOffTheEndOfTextStopIdsAndStopStrings) {
+  LlamaModel* m = kvtest::smollm2_model();
+  const Tokenizer* tok = smollm2_tokenizer();
+  ASSERT_TRUE(m && tok);
+  const std::vector<int32_t> prompt = prompt_of(*tok, "<|im_start|>user\nSay OK.<|im_end|>\n<|im_start|>assistant\n");
+  struct Run {
+    std::vector<int32_t> tokens;
+    std::string text, finish;
+    std::vector<TokenLogprob> lps;  // every token's, the end of text's included
+  };
+  auto run = [&](int32_t min_tokens, std::vector<std::string> stop = {}, std::vector<int32_t> stop_ids = {}) {
+    Engine e(*m, *tok, small_config(256));
+    Request r;
+    r.id = e.next_request_id();
+    r.prompt = prompt;
+    r.params.max_tokens = 48;
+    r.params.min_tokens = min_tokens;
+    r.params.stop = std::move(stop);
+    r.params.stop_token_ids = std::move(stop_ids);
+    r.params.logprobs = 3;
+    r.stream = std::make_shared<RequestStream>();
+    EXPECT_EQ(e.submit(r).http_status, 0);
+    run_until_idle(e);
+    expect_drained(e);
+    Run out;
+    std::vector<StreamEvent> evs;
+    r.stream->pop(&evs, std::chrono::milliseconds(0));
+    for (auto& ev : evs) {
+      out.tokens.insert(out.tokens.end(), ev.tokens.begin(), ev.tokens.end());
+      out.text += ev.text;
+      for (auto* v : {&ev.logprobs, &ev.eog_logprobs}) out.lps.insert(out.lps.end(), v->begin(), v->end());
+      if (ev.kind == StreamEvent::kFinish) out.finish = ev.finish_reason;
+    }
+    EXPECT_EQ(out.lps.size(), out.tokens.size());
+    return out;
+  };
+  const Run free = run(0);
+  const size_t L = free.tokens.size();  // the answer, then the end of text
+  ASSERT_EQ(free.finish, "stop");
+  ASSERT_TRUE(tok->is_eog(free.tokens.back()));
+  ASSERT_LT(L, 20u);
+  const Run held = run(20);
+  ASSERT_GE(held.tokens.size(), 20u);
+  for (size_t i = 0; i < 20; ++i) EXPECT_FALSE(tok->is_eog(held.tokens[i])) << i;
+  EXPECT_TRUE(std::equal(free.tokens.begin(), free.tokens.end() - 1, held.tokens.begin()));  // the same answer up to there
+  EXPECT_EQ(held.finish, tok->is_eog(held.tokens.back()) ? "stop" : "length");
+  if (held.tokens.size() < 48) {
+    EXPECT_EQ(held.finish, "stop");
+  }
+  // The logprobs where the free run drew the end of text are the raw distribution's (vLLM's
+  // default): the end of text is still in the top, with the same value, though it was not drawn.
+  const TokenLogprob& at = held.lps[L - 1];
+  EXPECT_NE(at.token, free.tokens.back());
+  ASSERT_EQ(at.top.size(), free.lps[L - 1].top.size());
+  for (size_t k = 0; k < at.top.size(); ++k) {
+    EXPECT_EQ(at.top[k].first, free.lps[L - 1].top[k].first);
+    EXPECT_FLOAT_EQ(at.top[k].second, free.lps[L - 1].top[k].second);
+  }
+  EXPECT_EQ(at.top[0].first, free.tokens.back());
+  // The end of text may come as token min_tokens + 1: min_tokens = L - 1 changes nothing.
+  EXPECT_EQ(run(static_cast<int32_t>(L) - 1).tokens, free.tokens);
+
+  // A stop string inside the first min_tokens tokens' text does not end the answer; the first one
+  // that ends in a later token's text does.
+  const std::string full = held.text;
+  const size_t first_q = free.text.find('.');
+  ASSERT_NE(first_q, std::string::npos);  // the free answer has a "." early
+  EXPECT_EQ(run(0, {"."}).text, free.text.substr(0, first_q));
+  const std::string text20 = tok->decode(std::vector<int32_t>(held.tokens.begin(), held.tokens.begin() + 20));
+  const Run cut = run(20, {"."});
+  const size_t next = full.find('.', text20.size());
+  EXPECT_EQ(cut.text, full.substr(0, next));
+  EXPECT_EQ(cut.finish, next == std::string::npos ? held.finish : "stop");
+  // A stop string begun inside them and ended after them counts (vLLM's search starts
+  // len(stop) - 1 characters back): the two characters across the boundary.
+  const std::string across = full.substr(text20.size() - 1, 2);
+  ASSERT_EQ(across.size(), 2u);
+  const Run straddle = run(20, {across});
+  const size_t at_across = full.find(across, text20.size() - 1);
+  EXPECT_EQ(straddle.text, full.substr(0, at_across));
+  EXPECT_EQ(straddle.finish, "stop");
+
+  // stop_token_ids are held off too: the free answer's third token as a stop id ends it there,
+  // not before min_tokens.
+  const int32_t third = free.tokens[2];
+  const Run stop_id = run(0, {}, {third});
+  EXPECT_EQ(stop_id.tokens.size(), 3u);
+  EXPECT_EQ(stop_id.finish, "stop");
+  const Run stop_id10 = run(10, {}, {third});
+  ASSERT_GE(stop_id10.tokens.size(), 10u);
+  for (size_t i = 0; i < 10; ++i) EXPECT_NE(stop_id10.tokens[i], third) << i;
 }
 
 TEST(Engine, RejectsWhatCanNeverFit) {
@@ -858,14 +958,15 @@ namespace {
 struct SpecCase {
   std::vector<int32_t> prompt;
   int max_tokens = 16;
+  int min_tokens = 0;
   int n = 1;
   std::vector<std::string> stop;
   SamplingParams sp;
 };
 
 // ≥ 100 requests: the test prompts, prompts that repeat themselves (drafts get accepted), counts,
-// code; max_tokens from 1 to 20 (so it lands inside drafts), stop strings, sampling with seeds
-// and penalties, n = 2.
+// code; max_tokens from 1 to 20 (so it lands inside drafts), stop strings, min_tokens (a masked
+// draft token is rejected), sampling with seeds and penalties, n = 2.
 std::vector<SpecCase> spec_cases(const Tokenizer& tok) {
   static const char* kLines[] = {"the cat sat on the mat", "x = x + 1; y = y * 2;", "SELECT id FROM users WHERE age > 30",
                                  "roses are red, violets are blue", "for (int i = 0; i < n; ++i) sum += a[i];",
@@ -888,6 +989,7 @@ std::vector<SpecCase> spec_cases(const Tokenizer& tok) {
     SpecCase c;
     c.prompt = tok.encode(texts[i], true, true);
     c.max_tokens = 1 + static_cast<int>((i * 7) % 20);
+    if (i % 3 == 2) c.min_tokens = c.max_tokens * 2 / 3;  // the end of text and stop strings held off (min_tokens)
     if (i % 7 == 0) c.stop = {","};
     if (i % 7 == 3) c.stop = {"\n", "x"};
     if (i % 4 == 1) {
@@ -916,6 +1018,7 @@ std::vector<Outcome> run_spec_cases(LlamaModel& m, const Tokenizer& tok, const E
     r.id = e.next_request_id();
     r.prompt = c.prompt;
     r.params.max_tokens = c.max_tokens;
+    r.params.min_tokens = c.min_tokens;
     r.params.n = c.n;
     r.params.stop = c.stop;
     r.params.sampling = c.sp;
