@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <limits>
 #include <mutex>
 #include <optional>
 #include <random>
+#include <string_view>
 
 #include "engine/engine.h"
 #include "tokenizer/chat_template.h"
@@ -41,18 +43,46 @@ std::string type_word(const json& v) {
   throw bad_request("Invalid value for '" + name + "': " + why, name, "invalid_value");
 }
 
+// The number literals of the last body parse_json_body read on this thread whose value is an
+// integer beyond 64 bits (nlohmann parses them as doubles), with that value: a range error shows
+// the client's own text, not the double's (18446744073709551616 was "1.8446744073709552e+19").
+// At most kMaxBigLiterals are kept; one not found shows as the double does.
+constexpr size_t kMaxBigLiterals = 16;
+std::vector<std::pair<double, std::string>>& big_literals() {
+  thread_local std::vector<std::pair<double, std::string>> t;
+  return t;
+}
+
+bool beyond_64_bits(double d) { return std::isfinite(d) && d == std::floor(d) && std::fabs(d) >= 0x1p63; }
+
+void note_number_literal(std::string_view text) {
+  if (text.size() < 19 && text.find_first_of("eE") == std::string_view::npos) return;  // within 64 bits
+  if (big_literals().size() >= kMaxBigLiterals) return;
+  const std::string s(text);
+  char* end = nullptr;
+  const double d = std::strtod(s.c_str(), &end);
+  if (end == s.c_str() + s.size() && beyond_64_bits(d)) big_literals().emplace_back(d, s);
+}
+
+// How the client wrote the number v holds (v.dump() when it is not a literal of the last body).
+std::string number_text(const json& v) {
+  if (v.is_number_float())
+    for (const auto& [d, text] : big_literals())
+      if (d == v.get<double>()) return text;
+  return v.dump();
+}
+
 // An integer literal beyond 64 bits parses as a decimal: refused as out of [lo, hi], not as a type.
 void huge_integer_check(const std::string& name, const json& v, int64_t lo, int64_t hi) {
   if (!v.is_number_float()) return;
   const double d = v.get<double>();
-  if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) >= 0x1p63)
-    value_error(name, v.dump() + (d > 0 ? " is above the maximum of " + std::to_string(hi) : " is below the minimum of " + std::to_string(lo)) + ".");
+  if (beyond_64_bits(d))
+    value_error(name, number_text(v) + (d > 0 ? " is above the maximum of " + std::to_string(hi) : " is below the minimum of " + std::to_string(lo)) + ".");
 }
 
 std::string num_text(double x) {
   if (std::isfinite(x) && x == std::floor(x) && std::fabs(x) < 1e15) return std::to_string(static_cast<long long>(x));
-  json j = x;
-  return j.dump();
+  return number_text(json(x));
 }
 
 // Typed, range-checked access to the members of one request object. A member that is absent
@@ -622,15 +652,23 @@ ApiContext make_api_context(const Tokenizer& tok, const ChatTemplate* chat_templ
 json parse_json_body(const std::string& body, const ApiContext& ctx) {
   // nlohmann's parser is iterative, but the value it builds is destroyed and walked
   // recursively: refuse absurd nesting before parsing.
+  // The same pass notes the number literals whose value is an integer beyond 64 bits (big_literals).
   int depth = 0;
   bool in_string = false, escaped = false;
-  for (char c : body) {
+  big_literals().clear();
+  for (size_t i = 0; i < body.size(); ++i) {
+    const char c = body[i];
     if (in_string) {
       if (escaped) escaped = false;
       else if (c == '\\') escaped = true;
       else if (c == '"') in_string = false;
     } else if (c == '"') {
       in_string = true;
+    } else if (c == '-' || (c >= '0' && c <= '9')) {
+      size_t end = i + 1;
+      while (end < body.size() && std::string_view("+-.eE0123456789").find(body[end]) != std::string_view::npos) ++end;
+      note_number_literal(std::string_view(body).substr(i, end - i));
+      i = end - 1;
     } else if (c == '[' || c == '{') {
       if (++depth > ctx.max_nesting)
         throw bad_request("The request body nests JSON deeper than " + std::to_string(ctx.max_nesting) + " levels.", "", "invalid_json");

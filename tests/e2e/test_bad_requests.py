@@ -310,13 +310,26 @@ def test_still_serves_after_corpus(server):
 
 
 def test_integers_beyond_64_bits_are_out_of_range(server):
-    """JSON integers past 64 bits parse as decimals; the error says the value is out of range."""
+    """JSON integers past 64 bits parse as decimals; the error says the value is out of range, and
+    shows it as the client wrote it (2**64 was shown as 1.8446744073709552e+19)."""
     import requests
-    for field, value, word in [("seed", 2**64, "above the maximum"), ("max_tokens", -(10**30), "below the minimum")]:
+    for field, value, want in [
+        ("seed", 2**64, "18446744073709551616 is above the maximum of 9223372036854775807."),
+        ("seed", 2**64 + 1, "18446744073709551617 is above the maximum of 9223372036854775807."),
+        ("seed", -2**63 - 1, "-9223372036854775809 is below the minimum of -9223372036854775808."),
+        ("seed", 10**30, "1000000000000000000000000000000 is above the maximum of 9223372036854775807."),
+        ("max_tokens", -(10**30), "-1000000000000000000000000000000 is below the minimum of 1."),
+        ("min_tokens", 2**70, "1180591620717411303424 is above the maximum of 2147483647."),
+        ("temperature", 10**20, "100000000000000000000 is above the maximum of 2."),
+    ]:
         r = requests.post(server.url + C, data=comp(**{field: value}), headers=JSON, timeout=30)
         assert r.status_code == 400
         err = r.json()["error"]
-        assert err["param"] == field and word in err["message"] and err["code"] == "invalid_value", err
+        assert err["param"] == field and err["code"] == "invalid_value", err
+        assert err["message"] == f"Invalid value for '{field}': {want}", err
+    # Nested, and written with an exponent: as written.
+    r = requests.post(server.url + C, data=b'{"prompt": "hi", "kv_eviction": {"policy": "sinks", "budget": 1e30}}', headers=JSON)
+    assert r.json()["error"]["message"] == "Invalid value for 'kv_eviction.budget': 1e30 is above the maximum of 2147483647.", r.text
 
 
 def test_min_tokens_is_checked_not_refused(server):

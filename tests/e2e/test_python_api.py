@@ -251,6 +251,12 @@ def test_errors_carry_the_servers_messages(llm, server):
         assert str(e) == want["message"] and e.status == 400 and e.param == want["param"] and e.index == 1
     with pytest.raises(TypeError):
         LLM(MODEL, gpu_memory_utilization=0.9)
+    # A seed beyond 64 bits: its digits, as the server shows them (it showed 1.8446744073709552e+19).
+    r = requests.post(server.url + "/v1/completions", json={"prompt": "hello", "seed": 2**64}, timeout=30)
+    with pytest.raises(RequestError) as ei:
+        llm.generate("hello", SamplingParams(seed=2**64), use_tqdm=False)
+    assert str(ei.value) == r.json()["error"]["message"] == \
+        "Invalid value for 'seed': 18446744073709551616 is above the maximum of 9223372036854775807."
 
 
 def test_empty_messages_are_refused_as_the_server_does(llm, server):
