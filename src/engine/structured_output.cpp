@@ -76,8 +76,7 @@ std::string xgrammar_message(std::string msg) {
 }  // namespace
 
 std::shared_ptr<const CompiledConstraint> ConstraintCompiler::compile(const OutputConstraint& c) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!impl_) {
+  std::call_once(init_, [&] {
     const int32_t n_tok = std::min(tok_.n_vocab(), n_vocab_);  // ids past the logits are never drawn
     std::vector<std::string> vocab(n_tok);
     std::vector<int32_t> stop;
@@ -87,12 +86,13 @@ std::shared_ptr<const CompiledConstraint> ConstraintCompiler::compile(const Outp
     }
     xgrammar::TokenizerInfo info(vocab, xgrammar::VocabType::RAW, n_vocab_, stop, false);
     impl_ = std::make_unique<Impl>(info);
-  }
+  });
+  // Compiles run side by side (xgrammar's compiler is thread-safe, its cache too): one client's
+  // slow schema holds its own HTTP thread, not the others' compiles.
   try {
     switch (c.kind) {
-      case OutputConstraint::Kind::kJson:
-        if (c.any_whitespace) return std::make_shared<CompiledConstraint>(impl_->compiler.CompileBuiltinJSONGrammar());
-        return std::make_shared<CompiledConstraint>(impl_->compiler.CompileJSONSchema("{}", false));
+      case OutputConstraint::Kind::kJson:  // a JSON object, as OpenAI's JSON mode gives
+        return std::make_shared<CompiledConstraint>(impl_->compiler.CompileJSONSchema(R"({"type": "object"})", c.any_whitespace));
       case OutputConstraint::Kind::kJsonSchema:
         return std::make_shared<CompiledConstraint>(impl_->compiler.CompileJSONSchema(c.spec, c.any_whitespace));
       case OutputConstraint::Kind::kRegex:

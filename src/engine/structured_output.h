@@ -1,6 +1,7 @@
 // Structured outputs: a constraint on what a choice may say, as a mask over the next token.
 //
-// A constraint is a JSON value (any), an instance of a JSON schema, a full match of a regular
+// A constraint is a JSON object (any), an instance of a JSON schema (its properties generated in
+// the order the schema lists them), a full match of a regular
 // expression, one of a list of strings, or a sentence of an EBNF grammar (GBNF, as llama.cpp and
 // vLLM take it). xgrammar (the library vLLM and SGLang use) compiles it against the vocabulary
 // once (ConstraintCompiler, on the HTTP thread that parsed the request, so a slow compile never
@@ -23,6 +24,7 @@ namespace kv {
 class Tokenizer;
 
 struct OutputConstraint {
+  // kJson: a JSON object (OpenAI's JSON mode)
   enum class Kind { kNone, kJson, kJsonSchema, kRegex, kChoice, kGrammar } kind = Kind::kNone;
   std::string spec;                  // kJsonSchema: the schema's JSON text; kRegex; kGrammar (EBNF, root rule "root")
   std::vector<std::string> choices;  // kChoice
@@ -32,7 +34,7 @@ const char* constraint_kind_name(OutputConstraint::Kind k);  // "json", "json_sc
 
 class CompiledConstraint;  // xgrammar's compiled grammar for one vocabulary
 
-// One per model. Thread-safe; compiles are serialized.
+// One per model. Thread-safe; compiles run side by side.
 class ConstraintCompiler {
  public:
   // n_vocab: the model's logits width (≥ the tokenizer's vocabulary).
@@ -45,7 +47,7 @@ class ConstraintCompiler {
   struct Impl;
   const Tokenizer& tok_;
   int32_t n_vocab_;
-  std::mutex mu_;
+  std::once_flag init_;
   std::unique_ptr<Impl> impl_;  // built at the first compile (the vocabulary's tables take a moment)
 };
 

@@ -53,6 +53,14 @@ std::vector<std::pair<double, std::string>>& big_literals() {
   return t;
 }
 
+// The text of the last body parse_json_body read on this thread (valid while its caller parses
+// it): a JSON schema is taken from it in the client's key order (schema_text), which the parsed
+// object (keys sorted) has lost.
+std::string_view& last_body() {
+  thread_local std::string_view b;
+  return b;
+}
+
 bool beyond_64_bits(double d) { return std::isfinite(d) && d == std::floor(d) && std::fabs(d) >= 0x1p63; }
 
 void note_number_literal(std::string_view text) {
@@ -184,15 +192,30 @@ std::vector<std::string> parse_stop(const Fields& f, const ApiContext& ctx) {
   return out;
 }
 
-// A JSON schema given as an object or as its text: the text xgrammar compiles.
-std::string schema_text(const std::string& name, const json& v) {
-  if (v.is_object() || v.is_boolean()) return v.dump();
+// A JSON schema given as an object or as its text: the text xgrammar compiles, with the keys in
+// the client's order (an object's properties are generated in the order the schema lists them,
+// as OpenAI and vLLM do: "reasoning" before "answer" is a choice the client made). path: where
+// the schema sits in the request body, to find its text there.
+std::string schema_text(const std::string& name, const json& v, std::initializer_list<const char*> path) {
+  using ordered = nlohmann::ordered_json;
   if (v.is_string()) {
-    json parsed = json::parse(v.get<std::string>(), nullptr, /*allow_exceptions=*/false);
+    ordered parsed = ordered::parse(v.get<std::string>(), nullptr, /*allow_exceptions=*/false);
     if (parsed.is_discarded() || !(parsed.is_object() || parsed.is_boolean())) value_error(name, "is not a JSON schema (an object).");
     return parsed.dump();
   }
-  type_error(name, "a JSON schema object", v);
+  if (!v.is_object() && !v.is_boolean()) type_error(name, "a JSON schema object", v);
+  // The same value in the body's own order, if the last body read holds it at `path`.
+  ordered body = ordered::parse(last_body(), nullptr, /*allow_exceptions=*/false);
+  const ordered* at = body.is_object() ? &body : nullptr;
+  for (const char* key : path) {
+    if (!at || !at->is_object() || !at->contains(key)) {
+      at = nullptr;
+      break;
+    }
+    at = &(*at)[key];
+  }
+  if (at && json::parse(at->dump()) == v) return at->dump();
+  return v.dump();
 }
 
 // Structured output, in each of the shapes clients send it (one per request):
@@ -231,9 +254,9 @@ void parse_constraint(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
       c.choices.push_back(e.get<std::string>());
     }
   };
-  auto take_schema = [&](const std::string& name, const json& v) {
+  auto take_schema = [&](const std::string& name, const json& v, std::initializer_list<const char*> path) {
     set(name, OutputConstraint::Kind::kJsonSchema);
-    c.spec = schema_text(name, v);
+    c.spec = schema_text(name, v, path);
   };
 
   if (const json* rf = f.get("response_format")) {
@@ -248,21 +271,26 @@ void parse_constraint(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
       if (!js->is_object()) type_error("response_format", "a 'json_schema' object", *js);
       const json* schema = Fields(*js).get("schema");
       if (!schema) value_error("response_format", "its 'json_schema' needs a 'schema'.");
-      take_schema("response_format", *schema);
+      take_schema("response_format", *schema, {"response_format", "json_schema", "schema"});
     } else if (type != "text") {
       value_error("response_format", "type must be 'text', 'json_object' or 'json_schema', got '" + type + "'.");
     }
   }
-  if (const json* v = f.get("guided_json")) take_schema("guided_json", *v);
+  if (const json* v = f.get("guided_json")) take_schema("guided_json", *v, {"guided_json"});
   if (const json* v = f.get("guided_regex")) take_regex("guided_regex", *v);
   if (const json* v = f.get("guided_choice")) take_choice("guided_choice", *v);
   if (const json* v = f.get("guided_grammar")) take_grammar("guided_grammar", *v);
-  if (const json* v = f.get("json_schema")) take_schema("json_schema", *v);  // llama.cpp
+  if (const json* v = f.get("json_schema")) take_schema("json_schema", *v, {"json_schema"});  // llama.cpp
   if (const json* v = f.get("grammar")) take_grammar("grammar", *v);          // llama.cpp (GBNF)
   if (const json* so = f.get("structured_outputs")) {
     if (!so->is_object()) type_error("structured_outputs", "an object", *so);
     Fields sf(*so);
-    if (const json* v = sf.get("json")) take_schema("structured_outputs.json", *v);
+    for (const auto& [key, v] : so->items())  // a misspelt constraint must not give free text
+      if (!(key == "json" || key == "regex" || key == "choice" || key == "grammar" || key == "json_object" ||
+            key == "disable_any_whitespace" || key == "structural_tag" || key == "whitespace_pattern" ||
+            key == "disable_fallback" || key == "disable_additional_properties"))
+        value_error("structured_outputs", "unknown field '" + key + "' (json, regex, choice, grammar, json_object, disable_any_whitespace).");
+    if (const json* v = sf.get("json")) take_schema("structured_outputs.json", *v, {"structured_outputs", "json"});
     if (const json* v = sf.get("regex")) take_regex("structured_outputs.regex", *v);
     if (const json* v = sf.get("choice")) take_choice("structured_outputs.choice", *v);
     if (const json* v = sf.get("grammar")) take_grammar("structured_outputs.grammar", *v);
@@ -270,6 +298,7 @@ void parse_constraint(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
     for (const char* name : {"structural_tag", "whitespace_pattern"})
       if (sf.requested(name)) unsupported(std::string("structured_outputs.") + name, "");
     if (sf.boolean("disable_any_whitespace").value_or(false)) c.any_whitespace = false;
+    if (given.empty()) value_error("structured_outputs", "names no constraint (json, regex, choice, grammar or json_object).");
   }
   if (f.requested("guided_whitespace_pattern")) unsupported("guided_whitespace_pattern", "");
   for (const char* name : {"structural_tag", "regex"})
@@ -656,6 +685,7 @@ json parse_json_body(const std::string& body, const ApiContext& ctx) {
   int depth = 0;
   bool in_string = false, escaped = false;
   big_literals().clear();
+  last_body() = body;
   for (size_t i = 0; i < body.size(); ++i) {
     const char c = body[i];
     if (in_string) {
