@@ -53,11 +53,12 @@ std::vector<std::pair<double, std::string>>& big_literals() {
   return t;
 }
 
-// The text of the last body parse_json_body read on this thread (valid while its caller parses
-// it): a JSON schema is taken from it in the client's key order (schema_text), which the parsed
-// object (keys sorted) has lost.
-std::string_view& last_body() {
-  thread_local std::string_view b;
+// A copy of the last body parse_json_body read on this thread, when it may hold a JSON schema
+// (every field that takes one has "json" in its name): a schema is taken from it in the client's
+// key order (schema_text), which the parsed object (keys sorted) has lost. A copy, not a view:
+// a caller may parse a value after the body it came from is gone.
+std::string& last_body() {
+  thread_local std::string b;
   return b;
 }
 
@@ -685,7 +686,8 @@ json parse_json_body(const std::string& body, const ApiContext& ctx) {
   int depth = 0;
   bool in_string = false, escaped = false;
   big_literals().clear();
-  last_body() = body;
+  if (body.find("json") != std::string::npos) last_body() = body;
+  else last_body().clear();
   for (size_t i = 0; i < body.size(); ++i) {
     const char c = body[i];
     if (in_string) {
