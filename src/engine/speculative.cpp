@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "engine/structured_output.h"
+#include "kernels/ops.h"
 
 namespace kv {
 
@@ -30,7 +32,15 @@ void verify_draft(Sampler& sampler, const float* rows, int32_t n_rows, int32_t n
       if (bias)
         for (const auto& [id, b] : *rules.logit_bias)
           if (id < nv) row_buf[id] += b;
-      if (banned) mask_tokens(row_buf, nv, *rules.banned);
+      if (banned) {
+        std::vector<float> kept;  // under a constraint that allows only the end (it is complete), the constraint wins
+        if (constraint)
+          for (int32_t id : *rules.banned) kept.push_back(id < nv ? row_buf[id] : 0.f);
+        mask_tokens(row_buf, nv, *rules.banned);
+        if (constraint && max_value(row_buf, nv) == -std::numeric_limits<float>::infinity())
+          for (size_t i = 0; i < kept.size(); ++i)
+            if ((*rules.banned)[i] < nv) row_buf[(*rules.banned)[i]] = kept[i];
+      }
       tok = sampler.reads_only() ? argmax(row_buf, nv) : sampler.sample(row_buf, nv, history, n_prompt, scratch);
       if (constraint) constraint->accept(tok);
     } else if (sampler.reads_only()) {

@@ -168,3 +168,36 @@ TEST(StructuredOutput, DrawsStayInsideTheMask) {
 }
 
 }  // namespace
+
+namespace {
+
+// min_tokens under a constraint that is already complete (only an end of generation allowed):
+// the constraint wins, and the draw is the best end-of-generation token, not id 0 of an all
+// −inf row (Gemma 3's <pad>).
+TEST(StructuredOutput, MinTokensDoesNotBanTheOnlyWayOut) {
+  const kv::Tokenizer* tok = kvtest::smollm2_tokenizer();
+  kv::LlamaModel* model = kvtest::smollm2_model();
+  ASSERT_TRUE(tok && model);
+  const int32_t nv = model->config().n_vocab;
+  ConstraintCompiler cc(*tok, nv);
+  ConstraintMatcher m(cc.compile(regex("yes")));
+  ASSERT_TRUE(m.accept(tok->find_token("yes")));
+  ASSERT_TRUE(m.complete());
+  std::vector<int32_t> eog;
+  for (int32_t v = 0; v < tok->n_vocab(); ++v)
+    if (tok->is_eog(v)) eog.push_back(v);
+  ASSERT_GE(eog.size(), 2u);
+  std::vector<float> logits(nv, 0.f);
+  logits[eog.back()] = 5.f;  // the best end, not id 0
+  std::vector<float> buf(nv);
+  kv::SamplingParams sp;  // greedy
+  kv::Sampler sampler(sp);
+  std::vector<int32_t> hist = {1}, out;
+  kv::SamplerScratch ws;
+  kv::DrawRules rules{&m, nullptr, &eog, 1};
+  kv::verify_draft(sampler, logits.data(), 1, nv, nullptr, hist, 1, &ws, buf.data(), &out, rules, nullptr);
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0], eog.back());
+}
+
+}  // namespace
