@@ -119,12 +119,10 @@ struct ConstraintMatcher::Impl {
   std::shared_ptr<const CompiledConstraint> compiled;  // kept alive for the matcher
   xgrammar::GrammarMatcher matcher;
   std::vector<int32_t> bits;  // xgrammar's bitmask: bit v % 32 of word v / 32 set = token v allowed
-  int32_t vocab;              // the compiled grammar's vocabulary size
   explicit Impl(std::shared_ptr<const CompiledConstraint> c)
       : compiled(std::move(c)),
         matcher(compiled->grammar),
-        bits(xgrammar::GetBitmaskSize(compiled->grammar.GetTokenizerInfo().GetVocabSize())),
-        vocab(compiled->grammar.GetTokenizerInfo().GetVocabSize()) {}
+        bits(xgrammar::GetBitmaskSize(compiled->grammar.GetTokenizerInfo().GetVocabSize())) {}
   void fill() {
     DLTensor t{};
     int64_t shape[1] = {static_cast<int64_t>(bits.size())};
@@ -135,7 +133,6 @@ struct ConstraintMatcher::Impl {
     t.shape = shape;
     matcher.FillNextTokenBitmask(&t, 0);
   }
-  bool allowed(int32_t v) const { return v < vocab && (static_cast<uint32_t>(bits[v >> 5]) >> (v & 31) & 1u); }
 };
 
 ConstraintMatcher::ConstraintMatcher(std::shared_ptr<const CompiledConstraint> c) : impl_(std::make_unique<Impl>(std::move(c))) {}
@@ -169,11 +166,6 @@ int32_t ConstraintMatcher::mask(float* logits, int32_t n_vocab) {
     for (size_t i = 0; i < stop.size(); ++i)
       if (stop[i] < n_vocab) logits[stop[i]] = stop_logits[i];
   return n_allowed;
-}
-
-bool ConstraintMatcher::allows(int32_t token) {
-  impl_->fill();
-  return impl_->allowed(token);
 }
 
 bool ConstraintMatcher::accept(int32_t token) { return impl_->matcher.AcceptToken(token); }

@@ -62,8 +62,6 @@ class ConstraintMatcher {
   // Returns the number of tokens left allowed. Should none be (a grammar with no way on from
   // here), the end-of-generation tokens keep their logits, so the choice ends.
   int32_t mask(float* logits, int32_t n_vocab);
-  // Whether `token` is allowed next (without advancing).
-  bool allows(int32_t token);
   // Advances past `token`; false (and no change) if the constraint does not allow it.
   bool accept(int32_t token);
   // The text so far is complete (an end-of-generation token is allowed).
