@@ -65,6 +65,7 @@ struct Pending {
   kv::ApiRequest ar;
   std::shared_ptr<kv::RequestStream> stream;
   std::vector<Choice> choices;
+  std::optional<std::vector<kv::TokenLogprob>> prompt_logprobs;  // the kPrompt event (prompt_logprobs ≥ 0)
   bool done = false;
   std::optional<kv::ApiError> error;
 };
@@ -381,6 +382,8 @@ class PyEngine {
           c.tokens.insert(c.tokens.end(), ev.tokens.begin(), ev.tokens.end());
           for (auto& lp : ev.logprobs) c.logprobs.push_back(std::move(lp));
           for (auto& lp : ev.eog_logprobs) c.logprobs.push_back(std::move(lp));
+        } else if (ev.kind == kv::StreamEvent::kPrompt) {
+          it.prompt_logprobs = std::move(ev.logprobs);
         } else if (ev.kind == kv::StreamEvent::kFinish) {
           c.finish_reason = ev.finish_reason;
         } else if (!it.error) {
@@ -418,6 +421,13 @@ class PyEngine {
     d["kv_tokens_evicted"] = u.kv_tokens_evicted;
     d["kv_tokens_reindexed"] = u.kv_tokens_reindexed;
     d["with_logprobs"] = it.ar.logprobs;
+    if (it.prompt_logprobs) {  // (token, logprob, rank, top) for prompt tokens 1..n-1
+      py::list plps;
+      for (const auto& lp : *it.prompt_logprobs) plps.append(py::make_tuple(lp.token, lp.logprob, lp.rank, lp.top));
+      d["prompt_logprobs"] = plps;
+    } else {
+      d["prompt_logprobs"] = py::none();
+    }
     py::list choices;
     for (size_t j = 0; j < it.choices.size(); ++j) {
       const Choice& c = it.choices[j];

@@ -83,7 +83,9 @@ class SamplingParams:
     server's request field ({"policy": "snapkv", "budget": 2048}). cache_salt: the prefix
     cache namespace (requests of different salts never share pages). structured_outputs: a
     StructuredOutputsParams constraint (JSON schema, regex, choice, grammar). logit_bias: {token id:
-    bias in [-100, 100]} added to the logits before the draw.
+    bias in [-100, 100]} added to the logits before the draw. prompt_logprobs k: each prompt
+    token's logprob given the tokens before it, its rank and the top k (RequestOutput.prompt_logprobs;
+    with max_tokens=0 the prompt is all that runs).
     """
 
     n: int = 1
@@ -101,6 +103,7 @@ class SamplingParams:
     max_tokens: Optional[int] = 16
     min_tokens: int = 0
     logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
     cache_salt: Optional[str] = None
     kv_eviction: Optional[Dict[str, Any]] = None
     structured_outputs: Optional[StructuredOutputsParams] = None
@@ -143,6 +146,8 @@ class SamplingParams:
                 b["top_logprobs"] = self.logprobs
             else:
                 b["logprobs"] = self.logprobs
+        if self.prompt_logprobs is not None:
+            b["prompt_logprobs"] = self.prompt_logprobs
         if self.cache_salt is not None:
             b["cache_salt"] = self.cache_salt
         if self.kv_eviction is not None:
@@ -191,7 +196,9 @@ class RequestOutput:
     outputs: List[CompletionOutput]
     finished: bool = True
     num_cached_tokens: int = 0
-    prompt_logprobs: None = None
+    # SamplingParams.prompt_logprobs: None for the first token, then {token id: Logprob} with the
+    # prompt's token first (its rank in the distribution) and the top k, as vLLM's.
+    prompt_logprobs: Optional[List[Optional[Dict[int, Logprob]]]] = None
     # kvserve's KV policy outcome (SamplingParams.kv_eviction), summed over the choices.
     kv_tokens_kept: int = 0
     kv_tokens_evicted: int = 0
@@ -396,13 +403,26 @@ class LLM:
             outs.append(RequestOutput(
                 request_id=str(self._next_id), prompt=prompt, prompt_token_ids=list(r["prompt_token_ids"]),
                 outputs=[self._completion(c, sp) for c in r["choices"]], finished=True,
-                num_cached_tokens=r["cached_tokens"], kv_tokens_kept=r["kv_tokens_kept"],
+                num_cached_tokens=r["cached_tokens"], prompt_logprobs=self._prompt_logprobs(r),
+                kv_tokens_kept=r["kv_tokens_kept"],
                 kv_tokens_evicted=r["kv_tokens_evicted"], kv_tokens_reindexed=r["kv_tokens_reindexed"]))
             self._next_id += 1
         return outs
 
     def _decode(self, ids: Sequence[int], special: bool = False) -> str:
         return self._engine.detokenize_bytes(list(ids), special).decode("utf-8", errors="replace")
+
+    def _prompt_logprobs(self, r: Dict[str, Any]) -> Optional[List[Optional[Dict[int, Logprob]]]]:
+        if r["prompt_logprobs"] is None:
+            return None
+        out: List[Optional[Dict[int, Logprob]]] = [None]
+        for tok, lp, rank, top in r["prompt_logprobs"]:
+            entry: Dict[int, Logprob] = {tok: Logprob(lp, rank, self._token_text(tok))}
+            for k, (tid, tlp) in enumerate(top, start=1):
+                if tid != tok:
+                    entry[tid] = Logprob(tlp, k, self._token_text(tid))
+            out.append(entry)
+        return out
 
     def _completion(self, c: Dict[str, Any], sp: SamplingParams) -> CompletionOutput:
         text = c["text"].decode("utf-8", errors="replace")

@@ -29,6 +29,37 @@ size_t stop_holdback(const std::string& text, const std::vector<std::string>& st
       }
   return keep;
 }
+
+// One row's entry for the logprobs: the model's log-probability of `tok` (the raw logits'
+// log-softmax, in double), the top k candidates (a structured output's masked -inf tokens are
+// not candidates) and, with_rank, 1 + the tokens with a higher logit.
+TokenLogprob row_logprob(const float* lg, int32_t nv, int32_t tok, int32_t k, bool with_rank,
+                         std::vector<std::pair<float, int32_t>>* cand) {
+  const float mx = max_value(lg, nv);
+  double z = 0;
+  for (int32_t v = 0; v < nv; ++v) z += std::exp(double(lg[v]) - mx);
+  const double lz = mx + std::log(z);  // log-partition of the raw logits
+  TokenLogprob tl;
+  if (k > 0) {
+    top_k_select(lg, nv, std::min(k, nv), cand);
+    for (const auto& [v, id] : *cand)
+      if (v != -std::numeric_limits<float>::infinity()) tl.top.emplace_back(id, static_cast<float>(double(v) - lz));
+  }
+  tl.token = tok;
+  tl.logprob = static_cast<float>(double(lg[tok]) - lz);  // same arithmetic as `top`
+  if (with_rank) {
+    int32_t above = 0;
+    for (int32_t v = 0; v < nv; ++v) above += lg[v] > lg[tok];
+    tl.rank = above + 1;
+  }
+  return tl;
+}
+
+// Rows of prompt logprobs one step computes, at most (each is an n_vocab row of logits: 64 MiB
+// of them, so Gemma 3's 262,144-token vocabulary gets 64 rows a step, SmolLM2's 341).
+int64_t prompt_logit_rows_cap(int32_t n_vocab) {
+  return std::max<int64_t>(16, (int64_t(64) << 20) / (int64_t(n_vocab) * int64_t(sizeof(float))));
+}
 }  // namespace
 
 // Shared by every choice (sequence) of one request.
@@ -44,6 +75,12 @@ struct RequestState {
   // tokenizer's end-of-generation ids and the request's stop_token_ids, as vLLM's
   // all_stop_token_ids).
   std::vector<int32_t> min_tokens_mask;
+  // prompt_logprobs ≥ 0: the next prompt token whose logprob is owed (the first has none), the
+  // entries computed so far (tokens 1..prompt_lp_next-1; they survive a preemption), and whether
+  // the kPrompt event went out.
+  int32_t prompt_lp_next = 1;
+  std::vector<TokenLogprob> prompt_lps;
+  bool prompt_sent = false;
 };
 
 struct Engine::Sequence {
@@ -94,6 +131,9 @@ struct Engine::Sequence {
 
   Sequence(const Tokenizer& tok, const SamplingParams& sp) : sampler(sp), detok(tok) {}
   int64_t to_compute() const { return static_cast<int64_t>(tokens.size()) - n_computed; }
+  // Prompt logprobs still to compute: their positions' logits must come from runs of this
+  // sequence (never from the prefix cache, which keeps K/V, not logits).
+  bool owes_prompt_lps() const { return rs->req.params.prompt_logprobs >= 0 && rs->prompt_lp_next < n_prompt; }
 };
 
 struct Engine::Plan {
@@ -102,6 +142,9 @@ struct Engine::Plan {
     int32_t n;
     bool logits;
     bool draft = false;  // a speculative run: logits at every position (n rows)
+    // Prompt logprobs: the run's rows for positions rs->prompt_lp_next - 1 onwards (each
+    // predicts the prompt token after it), before the draw's row when `logits`.
+    int32_t lp_rows = 0;
   };
   std::vector<Item> items;
   Batch batch;
@@ -215,7 +258,10 @@ Rejection Engine::check_request(const Request& req) const {
   for (int32_t t : req.prompt)
     if (t < 0 || t >= model_.config().n_vocab) return reject(400, "Token id " + std::to_string(t) + " is out of range.", "prompt");
   if (p.n < 1 || p.n > cfg_.max_n) return reject(400, "n must be between 1 and " + std::to_string(cfg_.max_n) + ".", "n");
-  if (p.max_tokens < 1) return reject(400, "max_tokens must be at least 1.", "max_tokens");
+  if (p.max_tokens < 0) return reject(400, "max_tokens must be at least 0.", "max_tokens");
+  if (p.logprobs > model_.config().n_vocab || p.prompt_logprobs > model_.config().n_vocab)
+    return reject(400, "At most " + std::to_string(model_.config().n_vocab) + " logprobs (the vocabulary).",
+                  p.logprobs > model_.config().n_vocab ? "logprobs" : "prompt_logprobs");
   if (p.min_tokens < 0 || p.min_tokens > p.max_tokens)
     return reject(400, "min_tokens must be between 0 and max_tokens (" + std::to_string(p.max_tokens) + "), got " + std::to_string(p.min_tokens) + ".",
                   "min_tokens");
@@ -503,6 +549,12 @@ bool Engine::schedule(Plan* plan) {
   }
 
   int64_t budget = cfg_.max_num_batched_tokens;
+  // Prompt-logprob runs: at most this many logit rows this step (prompt_logit_rows_cap).
+  int64_t lp_room = prompt_logit_rows_cap(model_.config().n_vocab);
+  auto lp_limit = [&](const Sequence& s, int64_t want) { return s.owes_prompt_lps() ? std::min(want, lp_room) : want; };
+  auto lp_take = [&](const Sequence& s, int64_t n) {
+    if (s.owes_prompt_lps()) lp_room -= n;
+  };
   // Speculative drafts only while the decode batch stays narrow (memory-bound): decodes plus
   // drafts within max_batch_tokens of the server's configuration (the oldest draft first).
   int64_t spec_room = 0;
@@ -550,10 +602,11 @@ bool Engine::schedule(Plan* plan) {
     Sequence& s = *sp;
     if (budget <= 0) break;
     if (s.to_compute() <= 1) continue;
-    const int32_t n = prefill_chunk(s, std::min(budget, cap));
+    const int32_t n = prefill_chunk(s, lp_limit(s, std::min(budget, cap)));
     if (n <= 0 || !ensure_pages(s, n)) continue;
     plan->items.push_back({&s, n, n == s.to_compute()});
     budget -= n;
+    lp_take(s, n);
     note_capped(s, n);
   }
   while (budget > 0 && !waiting_.empty() && static_cast<int32_t>(running_.size()) < cfg_.max_num_seqs) {
@@ -561,22 +614,25 @@ bool Engine::schedule(Plan* plan) {
     if (pick == waiting_.end()) break;  // every candidate is loading pages from a lower tier
     Sequence& s = **pick;
     int32_t n = 0;
-    if (!admit(s, std::min(budget, cap), &n)) break;  // no overtaking: the chosen request waits for room
+    const int64_t want = lp_limit(s, std::min(budget, cap));
+    if (want <= 0 || !admit(s, want, &n)) break;  // no overtaking: the chosen request waits for room
     running_.push_back(std::move(*pick));
     waiting_.erase(pick);
     n_running_seqs_.store(static_cast<int32_t>(running_.size()));  // before the waiting count drops: submit never over-admits
     n_waiting_total_.fetch_sub(1);
     plan->items.push_back({&s, n, n == s.to_compute()});
     budget -= n;
+    lp_take(s, n);
     note_capped(s, n);
   }
   for (size_t i : capped) {
     if (budget <= 0) break;
     Plan::Item& it = plan->items[i];
     Sequence& s = *it.seq;
-    const int32_t n = prefill_chunk(s, it.n + budget);
+    const int32_t n = prefill_chunk(s, it.n + lp_limit(s, budget));
     if (n <= it.n || !ensure_pages(s, n)) continue;
     budget -= n - it.n;
+    lp_take(s, n - it.n);
     it.n = n;
     it.logits = n == s.to_compute();
   }
@@ -590,11 +646,23 @@ bool Engine::schedule(Plan* plan) {
     running_.erase(victim);
     return true;  // state changed: ask for another step
   }
-  for (const auto& it : plan->items) {
+  for (auto& it : plan->items) {
     const int32_t* toks = it.draft ? it.seq->spec_run.data() : it.seq->tokens.data() + it.seq->n_computed;
     plan->batch.add(it.seq->table.pages.data(), it.seq->n_computed, toks, it.n, it.logits, pool_g1_ ? it.seq->table_g1.pages.data() : nullptr);
-    if (it.draft) plan->batch.seqs.back().n_logits = it.n;
-    annotate(*it.seq, plan->batch.seqs.back());
+    BatchSeq& b = plan->batch.seqs.back();
+    if (it.draft) b.n_logits = it.n;
+    if (it.seq->owes_prompt_lps()) {
+      // Rows for positions [prompt_lp_next - 1, end) of the run, the prompt's last excluded (its
+      // row is the draw's). The prefix cache never skips past prompt_lp_next - 1 (admit).
+      const Sequence& s = *it.seq;
+      const int64_t first = s.rs->prompt_lp_next - 1, end = std::min<int64_t>(s.n_computed + it.n, s.n_prompt - 1);
+      it.lp_rows = static_cast<int32_t>(std::max<int64_t>(0, end - std::max<int64_t>(first, s.n_computed)));
+      if (it.lp_rows > 0) {
+        b.want_logits = true;
+        b.n_logits = it.lp_rows + (it.logits ? 1 : 0);
+      }
+    }
+    annotate(*it.seq, b);
   }
   return !plan->items.empty();
 }
@@ -696,6 +764,8 @@ bool Engine::admit(Sequence& s, int64_t budget, int32_t* n_out) {
     // itself: their queries are what votes at the prompt's end, and a cached page has none.
     int64_t n_match = static_cast<int64_t>(s.tokens.size());
     if (s.evict.wants_scores()) n_match = std::max<int64_t>(0, n_match - s.evict.obs_window);
+    // Prompt logprobs: the positions whose logits are still owed are computed here.
+    if (s.owes_prompt_lps()) n_match = std::min<int64_t>(n_match, s.rs->prompt_lp_next - 1);
     m = cache_->match(s.rs->req.params.cache_namespace, s.tokens.data(), n_match);
     cache_->pin(m.handle);  // protects the matched pages from the eviction ensure_pages may do
     for (int32_t p : m.pages) pool_->retain(p);
@@ -709,7 +779,7 @@ bool Engine::admit(Sequence& s, int64_t budget, int32_t* n_out) {
     }
     s.pin = m.handle;
     s.published = m.n_tokens;
-    if (!s.tail_blob.empty() && install_prompt_tail(s, m.n_tokens))
+    if (!s.tail_blob.empty() && !s.owes_prompt_lps() && install_prompt_tail(s, m.n_tokens))
       tail_tokens = s.n_computed - m.n_tokens;
     else if (s.tail_blob.empty() && copy_partial_page(s, m))
       partial_tokens = m.n_partial;
@@ -880,8 +950,25 @@ void Engine::postprocess(Plan& plan, const float* logits) {
   // 1. Bookkeeping, forks (n > 1) and the list of draws, in batch order.
   int64_t r = 0;
   draws_.clear();
+  prompt_rows_.clear();
+  std::vector<Sequence*> prompt_only;  // max_tokens 0: the prompt was the whole request
   for (auto& it : plan.items) {
     Sequence& s = *it.seq;
+    if (it.lp_rows > 0) {  // prompt logprobs: rows before the draw's (schedule)
+      RequestState& rs = *s.rs;
+      const int64_t first = rs.prompt_lp_next - 1;
+      if (first < s.n_computed) {  // a run that skipped owed positions: never planned so
+        rs.req.stream->push(StreamEvent{StreamEvent::kError, s.index, "", {}, "", "prompt logprobs lost their positions", 500, {}, {}});
+        rs.req.stream->cancel(CancelReason::kError);
+      } else {
+        const size_t at = rs.prompt_lps.size();
+        rs.prompt_lps.resize(at + it.lp_rows);
+        for (int32_t j = 0; j < it.lp_rows; ++j)
+          prompt_rows_.push_back({logits + (r + j) * nv, s.tokens[first + 1 + j], rs.req.params.prompt_logprobs, &rs.prompt_lps[at + j]});
+        rs.prompt_lp_next += it.lp_rows;
+      }
+      r += it.lp_rows;
+    }
     // A speculative run: only its first token is known to be right (settle_draft does the rest).
     const int32_t n_known = it.draft ? 1 : it.n;
     s.n_computed += n_known;
@@ -895,6 +982,10 @@ void Engine::postprocess(Plan& plan, const float* logits) {
     const int32_t rows = it.draft ? it.n : 1;
     r += rows;
     RequestState& rs = *s.rs;
+    if (rs.req.params.max_tokens == 0) {  // nothing to draw: the prompt was the whole request
+      prompt_only.push_back(&s);
+      continue;
+    }
     draws_.push_back({&s, lg, rows, {}, {}});
     if (rs.req.params.n > 1 && !rs.forked && s.index == 0) {
       rs.forked = true;
@@ -905,11 +996,30 @@ void Engine::postprocess(Plan& plan, const float* logits) {
       metrics_.observe_ttft(seconds(rs.req.arrival, now));
     }
   }
-  // 2. Sampling, every sequence at once on the thread pool: each draw touches only its own
-  // sequence's sampler and its thread's scratch, so the tokens do not depend on the split.
+  // 2. Prompt logprobs, then sampling, every sequence at once on the thread pool: each draw
+  // touches only its own sequence's sampler and its thread's scratch, so the tokens do not
+  // depend on the split. A request's prompt logprobs go out when its first draw is made, before
+  // its first token.
   const auto t_sample = Clock::now();
+  prompt_logprobs_all(nv);
+  for (auto& it : plan.items) {
+    RequestState& rs = *it.seq->rs;
+    if (!it.logits || rs.req.params.prompt_logprobs < 0 || rs.prompt_sent || it.seq->index != 0) continue;
+    rs.prompt_sent = true;
+    StreamEvent ev;
+    ev.kind = StreamEvent::kPrompt;
+    ev.logprobs = std::move(rs.prompt_lps);
+    rs.prompt_lps = {};
+    rs.req.stream->push(std::move(ev));
+  }
   sample_all(nv);
   sample_seconds_ = seconds(t_sample, Clock::now());
+  for (Sequence* e : prompt_only) {  // every choice ends as it began: "length", no token
+    if (cfg_.tier_prompt_tails == EngineConfig::PromptTails::kStore) store_prompt_tail(*e);
+    store_finished_path(*e);
+    push_finish(*e, "length");
+    e->n_prompt = -1;  // removed from running below
+  }
   // 3. Tokens, text, stop strings and streaming, in batch order (a speculative draw may bring
   // several tokens; the first that finishes the sequence ends it).
   for (Draw& d : draws_) {
@@ -1018,21 +1128,8 @@ void Engine::sample_all(int32_t nv) {
       verify_draft(s.sampler, d.logits, d.n_rows, nv, draft, s.tokens, static_cast<size_t>(s.n_prompt), &ws.sampler, ws.row.data(),
                    &d.out, DrawRules{s.constraint.get(), &p.logit_bias, n_masked > 0 ? &s.rs->min_tokens_mask : nullptr, n_masked},
                    [&](int32_t, const float* lg, int32_t tok) {
-                     if (p.logprobs < 0) return;
                      // Log-probabilities of the model's distribution (before penalties and temperature).
-                     const float mx = max_value(lg, nv);
-                     double z = 0;
-                     for (int32_t v = 0; v < nv; ++v) z += std::exp(double(lg[v]) - mx);
-                     const double lz = mx + std::log(z);  // log-partition of the raw logits
-                     TokenLogprob tl;
-                     if (p.logprobs > 0) {
-                       top_k_select(lg, nv, std::min(p.logprobs, nv), &ws.sampler.cand);
-                       for (const auto& [v, id] : ws.sampler.cand)  // a structured output's masked tokens: not candidates
-                         if (v != -std::numeric_limits<float>::infinity()) tl.top.emplace_back(id, static_cast<float>(double(v) - lz));
-                     }
-                     tl.token = tok;
-                     tl.logprob = static_cast<float>(double(lg[tok]) - lz);  // same arithmetic as `top`
-                     d.lps.push_back(std::move(tl));
+                     if (p.logprobs >= 0) d.lps.push_back(row_logprob(lg, nv, tok, p.logprobs, false, &ws.sampler.cand));
                    });
     }
   };
@@ -1041,6 +1138,20 @@ void Engine::sample_all(int32_t nv) {
     work(0, 1);
   else
     threads_->run(work);
+}
+
+void Engine::prompt_logprobs_all(int32_t nv) {
+  if (prompt_rows_.empty()) return;
+  const int n_threads = threads_->size();
+  if (static_cast<int>(sample_ws_.size()) < n_threads) sample_ws_.resize(n_threads);
+  threads_->run([&](int ith, int nth) {
+    int64_t b = 0, e = 0;
+    ThreadPool::split(static_cast<int64_t>(prompt_rows_.size()), ith, nth, 1, &b, &e);
+    for (int64_t i = b; i < e; ++i) {
+      const PromptRow& pr = prompt_rows_[i];
+      *pr.out = row_logprob(pr.logits, nv, pr.token, pr.k, true, &sample_ws_[ith].sampler.cand);
+    }
+  });
 }
 
 void Engine::publish(Sequence& s) {
@@ -1389,10 +1500,8 @@ void Engine::record_kv_outcome(Sequence& s) {
   if (s.evict.evicts()) metrics_.observe_kv_kept(kept);
 }
 
-void Engine::finish(Sequence& s, const char* reason) {
+void Engine::push_finish(Sequence& s, const char* reason) {
   s.rs->req.stream->push(StreamEvent{StreamEvent::kFinish, s.index, "", {}, reason, "", 0, {}, {}});
-  record_kv_outcome(s);
-  release(s);
   // A request with n > 1 whose children do not exist yet finishes them all at once.
   RequestState& rs = *s.rs;
   if (rs.req.params.n > 1 && !rs.forked) {
@@ -1402,6 +1511,12 @@ void Engine::finish(Sequence& s, const char* reason) {
       --rs.n_unfinished;
     }
   }
+}
+
+void Engine::finish(Sequence& s, const char* reason) {
+  push_finish(s, reason);
+  record_kv_outcome(s);
+  release(s);
   maybe_finish_request(s);
 }
 
@@ -1436,6 +1551,8 @@ bool Engine::step() {
     } else {
       postprocess(plan, logits_.data());
     }
+    // Prompt logprobs' rows can take 64 MiB (prompt_logit_rows_cap): not kept past their step.
+    if (!prompt_rows_.empty() && plan.batch.n_logit_rows() > cfg_.max_num_seqs + 16) std::vector<float>().swap(logits_);
     publish_gauges();
     phase[static_cast<int>(StepPhase::kSample)] = sample_seconds_;
     phase[static_cast<int>(StepPhase::kPostprocess)] = std::max(0.0, seconds(t_post, Clock::now()) - sample_seconds_);

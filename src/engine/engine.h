@@ -159,7 +159,10 @@ class Engine {
   bool goes_past_context(const Sequence& s) const;
   void postprocess(Plan& plan, const float* logits);
   void sample_all(int32_t n_vocab);  // draws_[i].token (and logprobs) for every draw, on the pool
+  void prompt_logprobs_all(int32_t n_vocab);  // every prompt_rows_ entry, on the pool
   void finish(Sequence& s, const char* reason);
+  // finish()'s events: s's kFinish, and its siblings' when n > 1 and they were never forked.
+  void push_finish(Sequence& s, const char* reason);
   void release(Sequence& s);  // hands full pages to the prefix cache, then frees the table
   void publish(Sequence& s);  // hands newly completed full pages to the prefix cache
   bool admit(Sequence& s, int64_t budget, int32_t* n_out);
@@ -243,6 +246,15 @@ class Engine {
     std::vector<TokenLogprob> lps;    // one per token of `out` (logprobs ≥ 0 only)
   };
   std::vector<Draw> draws_;
+  // This step's prompt-logprob rows (RequestParams::prompt_logprobs): a row, the prompt token it
+  // predicts, the top k asked for, and where its entry goes (the request's prompt_lps).
+  struct PromptRow {
+    const float* logits;
+    int32_t token;
+    int32_t k;
+    TokenLogprob* out;
+  };
+  std::vector<PromptRow> prompt_rows_;
   struct SampleWorkspace {
     std::vector<float> row;  // [n_vocab] the row the sampler may rewrite
     SamplerScratch sampler;

@@ -24,7 +24,7 @@ namespace kv {
 
 struct RequestParams {
   SamplingParams sampling;
-  int32_t max_tokens = 16;           // new tokens per choice
+  int32_t max_tokens = 16;           // new tokens per choice; 0: the prompt alone (its KV, its prompt_logprobs)
   std::vector<std::string> stop;     // stop strings: matched across token boundaries, never emitted
   // Token ids that end a choice as end-of-generation does (vLLM's stop_token_ids; not under
   // ignore_eos's control): the token's text is kept, unless it is a control token.
@@ -39,6 +39,11 @@ struct RequestParams {
   int32_t min_tokens = 0;
   int32_t n = 1;                     // choices; they share the prompt's pages
   int32_t logprobs = -1;             // -1: none; k ≥ 0: chosen token's logprob + top k alternatives
+  // vLLM's prompt_logprobs (completions' echo with logprobs): -1 none; k ≥ 0: each prompt token
+  // after the first, its logprob given the tokens before it, its rank and the top k, sent as
+  // one kPrompt event before the request's first token. Such a request takes no prompt tokens
+  // from the prefix cache (their logits were never computed), though its pages go there.
+  int32_t prompt_logprobs = -1;
   std::string cache_namespace;       // tenant / cache_salt (prefix cache isolation)
   // Long-context KV policy for this request (kv/kv_eviction.h); unset: the server's default.
   bool kv_policy_set = false;
@@ -56,11 +61,14 @@ struct TokenLogprob {
   int32_t token = 0;
   float logprob = 0.f;
   std::vector<std::pair<int32_t, float>> top;  // best first
+  int32_t rank = 0;  // prompt logprobs: 1 + the tokens more likely than `token`; 0: not computed
 };
 
 // One thing that happened to one choice of a request.
 struct StreamEvent {
-  enum Kind { kText, kFinish, kError } kind = kText;
+  // kPrompt (prompt_logprobs ≥ 0): once per request, before its first kText, index 0; logprobs
+  // holds the prompt's tokens 1..n-1 (the first has none), for every choice.
+  enum Kind { kText, kFinish, kError, kPrompt } kind = kText;
   int32_t index = 0;                 // choice index
   std::string text;                  // kText: newly completed text (may be empty with logprobs)
   std::vector<TokenLogprob> logprobs;  // kText: one per token this event covers

@@ -154,6 +154,9 @@ struct SseState {
   std::vector<std::string> finish_reasons;  // per choice, once finished
   std::vector<StreamEvent> events;
   int64_t completion_tokens = 0;  // streamed so far, every choice (continuous_usage_stats)
+  std::vector<PromptResult> prompts;  // echo, prompt_logprobs
+  int32_t n_per_prompt = 1;
+  bool prompt_lp_events = false;      // the engine sends kPrompt (params.prompt_logprobs ≥ 0)
 };
 
 }  // namespace
@@ -401,10 +404,18 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
     ar.params.max_tokens = 1;
     ar.params.min_tokens = 0;  // the decode instance holds the end off; this token is thrown away
     ar.params.n = 1;
+    ar.params.prompt_logprobs = -1;
+    ar.params.max_tokens = 1;  // echo's max_tokens 0 included
+    ar.echo = ar.prompt_logprobs = false;
     ar.stream = false;
   }
   ResponseMeta meta{make_response_id(chat), unix_now(), ctx_.model_names.at(0), chat, ar.include_usage};
   meta.continuous_usage = ar.continuous_usage;
+  meta.echo = ar.echo;
+  meta.prompt_logprobs = ar.prompt_logprobs;
+  std::vector<PromptResult> prompts;  // what echo and prompt_logprobs show
+  if (ar.echo || ar.prompt_logprobs)
+    for (size_t k = 0; k < ar.prompts.size(); ++k) prompts.push_back({ar.prompts[k], ar.echo ? ar.prompt_texts.at(k) : "", {}, false});
   for (const auto& p : ar.prompts) meta.prompt_tokens += static_cast<int32_t>(p.size());
 
   // Prefix-cache namespace: the caller's cache_salt, and with auth on, the key itself (hashed,
@@ -442,8 +453,18 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
                                                                      std::chrono::duration<double>(opts_.request_timeout_s))
                             : std::chrono::steady_clock::time_point::max();
 
+  const int32_t n_per_prompt = ar.params.n;
+  // The engine's kPrompt event (index: the prompt's first choice) fills its prompt's logprobs.
+  auto take_prompt = [&prompts, n_per_prompt](StreamEvent& ev) -> PromptResult* {
+    const size_t k = static_cast<size_t>(ev.index / n_per_prompt);
+    if (k >= prompts.size()) return nullptr;
+    prompts[k].logprobs = std::move(ev.logprobs);
+    prompts[k].has_logprobs = true;
+    return &prompts[k];
+  };
   if (!ar.stream) {
     std::vector<ChoiceResult> choices(n);
+    for (int32_t i = 0; i < n; ++i) choices[i].prompt = i / n_per_prompt;
     std::vector<StreamEvent> events;
     std::optional<ApiError> error;
     const int client_fd = find_client_socket(req);  // nothing is written until the end: watch the socket
@@ -462,6 +483,8 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
         if (ev.kind == StreamEvent::kText) {
           c.text += ev.text;
           for (auto& lp : ev.logprobs) c.logprobs.push_back(std::move(lp));
+        } else if (ev.kind == StreamEvent::kPrompt) {
+          take_prompt(ev);
         } else if (ev.kind == StreamEvent::kFinish) {
           c.finish_reason = ev.finish_reason;
         } else if (!error) {
@@ -486,7 +509,7 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
       const bool stored = engine_.wait_tier_writes(engine_.tier_write_mark(), opts_.prefill_write_timeout_s);
       res.set_header("X-KVServe-Prefill-Stored", stored ? "1" : "0");
     }
-    write_json(res, full_response(meta, choices, stream->usage(), ar.logprobs, *ctx_.tok));
+    write_json(res, full_response(meta, choices, prompts, stream->usage(), ar.logprobs, *ctx_.tok));
     return;
   }
 
@@ -500,6 +523,9 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
   st->text_offset.assign(n, TextOffset{});
   st->finish_reasons.assign(n, "");
   st->deadline = deadline;
+  st->prompts = std::move(prompts);
+  st->n_per_prompt = n_per_prompt;
+  st->prompt_lp_events = ar.params.prompt_logprobs >= 0;
   guard.armed = false;  // from here the releaser owns cancellation
   in_flight.armed = false;  // and the count
   const Tokenizer* tok = ctx_.tok;
@@ -526,6 +552,11 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
             if (st->meta.chat)
               for (int32_t i = 0; i < st->n; ++i)
                 if (!send(chunk(chat_role_chunk(st->meta, i)))) return false;
+            // echo without logprobs: the prompts' text at once (with them, when their logprobs come)
+            if (st->meta.echo && !st->prompt_lp_events)
+              for (int32_t i = 0; i < st->n; ++i)
+                if (!send(chunk(prompt_chunk(st->meta, i, st->prompts.at(i / st->n_per_prompt), false, &st->text_offset[i], *tok))))
+                  return false;
             return true;
           }
           const bool more = st->stream->pop(&st->events, kPollInterval);
@@ -537,6 +568,12 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
               if (ev.text.empty() && ev.logprobs.empty()) continue;
               out = chunk(text_chunk(st->meta, ev.index, ev.text, st->with_logprobs ? &ev.logprobs : nullptr,
                                      &st->text_offset[ev.index], *tok));
+            } else if (ev.kind == StreamEvent::kPrompt) {
+              const size_t k = static_cast<size_t>(ev.index / st->n_per_prompt);
+              if (k >= st->prompts.size()) continue;
+              st->prompts[k].logprobs = std::move(ev.logprobs);
+              for (int32_t i = static_cast<int32_t>(k) * st->n_per_prompt; i < static_cast<int32_t>(k + 1) * st->n_per_prompt; ++i)
+                out += chunk(prompt_chunk(st->meta, i, st->prompts[k], st->with_logprobs, &st->text_offset[i], *tok));
             } else if (ev.kind == StreamEvent::kFinish) {
               st->finish_reasons[ev.index] = ev.finish_reason;
               out = chunk(finish_chunk(st->meta, ev.index, ev.finish_reason));

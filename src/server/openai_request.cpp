@@ -366,6 +366,11 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
   }
   // vLLM's extensions that would change the answer and that this server does not implement:
   // refused, not ignored (an ignored one answers 200 with a different answer than asked for).
+  // vLLM's prompt_logprobs: each prompt token's logprob (the first has none), its rank and the top k.
+  if (auto k = f.integer("prompt_logprobs", 0, ctx.max_logprobs)) {
+    r->params.prompt_logprobs = static_cast<int32_t>(*k);
+    r->prompt_logprobs = true;
+  }
   // vLLM's min_tokens: checked against max_tokens once that is known (check_min_tokens).
   r->params.min_tokens = static_cast<int32_t>(f.integer("min_tokens", 0, std::numeric_limits<int32_t>::max()).value_or(0));
   if (const json* v = f.get("stop_token_ids"); v && !v->is_null()) {
@@ -380,7 +385,6 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
   }
   if (f.requested("include_stop_str_in_output")) unsupported("include_stop_str_in_output", "the stop string is never part of the output.");
   parse_constraint(f, ctx, r);
-  if (const json* v = f.get("prompt_logprobs"); v && !v->is_null()) unsupported("prompt_logprobs", "");
   if (const json* v = f.get("truncate_prompt_tokens"); v && !v->is_null())
     unsupported("truncate_prompt_tokens", "a prompt is never truncated (one over max_model_len is refused).");
   if (f.requested("use_beam_search")) unsupported("use_beam_search", "");
@@ -466,14 +470,16 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
 // max_tokens: given, or `dflt` when absent. Over max_model_len is refused here with the reason,
 // unless the request's KV policy evicts (it may then go past max_model_len, re-indexing);
 // prompt + max_tokens over max_model_len is refused by Engine::submit when it may not.
-int32_t parse_max_tokens(const Fields& f, const char* name, const ApiContext& ctx, int64_t dflt, const RequestParams& p) {
+// zero_ok: 0 asks for the prompt alone (completions' echo, prompt_logprobs), as vLLM allows.
+int32_t parse_max_tokens(const Fields& f, const char* name, const ApiContext& ctx, int64_t dflt, const RequestParams& p, bool zero_ok = false) {
   const json* v = f.get(name);
   if (!v) return static_cast<int32_t>(std::clamp<int64_t>(dflt, 1, ctx.max_model_len));
-  huge_integer_check(name, *v, 1, std::numeric_limits<int32_t>::max());
+  huge_integer_check(name, *v, zero_ok ? 0 : 1, std::numeric_limits<int32_t>::max());
   if (!v->is_number_integer()) type_error(name, "an integer", *v);
   // nlohmann stores 0 and other non-negative literals as unsigned: 0 must be caught there too.
-  if (v->is_number_unsigned() ? v->get<uint64_t>() == 0 : v->get<int64_t>() < 1)
-    value_error(name, std::to_string(v->get<int64_t>()) + " is below the minimum of 1.");
+  if (zero_ok ? !v->is_number_unsigned() && v->get<int64_t>() < 0 : v->is_number_unsigned() ? v->get<uint64_t>() == 0 : v->get<int64_t>() < 1)
+    value_error(name, std::to_string(v->get<int64_t>()) + " is below the minimum of " + (zero_ok ? "0." : "1.") +
+                          (zero_ok || v->get<int64_t>() != 0 ? "" : " (0 only with echo or prompt_logprobs: the prompt alone)"));
   const bool past_context = p.kv_policy_set ? p.kv_policy.evicts() : ctx.default_policy_evicts;
   const int64_t cap = past_context ? std::numeric_limits<int32_t>::max() : ctx.max_model_len;
   if (v->is_number_unsigned() ? v->get<uint64_t>() > static_cast<uint64_t>(cap) : v->get<int64_t>() > cap)
@@ -494,7 +500,8 @@ void check_min_tokens(const RequestParams& p, const char* max_name) {
 // form, a list of strings or a list of token-id lists (one prompt each; a list of one is one
 // prompt, as before). The kinds do not mix, as in OpenAI's schema. Errors in a batch name the
 // prompt (prompt[k]).
-std::vector<std::vector<int32_t>> parse_prompts(const Fields& f, const ApiContext& ctx) {
+// texts (echo): each prompt's text, as given, or for token ids their text (special tokens rendered).
+std::vector<std::vector<int32_t>> parse_prompts(const Fields& f, const ApiContext& ctx, std::vector<std::string>* texts) {
   const json* v = f.get("prompt");
   if (!v) throw bad_request("Missing required parameter: 'prompt'.", "prompt", "missing_required_parameter");
   const char* expected = "a string, an array of token ids, an array of strings or an array of token-id arrays";
@@ -535,6 +542,13 @@ std::vector<std::vector<int32_t>> parse_prompts(const Fields& f, const ApiContex
     type_error("prompt", expected, *v);
   }
   if (out.size() == 1 && out[0].empty()) value_error("prompt", "the prompt is empty.");
+  if (texts) {
+    texts->clear();
+    for (size_t k = 0; k < out.size(); ++k) {
+      const json& p = v->is_string() ? *v : (*v)[k];
+      texts->push_back(p.is_string() ? p.get<std::string>() : ctx.tok->decode(out[k], /*special=*/true));
+    }
+  }
   return out;
 }
 
@@ -771,7 +785,8 @@ ApiRequest parse_completion_request(const json& body, const ApiContext& ctx) {
   ApiRequest r;
   r.chat = false;
   parse_common(f, ctx, &r);
-  if (f.requested("echo")) unsupported("echo", "");
+  // echo: each choice's text (and with logprobs, its logprobs) begins with its prompt's.
+  r.echo = f.boolean("echo").value_or(false);
   if (f.requested("suffix")) unsupported("suffix", "");
   if (auto best_of = f.integer("best_of", 1, ctx.max_n); best_of && *best_of != r.params.n)
     unsupported("best_of", "best_of must equal n (or be omitted).");
@@ -779,8 +794,12 @@ ApiRequest parse_completion_request(const json& body, const ApiContext& ctx) {
     r.params.logprobs = static_cast<int32_t>(*lp);
     r.logprobs = true;
   }
-  r.prompts = parse_prompts(f, ctx);
-  r.params.max_tokens = parse_max_tokens(f, "max_tokens", ctx, 16, r.params);  // OpenAI's default for completions
+  // The echoed prompt's logprobs: as many alternatives as the completion's (vLLM), unless
+  // prompt_logprobs says otherwise.
+  if (r.echo && r.logprobs && r.params.prompt_logprobs < 0) r.params.prompt_logprobs = r.params.logprobs;
+  r.prompts = parse_prompts(f, ctx, r.echo ? &r.prompt_texts : nullptr);
+  // OpenAI's default for completions; 0 with echo or prompt_logprobs: the prompt alone.
+  r.params.max_tokens = parse_max_tokens(f, "max_tokens", ctx, 16, r.params, r.echo || r.prompt_logprobs);
   check_min_tokens(r.params, "max_tokens");
   return r;
 }
@@ -819,7 +838,7 @@ ApiRequest parse_chat_request(const json& body, const ApiContext& ctx) {
   if (!evicts && ctx.kv_capacity_tokens > 0) limit = std::min<int64_t>(limit, ctx.kv_capacity_tokens);
   const int64_t room = limit - static_cast<int64_t>(r.prompts[0].size());
   const char* name = f.get("max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
-  r.params.max_tokens = parse_max_tokens(f, name, ctx, room, r.params);
+  r.params.max_tokens = parse_max_tokens(f, name, ctx, room, r.params, r.prompt_logprobs);
   check_min_tokens(r.params, name);
   return r;
 }

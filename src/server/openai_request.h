@@ -60,6 +60,11 @@ struct ApiRequest {
   bool include_usage = false;   // stream_options.include_usage
   bool continuous_usage = false;  // stream_options.continuous_usage_stats (vLLM's), with include_usage
   bool logprobs = false;        // the response carries logprobs
+  bool prompt_logprobs = false; // vLLM's prompt_logprobs field was given: the response carries them
+  // Completions' echo: each choice begins with its prompt's text (prompt_texts[p]) and, with
+  // logprobs, its prompt's tokens (params.prompt_logprobs is then set).
+  bool echo = false;
+  std::vector<std::string> prompt_texts;
 };
 
 // The context of a model file at `model_path`: names accepted as `model` (served_name or the

@@ -36,23 +36,58 @@ json chat_logprobs(const std::vector<TokenLogprob>& lps, const Tokenizer& tok) {
   return {{"content", content}, {"refusal", nullptr}};
 }
 
-// Completions (legacy): {"tokens", "token_logprobs", "top_logprobs": [{tok: lp}], "text_offset"}
-json completion_logprobs(const std::vector<TokenLogprob>& lps, TextOffset* offset, const Tokenizer& tok) {
+// Completions (legacy): {"tokens", "token_logprobs", "top_logprobs": [{tok: lp}], "text_offset"}.
+struct CompletionLogprobs {
   json tokens = json::array(), token_lps = json::array(), tops = json::array(), offsets = json::array();
-  for (const auto& lp : lps) {
-    const std::string s = logprob_token_string(tok.token_bytes(lp.token, /*special=*/true));
+
+  // An entry; null: a token nothing predicts (an echoed prompt's first: null logprob and top).
+  // text: the token's text in the choice's text (default: its bytes without control tokens').
+  void add(int32_t token, const TokenLogprob* lp, TextOffset* offset, const Tokenizer& tok, const std::string* text = nullptr) {
+    const std::string s = logprob_token_string(tok.token_bytes(token, /*special=*/true));
     tokens.push_back(s);
-    token_lps.push_back(lp.logprob);
-    json top = json::object();
-    for (const auto& [id, l] : lp.top) top[logprob_token_string(tok.token_bytes(id, /*special=*/true))] = l;
-    // The chosen token is always there ("up to logprobs+1 elements", OpenAI; vLLM): with
-    // logprobs=0 alone, and when it was sampled from outside the top k.
-    if (!top.contains(s)) top[s] = lp.logprob;
-    tops.push_back(top);
+    if (lp) {
+      token_lps.push_back(lp->logprob);
+      json top = json::object();
+      for (const auto& [id, l] : lp->top) top[logprob_token_string(tok.token_bytes(id, /*special=*/true))] = l;
+      // The chosen token is always there ("up to logprobs+1 elements", OpenAI; vLLM): with
+      // logprobs=0 alone, and when it was sampled from outside the top k.
+      if (!top.contains(s)) top[s] = lp->logprob;
+      tops.push_back(top);
+    } else {
+      token_lps.push_back(nullptr);
+      tops.push_back(nullptr);
+    }
     offsets.push_back(offset->chars);
-    offset->add(tok.token_bytes(lp.token));  // the text skips control tokens: they move no offset
+    offset->add(text ? *text : tok.token_bytes(token));  // generated text skips control tokens: they move no offset
   }
-  return {{"tokens", tokens}, {"token_logprobs", token_lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
+  json done() { return {{"tokens", tokens}, {"token_logprobs", token_lps}, {"top_logprobs", tops}, {"text_offset", offsets}}; }
+};
+
+// echo: the prompt's tokens come first, as OpenAI and vLLM show them.
+json completion_logprobs(const std::vector<TokenLogprob>& lps, TextOffset* offset, const Tokenizer& tok, const PromptResult* echo = nullptr) {
+  CompletionLogprobs out;
+  if (echo && !echo->ids.empty()) {
+    // The echoed text has a prompt's control tokens where the client wrote them (token ids: all
+    // of them; text: those it spelled, not a BOS the tokenizer added): they count where they are.
+    size_t at = 0;  // bytes of echo->text passed
+    auto text_of = [&](int32_t id) {
+      std::string b = tok.token_bytes(id);
+      if (b.empty()) {
+        std::string spelled = tok.token_bytes(id, /*special=*/true);
+        if (echo->text.compare(at, spelled.size(), spelled) == 0) b = std::move(spelled);
+      }
+      at += b.size();
+      return b;
+    };
+    std::string t = text_of(echo->ids[0]);
+    out.add(echo->ids[0], nullptr, offset, tok, &t);
+    for (const auto& lp : echo->logprobs) {
+      t = text_of(lp.token);
+      out.add(lp.token, &lp, offset, tok, &t);
+    }
+  }
+  for (const auto& lp : lps) out.add(lp.token, &lp, offset, tok);
+  return out.done();
 }
 
 json chunk_base(const ResponseMeta& m) {
@@ -102,15 +137,33 @@ json usage_json(const Usage& u) {
   return j;
 }
 
-json full_response(const ResponseMeta& meta, const std::vector<ChoiceResult>& choices, const Usage& usage, bool with_logprobs,
-                   const Tokenizer& tok) {
+json prompt_logprobs_json(const PromptResult& p, const Tokenizer& tok) {
+  json out = json::array();
+  if (p.ids.empty()) return out;
+  out.push_back(nullptr);  // nothing predicts the first token
+  auto entry = [&](double lp, json rank, int32_t id) {
+    return json{{"logprob", lp}, {"rank", std::move(rank)}, {"decoded_token", tok.decode({id}, /*special=*/true)}};
+  };
+  for (const TokenLogprob& lp : p.logprobs) {
+    json e = json::object();
+    e[std::to_string(lp.token)] = entry(lp.logprob, lp.rank > 0 ? json(lp.rank) : json(nullptr), lp.token);
+    for (size_t k = 0; k < lp.top.size(); ++k)
+      if (lp.top[k].first != lp.token) e[std::to_string(lp.top[k].first)] = entry(lp.top[k].second, json(k + 1), lp.top[k].first);
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+json full_response(const ResponseMeta& meta, const std::vector<ChoiceResult>& choices, const std::vector<PromptResult>& prompts,
+                   const Usage& usage, bool with_logprobs, const Tokenizer& tok) {
   json arr = json::array();
   for (size_t i = 0; i < choices.size(); ++i) {
     const ChoiceResult& c = choices[i];
+    const PromptResult* p = (meta.echo || meta.prompt_logprobs) && c.prompt < static_cast<int32_t>(prompts.size()) ? &prompts[c.prompt] : nullptr;
     json lp = nullptr;
     if (with_logprobs) {
       TextOffset offset;
-      lp = meta.chat ? chat_logprobs(c.logprobs, tok) : completion_logprobs(c.logprobs, &offset, tok);
+      lp = meta.chat ? chat_logprobs(c.logprobs, tok) : completion_logprobs(c.logprobs, &offset, tok, meta.echo ? p : nullptr);
     }
     json finish = c.finish_reason.empty() ? json(nullptr) : json(c.finish_reason);
     if (meta.chat) {
@@ -119,15 +172,19 @@ json full_response(const ResponseMeta& meta, const std::vector<ChoiceResult>& ch
                      {"logprobs", lp},
                      {"finish_reason", finish}});
     } else {
-      arr.push_back({{"index", i}, {"text", c.text}, {"logprobs", lp}, {"finish_reason", finish}});
+      arr.push_back({{"index", i}, {"text", meta.echo && p ? p->text + c.text : c.text}, {"logprobs", lp}, {"finish_reason", finish}});
+      if (meta.prompt_logprobs) arr.back()["prompt_logprobs"] = p ? prompt_logprobs_json(*p, tok) : json(nullptr);
     }
   }
-  return {{"id", meta.id},
-          {"object", meta.chat ? "chat.completion" : "text_completion"},
-          {"created", meta.created},
-          {"model", meta.model},
-          {"choices", arr},
-          {"usage", usage_json(usage)}};
+  json j = {{"id", meta.id},
+            {"object", meta.chat ? "chat.completion" : "text_completion"},
+            {"created", meta.created},
+            {"model", meta.model},
+            {"choices", arr},
+            {"usage", usage_json(usage)}};
+  // vLLM puts a chat's prompt logprobs beside its choices (one conversation, one prompt).
+  if (meta.chat && meta.prompt_logprobs) j["prompt_logprobs"] = prompts.empty() ? json(nullptr) : prompt_logprobs_json(prompts[0], tok);
+  return j;
 }
 
 json chat_role_chunk(const ResponseMeta& meta, int32_t index) {
@@ -144,6 +201,21 @@ json text_chunk(const ResponseMeta& meta, int32_t index, const std::string& text
   if (meta.chat)
     return with_choice(meta, {{"index", index}, {"delta", {{"content", text}}}, {"logprobs", lp}, {"finish_reason", nullptr}});
   return with_choice(meta, {{"index", index}, {"text", text}, {"logprobs", lp}, {"finish_reason", nullptr}});
+}
+
+json prompt_chunk(const ResponseMeta& meta, int32_t index, const PromptResult& p, bool with_logprobs, TextOffset* text_offset,
+                  const Tokenizer& tok) {
+  json j;
+  if (meta.chat) {
+    j = with_choice(meta, {{"index", index}, {"delta", {{"content", ""}}}, {"logprobs", nullptr}, {"finish_reason", nullptr}});
+    if (meta.prompt_logprobs) j["prompt_logprobs"] = prompt_logprobs_json(p, tok);
+    return j;
+  }
+  json lp = nullptr;
+  if (meta.echo && with_logprobs) lp = completion_logprobs({}, text_offset, tok, &p);
+  j = with_choice(meta, {{"index", index}, {"text", meta.echo ? p.text : ""}, {"logprobs", lp}, {"finish_reason", nullptr}});
+  if (meta.prompt_logprobs) j["choices"][0]["prompt_logprobs"] = prompt_logprobs_json(p, tok);
+  return j;
 }
 
 json finish_chunk(const ResponseMeta& meta, int32_t index, const std::string& reason) {

@@ -23,6 +23,16 @@ struct ResponseMeta {
   // (prompt_tokens, completion_tokens streamed so far over all choices, total_tokens).
   bool continuous_usage = false;
   int32_t prompt_tokens = 0;
+  bool echo = false;             // completions' echo: each choice begins with its prompt
+  bool prompt_logprobs = false;  // vLLM's prompt_logprobs: per choice (completions) or per response (chat)
+};
+
+// One prompt of a request, for echo and prompt_logprobs.
+struct PromptResult {
+  std::vector<int32_t> ids;
+  std::string text;                     // echo: as the client gave it (token ids: their text)
+  std::vector<TokenLogprob> logprobs;   // the engine's kPrompt event: tokens 1..n-1
+  bool has_logprobs = false;            // that event came
 };
 
 // One choice as the non-streaming response reports it, assembled from StreamEvents.
@@ -30,6 +40,7 @@ struct ChoiceResult {
   std::string text;
   std::vector<TokenLogprob> logprobs;
   std::string finish_reason;
+  int32_t prompt = 0;  // its prompt's index (completions' batch form: choice / n)
 };
 
 // Completions' logprobs.text_offset: the offset of each token in the choice's text in characters (code
@@ -48,14 +59,23 @@ std::string logprob_token_string(const std::string& bytes);
 nlohmann::ordered_json usage_json(const Usage& u);
 
 // The whole response. with_logprobs: the request asked for logprobs (else "logprobs": null).
-nlohmann::ordered_json full_response(const ResponseMeta& meta, const std::vector<ChoiceResult>& choices, const Usage& usage,
-                             bool with_logprobs, const Tokenizer& tok);
+// prompts: what meta.echo and meta.prompt_logprobs show (may be empty otherwise).
+nlohmann::ordered_json full_response(const ResponseMeta& meta, const std::vector<ChoiceResult>& choices,
+                                     const std::vector<PromptResult>& prompts, const Usage& usage, bool with_logprobs,
+                                     const Tokenizer& tok);
+// vLLM's prompt_logprobs: [null, {"<id>": {"logprob", "rank", "decoded_token"}, ...}, ...], one
+// entry per prompt token (the prompt token's own, and the top k).
+nlohmann::ordered_json prompt_logprobs_json(const PromptResult& p, const Tokenizer& tok);
 
 // Streaming. text_offset: for completions' logprobs.text_offset, the choice's running offset
 // (advanced by this call).
 nlohmann::ordered_json chat_role_chunk(const ResponseMeta& meta, int32_t index);
 nlohmann::ordered_json text_chunk(const ResponseMeta& meta, int32_t index, const std::string& text, const std::vector<TokenLogprob>* logprobs,
                           TextOffset* text_offset, const Tokenizer& tok);
+// A choice's first chunk when its prompt is shown (meta.echo, meta.prompt_logprobs): the echoed
+// prompt (with its logprobs when with_logprobs), and prompt_logprobs when asked.
+nlohmann::ordered_json prompt_chunk(const ResponseMeta& meta, int32_t index, const PromptResult& p, bool with_logprobs,
+                                    TextOffset* text_offset, const Tokenizer& tok);
 nlohmann::ordered_json finish_chunk(const ResponseMeta& meta, int32_t index, const std::string& reason);
 nlohmann::ordered_json usage_chunk(const ResponseMeta& meta, const Usage& usage);
 // A chunk's usage so far, for continuous_usage_stats (meta.continuous_usage).

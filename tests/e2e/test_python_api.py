@@ -547,3 +547,23 @@ def test_logit_bias_as_vllm_takes_it(llm):
     assert out.token_ids == [cat] * 4
     with pytest.raises(RequestError, match="outside"):
         llm.generate(["x"], SamplingParams(max_tokens=1, logit_bias={cat: 500}))
+
+
+def test_prompt_logprobs_are_the_servers(llm, server):
+    """SamplingParams(prompt_logprobs=k) gives RequestOutput.prompt_logprobs in vLLM's shape
+    ([None, {token id: Logprob}], the prompt token first with its rank), the server's numbers."""
+    import json
+    import requests
+    golden = json.load(open(os.path.join(ROOT, "tests", "data", "golden", "golden.json"), encoding="utf-8"))
+    g = next(p for p in golden["prompts"] if p["name"] == "numbers_primes")
+    out = llm.generate([{"prompt_token_ids": g["tokens"]}], SamplingParams(max_tokens=0, prompt_logprobs=2))[0]
+    assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"
+    plp = out.prompt_logprobs
+    assert len(plp) == g["n_tokens"] and plp[0] is None
+    srv = requests.post(server.url + "/v1/completions", json={"prompt": g["tokens"], "max_tokens": 0, "prompt_logprobs": 2},
+                        timeout=60).json()["choices"][0]["prompt_logprobs"]
+    for mine, theirs, tok in zip(plp[1:], srv[1:], g["tokens"][1:]):
+        assert next(iter(mine)) == tok
+        assert {k: (v.logprob, v.rank) for k, v in mine.items()} == {int(k): (v["logprob"], v["rank"]) for k, v in theirs.items()}
+    # without it: None, as before
+    assert llm.generate(["Hi"], GREEDY)[0].prompt_logprobs is None
