@@ -2,8 +2,9 @@
 # Install build and test dependencies: Debian packages (apt) and Python packages (pip).
 # Idempotent and fast on re-runs:
 #   - apt runs only when `dpkg-query` says a package is missing;
-#   - pip runs only when requirements-dev.txt changed since the last success (stamp in
-#     .stamps/), and then installs only the requirements not already satisfied.
+#   - pip runs only when requirements-dev.txt or requirements-nodeps.txt changed since the last
+#     success (stamp in .stamps/), and then installs only the requirements not already satisfied
+#     (those of requirements-nodeps.txt without their declared dependencies).
 # Env: FORCE=1 ignores the pip stamp; PYTHON overrides the interpreter (default python3).
 set -euo pipefail
 
@@ -11,6 +12,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
 REQ="$ROOT/requirements-dev.txt"
+REQ_NODEPS="$ROOT/requirements-nodeps.txt"
 STAMPS="$ROOT/.stamps"
 
 log() { echo "[setup_deps] $*"; }
@@ -52,7 +54,7 @@ PYTHON="$PY" "$ROOT/scripts/fetch_xgrammar.sh"
 
 # ---------------------------------------------------------------- pip
 pyver="$("$PY" -c 'import sys; print(sys.executable, sys.version)')"
-key="$( { sha256sum "$REQ" | cut -d' ' -f1; echo "$pyver"; } | sha256sum | cut -c1-16)"
+key="$( { sha256sum "$REQ" "$REQ_NODEPS" | cut -d' ' -f1; echo "$pyver"; } | sha256sum | cut -c1-16)"
 stamp="$STAMPS/pip-$key"
 
 if [[ -f "$stamp" && "${FORCE:-0}" != 1 ]]; then
@@ -60,8 +62,9 @@ if [[ -f "$stamp" && "${FORCE:-0}" != 1 ]]; then
   exit 0
 fi
 
-# Print the requirement lines that the current environment does not satisfy.
-unsatisfied="$("$PY" - "$REQ" <<'PYEOF'
+# Print the requirement lines of a file that the current environment does not satisfy.
+unsatisfied_in() {
+  "$PY" - "$1" <<'PYEOF'
 import sys
 from importlib import metadata
 try:
@@ -84,16 +87,25 @@ for line in open(sys.argv[1]):
     if req.specifier and not req.specifier.contains(version, prereleases=True):
         print(line)
 PYEOF
-)"
+}
 
-if [[ -n "$unsatisfied" ]]; then
-  mapfile -t want <<<"$unsatisfied"
-  log "pip: installing ${want[*]}"
-  PIP_ROOT_USER_ACTION=ignore "$PY" -m pip install --disable-pip-version-check \
-    --progress-bar off "${want[@]}"
-else
-  log "pip: all requirements already satisfied"
-fi
+# pip_install FILE [pip options...]
+pip_install() {
+  local file="$1"
+  shift
+  local unsatisfied
+  unsatisfied="$(unsatisfied_in "$file")"
+  if [[ -n "$unsatisfied" ]]; then
+    mapfile -t want <<<"$unsatisfied"
+    log "pip: installing ${want[*]} $*"
+    PIP_ROOT_USER_ACTION=ignore "$PY" -m pip install --disable-pip-version-check \
+      --progress-bar off "$@" "${want[@]}"
+  else
+    log "pip: all requirements of ${file#"$ROOT"/} already satisfied"
+  fi
+}
+pip_install "$REQ"
+pip_install "$REQ_NODEPS" --no-deps
 
 mkdir -p "$STAMPS"
 rm -f "$STAMPS"/pip-*
