@@ -448,7 +448,9 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--top-k", o->sp.top_k, "--batch: top-k (0 = off)")->check(number_in(0, 1 << 30))->capture_default_str();
   cmd->add_option("--top-p", o->sp.top_p, "--batch: top-p (1 = off)")->check(number_in(0.0, 1.0))->capture_default_str();
   cmd->add_option("--min-p", o->sp.min_p, "--batch: min-p (0 = off)")->check(number_in(0.0, 1.0))->capture_default_str();
-  cmd->add_option("--seed", o->sp.seed, "--batch: base seed (sequence i of repeat r uses seed + 1000 r + i)")->capture_default_str();
+  cmd->add_option("--seed", o->sp.seed, "--batch: base seed (sequence i of repeat r uses seed + 1000 r + i)")
+      ->check(seed_number(false))
+      ->capture_default_str();
   add_kv_options(cmd, &o->kvo);
   cmd->add_option("--speculative-config", o->speculative_config,
                   "--batch: speculative decoding for every sequence, vLLM's JSON (random prompts: drafts only where the output repeats itself)");

@@ -1,4 +1,5 @@
 // kvserve generate: stream a continuation of a prompt to stdout.
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <random>
@@ -23,6 +24,7 @@ struct GenerateOptions {
   int ctx = 0;
   bool no_special = false;
   kv::SamplingParams sp;
+  std::string seed;  // --seed as written: -1 or [0, 2^64) (CLI11's uint64_t took -5 and 2^64 silently)
   KvOptions kvo;
   EvictionOptions evo;
   std::string speculative_config;
@@ -171,7 +173,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--top-p", o->sp.top_p, "top-p in (0, 1] (1 = off)")->check(number_in(0.0, 1.0));
   cmd->add_option("--min-p", o->sp.min_p, "min-p (0 = off)")->check(number_in(0.0, 1.0));
   cmd->add_option("--repeat-penalty", o->sp.repetition_penalty, "repetition penalty (1 = off)")->check(number_in(0.01, 10.0));
-  CLI::Option* seed = cmd->add_option("--seed", o->sp.seed, "sampling seed (default, or -1: a random one, printed)");
+  cmd->add_option("--seed", o->seed, "sampling seed (default, or -1: a random one, printed)")->check(seed_number(true));
   cmd->add_option("-t,--threads", o->threads, "threads (default: all cores)")->check(number_in(1, 256));
   cmd->add_option("--chunk", o->chunk, "prefill chunk size in tokens")->check(number_in(1, 1 << 16))->capture_default_str();
   cmd->add_option("--ctx", o->ctx, "context length (default: the model's)")->check(non_negative());
@@ -180,9 +182,11 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--speculative-config", o->speculative_config,
                   "speculative decoding (runs through the engine), vLLM's JSON: '{\"method\": \"ngram\"|\"suffix\", \"num_speculative_tokens\": 5}'");
   add_kv_options(cmd, &o->kvo);
-  cmd->callback([o, seed] {
+  cmd->callback([o] {
     // As llama.cpp: no seed (or -1) is a fresh one each run, told so that a run can be repeated.
-    if (seed->count() == 0 || o->sp.seed == UINT64_MAX) {
+    if (!o->seed.empty() && o->seed != "-1") {
+      std::from_chars(o->seed.data(), o->seed.data() + o->seed.size(), o->sp.seed);  // checked above
+    } else {
       o->sp.seed = (uint64_t(std::random_device{}()) << 32) ^ std::random_device{}();
       if (o->sp.temperature > 0) std::fprintf(stderr, "seed: %llu (--seed to repeat)\n", static_cast<unsigned long long>(o->sp.seed));
     }

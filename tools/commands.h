@@ -3,7 +3,9 @@
 // stderr with a non-zero exit.
 #pragma once
 #include <CLI/CLI.hpp>
+#include <charconv>
 #include <cmath>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -53,6 +55,18 @@ inline CLI::Validator number_in(double lo, double hi, bool lo_open = false) {
 }
 inline CLI::Validator positive() { return number_in(0, 1e308, true); }
 inline CLI::Validator non_negative() { return number_in(0, 1e308); }
+// A 64-bit seed as written: [0, 2^64), and -1 (a random one) when minus_one. CLI11's uint64_t
+// took -5 (wrapped) and 2^64 (as -1) silently.
+inline CLI::Validator seed_number(bool minus_one) {
+  return CLI::Validator(
+      [minus_one](std::string& s) -> std::string {
+        uint64_t v = 0;
+        const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+        if ((minus_one && s == "-1") || (ec == std::errc() && end == s.data() + s.size())) return "";
+        return std::string("must be ") + (minus_one ? "-1 (a random seed) or " : "") + "an integer in [0, 18446744073709551615], got " + s;
+      },
+      "SEED");
+}
 
 // --allowed-origins (serve, router): vLLM's JSON list ('["*"]', '[]') or a comma-separated list.
 // Throws std::invalid_argument (the message) on a malformed list.

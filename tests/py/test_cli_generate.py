@@ -52,6 +52,18 @@ def test_sampling_is_reproducible_with_a_seed():
     assert run(*args).stdout != d.stdout
 
 
+def test_seeds_outside_64_bits_are_refused():
+    """-5 wrapped to 2^64 - 5 and 2^64 became -1 (a random seed), silently: now a usage error."""
+    for bad in ["-5", "18446744073709551616", "1.5", "abc"]:
+        r = run("generate", "-m", MODEL, "-p", "Hi", "-n", "1", "--seed", bad)
+        assert r.returncode != 0 and "--seed: must be -1 (a random seed) or an integer in [0, 18446744073709551615]" in r.stderr, (bad, r.stderr)
+    r = run("bench", "-m", MODEL, "--seed", "-1")
+    assert r.returncode != 0 and "--seed: must be an integer in [0, 18446744073709551615], got -1" in r.stderr
+    # the largest seed is a seed (it was -1's random one): two runs agree
+    args = ["generate", "-m", MODEL, "-p", "Once upon a time", "-n", "8", "--temp", "1.0", "--seed", "18446744073709551615"]
+    assert run(*args).stdout == run(*args).stdout
+
+
 def test_missing_model_says_how_to_fetch_it(tmp_path):
     r = run("generate", "-m", str(tmp_path / "nope.gguf"), "-p", "hi")
     assert r.returncode != 0
