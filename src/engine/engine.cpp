@@ -31,14 +31,15 @@ size_t stop_holdback(const std::string& text, const std::vector<std::string>& st
 }
 
 // One row's entry for the logprobs: the model's log-probability of `tok` (the raw logits'
-// log-softmax, in double), the top k candidates (a structured output's masked -inf tokens are
-// not candidates) and, with_rank, 1 + the tokens with a higher logit.
-TokenLogprob row_logprob(const float* lg, int32_t nv, int32_t tok, int32_t k, bool with_rank,
-                         std::vector<std::pair<float, int32_t>>* cand) {
+// log-softmax: the exponentials by the sampler's vector kernel, on a copy of the row, summed in
+// double), the top k candidates (a structured output's masked -inf tokens are not candidates)
+// and, with_rank, 1 + the tokens with a higher logit.
+TokenLogprob row_logprob(const float* lg, int32_t nv, int32_t tok, int32_t k, bool with_rank, LogprobScratch* ws) {
   const float mx = max_value(lg, nv);
-  double z = 0;
-  for (int32_t v = 0; v < nv; ++v) z += std::exp(double(lg[v]) - mx);
-  const double lz = mx + std::log(z);  // log-partition of the raw logits
+  ws->row.assign(lg, lg + nv);
+  ws->blocks.resize(static_cast<size_t>((nv + kExpBlock - 1) / kExpBlock));
+  const double lz = mx + std::log(exp_scaled(ws->row.data(), nv, mx, 1.f, ws->blocks.data()));  // log-partition of the raw logits
+  std::vector<std::pair<float, int32_t>>* cand = &ws->cand;
   TokenLogprob tl;
   if (k > 0) {
     top_k_select(lg, nv, std::min(k, nv), cand);
@@ -1129,7 +1130,7 @@ void Engine::sample_all(int32_t nv) {
                    &d.out, DrawRules{s.constraint.get(), &p.logit_bias, n_masked > 0 ? &s.rs->min_tokens_mask : nullptr, n_masked},
                    [&](int32_t, const float* lg, int32_t tok) {
                      // Log-probabilities of the model's distribution (before penalties and temperature).
-                     if (p.logprobs >= 0) d.lps.push_back(row_logprob(lg, nv, tok, p.logprobs, false, &ws.sampler.cand));
+                     if (p.logprobs >= 0) d.lps.push_back(row_logprob(lg, nv, tok, p.logprobs, false, &ws.logprob));
                    });
     }
   };
@@ -1149,7 +1150,7 @@ void Engine::prompt_logprobs_all(int32_t nv) {
     ThreadPool::split(static_cast<int64_t>(prompt_rows_.size()), ith, nth, 1, &b, &e);
     for (int64_t i = b; i < e; ++i) {
       const PromptRow& pr = prompt_rows_[i];
-      *pr.out = row_logprob(pr.logits, nv, pr.token, pr.k, true, &sample_ws_[ith].sampler.cand);
+      *pr.out = row_logprob(pr.logits, nv, pr.token, pr.k, true, &sample_ws_[ith].logprob);
     }
   });
 }

@@ -258,6 +258,7 @@ class Engine {
   struct SampleWorkspace {
     std::vector<float> row;  // [n_vocab] the row the sampler may rewrite
     SamplerScratch sampler;
+    LogprobScratch logprob;
   };
   std::vector<SampleWorkspace> sample_ws_;  // one per pool thread
   std::unique_ptr<SuffixCache> suffix_cache_;  // suffix drafts: recent outputs per namespace

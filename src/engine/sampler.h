@@ -48,6 +48,14 @@ struct SamplerScratch {
   std::vector<double> bucket_mass;              // [Sampler::kBuckets] top-p radix select
 };
 
+// Scratch of one thread's logprob entries (Engine's row_logprob): the row's exponentials, their
+// block sums, the top k.
+struct LogprobScratch {
+  std::vector<float> row;                       // [n_vocab]
+  std::vector<double> blocks;                   // [ceil(n_vocab / kExpBlock)]
+  std::vector<std::pair<float, int32_t>> cand;  // [k]
+};
+
 class Sampler {
  public:
   static constexpr size_t kSortMax = 2048;   // candidates sorted outright up to this many
