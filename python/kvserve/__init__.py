@@ -85,7 +85,9 @@ class SamplingParams:
     StructuredOutputsParams constraint (JSON schema, regex, choice, grammar). logit_bias: {token id:
     bias in [-100, 100]} added to the logits before the draw. prompt_logprobs k: each prompt
     token's logprob given the tokens before it, its rank and the top k (RequestOutput.prompt_logprobs;
-    with max_tokens=0 the prompt is all that runs).
+    with max_tokens=0 the prompt is all that runs). include_stop_str_in_output: the stop string that
+    ended a choice stays in its text. truncate_prompt_tokens k: a prompt keeps its last k tokens
+    (-1: the last max_model_len).
     """
 
     n: int = 1
@@ -99,6 +101,8 @@ class SamplingParams:
     seed: Optional[int] = None
     stop: Optional[Union[str, List[str]]] = None
     stop_token_ids: Optional[List[int]] = None
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: Optional[int] = None
     ignore_eos: bool = False
     max_tokens: Optional[int] = 16
     min_tokens: int = 0
@@ -136,6 +140,10 @@ class SamplingParams:
             b["stop"] = self.stop
         if self.stop_token_ids:
             b["stop_token_ids"] = list(self.stop_token_ids)
+        if self.include_stop_str_in_output:
+            b["include_stop_str_in_output"] = True
+        if self.truncate_prompt_tokens is not None:
+            b["truncate_prompt_tokens"] = self.truncate_prompt_tokens
         if self.max_tokens is not None:
             b["max_tokens"] = self.max_tokens
         if self.min_tokens != 0:  # checked by the server's parser (a range, an integer, at most max_tokens)
@@ -447,7 +455,7 @@ class LLM:
         elif c["finish_reason"] == "stop" and token_ids and not self._engine.is_eog(token_ids[-1]):
             full = self._decode(token_ids)
             for s in sp._stops():
-                if full.startswith(s, len(text)):
+                if (text.endswith(s) if sp.include_stop_str_in_output else full.startswith(s, len(text))):
                     stop_reason = s
                     break
         return CompletionOutput(index=c["index"], text=text, token_ids=token_ids, cumulative_logprob=cumulative,

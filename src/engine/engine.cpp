@@ -1056,13 +1056,16 @@ void Engine::postprocess(Plan& plan, const float* logits) {
         // min_tokens: the text of the first min_tokens tokens ends no stop string (vLLM); one that
         // begins there and ends in a later token's text does.
         if (e->n_generated <= p.min_tokens) e->stop_floor = e->held.size();
-        size_t cut = std::string::npos;
+        size_t cut = std::string::npos, cut_len = 0;  // the earliest match (the longest of those there)
         for (const auto& st : p.stop) {
           size_t at = e->held.find(st, e->stop_floor >= st.size() ? e->stop_floor - st.size() + 1 : 0);
-          if (at != std::string::npos) cut = std::min(cut, at);
+          if (at != std::string::npos && (at < cut || (at == cut && st.size() > cut_len))) {
+            cut = at;
+            cut_len = st.size();
+          }
         }
         if (cut != std::string::npos) {
-          ev.text = e->held.substr(0, cut);
+          ev.text = e->held.substr(0, cut + (p.include_stop_str ? cut_len : 0));
           e->held.clear();
           e->stop_floor = 0;
           reason = "stop";

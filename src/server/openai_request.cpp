@@ -383,10 +383,15 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
       r->params.stop_token_ids.push_back(t.get<int32_t>());
     }
   }
-  if (f.requested("include_stop_str_in_output")) unsupported("include_stop_str_in_output", "the stop string is never part of the output.");
+  // vLLM's include_stop_str_in_output: the stop string that ended a choice stays in its text.
+  r->params.include_stop_str = f.boolean("include_stop_str_in_output").value_or(false);
   parse_constraint(f, ctx, r);
-  if (const json* v = f.get("truncate_prompt_tokens"); v && !v->is_null())
-    unsupported("truncate_prompt_tokens", "a prompt is never truncated (one over max_model_len is refused).");
+  // vLLM's truncate_prompt_tokens: k ≥ 1 keeps a prompt's last k tokens, -1 its last max_model_len
+  // (applied once the prompts are tokens: truncate_prompts).
+  if (auto k = f.integer("truncate_prompt_tokens", -1, std::numeric_limits<int32_t>::max())) {
+    if (*k == 0) value_error("truncate_prompt_tokens", "0 is neither -1 (max_model_len) nor at least 1.");
+    r->truncate_prompt_tokens = *k == -1 ? ctx.max_model_len : static_cast<int32_t>(*k);
+  }
   if (f.requested("use_beam_search")) unsupported("use_beam_search", "");
   for (const char* name : {"bad_words", "allowed_token_ids", "logits_processors", "samplers"})  // samplers: llama.cpp's order
     if (f.requested(name)) unsupported(name, "");
@@ -500,6 +505,18 @@ void check_min_tokens(const RequestParams& p, const char* max_name) {
 // form, a list of strings or a list of token-id lists (one prompt each; a list of one is one
 // prompt, as before). The kinds do not mix, as in OpenAI's schema. Errors in a batch name the
 // prompt (prompt[k]).
+// truncate_prompt_tokens: each prompt longer than it keeps its last tokens (left truncation, as
+// vLLM); an echoed prompt then shows the text of what is kept.
+void truncate_prompts(const ApiContext& ctx, ApiRequest* r) {
+  if (r->truncate_prompt_tokens <= 0) return;
+  for (size_t k = 0; k < r->prompts.size(); ++k) {
+    auto& p = r->prompts[k];
+    if (static_cast<int64_t>(p.size()) <= r->truncate_prompt_tokens) continue;
+    p.erase(p.begin(), p.end() - r->truncate_prompt_tokens);
+    if (k < r->prompt_texts.size()) r->prompt_texts[k] = ctx.tok->decode(p, /*special=*/true);
+  }
+}
+
 // texts (echo): each prompt's text, as given, or for token ids their text (special tokens rendered).
 std::vector<std::vector<int32_t>> parse_prompts(const Fields& f, const ApiContext& ctx, std::vector<std::string>* texts) {
   const json* v = f.get("prompt");
@@ -798,6 +815,7 @@ ApiRequest parse_completion_request(const json& body, const ApiContext& ctx) {
   // prompt_logprobs says otherwise.
   if (r.echo && r.logprobs && r.params.prompt_logprobs < 0) r.params.prompt_logprobs = r.params.logprobs;
   r.prompts = parse_prompts(f, ctx, r.echo ? &r.prompt_texts : nullptr);
+  truncate_prompts(ctx, &r);
   // OpenAI's default for completions; 0 with echo or prompt_logprobs: the prompt alone.
   r.params.max_tokens = parse_max_tokens(f, "max_tokens", ctx, 16, r.params, r.echo || r.prompt_logprobs);
   check_min_tokens(r.params, "max_tokens");
@@ -829,6 +847,7 @@ ApiRequest parse_chat_request(const json& body, const ApiContext& ctx) {
   }
 
   r.prompts = {chat_prompt(f, ctx)};
+  truncate_prompts(ctx, &r);
 
   // max_completion_tokens is OpenAI's current name; max_tokens the deprecated one.
   // max_tokens absent: the rest of the context, within what the KV cache can hold unless the

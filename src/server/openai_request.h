@@ -65,6 +65,7 @@ struct ApiRequest {
   // logprobs, its prompt's tokens (params.prompt_logprobs is then set).
   bool echo = false;
   std::vector<std::string> prompt_texts;
+  int32_t truncate_prompt_tokens = 0;  // vLLM's: > 0, a prompt keeps at most its last this many tokens
 };
 
 // The context of a model file at `model_path`: names accepted as `model` (served_name or the

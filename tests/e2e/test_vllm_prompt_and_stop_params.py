@@ -1,0 +1,79 @@
+"""vLLM's include_stop_str_in_output and truncate_prompt_tokens, through the `openai` client.
+
+The oracle for each is the same server's answer to the request that means the same without the
+field: the text up to the stop string, with the stop string appended; the greedy answer to the
+prompt's last k tokens sent as the prompt (HuggingFace `tokenizers` gives the ids).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import requests
+
+from kvserve_server import MODEL, MODEL_NAME, ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "tests", "reference"))
+import tokenizer_ref  # noqa: E402
+
+PROMPT = "The list of colours in the rainbow is"
+
+
+def test_include_stop_str_in_output(client):
+    free = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
+    words = free.split()
+    assert len(words) >= 4
+    stop = " " + words[2]  # a word inside the answer, spanning tokens or not
+    at = free.index(stop)
+    kw = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop, "never-there"])
+    plain = client.completions.create(**kw).choices[0]
+    assert plain.text == free[:at] and plain.finish_reason == "stop"
+    incl = client.completions.create(extra_body={"include_stop_str_in_output": True}, **kw).choices[0]
+    assert incl.text == free[:at + len(stop)] and incl.finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, extra_body={"include_stop_str_in_output": True},
+                                                                            **kw) if c.choices)
+    assert streamed == incl.text
+    # two stops at the same place: the longer one is the one kept
+    two = client.completions.create(extra_body={"include_stop_str_in_output": True},
+                                    **{**kw, "stop": [stop[:2], stop]}).choices[0]
+    assert two.text == free[:at + len(stop)]
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client, server):
+    tok = tokenizer_ref.load_tokenizer(MODEL)
+    ids = tok.encode("Once upon a time, in a small village by the sea, there lived an old fisherman who").ids
+    assert len(ids) > 12
+    short = client.completions.create(model=MODEL_NAME, prompt=ids[-8:], max_tokens=8, temperature=0)
+    cut = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=8, temperature=0, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 8})
+    assert cut.usage.prompt_tokens == 8
+    assert cut.choices[0].text == tok.decode(ids[-8:]) + short.choices[0].text
+    # chat: the rendered conversation's last tokens
+    r = requests.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hello there, how are you?"}],
+                                                                 "max_tokens": 2, "truncate_prompt_tokens": 5}, timeout=30).json()
+    assert r["usage"]["prompt_tokens"] == 5
+    # -1: at most max_model_len (512) tokens of a longer prompt
+    long_ids = (ids * 60)[:600]
+    r = requests.post(server.url + "/v1/completions", json={"prompt": long_ids, "max_tokens": 0, "echo": True,
+                                                            "truncate_prompt_tokens": -1}, timeout=60).json()
+    assert r["usage"]["prompt_tokens"] == 512
+    # a prompt already shorter is left as it is
+    same = client.completions.create(model=MODEL_NAME, prompt=ids[-8:], max_tokens=8, temperature=0, extra_body={"truncate_prompt_tokens": 100})
+    assert same.choices[0].text == short.choices[0].text and same.usage.prompt_tokens == 8
+
+
+def test_python_api_include_stop_str_and_truncation(server):
+    sys.path.insert(0, os.path.join(ROOT, "build", "python"))
+    kvserve = pytest.importorskip("kvserve")
+    llm = kvserve.LLM(MODEL, kv_cache_memory="16MiB", max_model_len=512, quiet=True)
+    try:
+        free = llm.generate([PROMPT], kvserve.SamplingParams(temperature=0, max_tokens=24))[0].outputs[0].text
+        stop = " " + free.split()[2]
+        o = llm.generate([PROMPT], kvserve.SamplingParams(temperature=0, max_tokens=24, stop=[stop],
+                                                          include_stop_str_in_output=True))[0].outputs[0]
+        assert o.text == free[:free.index(stop) + len(stop)] and o.stop_reason == stop
+        out = llm.generate([PROMPT], kvserve.SamplingParams(temperature=0, max_tokens=4, truncate_prompt_tokens=3))[0]
+        assert len(out.prompt_token_ids) == 3
+    finally:
+        llm.close()
