@@ -23,27 +23,14 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import requests
 
+from structured_bench import start
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def start(bin_path: str, port: int, max_len: int) -> subprocess.Popen:
-    p = subprocess.Popen([bin_path, "serve", "--port", str(port), "--threads", "2", "--max-model-len", str(max_len),
-                          "--kv-cache-memory", "512MiB"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(600):
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return p
-        except requests.RequestException:
-            pass
-        time.sleep(0.1)
-    p.kill()
-    sys.exit("kvserve did not start")
 
 
 def main() -> None:
@@ -58,7 +45,7 @@ def main() -> None:
     a = ap.parse_args()
 
     url = f"http://127.0.0.1:{a.port}"
-    proc = start(a.bin, a.port, a.tokens + 8)
+    proc = start(a.bin, a.port, "--max-model-len", str(a.tokens + 8), "--kv-cache-memory", "512MiB")
     try:
         with open(a.text, encoding="utf-8") as f:
             text = f.read(a.windows * a.tokens * 8)

@@ -29,8 +29,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))
 
 
-def start(bin_path: str, port: int) -> subprocess.Popen:
-    p = subprocess.Popen([bin_path, "serve", "--port", str(port), "--threads", "2", "--max-model-len", "1024"],
+def start(bin_path: str, port: int, *extra: str) -> subprocess.Popen:
+    """`kvserve serve` on the default model (also bench/score_bench.py's), once /health answers."""
+    p = subprocess.Popen([bin_path, "serve", "--port", str(port), "--threads", "2", *(extra or ("--max-model-len", "1024"))],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(600):
         try:
