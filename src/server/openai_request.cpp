@@ -12,6 +12,7 @@
 #include <string_view>
 
 #include "engine/engine.h"
+#include "server/request_fields.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
@@ -21,153 +22,12 @@ using nlohmann::json;
 
 namespace {
 
-std::string type_word(const json& v) {
-  switch (v.type()) {
-    case json::value_t::string: return "a string";
-    case json::value_t::boolean: return "a boolean";
-    case json::value_t::number_integer:
-    case json::value_t::number_unsigned: return "an integer";
-    case json::value_t::number_float: return "a decimal";
-    case json::value_t::array: return "an array";
-    case json::value_t::object: return "an object";
-    default: return "null";
-  }
-}
-
-[[noreturn]] void type_error(const std::string& name, const std::string& expected, const json& got) {
-  throw bad_request("Invalid type for '" + name + "': expected " + expected + ", but got " + type_word(got) + " instead.", name,
-                    "invalid_type");
-}
-
-[[noreturn]] void value_error(const std::string& name, const std::string& why) {
-  throw bad_request("Invalid value for '" + name + "': " + why, name, "invalid_value");
-}
-
-// The number literals of the last body parse_json_body read on this thread whose value is an
-// integer beyond 64 bits (nlohmann parses them as doubles), with that value: a range error shows
-// the client's own text, not the double's (18446744073709551616 was "1.8446744073709552e+19").
-// At most kMaxBigLiterals are kept; one not found shows as the double does.
-constexpr size_t kMaxBigLiterals = 16;
-std::vector<std::pair<double, std::string>>& big_literals() {
-  thread_local std::vector<std::pair<double, std::string>> t;
-  return t;
-}
-
-// A copy of the last body parse_json_body read on this thread, when it may hold a JSON schema
-// (every field that takes one has "json" in its name): a schema is taken from it in the client's
-// key order (schema_text), which the parsed object (keys sorted) has lost. A copy, not a view:
-// a caller may parse a value after the body it came from is gone.
-std::string& last_body() {
-  thread_local std::string b;
-  return b;
-}
-
-bool beyond_64_bits(double d) { return std::isfinite(d) && d == std::floor(d) && std::fabs(d) >= 0x1p63; }
-
-void note_number_literal(std::string_view text) {
-  if (text.size() < 19 && text.find_first_of("eE") == std::string_view::npos) return;  // within 64 bits
-  if (big_literals().size() >= kMaxBigLiterals) return;
-  const std::string s(text);
-  char* end = nullptr;
-  const double d = std::strtod(s.c_str(), &end);
-  if (end == s.c_str() + s.size() && beyond_64_bits(d)) big_literals().emplace_back(d, s);
-}
-
-// How the client wrote the number v holds (v.dump() when it is not a literal of the last body).
-std::string number_text(const json& v) {
-  if (v.is_number_float())
-    for (const auto& [d, text] : big_literals())
-      if (d == v.get<double>()) return text;
-  return v.dump();
-}
-
-// An integer literal beyond 64 bits parses as a decimal: refused as out of [lo, hi], not as a type.
-void huge_integer_check(const std::string& name, const json& v, int64_t lo, int64_t hi) {
-  if (!v.is_number_float()) return;
-  const double d = v.get<double>();
-  if (beyond_64_bits(d))
-    value_error(name, number_text(v) + (d > 0 ? " is above the maximum of " + std::to_string(hi) : " is below the minimum of " + std::to_string(lo)) + ".");
-}
-
-std::string num_text(double x) {
-  if (std::isfinite(x) && x == std::floor(x) && std::fabs(x) < 1e15) return std::to_string(static_cast<long long>(x));
-  return number_text(json(x));
-}
-
-// Typed, range-checked access to the members of one request object. A member that is absent
-// or null counts as not given (OpenAI's clients send null for "default").
-class Fields {
- public:
-  explicit Fields(const json& o) : o_(o) {}
-
-  const json* get(const char* name) const {
-    auto it = o_.find(name);
-    if (it == o_.end() || it->is_null()) return nullptr;
-    return &*it;
-  }
-
-  std::optional<double> number(const char* name, double lo, double hi, bool lo_open = false) const {
-    const json* v = get(name);
-    if (!v) return std::nullopt;
-    if (!v->is_number()) type_error(name, "a number", *v);
-    double x = v->get<double>();
-    if (!std::isfinite(x)) value_error(name, "must be a finite number.");
-    if (lo_open ? !(x > lo) : !(x >= lo))
-      value_error(name, num_text(x) + (lo_open ? " must be greater than " : " is below the minimum of ") + num_text(lo) + ".");
-    if (x > hi) value_error(name, num_text(x) + " is above the maximum of " + num_text(hi) + ".");
-    return x;
-  }
-
-  std::optional<int64_t> integer(const char* name, int64_t lo, int64_t hi) const {
-    const json* v = get(name);
-    if (!v) return std::nullopt;
-    huge_integer_check(name, *v, lo, hi);
-    if (!v->is_number_integer()) type_error(name, "an integer", *v);
-    if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-      value_error(name, v->dump() + " is above the maximum of " + std::to_string(hi) + ".");
-    int64_t x = v->get<int64_t>();
-    if (x < lo) value_error(name, std::to_string(x) + " is below the minimum of " + std::to_string(lo) + ".");
-    if (x > hi) value_error(name, std::to_string(x) + " is above the maximum of " + std::to_string(hi) + ".");
-    return x;
-  }
-
-  std::optional<bool> boolean(const char* name) const {
-    const json* v = get(name);
-    if (!v) return std::nullopt;
-    if (!v->is_boolean()) type_error(name, "a boolean", *v);
-    return v->get<bool>();
-  }
-
-  std::optional<std::string> string(const char* name) const {
-    const json* v = get(name);
-    if (!v) return std::nullopt;
-    if (!v->is_string()) type_error(name, "a string", *v);
-    return v->get<std::string>();
-  }
-
-  // Present and not null, not false, not an empty string/array/object: the client asked for it.
-  bool requested(const char* name) const {
-    const json* v = get(name);
-    if (!v) return false;
-    if (v->is_boolean()) return v->get<bool>();
-    if (v->is_string() || v->is_array() || v->is_object()) return !v->empty();
-    return true;
-  }
-
- private:
-  const json& o_;
-};
-
 void check_model(const Fields& f, const ApiContext& ctx) {
   auto model = f.string("model");
   if (!model) return;  // as llama.cpp and vLLM: the one served model is the default
   if (std::find(ctx.model_names.begin(), ctx.model_names.end(), *model) != ctx.model_names.end()) return;
   throw ApiError{404, "The model `" + *model + "` does not exist. This server serves `" + ctx.model_names.at(0) + "`.",
                  "invalid_request_error", "model", "model_not_found"};
-}
-
-[[noreturn]] void unsupported(const std::string& name, const std::string& why) {
-  throw bad_request("'" + name + "' is not supported by this server" + (why.empty() ? "." : ": " + why), name, "unsupported_parameter");
 }
 
 std::vector<std::string> parse_stop(const Fields& f, const ApiContext& ctx) {
@@ -191,32 +51,6 @@ std::vector<std::string> parse_stop(const Fields& f, const ApiContext& ctx) {
     if (s.size() > 1024) value_error("stop", "a stop sequence is longer than 1024 bytes.");
   }
   return out;
-}
-
-// A JSON schema given as an object or as its text: the text xgrammar compiles, with the keys in
-// the client's order (an object's properties are generated in the order the schema lists them,
-// as OpenAI and vLLM do: "reasoning" before "answer" is a choice the client made). path: where
-// the schema sits in the request body, to find its text there.
-std::string schema_text(const std::string& name, const json& v, std::initializer_list<const char*> path) {
-  using ordered = nlohmann::ordered_json;
-  if (v.is_string()) {
-    ordered parsed = ordered::parse(v.get<std::string>(), nullptr, /*allow_exceptions=*/false);
-    if (parsed.is_discarded() || !(parsed.is_object() || parsed.is_boolean())) value_error(name, "is not a JSON schema (an object).");
-    return parsed.dump();
-  }
-  if (!v.is_object() && !v.is_boolean()) type_error(name, "a JSON schema object", v);
-  // The same value in the body's own order, if the last body read holds it at `path`.
-  ordered body = ordered::parse(last_body(), nullptr, /*allow_exceptions=*/false);
-  const ordered* at = body.is_object() ? &body : nullptr;
-  for (const char* key : path) {
-    if (!at || !at->is_object() || !at->contains(key)) {
-      at = nullptr;
-      break;
-    }
-    at = &(*at)[key];
-  }
-  if (at && json::parse(at->dump()) == v) return at->dump();
-  return v.dump();
 }
 
 // Structured output, in each of the shapes clients send it (one per request):
@@ -255,9 +89,9 @@ void parse_constraint(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
       c.choices.push_back(e.get<std::string>());
     }
   };
-  auto take_schema = [&](const std::string& name, const json& v, std::initializer_list<const char*> path) {
+  auto take_schema = [&](const std::string& name, const json& v, const std::string& pointer) {
     set(name, OutputConstraint::Kind::kJsonSchema);
-    c.spec = schema_text(name, v, path);
+    c.spec = schema_text(name, v, pointer);
   };
 
   if (const json* rf = f.get("response_format")) {
@@ -272,16 +106,16 @@ void parse_constraint(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
       if (!js->is_object()) type_error("response_format", "a 'json_schema' object", *js);
       const json* schema = Fields(*js).get("schema");
       if (!schema) value_error("response_format", "its 'json_schema' needs a 'schema'.");
-      take_schema("response_format", *schema, {"response_format", "json_schema", "schema"});
+      take_schema("response_format", *schema, "/response_format/json_schema/schema");
     } else if (type != "text") {
       value_error("response_format", "type must be 'text', 'json_object' or 'json_schema', got '" + type + "'.");
     }
   }
-  if (const json* v = f.get("guided_json")) take_schema("guided_json", *v, {"guided_json"});
+  if (const json* v = f.get("guided_json")) take_schema("guided_json", *v, "/guided_json");
   if (const json* v = f.get("guided_regex")) take_regex("guided_regex", *v);
   if (const json* v = f.get("guided_choice")) take_choice("guided_choice", *v);
   if (const json* v = f.get("guided_grammar")) take_grammar("guided_grammar", *v);
-  if (const json* v = f.get("json_schema")) take_schema("json_schema", *v, {"json_schema"});  // llama.cpp
+  if (const json* v = f.get("json_schema")) take_schema("json_schema", *v, "/json_schema");  // llama.cpp
   if (const json* v = f.get("grammar")) take_grammar("grammar", *v);          // llama.cpp (GBNF)
   if (const json* so = f.get("structured_outputs")) {
     if (!so->is_object()) type_error("structured_outputs", "an object", *so);
@@ -291,7 +125,7 @@ void parse_constraint(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
             key == "disable_any_whitespace" || key == "structural_tag" || key == "whitespace_pattern" ||
             key == "disable_fallback" || key == "disable_additional_properties"))
         value_error("structured_outputs", "unknown field '" + key + "' (json, regex, choice, grammar, json_object, disable_any_whitespace).");
-    if (const json* v = sf.get("json")) take_schema("structured_outputs.json", *v, {"structured_outputs", "json"});
+    if (const json* v = sf.get("json")) take_schema("structured_outputs.json", *v, "/structured_outputs/json");
     if (const json* v = sf.get("regex")) take_regex("structured_outputs.regex", *v);
     if (const json* v = sf.get("choice")) take_choice("structured_outputs.choice", *v);
     if (const json* v = sf.get("grammar")) take_grammar("structured_outputs.grammar", *v);
@@ -713,12 +547,10 @@ ApiContext make_api_context(const Tokenizer& tok, const ChatTemplate* chat_templ
 json parse_json_body(const std::string& body, const ApiContext& ctx) {
   // nlohmann's parser is iterative, but the value it builds is destroyed and walked
   // recursively: refuse absurd nesting before parsing.
-  // The same pass notes the number literals whose value is an integer beyond 64 bits (big_literals).
+  // The same pass notes the number literals whose value is an integer beyond 64 bits (request_fields.h).
   int depth = 0;
   bool in_string = false, escaped = false;
-  big_literals().clear();
-  if (body.find("json") != std::string::npos) last_body() = body;
-  else last_body().clear();
+  begin_body(body);
   for (size_t i = 0; i < body.size(); ++i) {
     const char c = body[i];
     if (in_string) {
