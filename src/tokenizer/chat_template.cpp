@@ -59,17 +59,22 @@ Result<ChatTemplate> ChatTemplate::parse(const std::string& source) {
 
 Result<std::string> ChatTemplate::render(const std::vector<ChatMessage>& msgs, bool add_generation_prompt,
                                          const std::string& bos_token, const std::string& eos_token,
-                                         const nlohmann::json& extra) const {
+                                         const nlohmann::ordered_json& extra) const {
   jinja::Array arr;
   arr.reserve(msgs.size());
   for (const auto& m : msgs) {
+    jinja::Object o;
+    o.emplace_back("role", jinja::Value(m.role));
     if (!m.parts.empty() && iterates_content_) {
       jinja::Array parts;
       for (const auto& p : m.parts) parts.push_back(jinja::Value::object({{"type", jinja::Value("text")}, {"text", jinja::Value(p)}}));
-      arr.push_back(jinja::Value::object({{"role", jinja::Value(m.role)}, {"content", jinja::Value::array(std::move(parts))}}));
+      o.emplace_back("content", jinja::Value::array(std::move(parts)));
     } else {
-      arr.push_back(jinja::Value::object({{"role", jinja::Value(m.role)}, {"content", jinja::Value(m.content)}}));
+      o.emplace_back("content", jinja::Value(m.content));
     }
+    if (m.extra.is_object())
+      for (const auto& [key, v] : m.extra.items()) o.emplace_back(key, jinja::Value::from_json(v));
+    arr.push_back(jinja::Value::object(std::move(o)));
   }
   return render_values(*tmpl_, jinja::Value::array(std::move(arr)), add_generation_prompt, bos_token, eos_token,
                        jinja::Value::from_json(extra));

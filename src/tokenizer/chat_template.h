@@ -38,6 +38,9 @@ struct ChatMessage {
   // a message's content (iterates_content()) is given the parts as [{"type": "text", "text": ...}]
   // instead: vLLM's "string" and "openai" content formats.
   std::vector<std::string> parts = {};
+  // Members the template sees beside role and content, as the client gave them (an object, or
+  // null): an assistant turn's tool_calls, a tool result's tool_call_id.
+  nlohmann::ordered_json extra = nullptr;
 };
 
 class ChatTemplate {
@@ -52,7 +55,7 @@ class ChatTemplate {
   // 400 response); any other failure returns "chat template error at line L, column C: Kind: what".
   Result<std::string> render(const std::vector<ChatMessage>& msgs, bool add_generation_prompt,
                              const std::string& bos_token, const std::string& eos_token,
-                             const nlohmann::json& extra = nlohmann::json::object()) const;
+                             const nlohmann::ordered_json& extra = nlohmann::ordered_json::object()) const;
 
   // Same, with messages as JSON objects passed through unchanged (content may be a string, null, or a list
   // of {"type": "text", "text": ...} parts; tool_calls, name, ... are visible to the template). ordered_json

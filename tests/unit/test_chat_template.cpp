@@ -380,6 +380,21 @@ TEST(ChatTemplate, ExtraVariablesAndDefaults) {
   EXPECT_EQ(*r2, "False|True|today|False|2");
 }
 
+TEST(ChatTemplate, MessagesCarryTheirExtraMembers) {
+  // An assistant turn's tool calls and a tool result's id, as templates read them; members keep
+  // the client's order through tojson.
+  auto t = ChatTemplate::parse(
+      "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+      "{% if m.tool_calls %}{% for c in m.tool_calls %}[{{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}{% endif %}"
+      "{% if m.tool_call_id is defined %}({{ m.tool_call_id }}){% endif %}|{% endfor %}");
+  ASSERT_TRUE(t);
+  const nlohmann::ordered_json calls = nlohmann::ordered_json::parse(
+      R"({"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"z": 1, "a": [true]}}}]})");
+  auto r = t->render({{"user", "q"}, {"assistant", "", {}, calls}, {"tool", "21", {}, {{"tool_call_id", "c1"}}}}, false, "", "");
+  ASSERT_TRUE(r) << r.message();
+  EXPECT_EQ(*r, "user:q|assistant:[f {\"z\": 1, \"a\": [true]}]|tool:21(c1)|");
+}
+
 TEST(ChatTemplate, Copyable) {
   auto t = ChatTemplate::parse("{{ bos_token }}{% for m in messages %}{{ m.role }}{% endfor %}");
   ASSERT_TRUE(t);
