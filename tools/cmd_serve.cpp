@@ -29,6 +29,8 @@ struct ServeOptions {
   std::string chat_template;
   std::string allowed_origins = "[\"*\"]";
   bool trust_request_chat_template = false;
+  bool enable_auto_tool_choice = false;
+  std::string tool_call_parser;
   int max_num_batched_tokens = 512;
   int long_prefill_tokens = -1;  // -1: 0, or a quarter of max_num_batched_tokens on a prefill instance
   int max_num_seqs = 64;
@@ -77,6 +79,10 @@ void run_serve(const ServeOptions& o) {
   if (auto b = kv::parse_byte_size(o.kv_disk_bytes); !b) fail("--kv-disk-bytes: " + b.message());
   auto max_body = kv::parse_byte_size(o.max_body);
   if (!max_body) fail("--max-body-size: " + max_body.message());
+  // vLLM's pair: tool_choice "auto" parses the answer with the parser, which alone does nothing.
+  if (o.enable_auto_tool_choice && o.tool_call_parser.empty()) fail("--enable-auto-tool-choice needs --tool-call-parser (hermes)");
+  if (!o.enable_auto_tool_choice && !o.tool_call_parser.empty())
+    fail("--tool-call-parser is used by tool_choice \"auto\", which needs --enable-auto-tool-choice");
   // --chat-template before the weights: one that does not load fails at once.
   std::optional<kv::ChatTemplate> chat;
   if (!o.chat_template.empty()) {
@@ -212,6 +218,7 @@ void run_serve(const ServeOptions& o) {
 
   kv::ApiContext ctx = kv::make_api_context(**tok, chat ? &*chat : nullptr, o.model, o.served_model_name, ec.max_model_len, ec.max_n);
   ctx.trust_request_chat_template = o.trust_request_chat_template;
+  ctx.tool_call_parser = o.tool_call_parser;
   ctx.default_policy_evicts = ec.kv_policy.evicts();
   ctx.kv_capacity_tokens = n_tokens;
   kv::ConstraintCompiler constraints(**tok, (*model)->config().n_vocab);  // structured outputs
@@ -304,6 +311,11 @@ void add_serve_command(CLI::App& app) {
                 "accept a request's own chat_template (vLLM's flag; off: such a request is a 400)");
   cmd->add_option("--chat-template", o->chat_template,
                   "the chat template instead of the model's: a built-in name (chatml, gemma3), a Jinja file, or the template itself");
+  cmd->add_flag("--enable-auto-tool-choice", o->enable_auto_tool_choice,
+                "accept tool_choice \"auto\" (the default with tools): the answer is parsed for calls by --tool-call-parser (vLLM's flags)");
+  cmd->add_option("--tool-call-parser", o->tool_call_parser,
+                  "how tool_choice \"auto\" finds calls in an answer: hermes (<tool_call>{\"name\", \"arguments\"}</tool_call>)")
+      ->check(CLI::IsMember({"hermes"}));
   cmd->add_option("--max-num-batched-tokens", o->max_num_batched_tokens, "token budget per engine step")
       ->check(number_in(1, 1 << 20))
       ->capture_default_str();

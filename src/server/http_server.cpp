@@ -157,6 +157,7 @@ struct SseState {
   std::vector<PromptResult> prompts;  // echo, prompt_logprobs
   int32_t n_per_prompt = 1;
   bool prompt_lp_events = false;      // the engine sends kPrompt (params.prompt_logprobs ≥ 0)
+  std::vector<ToolCallStream> tools;  // per choice, under a tool choice other than "none"
 };
 
 }  // namespace
@@ -499,6 +500,14 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
       return;
     }
     if (error) throw *error;
+    if (ar.tool_choice.kind != ToolChoice::Kind::kNone)
+      for (ChoiceResult& c : choices) {
+        if (c.finish_reason == "abort") continue;  // answered as an error below
+        ToolCallStream t(ar.tool_choice);
+        t.push(c.text);
+        t.finish(&c.finish_reason);
+        c.message = t.message();
+      }
     if (ended && std::any_of(choices.begin(), choices.end(), [](const ChoiceResult& c) { return c.finish_reason == "abort"; })) {
       if (ended->status == 503) res.set_header("Retry-After", kRetryAfterSeconds);
       throw *ended;
@@ -526,6 +535,8 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
   st->prompts = std::move(prompts);
   st->n_per_prompt = n_per_prompt;
   st->prompt_lp_events = ar.params.prompt_logprobs >= 0;
+  if (ar.tool_choice.kind != ToolChoice::Kind::kNone)
+    for (int32_t i = 0; i < n; ++i) st->tools.emplace_back(ar.tool_choice);
   guard.armed = false;  // from here the releaser owns cancellation
   in_flight.armed = false;  // and the count
   const Tokenizer* tok = ctx_.tok;
@@ -563,7 +574,18 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
           for (auto& ev : st->events) {
             if (ev.index < 0 || ev.index >= st->n) continue;
             std::string out;
-            if (ev.kind == StreamEvent::kText) {
+            if (ev.kind == StreamEvent::kText && !st->tools.empty()) {
+              // The text becomes tool-call or content deltas, or is held (tool_calls.h); its
+              // logprobs go with the first chunk it makes, or alone.
+              st->completion_tokens += static_cast<int64_t>(ev.tokens.size());
+              const std::vector<TokenLogprob>* lps = st->with_logprobs && !ev.logprobs.empty() ? &ev.logprobs : nullptr;
+              std::vector<json> deltas = st->tools[ev.index].push(ev.text);
+              if (deltas.empty() && lps) deltas.push_back(json::object());
+              for (json& d : deltas) {
+                out += chunk(delta_chunk(st->meta, ev.index, std::move(d), lps, *tok));
+                lps = nullptr;
+              }
+            } else if (ev.kind == StreamEvent::kText) {
               st->completion_tokens += static_cast<int64_t>(ev.tokens.size());
               if (ev.text.empty() && ev.logprobs.empty()) continue;
               out = chunk(text_chunk(st->meta, ev.index, ev.text, st->with_logprobs ? &ev.logprobs : nullptr,
@@ -576,10 +598,14 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
                 out += chunk(prompt_chunk(st->meta, i, st->prompts[k], st->with_logprobs, &st->text_offset[i], *tok));
             } else if (ev.kind == StreamEvent::kFinish) {
               st->finish_reasons[ev.index] = ev.finish_reason;
-              out = chunk(finish_chunk(st->meta, ev.index, ev.finish_reason));
+              std::string reason = ev.finish_reason;
+              if (!st->tools.empty() && reason != "abort")  // held text, parsed calls; the reason the response reports
+                for (json& d : st->tools[ev.index].finish(&reason)) out += chunk(delta_chunk(st->meta, ev.index, std::move(d), nullptr, *tok));
+              out += chunk(finish_chunk(st->meta, ev.index, reason));
             } else {
               out = sse_event(from_event(ev).to_json());
             }
+            if (out.empty()) continue;  // a held text: nothing to write (an empty chunk would end the body)
             if (!send(out)) {
               st->events.clear();
               return false;  // the releaser cancels

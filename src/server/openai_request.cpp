@@ -58,10 +58,17 @@ std::vector<std::string> parse_stop(const Fields& f, const ApiContext& ctx) {
 //   vLLM: guided_json / guided_regex / guided_choice / guided_grammar, and structured_outputs
 //         {"json" | "regex" | "choice" | "grammar" | "json_object": …};
 //   llama.cpp: json_schema, grammar (GBNF).
-// Compiled here (ctx.constraints), on the HTTP thread: a bad schema, regex or grammar is a 400.
-void parse_constraint(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
+// Read here, compiled by compile_constraint (on the HTTP thread): a bad schema, regex or grammar is a 400.
+struct ReadConstraint {
   OutputConstraint c;
-  std::string given;  // the field that set it
+  std::string given;          // the field that set it; empty: none
+  bool options_only = false;  // structured_outputs held options (disable_any_whitespace) and no constraint
+};
+
+ReadConstraint read_constraint(const Fields& f) {
+  ReadConstraint rc;
+  OutputConstraint& c = rc.c;
+  std::string& given = rc.given;
   auto set = [&](const std::string& name, OutputConstraint::Kind kind) {
     if (!given.empty())
       throw bad_request("Give one structured-output constraint per request; got '" + given + "' and '" + name + "'.", name, "invalid_value");
@@ -133,23 +140,32 @@ void parse_constraint(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
     for (const char* name : {"structural_tag", "whitespace_pattern"})
       if (sf.requested(name)) unsupported(std::string("structured_outputs.") + name, "");
     if (sf.boolean("disable_any_whitespace").value_or(false)) c.any_whitespace = false;
-    if (given.empty()) value_error("structured_outputs", "names no constraint (json, regex, choice, grammar or json_object).");
+    rc.options_only = given.empty();
   }
   if (f.requested("guided_whitespace_pattern")) unsupported("guided_whitespace_pattern", "");
   for (const char* name : {"structural_tag", "regex"})
     if (f.requested(name)) unsupported(name, "");
-  if (c.kind == OutputConstraint::Kind::kNone) return;
+  return rc;
+}
+
+// The constraint read (if any) compiled into r's parameters. A structured_outputs object that
+// names no constraint is refused here: a misspelt one would otherwise give free text (a tool
+// choice's constraint takes its options first: parse_chat_request).
+void compile_constraint(const ReadConstraint& rc, const ApiContext& ctx, ApiRequest* r) {
+  if (rc.options_only) value_error("structured_outputs", "names no constraint (json, regex, choice, grammar or json_object).");
+  if (rc.c.kind == OutputConstraint::Kind::kNone) return;
   if (ctx.constraints_forwarded) return;  // the router: the backend compiles (and answers a bad one)
-  if (!ctx.constraints) unsupported(given, "structured output is not available here.");
+  if (!ctx.constraints) unsupported(rc.given, "structured output is not available here.");
   try {
-    r->params.constraint = ctx.constraints->compile(c);
+    r->params.constraint = ctx.constraints->compile(rc.c);
   } catch (const std::invalid_argument& e) {
-    value_error(given, e.what());
+    value_error(rc.given, e.what());
   }
 }
 
-// Fields shared by both endpoints: sampling, n, stop, stream, penalties, cache_salt.
-void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
+// Fields shared by both endpoints: sampling, n, stop, stream, penalties, cache_salt; the
+// structured-output constraint is read into *rc, for the caller to compile.
+void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r, ReadConstraint* rc) {
   check_model(f, ctx);
   SamplingParams& sp = r->params.sampling;
   sp.temperature = static_cast<float>(f.number("temperature", 0.0, 2.0).value_or(1.0));  // OpenAI's default is 1
@@ -219,7 +235,7 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r) {
   }
   // vLLM's include_stop_str_in_output: the stop string that ended a choice stays in its text.
   r->params.include_stop_str = f.boolean("include_stop_str_in_output").value_or(false);
-  parse_constraint(f, ctx, r);
+  *rc = read_constraint(f);
   // vLLM's truncate_prompt_tokens: k ≥ 1 keeps a prompt's last k tokens, -1 its last max_model_len
   // (applied once the prompts are tokens: truncate_prompts).
   if (auto k = f.integer("truncate_prompt_tokens", -1, std::numeric_limits<int32_t>::max())) {
@@ -449,23 +465,38 @@ std::vector<ChatMessage> parse_messages(const Fields& f) {
     if (!role_v) throw bad_request("Missing required parameter: '" + name + ".role'.", name + ".role", "missing_required_parameter");
     if (!role_v->is_string()) type_error(name + ".role", "a string", *role_v);
     std::string role = role_v->get<std::string>();
-    if (role == "tool" || role == "function")
-      throw bad_request("Role '" + role + "' is not supported: this server does not support tool calling.", name + ".role",
+    if (role == "function")
+      throw bad_request("Role 'function' is not supported: it is OpenAI's deprecated form of 'tool' (with 'tool_call_id').", name + ".role",
                         "unsupported_parameter");
-    if (role != "system" && role != "developer" && role != "user" && role != "assistant")
-      throw bad_request("Invalid value for '" + name + ".role': '" + role + "'. Supported roles: system, developer, user, assistant.",
+    if (role != "system" && role != "developer" && role != "user" && role != "assistant" && role != "tool")
+      throw bad_request("Invalid value for '" + name + ".role': '" + role + "'. Supported roles: system, developer, user, assistant, tool.",
                         name + ".role", "invalid_value");
-    if (mf.requested("tool_calls") || mf.requested("function_call"))
-      throw bad_request("'" + name + ".tool_calls' is not supported: this server does not support tool calling.", name + ".tool_calls",
+    if (mf.requested("function_call"))
+      throw bad_request("'" + name + ".function_call' is not supported: it is OpenAI's deprecated form of 'tool_calls'.", name + ".function_call",
                         "unsupported_parameter");
     if (const json* n = mf.get("name"); n && !n->is_string()) type_error(name + ".name", "a string", *n);
+    // What the template sees beside role and content (as vLLM passes them): an assistant turn's
+    // calls, the id of the call a tool message answers.
+    nlohmann::ordered_json extra = nullptr;
+    if (const json* calls = mf.get("tool_calls")) {
+      if (role != "assistant") value_error(name + ".tool_calls", "only assistant messages carry tool calls.");
+      nlohmann::ordered_json parsed = parse_tool_calls_message(*calls, name + ".tool_calls", "/messages/" + std::to_string(i) + "/tool_calls");
+      if (!parsed.is_null()) extra = {{"tool_calls", std::move(parsed)}};
+    }
+    if (role == "tool") {
+      const json* id = mf.get("tool_call_id");
+      if (!id) throw bad_request("Missing required parameter: '" + name + ".tool_call_id'.", name + ".tool_call_id", "missing_required_parameter");
+      if (!id->is_string()) type_error(name + ".tool_call_id", "a string", *id);
+      extra = {{"tool_call_id", id->get<std::string>()}};
+    }
     auto it = m.find("content");
+    // An assistant turn may be only its tool calls (content absent or null).
     if (it == m.end() && role != "assistant")
       throw bad_request("Missing required parameter: '" + name + ".content'.", name + ".content", "missing_required_parameter");
     std::vector<std::string> parts;
     std::string text = it == m.end() ? std::string() : message_text(*it, role, i, &parts);
     // Templates written before OpenAI's "developer" role know it as "system".
-    out.push_back(ChatMessage{role == "developer" ? "system" : role, std::move(text), std::move(parts)});
+    out.push_back(ChatMessage{role == "developer" ? "system" : role, std::move(text), std::move(parts), std::move(extra)});
   }
   return out;
 }
@@ -593,9 +624,9 @@ namespace {
 
 // `messages` rendered by the model's chat template (add_generation_prompt, default true) and
 // tokenized, as transformers' apply_chat_template(tokenize=True): the template writes any BOS.
-std::vector<int32_t> chat_prompt(const Fields& f, const ApiContext& ctx) {
+// tools: the request's (parse_tool_list), the template's `tools` variable.
+std::vector<int32_t> chat_prompt(const Fields& f, const ApiContext& ctx, const std::vector<ToolSpec>& tools) {
   // Fields that would change the rendered prompt (here, so that /tokenize refuses them too).
-  if (f.requested("tools")) unsupported("tools", "tool calling is not available.");
   if (f.requested("continue_final_message")) unsupported("continue_final_message", "the prompt always ends with a new assistant turn.");
   std::vector<ChatMessage> msgs = parse_messages(f);
   // vLLM's request fields: this request's template (its text) and extra template variables.
@@ -612,12 +643,18 @@ std::vector<int32_t> chat_prompt(const Fields& f, const ApiContext& ctx) {
   if (!tmpl)
     throw bad_request("This model has no chat template (tokenizer.chat_template): give one (--chat-template, chat_template=) "
                       "or continue text through completions.", "messages", "no_chat_template");
-  nlohmann::json extra = nlohmann::json::object();
+  nlohmann::ordered_json extra = nlohmann::ordered_json::object();
   if (const json* kw = f.get("chat_template_kwargs"); kw && !kw->is_null()) {
     if (!kw->is_object()) type_error("chat_template_kwargs", "an object", *kw);
     for (const char* reserved : {"messages", "add_generation_prompt", "bos_token", "eos_token"})
       if (kw->contains(reserved)) value_error("chat_template_kwargs", std::string("'") + reserved + "' is set by the server.");
-    extra = *kw;
+    extra = in_client_order(*kw, "/chat_template_kwargs");
+  }
+  // As transformers' apply_chat_template(tools=...): the template decides how to show them.
+  if (!tools.empty()) {
+    if (extra.contains("tools")) value_error("chat_template_kwargs", "'tools' is set by the request's tools.");
+    extra["tools"] = nlohmann::ordered_json::array();
+    for (const ToolSpec& t : tools) extra["tools"].push_back(t.for_template);
   }
   bool add_generation_prompt = f.boolean("add_generation_prompt").value_or(true);
   Result<std::string> text = tmpl->render(msgs, add_generation_prompt, ctx.bos_text, ctx.eos_text, extra);
@@ -633,7 +670,9 @@ ApiRequest parse_completion_request(const json& body, const ApiContext& ctx) {
   Fields f(body);
   ApiRequest r;
   r.chat = false;
-  parse_common(f, ctx, &r);
+  ReadConstraint rc;
+  parse_common(f, ctx, &r, &rc);
+  compile_constraint(rc, ctx, &r);
   // echo: each choice's text (and with logprobs, its logprobs) begins with its prompt's.
   r.echo = f.boolean("echo").value_or(false);
   if (f.requested("suffix")) unsupported("suffix", "");
@@ -658,12 +697,30 @@ ApiRequest parse_chat_request(const json& body, const ApiContext& ctx) {
   Fields f(body);
   ApiRequest r;
   r.chat = true;
-  parse_common(f, ctx, &r);
-  if (f.requested("functions")) unsupported("functions", "function calling is not available.");
-  if (const json* tc = f.get("tool_choice"); tc && !(tc->is_string() && tc->get<std::string>() == "none"))
-    unsupported("tool_choice", "only \"none\" is accepted.");
+  ReadConstraint rc;
+  parse_common(f, ctx, &r, &rc);
+  // OpenAI's deprecated functions / function_call are tools / tool_choice now.
+  if (f.requested("functions")) unsupported("functions", "it is OpenAI's deprecated form of 'tools'.");
   if (const json* fc = f.get("function_call"); fc && !(fc->is_string() && fc->get<std::string>() == "none"))
-    unsupported("function_call", "only \"none\" is accepted.");
+    unsupported("function_call", "it is OpenAI's deprecated form of 'tool_choice'; only \"none\" is accepted.");
+  const std::vector<ToolSpec> tools = parse_tool_list(f);
+  r.tool_choice = parse_tool_choice(f, tools, ctx);
+  // A named or "required" choice is a JSON-schema constraint (vLLM's); it takes structured_outputs'
+  // options (disable_any_whitespace), not a second constraint.
+  if (OutputConstraint tc = tool_constraint(r.tool_choice, tools, rc.c.any_whitespace); tc.kind != OutputConstraint::Kind::kNone) {
+    if (!rc.given.empty())
+      value_error("tool_choice", "a named or \"required\" tool choice constrains the answer itself; it cannot be combined with '" + rc.given + "'.");
+    if (!ctx.constraints_forwarded) {  // the router: its backends compile
+      if (!ctx.constraints) unsupported("tool_choice", "structured output is not available here.");
+      try {
+        r.params.constraint = ctx.constraints->compile(tc);
+      } catch (const std::invalid_argument& e) {
+        value_error(tool_compile_error_param(r.tool_choice, tools, *ctx.constraints), e.what());
+      }
+    }
+  } else {
+    compile_constraint(rc, ctx, &r);
+  }
   if (f.requested("audio")) unsupported("audio", "");
   if (const json* mod = f.get("modalities"); mod && !(mod->is_array() && mod->size() == 1 && (*mod)[0] == "text"))
     unsupported("modalities", "only [\"text\"] is accepted.");
@@ -678,7 +735,7 @@ ApiRequest parse_chat_request(const json& body, const ApiContext& ctx) {
     r.logprobs = true;
   }
 
-  r.prompts = {chat_prompt(f, ctx)};
+  r.prompts = {chat_prompt(f, ctx, tools)};
   truncate_prompts(ctx, &r);
 
   // max_completion_tokens is OpenAI's current name; max_tokens the deprecated one.
@@ -705,7 +762,7 @@ TokenizeRequest parse_tokenize_request(const json& body, const ApiContext& ctx) 
     throw bad_request("Give one of 'prompt', 'content' or 'messages', not several.", f.get("messages") ? "messages" : "content",
                       "invalid_value");
   if (f.get("messages")) {
-    r.ids = chat_prompt(f, ctx);
+    r.ids = chat_prompt(f, ctx, parse_tool_list(f));
     return r;
   }
   const char* name = f.get("prompt") ? "prompt" : "content";  // vLLM's name, llama-server's

@@ -1,7 +1,7 @@
 // OpenAI request bodies → engine requests. Parsing is strict where a mistake would silently
 // change what the client gets (types, ranges, unknown models, fields we do not support such
-// as tools) and lenient where OpenAI's clients send harmless extras (user,
-// metadata, store, ...).
+// as audio) and lenient where OpenAI's clients send harmless extras (user,
+// metadata, store, ...). Tools and tool choices: server/tool_calls.h.
 //
 // Every function here throws ApiError (api_error.h) with the status, message and param the
 // client should see; the HTTP layer catches it. Thread-safe: ApiContext is read-only.
@@ -13,6 +13,7 @@
 
 #include "engine/request.h"
 #include "server/api_error.h"
+#include "server/tool_calls.h"
 
 namespace kv {
 
@@ -46,6 +47,10 @@ struct ApiContext {
   // and passed on, the backend compiles).
   ConstraintCompiler* constraints = nullptr;
   bool constraints_forwarded = false;
+  // vLLM's --tool-call-parser, given with --enable-auto-tool-choice ("hermes"); empty: tool_choice
+  // "auto" (the default with tools) is refused, as vLLM refuses it without them. The router
+  // (constraints_forwarded) passes "auto" on to its backends.
+  std::string tool_call_parser;
 };
 
 // What the HTTP layer needs beyond the engine's Request.
@@ -66,6 +71,8 @@ struct ApiRequest {
   bool echo = false;
   std::vector<std::string> prompt_texts;
   int32_t truncate_prompt_tokens = 0;  // vLLM's: > 0, a prompt keeps at most its last this many tokens
+  // Chat: how each choice's text becomes the message (ToolCallStream); kNone: it is the content.
+  ToolChoice tool_choice;
 };
 
 // The context of a model file at `model_path`: names accepted as `model` (served_name or the

@@ -168,7 +168,7 @@ json full_response(const ResponseMeta& meta, const std::vector<ChoiceResult>& ch
     json finish = c.finish_reason.empty() ? json(nullptr) : json(c.finish_reason);
     if (meta.chat) {
       arr.push_back({{"index", i},
-                     {"message", {{"role", "assistant"}, {"content", c.text}, {"refusal", nullptr}}},
+                     {"message", c.message ? *c.message : json{{"role", "assistant"}, {"content", c.text}, {"refusal", nullptr}}},
                      {"logprobs", lp},
                      {"finish_reason", finish}});
     } else {
@@ -201,6 +201,13 @@ json text_chunk(const ResponseMeta& meta, int32_t index, const std::string& text
   if (meta.chat)
     return with_choice(meta, {{"index", index}, {"delta", {{"content", text}}}, {"logprobs", lp}, {"finish_reason", nullptr}});
   return with_choice(meta, {{"index", index}, {"text", text}, {"logprobs", lp}, {"finish_reason", nullptr}});
+}
+
+json delta_chunk(const ResponseMeta& meta, int32_t index, json delta, const std::vector<TokenLogprob>* logprobs, const Tokenizer& tok) {
+  return with_choice(meta, {{"index", index},
+                            {"delta", std::move(delta)},
+                            {"logprobs", logprobs ? chat_logprobs(*logprobs, tok) : json(nullptr)},
+                            {"finish_reason", nullptr}});
 }
 
 json prompt_chunk(const ResponseMeta& meta, int32_t index, const PromptResult& p, bool with_logprobs, TextOffset* text_offset,

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,8 @@ struct ChoiceResult {
   std::vector<TokenLogprob> logprobs;
   std::string finish_reason;
   int32_t prompt = 0;  // its prompt's index (completions' batch form: choice / n)
+  // Chat under a tool choice: the message ToolCallStream made of the text (content, tool_calls).
+  std::optional<nlohmann::ordered_json> message;
 };
 
 // Completions' logprobs.text_offset: the offset of each token in the choice's text in characters (code
@@ -72,6 +75,9 @@ nlohmann::ordered_json prompt_logprobs_json(const PromptResult& p, const Tokeniz
 nlohmann::ordered_json chat_role_chunk(const ResponseMeta& meta, int32_t index);
 nlohmann::ordered_json text_chunk(const ResponseMeta& meta, int32_t index, const std::string& text, const std::vector<TokenLogprob>* logprobs,
                           TextOffset* text_offset, const Tokenizer& tok);
+// A chat chunk whose delta is given (a ToolCallStream's: tool calls, or content), with logprobs.
+nlohmann::ordered_json delta_chunk(const ResponseMeta& meta, int32_t index, nlohmann::ordered_json delta,
+                                   const std::vector<TokenLogprob>* logprobs, const Tokenizer& tok);
 // A choice's first chunk when its prompt is shown (meta.echo, meta.prompt_logprobs): the echoed
 // prompt (with its logprobs when with_logprobs), and prompt_logprobs when asked.
 nlohmann::ordered_json prompt_chunk(const ResponseMeta& meta, int32_t index, const PromptResult& p, bool with_logprobs,

@@ -23,15 +23,16 @@ std::vector<std::pair<double, std::string>>& big_literals() {
 }
 
 // A copy of the last body parse_json_body read on this thread, when it may hold a JSON schema
-// (every field that takes one has "json" in its name): a schema is taken from it in the client's
-// key order (in_client_order), which the parsed object (keys sorted) has lost. A copy, not a view:
-// a caller may parse a value after the body it came from is gone.
+// (every field that takes one has "json" in its name) or tools (whose parameters are schemas, and
+// which a chat template prints in the client's order): such values are taken from it in the
+// client's key order (in_client_order), which the parsed object (keys sorted) has lost. A copy,
+// not a view: a caller may parse a value after the body it came from is gone.
 std::string& last_body() {
   thread_local std::string b;
   return b;
 }
 
-// last_body() parsed with its keys in order, once per body (several values may be read from it).
+// last_body() parsed with its keys in order, once per body (tools read it once per tool).
 const nlohmann::ordered_json& last_body_ordered() {
   thread_local std::string parsed_from;
   thread_local nlohmann::ordered_json parsed;
@@ -48,7 +49,7 @@ bool beyond_64_bits(double d) { return std::isfinite(d) && d == std::floor(d) &&
 
 void begin_body(const std::string& body) {
   big_literals().clear();
-  if (body.find("json") != std::string::npos) last_body() = body;
+  if (body.find("json") != std::string::npos || body.find("tool") != std::string::npos) last_body() = body;
   else last_body().clear();
 }
 

@@ -1,11 +1,11 @@
 // Reading the members of an OpenAI request body: typed, range-checked access (Fields) and the
-// errors the request parsers throw (ApiError, naming the field). For the request parsers
-// (openai_request.cpp), not for the HTTP layer, which calls them.
+// errors the request parsers throw (ApiError, naming the field). Shared by openai_request.cpp and
+// tool_request.cpp; not for the HTTP layer, which calls the parsers.
 //
 // Per thread, what the last body parse_json_body read leaves behind: the literals of its integers
 // beyond 64 bits (nlohmann parses them as doubles; a range error shows the client's own text), and
-// the body's text when it may hold values whose key order matters (JSON schemas), to read them
-// back in the client's order (the parsed json sorts keys).
+// the body's text when it may hold values whose key order matters (JSON schemas, tools), to read
+// them back in the client's order (the parsed json sorts keys).
 #pragma once
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -18,7 +18,7 @@
 namespace kv {
 
 // parse_json_body, before it parses `body`: forgets the last body's literals and keeps this one's
-// text if it may hold a schema.
+// text if it may hold a schema or tools.
 void begin_body(const std::string& body);
 // parse_json_body's pass over the body: a number literal, noted if its value is an integer beyond 64 bits.
 void note_number_literal(std::string_view text);
@@ -35,7 +35,7 @@ std::string num_text(double x);
 void huge_integer_check(const std::string& name, const nlohmann::json& v, int64_t lo, int64_t hi);
 
 // v as the client wrote it, keys in their order: the value at `pointer` (a JSON pointer,
-// "/response_format/json_schema/schema") in the last body read, if that body holds v there; else v.
+// "/tools/0/function/parameters") in the last body read, if that body holds v there; else v.
 nlohmann::ordered_json in_client_order(const nlohmann::json& v, const std::string& pointer);
 
 // A JSON schema given as an object or as its text: the text xgrammar compiles, with the keys in

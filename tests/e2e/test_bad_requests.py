@@ -83,8 +83,15 @@ CORPUS = [
     ("bad role", "POST", CH, JSON, chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0].role"),
     ("missing role", "POST", CH, JSON, chat(messages=[{"content": "hi"}]), 400, "messages[0].role"),
     ("role number", "POST", CH, JSON, chat(messages=[{"role": 1, "content": "hi"}]), 400, "messages[0].role"),
-    ("tool role", "POST", CH, JSON, chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "a"}]), 400,
+    # tool calling (tests/e2e/test_tool_calling.py has the rest)
+    ("tool role without tool_call_id", "POST", CH, JSON, chat(messages=[{"role": "tool", "content": "x"}]), 400,
+     "messages[0].tool_call_id"),
+    ("function role", "POST", CH, JSON, chat(messages=[{"role": "function", "name": "f", "content": "x"}]), 400,
      "messages[0].role"),
+    ("tool_calls on a user message", "POST", CH, JSON,
+     chat(messages=[{"role": "user", "content": "x", "tool_calls": [{"id": "a", "type": "function",
+                                                                     "function": {"name": "f", "arguments": "{}"}}]}]), 400,
+     "messages[0].tool_calls"),
     ("missing content", "POST", CH, JSON, chat(messages=[{"role": "user"}]), 400, "messages[0].content"),
     ("null user content", "POST", CH, JSON, chat(messages=[{"role": "user", "content": None}]), 400, "messages[0].content"),
     ("content number", "POST", CH, JSON, chat(messages=[{"role": "user", "content": 7}]), 400, "messages[0].content"),
@@ -143,10 +150,12 @@ CORPUS = [
     ("top_logprobs too many", "POST", CH, JSON, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ("top_logprobs without logprobs", "POST", CH, JSON, chat(top_logprobs=2), 400, "top_logprobs"),
     # --- unsupported features
-    ("tools", "POST", CH, JSON,
-     chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), 400, "tools"),
+    # tools without tool_choice: "auto" (vLLM's default), which needs --enable-auto-tool-choice
+    ("tools, auto by default", "POST", CH, JSON,
+     chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), 400, "tool_choice"),
+    ("tools empty", "POST", CH, JSON, chat(tools=[], tool_choice="none"), 400, "tools"),
     ("functions", "POST", CH, JSON, chat(functions=[{"name": "f", "parameters": {}}]), 400, "functions"),
-    ("tool_choice required", "POST", CH, JSON, chat(tool_choice="required"), 400, "tool_choice"),
+    ("tool_choice required without tools", "POST", CH, JSON, chat(tool_choice="required"), 400, "tool_choice"),
     # structured outputs (tests/e2e/test_structured_output.py): malformed ones
     ("response_format unknown type", "POST", CH, JSON, chat(response_format={"type": "xml"}), 400, "response_format"),
     ("response_format schema missing", "POST", CH, JSON,
