@@ -325,10 +325,17 @@ class LLM:
     def chat(self, messages: Union[List[Dict[str, Any]], List[List[Dict[str, Any]]]],
              sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
              *, use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: Optional[str] = None) -> List[RequestOutput]:
+             chat_template: Optional[str] = None, tools: Optional[List[Dict[str, Any]]] = None,
+             tool_choice: Optional[Union[str, Dict[str, Any]]] = None) -> List[RequestOutput]:
         """Answers one conversation (a list of {"role", "content"} messages) or a list of
         them, through the model's chat template (or `chat_template`: a Jinja template, a file,
-        or a built-in name, chatml or gemma3); one RequestOutput per conversation."""
+        or a built-in name, chatml or gemma3); one RequestOutput per conversation.
+
+        `tools` (OpenAI's list of {"type": "function", "function": {...}}) go to the template, as
+        vLLM's LLM.chat passes them; the output is the generated text, not parsed into calls.
+        `tool_choice` (a kvserve extra): {"type": "function", "function": {"name": ...}} or
+        "required" constrain that text as the server does (the call's arguments JSON, or the
+        array of {"name", "parameters"}); default "none"."""
         if not messages:  # the server answers 400 for "messages": [] (a batch of none is refused too)
             raise RequestError("'messages' must contain at least one message.", param="messages",
                                code="empty_array", index=0)
@@ -339,6 +346,10 @@ class LLM:
             body = self._sampling_body(sp, chat=True)
             body["messages"] = conv
             body["add_generation_prompt"] = add_generation_prompt
+            if tools is not None:
+                body["tools"] = tools
+            if tool_choice is not None or tools is not None:
+                body["tool_choice"] = "none" if tool_choice is None else tool_choice
             bodies.append(json.dumps(body))
         return self._run(bodies, params, [None] * len(convs), chat=True, use_tqdm=use_tqdm,
                          chat_template=chat_template or "")

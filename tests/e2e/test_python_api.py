@@ -567,3 +567,32 @@ def test_prompt_logprobs_are_the_servers(llm, server):
         assert {k: (v.logprob, v.rank) for k, v in mine.items()} == {int(k): (v["logprob"], v["rank"]) for k, v in theirs.items()}
     # without it: None, as before
     assert llm.generate(["Hi"], GREEDY)[0].prompt_logprobs is None
+
+
+def test_chat_takes_tools_as_vllm(llm, client):
+    """vLLM's LLM.chat(tools=...): the tools go to the template (SmolLM2's ignores them) and the
+    output is the generated text; a named tool_choice (a kvserve extra) constrains that text to
+    the tool's schema, as the server does: the same seed gives the server's call arguments."""
+    import jsonschema
+    from kvserve import StructuredOutputsParams
+
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 15}}, "required": ["city"],
+              "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    plain = llm.chat(msgs, GREEDY, tools=tools, use_tqdm=False)[0].outputs[0].text
+    assert plain == llm.chat(msgs, GREEDY, use_tqdm=False)[0].outputs[0].text
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    sp = SamplingParams(temperature=1.0, seed=6, n=3, max_tokens=40,
+                        structured_outputs=StructuredOutputsParams(disable_any_whitespace=True))
+    outs = llm.chat(msgs, sp, tools=tools, tool_choice=named, use_tqdm=False)[0].outputs
+    for o in outs:
+        if o.finish_reason == "stop":
+            jsonschema.validate(json.loads(o.text), params)
+    assert sum(o.finish_reason == "stop" for o in outs) >= 2
+    server = client.chat.completions.create(model=client.models.list().data[0].id, messages=msgs, tools=tools, tool_choice=named,
+                                            temperature=1.0, seed=6, n=3, max_tokens=40,
+                                            extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    assert [c.message.tool_calls[0].function.arguments for c in server.choices] == [o.text for o in outs]
+    with pytest.raises(RequestError, match="--enable-auto-tool-choice"):
+        llm.chat(msgs, GREEDY, tools=tools, tool_choice="auto", use_tqdm=False)
