@@ -668,6 +668,7 @@ std::vector<int32_t> chat_prompt(const Fields& f, const ApiContext& ctx, const s
 
 ApiRequest parse_completion_request(const json& body, const ApiContext& ctx) {
   Fields f(body);
+  OrderedBodyScope ordered;  // schemas and tools read the body in the client's order
   ApiRequest r;
   r.chat = false;
   ReadConstraint rc;
@@ -695,6 +696,7 @@ ApiRequest parse_completion_request(const json& body, const ApiContext& ctx) {
 
 ApiRequest parse_chat_request(const json& body, const ApiContext& ctx) {
   Fields f(body);
+  OrderedBodyScope ordered;  // schemas and tools read the body in the client's order
   ApiRequest r;
   r.chat = true;
   ReadConstraint rc;
@@ -753,6 +755,7 @@ ApiRequest parse_chat_request(const json& body, const ApiContext& ctx) {
 
 TokenizeRequest parse_tokenize_request(const json& body, const ApiContext& ctx) {
   Fields f(body);
+  OrderedBodyScope ordered;  // schemas and tools read the body in the client's order
   check_model(f, ctx);
   TokenizeRequest r;
   r.token_strs = f.boolean("return_token_strs").value_or(false);

@@ -32,23 +32,27 @@ std::string& last_body() {
   return b;
 }
 
-// last_body() parsed with its keys in order, once per body (tools read it once per tool).
-const nlohmann::ordered_json& last_body_ordered() {
-  thread_local std::string parsed_from;
-  thread_local nlohmann::ordered_json parsed;
-  if (parsed_from != last_body()) {
-    parsed_from = last_body();
-    parsed = nlohmann::ordered_json::parse(parsed_from, nullptr, /*allow_exceptions=*/false);
-  }
+// last_body() parsed with its keys in order, made when first asked for (OrderedBodyScope frees it).
+std::optional<nlohmann::ordered_json>& ordered_body() {
+  thread_local std::optional<nlohmann::ordered_json> parsed;
   return parsed;
+}
+
+const nlohmann::ordered_json& last_body_ordered() {
+  std::optional<nlohmann::ordered_json>& parsed = ordered_body();
+  if (!parsed) parsed = nlohmann::ordered_json::parse(last_body(), nullptr, /*allow_exceptions=*/false);
+  return *parsed;
 }
 
 bool beyond_64_bits(double d) { return std::isfinite(d) && d == std::floor(d) && std::fabs(d) >= 0x1p63; }
 
 }  // namespace
 
+OrderedBodyScope::~OrderedBodyScope() { ordered_body().reset(); }
+
 void begin_body(const std::string& body) {
   big_literals().clear();
+  ordered_body().reset();
   if (body.find("json") != std::string::npos || body.find("tool") != std::string::npos) last_body() = body;
   else last_body().clear();
 }

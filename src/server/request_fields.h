@@ -36,7 +36,18 @@ void huge_integer_check(const std::string& name, const nlohmann::json& v, int64_
 
 // v as the client wrote it, keys in their order: the value at `pointer` (a JSON pointer,
 // "/tools/0/function/parameters") in the last body read, if that body holds v there; else v.
+// The body's ordered parse is made at the first call and kept (a request's tools read it once
+// per tool) until OrderedBodyScope ends.
 nlohmann::ordered_json in_client_order(const nlohmann::json& v, const std::string& pointer);
+
+// Held by a request parser while it runs: at its end in_client_order's parse of the body is freed
+// (a parsed 8 MiB body is several times that; one kept per HTTP thread adds up).
+struct OrderedBodyScope {
+  OrderedBodyScope() = default;
+  OrderedBodyScope(const OrderedBodyScope&) = delete;
+  OrderedBodyScope& operator=(const OrderedBodyScope&) = delete;
+  ~OrderedBodyScope();
+};
 
 // A JSON schema given as an object or as its text: the text xgrammar compiles, with the keys in
 // the client's order (an object's properties are generated in the order the schema lists them,
