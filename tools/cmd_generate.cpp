@@ -187,7 +187,8 @@ void add_generate_command(CLI::App& app) {
     if (!o->seed.empty() && o->seed != "-1") {
       std::from_chars(o->seed.data(), o->seed.data() + o->seed.size(), o->sp.seed);  // checked above
     } else {
-      o->sp.seed = (uint64_t(std::random_device{}()) << 32) ^ std::random_device{}();
+      // below 2^63: the server and the Python API take seeds up to 2^63 - 1 (OpenAI's int64)
+      o->sp.seed = ((uint64_t(std::random_device{}()) << 32) ^ std::random_device{}()) >> 1;
       if (o->sp.temperature > 0) std::fprintf(stderr, "seed: %llu (--seed to repeat)\n", static_cast<unsigned long long>(o->sp.seed));
     }
     run_generate(*o);

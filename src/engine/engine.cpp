@@ -805,7 +805,10 @@ bool Engine::admit(Sequence& s, int64_t budget, int32_t* n_out) {
   s.swapped = false;
   s.tier_miss_at = -1;
   if (cache_ && s.rs->cached_tokens < 0) {
-    cache_->count_query(static_cast<int64_t>(s.tokens.size()), m.n_tokens + partial_tokens, m.handle, partial_tokens);
+    // A request that may not use the cache is not a lookup (vLLM leaves prompt_logprobs requests
+    // out of its hit rate too): an lm-eval run showed a hit rate near 0.
+    if (s.rs->req.params.prompt_logprobs < 0)
+      cache_->count_query(static_cast<int64_t>(s.tokens.size()), m.n_tokens + partial_tokens, m.handle, partial_tokens);
     s.rs->cached_tokens = static_cast<int32_t>(std::min<int64_t>(m.n_tokens + partial_tokens + tail_tokens, s.n_prompt));
   }
   *n_out = n;
@@ -1223,6 +1226,8 @@ void Engine::lookup_tiers() {
     // observation window itself.
     int64_t n_match = static_cast<int64_t>(s.tokens.size());
     if (s.evict.wants_scores()) n_match = std::max<int64_t>(0, n_match - s.evict.obs_window);
+    // Prompt logprobs: the positions still owed are computed here (admit), never loaded.
+    if (s.owes_prompt_lps()) n_match = std::min<int64_t>(n_match, s.rs->prompt_lp_next - 1);
     const int64_t max_pages = n_match > 0 ? (n_match - 1) / bs : 0;
     const int64_t ram = cache_->match_length(ns, s.tokens.data(), n_match) / bs;
     // A decode instance whose RAM holds every full page still asks for the tail (a prompt seen

@@ -80,7 +80,9 @@ struct StreamEvent {
   // (events may carry tokens and no text: text held back for a stop string or a UTF-8 tail).
   std::vector<int32_t> tokens;
   // kText: the end-of-generation token's logprob (logprobs ≥ 0 only); it is not part of the
-  // text, so `logprobs` (what the HTTP API shows) leaves it out.
+  // text, so `logprobs` leaves it out. Completions' logprobs and the Python API's show it (as
+  // vLLM, and OpenAI's legacy completions: lm-eval's echo scoring takes the last entry for the
+  // drawn token); chat's do not (OpenAI's chat shows no end token).
   std::vector<TokenLogprob> eog_logprobs;
 };
 

@@ -484,6 +484,8 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
         if (ev.kind == StreamEvent::kText) {
           c.text += ev.text;
           for (auto& lp : ev.logprobs) c.logprobs.push_back(std::move(lp));
+          if (!chat)  // completions: the end-of-text token too (eog_logprobs), as vLLM and OpenAI
+            for (auto& lp : ev.eog_logprobs) c.logprobs.push_back(std::move(lp));
         } else if (ev.kind == StreamEvent::kPrompt) {
           take_prompt(ev);
         } else if (ev.kind == StreamEvent::kFinish) {
@@ -587,6 +589,8 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
               }
             } else if (ev.kind == StreamEvent::kText) {
               st->completion_tokens += static_cast<int64_t>(ev.tokens.size());
+              if (!st->meta.chat)  // completions: the end-of-text token too, as the whole response
+                for (auto& lp : ev.eog_logprobs) ev.logprobs.push_back(std::move(lp));
               if (ev.text.empty() && ev.logprobs.empty()) continue;
               out = chunk(text_chunk(st->meta, ev.index, ev.text, st->with_logprobs ? &ev.logprobs : nullptr,
                                      &st->text_offset[ev.index], *tok));

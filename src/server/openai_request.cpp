@@ -334,7 +334,9 @@ int32_t parse_max_tokens(const Fields& f, const char* name, const ApiContext& ct
   // nlohmann stores 0 and other non-negative literals as unsigned: 0 must be caught there too.
   if (zero_ok ? !v->is_number_unsigned() && v->get<int64_t>() < 0 : v->is_number_unsigned() ? v->get<uint64_t>() == 0 : v->get<int64_t>() < 1)
     value_error(name, std::to_string(v->get<int64_t>()) + " is below the minimum of " + (zero_ok ? "0." : "1.") +
-                          (zero_ok || v->get<int64_t>() != 0 ? "" : " (0 only with echo or prompt_logprobs: the prompt alone)"));
+                          (zero_ok || v->get<int64_t>() != 0 ? ""
+                           : std::string(name) == "max_tokens" && !f.get("messages") ? " (0 only with echo or prompt_logprobs: the prompt alone)"
+                                                                                      : " (0 only with prompt_logprobs: the prompt alone)"));
   const bool past_context = p.kv_policy_set ? p.kv_policy.evicts() : ctx.default_policy_evicts;
   const int64_t cap = past_context ? std::numeric_limits<int32_t>::max() : ctx.max_model_len;
   if (v->is_number_unsigned() ? v->get<uint64_t>() > static_cast<uint64_t>(cap) : v->get<int64_t>() > cap)

@@ -21,6 +21,7 @@ import tempfile
 import time
 
 import pytest
+import requests
 import xxhash
 from openai import OpenAI
 
@@ -105,6 +106,35 @@ def test_restart_with_the_same_disk_dir_hits(disk_dir):
         assert cached >= n_prompt - 16 - 1, cached
         assert tier(b, "kv_tier_hits_total", "disk") >= n_prompt // 16 - 1
         assert b.metrics()["kvserve:kv_tier_loaded_pages_total"] >= n_prompt // 16 - 1
+        assert_clean(b)
+    finally:
+        stop(b)
+
+
+def test_prompt_logprobs_requests_load_nothing_from_the_disk(disk_dir):
+    """A prompt-logprob request computes its whole prompt (the cache keeps K/V, not logits): it must
+    not read the prompt's pages from the disk either (it loaded 24-31 pages for nothing), nor count
+    as a prefix-cache lookup (an lm-eval run showed a hit rate near 0)."""
+    p, other = doc(0), doc(9000)
+    a = tier_server("--kv-disk-dir", disk_dir)
+    try:
+        ask(a, p)
+        ask(a, other)
+    finally:
+        stop(a)
+    b = tier_server("--kv-disk-dir", disk_dir)
+    try:
+        m0 = b.metrics()
+        r = requests.post(b.url + "/v1/completions", json={"prompt": p, "max_tokens": 0, "prompt_logprobs": 1}, timeout=120 * SLOWDOWN)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        m1 = b.metrics()
+        assert m1["kvserve:kv_tier_loaded_pages_total"] == m0["kvserve:kv_tier_loaded_pages_total"] == 0
+        assert m1["kvserve:prefix_cache_queries_total"] == m0["kvserve:prefix_cache_queries_total"]
+        # the control: a plain request for the other prompt loads its pages and counts its lookup
+        _, n_prompt, cached = ask(b, other)
+        assert cached > 0 and b.metrics()["kvserve:kv_tier_loaded_pages_total"] > 0
+        assert b.metrics()["kvserve:prefix_cache_queries_total"] == m1["kvserve:prefix_cache_queries_total"] + n_prompt
         assert_clean(b)
     finally:
         stop(b)

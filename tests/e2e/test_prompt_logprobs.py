@@ -147,6 +147,24 @@ def test_lm_eval_loglikelihood_requests(client):
     assert got[1][0] < got[0][0]
 
 
+def test_an_end_of_text_token_is_in_completions_logprobs(client):
+    """lm-eval takes token_logprobs[ctxlen:-1] for the continuation: the last entry must be the
+    drawn token even when it is the end of text (it was left out, and a yes/no continuation
+    whose next token is <|im_end|> lost its own last token: -0.001 for a -4.7 answer)."""
+    prompt = "<|im_start|>user\nIs the sky blue? Answer yes or no.<|im_end|>\n<|im_start|>assistant\nyes"
+    r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and r.usage.completion_tokens == 1
+    n = r.usage.prompt_tokens
+    assert len(c.logprobs.tokens) == n + 1 and c.logprobs.tokens[-1] == "<|im_end|>"
+    assert c.text == prompt  # the end of text is not text
+    alone = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, temperature=0, logprobs=1).choices[0]
+    assert alone.logprobs.tokens == ["<|im_end|>"] and alone.logprobs.token_logprobs == c.logprobs.token_logprobs[-1:]
+    streamed = [t for ch in client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, stream=True)
+                if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
+    assert streamed == ["<|im_end|>"]
+
+
 def test_streamed_echo_equals_the_whole_response(client):
     g = PROMPTS["chat_single"]
     kw = dict(model=MODEL_NAME, prompt=g["tokens"], max_tokens=6, echo=True, logprobs=2, temperature=0.8, seed=7, n=2)
@@ -200,6 +218,9 @@ def test_bad_echo_and_prompt_logprobs_are_400s(server):
         assert r.json()["error"]["param"] == param, (body, r.text)
     r = requests.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "echo": True}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    # chat has no echo: its max_tokens 0 hint names prompt_logprobs alone
+    r = requests.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, timeout=10)
+    assert r.status_code == 400 and "0 only with prompt_logprobs" in r.json()["error"]["message"]
 
 
 def test_prompt_logprobs_survive_preemption():

@@ -59,6 +59,10 @@ def test_seeds_outside_64_bits_are_refused():
         assert r.returncode != 0 and "--seed: must be -1 (a random seed) or an integer in [0, 18446744073709551615]" in r.stderr, (bad, r.stderr)
     r = run("bench", "-m", MODEL, "--seed", "-1")
     assert r.returncode != 0 and "--seed: must be an integer in [0, 18446744073709551615], got -1" in r.stderr
+    # a random seed is one the server and the Python API take back (they stop at 2^63 - 1)
+    for _ in range(6):
+        seed = int(run("generate", "-m", MODEL, "-p", "Hi", "-n", "1", "--temp", "1").stderr.split("seed: ")[1].split()[0])
+        assert 0 <= seed < 2**63
     # the largest seed is a seed (it was -1's random one): two runs agree
     args = ["generate", "-m", MODEL, "-p", "Once upon a time", "-n", "8", "--temp", "1.0", "--seed", "18446744073709551615"]
     assert run(*args).stdout == run(*args).stdout
