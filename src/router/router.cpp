@@ -257,8 +257,10 @@ bool Router::drain(double timeout_s) {
   return false;
 }
 
-// Every 50 ms: a non-streamed request whose client closed its connection has its upstream
-// request closed, which the backend takes as a cancel (its pages come back at once). And an
+// Every 50 ms: a request whose client closed its connection has its upstream request closed,
+// which the backend takes as a cancel (its pages come back at once). Streams too: a scoring
+// request (echo, prompt_logprobs) sends nothing until its whole prompt is done, so a stream's
+// own write would notice the client only then (9-15 s of a 4,000-token prompt, computed for nobody). And an
 // upstream request to a backend that has failed its health checks for --stall-timeout and sent
 // nothing for as long is closed: a frozen or partitioned backend keeps its TCP connections open,
 // so only --timeout (600 s) would end them. A slow backend that still answers its health check,
@@ -271,7 +273,7 @@ void Router::watch_loop() {
       const int64_t now = now_ns();
       std::lock_guard<std::mutex> l(clients_mu_);
       for (Upstream& u : clients_) {
-        if (u.client_fd >= 0 && !u.client_gone && peer_closed(u.client_fd)) {
+        if (u.client_fd >= 0 && !u.client_gone && !(u.ended && u.ended->load()) && peer_closed(u.client_fd)) {
           u.client_gone = true;
           n_client_gone_.fetch_add(1);
           u.cli->stop();
@@ -382,9 +384,8 @@ void Router::handle_generate(const httplib::Request& req, httplib::Response& res
     if (static_cast<int64_t>(longest) >= opts_.prefill_min_tokens) prefill(key, path, req.body, auth);
     else n_prefill_skipped_.fetch_add(1);
   }
-  // A non-streamed request's client is watched while the backend answers (a stream notices a
-  // gone client when it writes the next chunk).
-  forward(*serve_, key, path, req.body, auth, ar.stream, res, guard, ar.stream ? -1 : find_client_socket(req));
+  // The client is watched while the backend answers (watch_loop).
+  forward(*serve_, key, path, req.body, auth, ar.stream, res, guard, find_client_socket(req));
 }
 
 RouteChoice Router::choose(Pool& pool, uint64_t key, const std::vector<int32_t>& tried) {
@@ -410,7 +411,7 @@ void Router::prefill(uint64_t key, const std::string& path, const std::string& b
     {
       std::lock_guard<std::mutex> l(clients_mu_);
       if (aborting_.load()) break;
-      clients_.push_back({&cli, false, -1, false, &b, nullptr, now_ns()});  // stop() and the stall check close it
+      clients_.push_back({&cli, false, -1, nullptr, false, &b, nullptr, now_ns()});  // stop() and the stall check close it
     }
     auto r = cli.Post(path, upstream_headers(auth), body, "application/json");
     {
@@ -434,14 +435,14 @@ void Router::prefill(uint64_t key, const std::string& path, const std::string& b
 }
 
 // A streamed request's upstream half, on its own thread: the backend's answer goes into the pipe.
-void Router::run_upstream(Backend* b, const std::string& path, const std::string& body, const std::string& auth, Pipe& pipe) {
+void Router::run_upstream(Backend* b, const std::string& path, const std::string& body, const std::string& auth, int client_fd, Pipe& pipe) {
   InFlight f(b->in_flight);
   httplib::Client cli(b->host, b->port);
   set_timeouts(cli, opts_);
   pipe.last_byte_ns.store(now_ns());
   {
     std::lock_guard<std::mutex> l(clients_mu_);
-    clients_.push_back({&cli, true, -1, false, b, &pipe.last_byte_ns, 0});  // stop() and the stall check close it
+    clients_.push_back({&cli, true, client_fd, &pipe.cancel, false, b, &pipe.last_byte_ns, 0});  // stop(), the stall and client checks close it
   }
   httplib::Request ureq;
   ureq.method = "POST";
@@ -471,6 +472,7 @@ void Router::run_upstream(Backend* b, const std::string& path, const std::string
     std::lock_guard<std::mutex> l(clients_mu_);
     auto it = std::find_if(clients_.begin(), clients_.end(), [&](const Upstream& u) { return u.cli == &cli; });
     stalled = it->stalled;
+    if (it->client_gone) pipe.cancel.store(true);  // watch_loop closed it: not the backend's failure
     clients_.erase(it);
   }
   {
@@ -506,7 +508,7 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
       {
         std::lock_guard<std::mutex> l(clients_mu_);
         if (aborting_.load()) throw stopped_error();
-        clients_.push_back({&cli, false, client_fd, false, b, nullptr, now_ns()});
+        clients_.push_back({&cli, false, client_fd, nullptr, false, b, nullptr, now_ns()});
       }
       auto r = cli.Post(path, upstream_headers(auth), body, "application/json");
       bool client_gone = false;
@@ -542,13 +544,17 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
     // status is the backend's, known before the first byte goes out.
     auto pipe = std::make_shared<Pipe>();
     upstreams_.fetch_add(1);
-    std::thread([this, pipe, b, path, body, auth] {
-      run_upstream(b, path, body, auth, *pipe);
+    std::thread([this, pipe, b, path, body, auth, client_fd] {
+      run_upstream(b, path, body, auth, client_fd, *pipe);
       upstreams_.fetch_sub(1);  // the last touch of the router: its destructor waits for this
     }).detach();
 
     std::unique_lock<std::mutex> l(pipe->mu);
     pipe->cv.wait(l, [&] { return pipe->status >= 0; });
+    if (pipe->status == 0 && pipe->cancel.load()) {  // the client left first (watch_loop): nobody to answer
+      res.status = 499;
+      return;
+    }
     if (pipe->status == 0) {  // nothing came back: the backend is gone; nothing was sent yet
       l.unlock();
       gave_no_answer(*b, c.backend, tried, n_retries_);
@@ -660,7 +666,7 @@ std::string Router::render_metrics() const {
   help("router_retries_total", "counter", "Requests sent again to another backend after one did not answer or refused them (429 full, 503 draining).");
   line("router_retries_total", "", double(n_retries_.load()));
   help("router_client_disconnects_total", "counter",
-       "Non-streamed requests whose client left before the answer: their upstream request was closed (the backend cancels it).");
+       "Requests whose client left before the answer ended: their upstream request was closed (the backend cancels it).");
   line("router_client_disconnects_total", "", double(n_client_gone_.load()));
   help("router_stalled_total", "counter",
        "Requests left because their backend failed its health checks and sent nothing for --stall-timeout (non-streamed ones are "

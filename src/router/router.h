@@ -103,7 +103,7 @@ class Router {
   void prefill(uint64_t key, const std::string& path, const std::string& body, const std::string& auth);
   void forward(Pool& pool, uint64_t key, const std::string& path, const std::string& body, const std::string& auth, bool stream,
                httplib::Response& res, std::shared_ptr<void> in_flight, int client_fd);
-  void run_upstream(Backend* b, const std::string& path, const std::string& body, const std::string& auth, Pipe& pipe);
+  void run_upstream(Backend* b, const std::string& path, const std::string& body, const std::string& auth, int client_fd, Pipe& pipe);
   std::string render_metrics() const;
   static uint64_t round_robin_key(const Pool& pool, uint64_t turn);
   RouteChoice choose(Pool& pool, uint64_t key, const std::vector<int32_t>& tried);
@@ -124,7 +124,8 @@ class Router {
   struct Upstream {
     httplib::Client* cli;
     bool streamed;
-    int client_fd = -1;        // the client's connection (non-streamed requests), -1: not watched
+    int client_fd = -1;        // the client's connection, -1: not watched
+    const std::atomic<bool>* ended = nullptr;  // streams: the pipe's cancel (the client's side is over: its fd may be reused)
     bool client_gone = false;  // watch_loop closed the upstream request because the client left
     Backend* backend = nullptr;
     const std::atomic<int64_t>* last_byte_ns = nullptr;  // streams: the pipe's; else the start counts

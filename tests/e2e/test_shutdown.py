@@ -186,6 +186,38 @@ def test_a_client_that_leaves_a_non_streamed_request_cancels_it_through_the_rout
         s.stop()
 
 
+def test_a_client_that_leaves_a_streamed_scoring_request_cancels_it_through_the_router():
+    """A streamed request that scores its prompt (prompt_logprobs, max_tokens 0) sends nothing
+    until the whole prompt is done: the router watches its client's connection too, and closes
+    the upstream request when the client leaves (it ran on for 9-15 s of a 4,000-token prompt),
+    without counting it as the backend's failure or trying another backend."""
+    # 8 tokens a step: the 2,000-token prompt takes seconds
+    s = Server("--debug", "--max-num-batched-tokens", "8", max_model_len=LONG_LEN, kv_memory="128MiB")
+    try:
+        r = Router("--replica", s.url, max_model_len=LONG_LEN)
+        try:
+            body = json.dumps({"prompt": list(range(1000, 3000)), "max_tokens": 0, "prompt_logprobs": 5, "stream": True}).encode()
+            sock = socket.create_connection(("127.0.0.1", r.port))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            wait_busy(s)
+            sock.close()
+            t0 = time.time()
+            while s.debug_kv()["pages_in_use"] != 0:
+                assert time.time() - t0 < 1.5, "the backend kept scoring the prompt after its client left the router"
+                time.sleep(0.02)
+            assert s.metrics().get(ABORTED_CLIENT, 0) >= 1
+            m = r.metrics()
+            assert m["kvserve:router_client_disconnects_total"] == 1 and m["kvserve:router_retries_total"] == 0
+            ok = requests.post(r.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "stream": True}, timeout=60)
+            assert ok.status_code == 200 and ok.text.rstrip().endswith("data: [DONE]")
+            assert r.metrics()["kvserve:router_client_disconnects_total"] == 1
+        finally:
+            r.stop()
+    finally:
+        s.stop()
+
+
 def test_a_frozen_backend_is_left_after_the_stall_timeout():
     """A backend that freezes (SIGSTOP: a hung host or a network partition keeps its TCP
     connections open) fails its health checks; after --stall-timeout of silence the router
