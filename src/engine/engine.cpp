@@ -1044,7 +1044,10 @@ void Engine::postprocess(Plan& plan, const float* logits) {
       if (e->n_generated > 1) metrics_.observe_itl(itl);
       ev.tokens.push_back(tok);
       const bool stop_id = !p.stop_token_ids.empty() && std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), tok) != p.stop_token_ids.end();
-      if ((!p.ignore_eos && tok_.is_eog(tok)) || (stop_id && tok_.token_type(tok) == TokenType::kControl)) {
+      // Under a constraint an end of text it accepted ends the choice even with ignore_eos: the
+      // text is complete, and what followed was free text (a tool call's arguments went on into chat).
+      const bool constraint_done = e->constraint && e->constraint->terminated();
+      if ((tok_.is_eog(tok) && (!p.ignore_eos || constraint_done)) || (stop_id && tok_.token_type(tok) == TokenType::kControl)) {
         reason = "stop";
         ev.eog_logprobs.swap(ev.logprobs);  // the end-of-generation token is not part of the text
         // Text held back because it could begin a stop string is the answer's end after all; a

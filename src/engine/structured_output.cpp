@@ -10,6 +10,7 @@
 #include <optional>
 #include <regex>
 #include <stdexcept>
+#include <nlohmann/json.hpp>
 #include <xgrammar/xgrammar.h>
 
 #include "tokenizer/tokenizer.h"
@@ -94,6 +95,7 @@ std::shared_ptr<const CompiledConstraint> ConstraintCompiler::compile(const Outp
       case OutputConstraint::Kind::kJson:  // a JSON object, as OpenAI's JSON mode gives
         return std::make_shared<CompiledConstraint>(impl_->compiler.CompileJSONSchema(R"({"type": "object"})", c.any_whitespace));
       case OutputConstraint::Kind::kJsonSchema:
+        refuse_unenforced(c.spec);
         return std::make_shared<CompiledConstraint>(impl_->compiler.CompileJSONSchema(c.spec, c.any_whitespace));
       case OutputConstraint::Kind::kRegex:
         return std::make_shared<CompiledConstraint>(impl_->compiler.CompileRegex(c.spec));
@@ -113,6 +115,50 @@ std::shared_ptr<const CompiledConstraint> ConstraintCompiler::compile(const Outp
     throw std::invalid_argument(std::string("invalid ") + constraint_kind_name(c.kind) + ": " + xgrammar_message(e.what()));
   }
   throw std::invalid_argument("no constraint given");
+}
+
+namespace {
+
+// The first keyword of a schema that xgrammar accepts and does not enforce (it logs a warning
+// and generates as if it were absent: an allOf of two objects gave a number, uniqueItems
+// repeated items), with the JSON pointer where it is; empty when none. Walks schema positions
+// only, so a property named "if" is a name, not the keyword.
+std::string first_unenforced(const nlohmann::json& node, const std::string& at) {
+  if (!node.is_object()) return "";
+  static const char* kUnenforced[] = {"if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
+                                      "contains", "minContains", "maxContains", "unevaluatedProperties", "unevaluatedItems"};
+  auto found = [&](const std::string& what) {  // appended, not `+`: GCC 12 saw a -Wrestrict overlap in the chain
+    std::string w = what;
+    w.append(" at ").append(at.empty() ? std::string("the top") : at);
+    return w;
+  };
+  for (const char* k : kUnenforced)
+    if (node.contains(k)) return found(std::string("'").append(k).append("'"));
+  if (auto u = node.find("uniqueItems"); u != node.end() && u->is_boolean() && u->get<bool>()) return found("'uniqueItems'");
+  if (auto a = node.find("allOf"); a != node.end() && a->is_array() && a->size() > 1)
+    return found("'allOf' of " + std::to_string(a->size()) + " schemas");
+  for (const char* maps : {"properties", "patternProperties", "$defs", "definitions"})
+    if (auto m = node.find(maps); m != node.end() && m->is_object())
+      for (const auto& [name, sub] : m->items())
+        if (std::string w = first_unenforced(sub, at + "/" + maps + "/" + name); !w.empty()) return w;
+  for (const char* one : {"items", "additionalProperties", "not", "propertyNames", "additionalItems"})
+    if (auto m = node.find(one); m != node.end())
+      if (std::string w = first_unenforced(*m, at + "/" + one); !w.empty()) return w;
+  for (const char* list : {"anyOf", "oneOf", "allOf", "prefixItems", "items"})
+    if (auto m = node.find(list); m != node.end() && m->is_array())
+      for (size_t i = 0; i < m->size(); ++i)
+        if (std::string w = first_unenforced((*m)[i], at + "/" + list + "/" + std::to_string(i)); !w.empty()) return w;
+  return "";
+}
+
+}  // namespace
+
+void ConstraintCompiler::refuse_unenforced(const std::string& schema) {
+  nlohmann::json j = nlohmann::json::parse(schema, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return;  // xgrammar says what is wrong with it
+  if (std::string w = first_unenforced(j, ""); !w.empty())
+    throw std::invalid_argument("invalid JSON schema: " + w + " is not enforced by the structured-output compiler (xgrammar); "
+                                "the output would not keep to it, so the schema is refused");
 }
 
 struct ConstraintMatcher::Impl {

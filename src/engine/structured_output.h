@@ -44,6 +44,8 @@ class ConstraintCompiler {
   std::shared_ptr<const CompiledConstraint> compile(const OutputConstraint& c);
 
  private:
+  // Throws std::invalid_argument when a JSON schema uses a keyword xgrammar would ignore.
+  static void refuse_unenforced(const std::string& schema);
   struct Impl;
   const Tokenizer& tok_;
   int32_t n_vocab_;

@@ -299,11 +299,13 @@ std::vector<ordered> ToolCallStream::finish(std::string* finish_reason) {
       }
       break;
     case ToolChoice::Kind::kRequired:
-      if (*finish_reason == "stop" && !m.calls.empty()) *finish_reason = "tool_calls";
+      // Only a whole array is calls to make: a stop string can end the text inside the JSON.
+      if (*finish_reason == "stop" && !m.calls.empty() && nlohmann::json::accept(m.text)) *finish_reason = "tool_calls";
       break;
     case ToolChoice::Kind::kAuto:
       if (m.in_calls) {
         HermesResult r = parse_hermes_tool_calls(m.text);
+        if (r.called && !m.choice.parallel) r.calls.resize(1);  // parallel_tool_calls false: the first call
         if (r.called) {
           for (size_t k = 0; k < r.calls.size(); ++k) {
             r.calls[k].id = new_call_id();

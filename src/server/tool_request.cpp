@@ -23,6 +23,24 @@ const char* kNoParameters = R"({"type": "object", "properties": {}})";
 
 ordered parameters_or_empty(const ToolSpec& t) { return t.parameters.is_null() ? ordered::parse(kNoParameters) : t.parameters; }
 
+// Every local "$ref" ("#" and "#/...") in a schema, rebased under `prefix` (a JSON pointer): the
+// schema is embedded there. Keys that name properties are walked too; a "$ref" string among them
+// would only be a property named "$ref" whose schema is a string, which no schema is.
+void rebase_refs(ordered* node, const std::string& prefix) {
+  if (node->is_array()) {
+    for (auto& x : *node) rebase_refs(&x, prefix);
+  } else if (node->is_object()) {
+    for (auto& [key, val] : node->items()) {
+      if (key == "$ref" && val.is_string()) {
+        const std::string r = val.get<std::string>();
+        if (!r.empty() && r[0] == '#') val = "#" + prefix + r.substr(1);
+      } else {
+        rebase_refs(&val, prefix);
+      }
+    }
+  }
+}
+
 std::string parameters_param(size_t i) { return "tools[" + std::to_string(i) + "].function.parameters"; }
 
 size_t tool_index(const std::vector<ToolSpec>& tools, const std::string& name) {
@@ -59,13 +77,26 @@ std::vector<ToolSpec> parse_tool_list(const Fields& f) {
     if (spec.name.empty()) value_error(name + ".function.name", "must not be empty.");
     if (size_t j = tool_index(out, spec.name); j < out.size())
       value_error(name + ".function.name", "'" + spec.name + "' is already the name of tools[" + std::to_string(j) + "]; tool names must be unique.");
-    ff.string("description");  // a string when given
+    if (const json* d = ff.get("description"); d && !d->is_string()) type_error(name + ".function.description", "a string", *d);
     if (const json* params = ff.get("parameters")) {
       if (!params->is_object()) type_error(parameters_param(i), "a JSON schema object", *params);
       // The arguments are a JSON object (OpenAI's "a JSON Schema object" for a function's parameters).
       if (auto it = params->find("type"); it != params->end() && it->is_string() && *it != "object")
         value_error(parameters_param(i), "must describe an object (the call's arguments), got type \"" + it->get<std::string>() + "\".");
       spec.parameters = in_client_order(*params, pointer + "/function/parameters");
+      // Without a type, a schema of an object's keywords (or none) is an object's: {} and
+      // {"properties": ...} let numbers and strings through as arguments. Anything else (a $ref,
+      // anyOf, enum at the top) must say "type": "object".
+      if (!params->contains("type")) {
+        static const char* kObjectWords[] = {"properties", "required", "additionalProperties", "patternProperties", "$defs",
+                                             "definitions", "description", "title", "$schema", "minProperties", "maxProperties"};
+        for (const auto& [key, val] : params->items())
+          if (std::find_if(std::begin(kObjectWords), std::end(kObjectWords), [&](const char* w) { return key == w; }) == std::end(kObjectWords))
+            value_error(parameters_param(i), "must describe an object (the call's arguments): give it \"type\": \"object\" (it has '" + key + "' and no type).");
+        ordered typed = {{"type", "object"}};
+        for (auto& [key, val] : spec.parameters.items()) typed[key] = val;
+        spec.parameters = std::move(typed);
+      }
     }
     // vLLM hands the template its parsed tool, dumped: the declared members first (absent ones
     // null), then the client's others as given.
@@ -122,8 +153,6 @@ ToolChoice parse_tool_choice(const Fields& f, const std::vector<ToolSpec>& tools
     if (ctx.tool_call_parser.empty())
       throw bad_request("\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set", "tool_choice",
                         "unsupported_parameter");
-    if (!c.parallel)  // the parser returns what the model wrote; nothing holds it to one call
-      unsupported("parallel_tool_calls", "false is kept by a named tool choice and \"required\", not by \"auto\".");
   }
   return c;
 }
@@ -136,25 +165,19 @@ OutputConstraint tool_constraint(const ToolChoice& choice, const std::vector<Too
     c.spec = parameters_or_empty(tools.at(tool_index(tools, choice.name))).dump();
   } else if (choice.kind == ToolChoice::Kind::kRequired) {
     // vLLM's schema: an array of {"name", "parameters"} items, one per call, each of one tool. A
-    // tool's "$defs" move to the top (its "#/$defs/..." references are to the schema's root).
-    ordered any_of = ordered::array(), defs = ordered::object();
+    // tool's references are to its own schema's root ("#/$defs/..", "#/definitions/..",
+    // "#/properties/..", "#"): rebased to where it now sits (vLLM moves only "$defs" up, and
+    // draft-07 "definitions", which zod and pydantic v1 write, failed to compile).
+    ordered any_of = ordered::array();
     for (size_t i = 0; i < tools.size(); ++i) {
       ordered params = parameters_or_empty(tools[i]);
-      if (params.is_object() && params.contains("$defs") && params["$defs"].is_object()) {
-        for (const auto& [key, def] : params["$defs"].items()) {
-          if (defs.contains(key) && defs[key] != def)
-            value_error(parameters_param(i), "its \"$defs\" entry '" + key + "' differs from another tool's of that name, which \"required\" cannot tell apart.");
-          defs[key] = def;
-        }
-        params.erase("$defs");
-      }
+      rebase_refs(&params, "/items/anyOf/" + std::to_string(i) + "/properties/parameters");
       any_of.push_back({{"properties", {{"name", {{"type", "string"}, {"enum", {tools[i].name}}}}, {"parameters", std::move(params)}}},
                         {"required", {"name", "parameters"}}});
     }
     ordered schema = {{"type", "array"}, {"minItems", 1}};
     if (!choice.parallel) schema["maxItems"] = 1;
     schema["items"] = {{"type", "object"}, {"anyOf", std::move(any_of)}};
-    if (!defs.empty()) schema["$defs"] = std::move(defs);
     c.kind = OutputConstraint::Kind::kJsonSchema;
     c.spec = schema.dump();
   }

@@ -352,6 +352,22 @@ BAD = [
     ("function role", dict(messages=[{"role": "function", "name": "f", "content": "x"}]), "messages[0].role"),
     ("legacy function_call", dict(messages=[USER, {"role": "assistant", "content": "", "function_call": {"name": "f"}}]),
      "messages[1].function_call"),
+    # from a black-box test: each got a 200 whose arguments broke the schema, or named the wrong field
+    ("description a number", dict(tools=[{"type": "function", "function": {"name": "f", "description": 5}}], tool_choice="none"),
+     "tools[0].function.description"),
+    ("parameters an enum, no type", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"enum": [1, 2]}}}],
+                                         tool_choice="none"), "tools[0].function.parameters"),
+    ("parameters anyOf, no type", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "anyOf": [{"type": "string"}, {"type": "object"}]}}}], tool_choice="none"), "tools[0].function.parameters"),
+    ("allOf of two (xgrammar ignores it)", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "allOf": [{"properties": {"a": {"type": "integer"}}}, {"properties": {"b": {"type": "boolean"}}}]}}}],
+        tool_choice={"type": "function", "function": {"name": "f"}}), "tools[0].function.parameters"),
+    ("if/then (xgrammar ignores it)", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"k": {"type": "string"}}, "if": {"properties": {"k": {"const": "x"}}},
+        "then": {"required": ["v"]}}}}], tool_choice="required"), "tools[0].function.parameters"),
+    ("uniqueItems deep (xgrammar ignores it)", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"ids": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}}}],
+        tool_choice={"type": "function", "function": {"name": "f"}}), "tools[0].function.parameters"),
 ]
 
 
@@ -378,11 +394,6 @@ def test_the_flags_are_checked_at_start(hermes):
                           (["--enable-auto-tool-choice", "--tool-call-parser", "mistral"], "mistral")]:
         p = subprocess.run([KVSERVE, "serve", "-m", MODEL, *flags], capture_output=True, text=True, timeout=60)
         assert p.returncode != 0 and needle in p.stderr + p.stdout, (flags, p.stderr)
-    # and "auto" with parallel_tool_calls=false cannot be kept: refused, not ignored
-    _, hc = hermes
-    with pytest.raises(BadRequestError) as e:
-        hc.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=TOOLS, parallel_tool_calls=False, max_tokens=4)
-    assert e.value.body["param"] == "parallel_tool_calls"
 
 
 # ---- other models and front ends
@@ -432,3 +443,91 @@ def test_the_router_passes_tool_requests_on():
             r.stop()
     finally:
         b.stop()
+
+
+# ---- from a black-box test of the first version
+
+
+def test_required_rebases_every_reference_of_a_tool(client):
+    """"required" embeds each tool's schema in an array: its references ("#/definitions/..",
+    draft-07's, as zod and pydantic v1 write them; "#/properties/.."; "#" itself) are to its own
+    root. They failed to compile (definitions) or, for "#", silently pointed at the wrapper array."""
+    opts = {"type": "object", "properties": {"opts": {"$ref": "#/definitions/Opts"}, "again": {"$ref": "#/properties/opts"}},
+            "required": ["opts", "again"], "additionalProperties": False,
+            "definitions": {"Opts": {"type": "object", "properties": {"safe": {"type": "boolean"}}, "required": ["safe"],
+                                     "additionalProperties": False}}}
+    tree = {"type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
+                                             "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1}},
+            "required": ["v", "kids"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "configure", "parameters": opts}},
+             {"type": "function", "function": {"name": "tree", "parameters": tree}}]
+    schemas = {"configure": opts, "tree": tree}
+    seen = set()
+    for seed in range(4):
+        r = chat(client, tools=tools, tool_choice="required", temperature=1.0, seed=seed, max_tokens=120, extra_body=NO_WS)
+        for tc in r.choices[0].message.tool_calls:
+            # "#" once meant the wrapper array: a kid was a list of {"name", "parameters"} calls
+            assert '"name"' not in tc.function.arguments and "[[" not in tc.function.arguments, tc.function.arguments
+            try:  # the calls whose JSON is whole (the last may be cut by max_tokens; a tree nests on)
+                args = json.loads(tc.function.arguments)
+            except ValueError:
+                continue
+            jsonschema.validate(args, schemas[tc.function.name])
+            seen.add(tc.function.name)
+    assert "configure" in seen  # measured: two whole configure calls on seed 1
+
+
+def test_parameters_without_a_type_are_an_object(client):
+    """{} and a schema of properties alone gave numbers and strings as arguments: they are objects."""
+    for params in ({}, {"properties": {"x": {"type": "integer"}}, "required": ["x"]}):
+        tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+        for seed in (1, 2):
+            r = chat(client, tools=tools, tool_choice={"type": "function", "function": {"name": "f"}}, temperature=1.0, seed=seed,
+                     max_tokens=40, extra_body=NO_WS)
+            args = r.choices[0].message.tool_calls[0].function.arguments
+            if r.choices[0].finish_reason == "stop":
+                assert isinstance(json.loads(args), dict), args
+
+
+def test_unenforced_schema_keywords_are_refused_for_response_format_too(server):
+    """xgrammar logs a warning and ignores allOf of several schemas, if/then, uniqueItems, ...: the
+    output broke the schema with finish_reason "stop". Refused, as what would change the answer is;
+    a property merely named "if" is a name, not the keyword."""
+    bad = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}
+    r = requests.post(server.url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 8, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": bad}}}, timeout=30)
+    assert r.status_code == 400 and "uniqueItems" in r.json()["error"]["message"], r.text
+    ok = {"type": "object", "properties": {"if": {"type": "string", "maxLength": 5}}, "required": ["if"], "additionalProperties": False}
+    r = requests.post(server.url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 30, "temperature": 0, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": ok}}, **NO_WS}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_a_stop_string_inside_required_calls_is_not_tool_calls(client):
+    """finish_reason "tool_calls" tells a client the calls are whole: a stop string that ends the
+    text inside the JSON leaves "stop" (as a named choice reports it)."""
+    free = chat(client, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=60, extra_body=NO_WS).choices[0]
+    args = free.message.tool_calls[0].function.arguments
+    cut = args[len(args) // 2:len(args) // 2 + 2]
+    r = chat(client, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=60, stop=[cut], extra_body=NO_WS).choices[0]
+    assert r.finish_reason == "stop"
+
+
+def test_ignore_eos_ends_a_named_call_when_its_json_is_whole(client):
+    """The grammar's end of text ended nothing under ignore_eos: decoding went on unconstrained and
+    the arguments ran into chat text. Now the choice ends there, the arguments valid JSON."""
+    r = chat(client, tools=TOOLS, tool_choice=NAMED, temperature=0, max_tokens=60, extra_body={"ignore_eos": True, **NO_WS}).choices[0]
+    assert r.finish_reason == "stop", r
+    assert valid(r.message.tool_calls[0].function.arguments, WEATHER_PARAMS)
+    r = chat(client, temperature=0, max_tokens=60, extra_body={"ignore_eos": True, "structured_outputs": {"json": WEATHER_PARAMS,
+                                                                                                         "disable_any_whitespace": True}})
+    assert r.choices[0].finish_reason == "stop" and valid(r.choices[0].message.content, WEATHER_PARAMS)
+
+
+def test_auto_keeps_one_call_without_parallel_tool_calls(hermes):
+    """parallel_tool_calls false under "auto" was a 400 (LangChain sends it): the first call is kept."""
+    _, hc = hermes
+    r = hc.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=TOOLS, temperature=1.0, seed=3, max_tokens=80,
+                                   parallel_tool_calls=False, extra_body={"structured_outputs": {"regex": FORCED_TWO}})
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
