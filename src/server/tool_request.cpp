@@ -90,9 +90,11 @@ std::vector<ToolSpec> parse_tool_list(const Fields& f) {
       if (!params->contains("type")) {
         static const char* kObjectWords[] = {"properties", "required", "additionalProperties", "patternProperties", "$defs",
                                              "definitions", "description", "title", "$schema", "minProperties", "maxProperties"};
-        for (const auto& [key, val] : params->items())
+        for (auto it = params->begin(); it != params->end(); ++it) {
+          const std::string& key = it.key();  // (clang 14 captures no structured binding in a lambda)
           if (std::find_if(std::begin(kObjectWords), std::end(kObjectWords), [&](const char* w) { return key == w; }) == std::end(kObjectWords))
             value_error(parameters_param(i), "must describe an object (the call's arguments): give it \"type\": \"object\" (it has '" + key + "' and no type).");
+        }
         ordered typed = {{"type", "object"}};
         for (auto& [key, val] : spec.parameters.items()) typed[key] = val;
         spec.parameters = std::move(typed);
