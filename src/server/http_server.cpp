@@ -160,6 +160,15 @@ struct SseState {
   std::vector<ToolCallStream> tools;  // per choice, under a tool choice other than "none"
 };
 
+// The engine's kPrompt event (index: its prompt's first choice, p * n) fills that prompt's
+// logprobs; null for an index past the prompts.
+const PromptResult* take_prompt(std::vector<PromptResult>& prompts, int32_t n_per_prompt, StreamEvent& ev) {
+  const size_t k = static_cast<size_t>(ev.index / n_per_prompt);
+  if (k >= prompts.size()) return nullptr;
+  prompts[k].logprobs = std::move(ev.logprobs);
+  return &prompts[k];
+}
+
 }  // namespace
 
 const char* role_name(ServerRole r) {
@@ -416,7 +425,7 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
   meta.prompt_logprobs = ar.prompt_logprobs;
   std::vector<PromptResult> prompts;  // what echo and prompt_logprobs show
   if (ar.echo || ar.prompt_logprobs)
-    for (size_t k = 0; k < ar.prompts.size(); ++k) prompts.push_back({ar.prompts[k], ar.echo ? ar.prompt_texts.at(k) : "", {}, false});
+    for (size_t k = 0; k < ar.prompts.size(); ++k) prompts.push_back({ar.prompts[k], ar.echo ? ar.prompt_texts.at(k) : "", {}});
   for (const auto& p : ar.prompts) meta.prompt_tokens += static_cast<int32_t>(p.size());
 
   // Prefix-cache namespace: the caller's cache_salt, and with auth on, the key itself (hashed,
@@ -455,14 +464,6 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
                             : std::chrono::steady_clock::time_point::max();
 
   const int32_t n_per_prompt = ar.params.n;
-  // The engine's kPrompt event (index: the prompt's first choice) fills its prompt's logprobs.
-  auto take_prompt = [&prompts, n_per_prompt](StreamEvent& ev) -> PromptResult* {
-    const size_t k = static_cast<size_t>(ev.index / n_per_prompt);
-    if (k >= prompts.size()) return nullptr;
-    prompts[k].logprobs = std::move(ev.logprobs);
-    prompts[k].has_logprobs = true;
-    return &prompts[k];
-  };
   if (!ar.stream) {
     std::vector<ChoiceResult> choices(n);
     for (int32_t i = 0; i < n; ++i) choices[i].prompt = i / n_per_prompt;
@@ -487,7 +488,7 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
           if (!chat)  // completions: the end-of-text token too (eog_logprobs), as vLLM and OpenAI
             for (auto& lp : ev.eog_logprobs) c.logprobs.push_back(std::move(lp));
         } else if (ev.kind == StreamEvent::kPrompt) {
-          take_prompt(ev);
+          take_prompt(prompts, n_per_prompt, ev);
         } else if (ev.kind == StreamEvent::kFinish) {
           c.finish_reason = ev.finish_reason;
         } else if (!error) {
@@ -595,11 +596,11 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
               out = chunk(text_chunk(st->meta, ev.index, ev.text, st->with_logprobs ? &ev.logprobs : nullptr,
                                      &st->text_offset[ev.index], *tok));
             } else if (ev.kind == StreamEvent::kPrompt) {
-              const size_t k = static_cast<size_t>(ev.index / st->n_per_prompt);
-              if (k >= st->prompts.size()) continue;
-              st->prompts[k].logprobs = std::move(ev.logprobs);
-              for (int32_t i = static_cast<int32_t>(k) * st->n_per_prompt; i < static_cast<int32_t>(k + 1) * st->n_per_prompt; ++i)
-                out += chunk(prompt_chunk(st->meta, i, st->prompts[k], st->with_logprobs, &st->text_offset[i], *tok));
+              const int32_t first = ev.index;  // its prompt's first choice
+              const PromptResult* p = take_prompt(st->prompts, st->n_per_prompt, ev);
+              if (!p) continue;
+              for (int32_t i = first; i < first + st->n_per_prompt; ++i)
+                out += chunk(prompt_chunk(st->meta, i, *p, st->with_logprobs, &st->text_offset[i], *tok));
             } else if (ev.kind == StreamEvent::kFinish) {
               st->finish_reasons[ev.index] = ev.finish_reason;
               std::string reason = ev.finish_reason;

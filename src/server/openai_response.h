@@ -33,7 +33,6 @@ struct PromptResult {
   std::vector<int32_t> ids;
   std::string text;                     // echo: as the client gave it (token ids: their text)
   std::vector<TokenLogprob> logprobs;   // the engine's kPrompt event: tokens 1..n-1
-  bool has_logprobs = false;            // that event came
 };
 
 // One choice as the non-streaming response reports it, assembled from StreamEvents.
