@@ -41,6 +41,7 @@ struct ServeOptions {
   int threads = 0;
   int http_threads = 0;
   int max_dashboards = 8;
+  int max_stored_responses = 1000;
   double shutdown_timeout = 30;
   double request_timeout = 600;
   double http_read_timeout = 30;
@@ -230,6 +231,7 @@ void run_serve(const ServeOptions& o) {
   so.debug = o.debug;
   so.http_threads = o.http_threads;
   so.max_dashboard_clients = o.max_dashboards;
+  so.max_stored_responses = static_cast<size_t>(o.max_stored_responses);
   so.allowed_origins = parse_allowed_origins(o.allowed_origins);
   so.request_timeout_s = o.request_timeout;
   so.http_read_timeout_s = o.http_read_timeout;
@@ -330,6 +332,11 @@ void add_serve_command(CLI::App& app) {
   cmd->add_flag("--past-trained-context", o->past_trained_context,
                 "a --max-model-len past the model's training context is meant (positions it was never trained on): no warning");
   cmd->add_option("--max-queue", o->max_queue, "requests waiting for a sequence slot (beyond the free ones) before 429")->check(number_in(1, 1 << 20))->capture_default_str();
+  cmd->add_option("--max-stored-responses", o->max_stored_responses,
+                  "finished /v1/responses answers kept in memory (LRU) for GET, DELETE and previous_response_id; "
+                  "0 keeps none (store is answered false, previous_response_id refused)")
+      ->check(number_in(0, 1 << 24))
+      ->capture_default_str();
   cmd->add_option("--max-n", o->max_n, "largest n (choices per request)")->check(number_in(1, 256))->capture_default_str();
   cmd->add_option("-t,--threads", o->threads, "compute threads (default: all cores)")->check(number_in(1, 256));
   cmd->add_option("--http-threads", o->http_threads, "connection threads (default: max-num-seqs + 8 + the dashboards that may be open)")

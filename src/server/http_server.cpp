@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <thread>
 
@@ -14,6 +15,8 @@
 #include "server/dashboard.h"
 #include "server/http_util.h"
 #include "server/openai_response.h"
+#include "server/response_store.h"
+#include "server/responses_api.h"
 #include "web_assets.h"
 
 namespace kv {
@@ -56,6 +59,25 @@ constexpr const char* kRetryAfterSeconds = "5";
 
 // The cancel reason of why_end's error: its 504 is the deadline, its 503 the shutdown.
 CancelReason end_reason(const ApiError& e) { return e.status == 504 ? CancelReason::kTimeout : CancelReason::kShutdown; }
+
+// Constant-time comparison: the key check must not leak how many leading bytes matched.
+bool same_secret(const std::string& given, const std::string& key) {
+  if (given.size() != key.size() || key.empty()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < key.size(); ++i) diff |= static_cast<unsigned char>(given[i] ^ key[i]);
+  return diff == 0;
+}
+
+// The engine's kPrompt event (index: its prompt's first choice, p * n) fills that prompt's
+// logprobs; null for an index past the prompts.
+const PromptResult* take_prompt(std::vector<PromptResult>& prompts, int32_t n_per_prompt, StreamEvent& ev) {
+  const size_t k = static_cast<size_t>(ev.index / n_per_prompt);
+  if (k >= prompts.size()) return nullptr;
+  prompts[k].logprobs = std::move(ev.logprobs);
+  return &prompts[k];
+}
+
+}  // namespace
 
 // The engine requests of one HTTP request: one per prompt (completions' batch form has
 // several), each of n choices. Events come out with the response's choice index,
@@ -123,6 +145,10 @@ class RequestGroup {
   std::vector<uint64_t> ready_;
 };
 
+// One streamed response's wire format: what the stream's start, each engine event and its end
+// become (chat and completions chunks, or the Responses API's events). "" writes nothing.
+class SseWriter;
+
 // Cancels the requests if the handler leaves early (an exception, a vanished client).
 struct CancelGuard {
   std::shared_ptr<RequestGroup> group;
@@ -132,44 +158,14 @@ struct CancelGuard {
   }
 };
 
-// Constant-time comparison: the key check must not leak how many leading bytes matched.
-bool same_secret(const std::string& given, const std::string& key) {
-  if (given.size() != key.size() || key.empty()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < key.size(); ++i) diff |= static_cast<unsigned char>(given[i] ^ key[i]);
-  return diff == 0;
-}
-
-// The streaming side of one request: what has been sent, what is left.
-struct SseState {
-  std::shared_ptr<RequestGroup> stream;
-  ResponseMeta meta;
-  int32_t n = 1;                     // choices in all (prompts × n)
-  bool with_logprobs = false;
-  bool started = false;
-  bool finished = false;             // [DONE] written
-  std::optional<ApiError> ended;     // the server ended it (shutdown, deadline): cancelled, ends with this error event
-  std::chrono::steady_clock::time_point deadline;
-  std::vector<TextOffset> text_offset;  // per choice, completions' logprobs.text_offset
-  std::vector<std::string> finish_reasons;  // per choice, once finished
-  std::vector<StreamEvent> events;
-  int64_t completion_tokens = 0;  // streamed so far, every choice (continuous_usage_stats)
-  std::vector<PromptResult> prompts;  // echo, prompt_logprobs
-  int32_t n_per_prompt = 1;
-  bool prompt_lp_events = false;      // the engine sends kPrompt (params.prompt_logprobs ≥ 0)
-  std::vector<ToolCallStream> tools;  // per choice, under a tool choice other than "none"
+class SseWriter {
+ public:
+  virtual ~SseWriter() = default;
+  virtual std::string begin() = 0;
+  virtual std::string event(StreamEvent& ev) = 0;
+  // ended: why the server cut the request short (shutdown, deadline), if it did.
+  virtual std::string end(const std::optional<ApiError>& ended, const Usage& usage) = 0;
 };
-
-// The engine's kPrompt event (index: its prompt's first choice, p * n) fills that prompt's
-// logprobs; null for an index past the prompts.
-const PromptResult* take_prompt(std::vector<PromptResult>& prompts, int32_t n_per_prompt, StreamEvent& ev) {
-  const size_t k = static_cast<size_t>(ev.index / n_per_prompt);
-  if (k >= prompts.size()) return nullptr;
-  prompts[k].logprobs = std::move(ev.logprobs);
-  return &prompts[k];
-}
-
-}  // namespace
 
 const char* role_name(ServerRole r) {
   switch (r) {
@@ -180,7 +176,8 @@ const char* role_name(ServerRole r) {
 }
 
 HttpServer::HttpServer(Engine& engine, ApiContext ctx, ServerOptions opts)
-    : engine_(engine), ctx_(std::move(ctx)), opts_(std::move(opts)), svr_(std::make_unique<httplib::Server>()) {
+    : engine_(engine), ctx_(std::move(ctx)), opts_(std::move(opts)), svr_(std::make_unique<httplib::Server>()),
+      store_(opts_.max_stored_responses) {
   // A thread per running request, 8 for the rest (health, metrics, queued requests' refusals),
   // and one per dashboard that may be open.
   const auto n_keys = static_cast<int32_t>(opts_.api_keys.size());
@@ -252,7 +249,7 @@ void HttpServer::routes() {
       {"/v1/completions", "POST"}, {"/v1/chat/completions", "POST"}, {"/v1/models", "GET"},
       {"/health", "GET"},          {"/metrics", "GET"},              {"/debug/kv", "GET"},
       {"/tokenize", "POST"},       {"/detokenize", "POST"},          {"/", "GET"},
-      {"/dashboard", "GET"},       {"/dashboard/events", "GET"},
+      {"/dashboard", "GET"},       {"/dashboard/events", "GET"},    {"/v1/responses", "POST"},
   };
 
   install_cors(*svr_, opts_.allowed_origins);
@@ -288,6 +285,10 @@ void HttpServer::routes() {
 
   post_with_body_limit(*svr_, "/v1/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); }, opts_.http_read_timeout_s);
   post_with_body_limit(*svr_, "/v1/chat/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); }, opts_.http_read_timeout_s);
+
+  post_with_body_limit(*svr_, "/v1/responses", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_responses(req, res); }, opts_.http_read_timeout_s);
+  svr_->Get(R"(/v1/responses/([^/]+))", safe([this](const httplib::Request& req, httplib::Response& res) { handle_stored_response(req, res, false); }));
+  svr_->Delete(R"(/v1/responses/([^/]+))", safe([this](const httplib::Request& req, httplib::Response& res) { handle_stored_response(req, res, true); }));
 
   install_model_routes(*svr_, ctx_);
   // The chat page (web/chat.html, compiled in).
@@ -401,6 +402,268 @@ void HttpServer::handle_dashboard_events(const httplib::Request& req, httplib::R
       });
 }
 
+std::chrono::steady_clock::time_point HttpServer::request_deadline() const {
+  return opts_.request_timeout_s > 0 ? std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                                             std::chrono::duration<double>(opts_.request_timeout_s))
+                                     : std::chrono::steady_clock::time_point::max();
+}
+
+std::string HttpServer::tenant_of(const httplib::Request& req) const {
+  return opts_.api_keys.empty() ? std::string() : tenant_prefix(req.get_header_value("Authorization").substr(7));
+}
+
+std::shared_ptr<RequestGroup> HttpServer::submit(ApiRequest& ar, const httplib::Request& req, httplib::Response& res, bool chat) {
+  // Prefix-cache namespace: the caller's cache_salt, and with auth on, the key itself (hashed,
+  // never stored raw), so tenants with different keys never share a page.
+  if (!opts_.api_keys.empty()) ar.params.cache_namespace = tenant_of(req) + ar.params.cache_namespace;
+  // Without keys a salt is the whole namespace: one spelled as a tenant's prefix would reach that
+  // tenant's pages in a disk or Redis tier shared with servers that check keys.
+  else if (ar.params.cache_namespace.rfind(kTenantPrefixTag, 0) == 0)
+    throw ApiError{400, std::string("Invalid value for 'cache_salt': it may not start with \"") + kTenantPrefixTag +
+                            "\", which names the namespaces of API-key tenants.",
+                   "invalid_request_error", "cache_salt", "invalid_value"};
+  // One engine request per prompt, all queued or none (a bad prompt anywhere in a batch is
+  // answered before anything runs).
+  std::vector<Request> reqs(ar.prompts.size());
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (size_t k = 0; k < reqs.size(); ++k) {
+    reqs[k].id = engine_.next_request_id();
+    reqs[k].prompt = std::move(ar.prompts[k]);
+    reqs[k].params = ar.params;
+    reqs[k].stream = std::make_shared<RequestStream>();
+    streams.push_back(reqs[k].stream);
+  }
+  auto group = std::make_shared<RequestGroup>(std::move(streams), ar.params.n);
+  int32_t failed = -1;
+  if (Rejection rej = engine_.submit_all(std::move(reqs), &failed); rej.http_status != 0) {
+    if (rej.http_status == 429 || rej.http_status == 503) res.set_header("Retry-After", "1");  // the queue is full: soon
+    ApiError e = from_rejection(rej, chat);
+    if (failed >= 0 && group->n_choices() > ar.params.n) e.message = "prompt[" + std::to_string(failed) + "]: " + e.message;
+    throw e;
+  }
+  return group;
+}
+
+bool HttpServer::collect(const httplib::Request& req, RequestGroup& group, std::chrono::steady_clock::time_point deadline, bool chat,
+                         int32_t n_per_prompt, std::vector<ChoiceResult>* choices, std::vector<PromptResult>* prompts) {
+  const int32_t n = static_cast<int32_t>(choices->size());
+  std::vector<StreamEvent> events;
+  std::optional<ApiError> error;
+  const int client_fd = find_client_socket(req);  // nothing is written until the end: watch the socket
+  std::optional<ApiError> ended;  // the server ended it: shutdown or the deadline
+  bool client_gone = false;
+  for (bool more = true; more;) {
+    if (!ended && (ended = why_end(deadline))) group.cancel(end_reason(*ended));
+    if (!client_gone && client_fd >= 0 && peer_closed(client_fd)) {
+      client_gone = true;
+      group.cancel();
+    }
+    more = group.pop(&events, kPollInterval);
+    for (auto& ev : events) {
+      if (ev.index < 0 || ev.index >= n) continue;
+      ChoiceResult& c = (*choices)[ev.index];
+      if (ev.kind == StreamEvent::kText) {
+        c.text += ev.text;
+        for (auto& lp : ev.logprobs) c.logprobs.push_back(std::move(lp));
+        if (!chat)  // completions: the end-of-text token too (eog_logprobs), as vLLM and OpenAI
+          for (auto& lp : ev.eog_logprobs) c.logprobs.push_back(std::move(lp));
+      } else if (ev.kind == StreamEvent::kPrompt) {
+        take_prompt(*prompts, n_per_prompt, ev);
+      } else if (ev.kind == StreamEvent::kFinish) {
+        c.finish_reason = ev.finish_reason;
+      } else if (!error) {
+        error = from_event(ev);
+      }
+    }
+    events.clear();
+  }
+  if (client_gone) return false;  // nobody to answer; the pages are back
+  if (error) throw *error;
+  if (ended && std::any_of(choices->begin(), choices->end(), [](const ChoiceResult& c) { return c.finish_reason == "abort"; })) {
+    throw *ended;
+  }
+  return true;
+}
+
+namespace {
+
+// The chat and completions stream: chunks per choice, the usage chunk, [DONE].
+class ChatSseWriter : public SseWriter {
+ public:
+  ResponseMeta meta;
+  int32_t n = 1;                      // choices in all (prompts × n)
+  bool with_logprobs = false;
+  std::vector<TextOffset> text_offset;  // per choice, completions' logprobs.text_offset
+  std::vector<std::string> finish_reasons;  // per choice, once finished
+  int64_t completion_tokens = 0;      // streamed so far, every choice (continuous_usage_stats)
+  std::vector<PromptResult> prompts;  // echo, prompt_logprobs
+  int32_t n_per_prompt = 1;
+  bool prompt_lp_events = false;      // the engine sends kPrompt (params.prompt_logprobs ≥ 0)
+  std::vector<ToolCallStream> tools;  // per choice, under a tool choice other than "none"
+  const Tokenizer* tok = nullptr;
+
+  // A choice's chunk; with continuous_usage_stats it carries the usage so far.
+  std::string chunk(json j) const {
+    if (meta.continuous_usage) j["usage"] = running_usage(meta, completion_tokens);
+    return sse_event(j);
+  }
+
+  std::string begin() override {
+    std::string out;
+    if (meta.chat)
+      for (int32_t i = 0; i < n; ++i) out += chunk(chat_role_chunk(meta, i));
+    // echo without logprobs: the prompts' text at once (with them, when their logprobs come)
+    if (meta.echo && !prompt_lp_events)
+      for (int32_t i = 0; i < n; ++i) out += chunk(prompt_chunk(meta, i, prompts.at(i / n_per_prompt), false, &text_offset[i], *tok));
+    return out;
+  }
+
+  std::string event(StreamEvent& ev) override {
+    if (ev.index < 0 || ev.index >= n) return "";
+    std::string out;
+    if (ev.kind == StreamEvent::kText && !tools.empty()) {
+      // The text becomes tool-call or content deltas, or is held (tool_calls.h); its
+      // logprobs go with the first chunk it makes, or alone.
+      completion_tokens += static_cast<int64_t>(ev.tokens.size());
+      const std::vector<TokenLogprob>* lps = with_logprobs && !ev.logprobs.empty() ? &ev.logprobs : nullptr;
+      std::vector<json> deltas = tools[ev.index].push(ev.text);
+      if (deltas.empty() && lps) deltas.push_back(json::object());
+      for (json& d : deltas) {
+        out += chunk(delta_chunk(meta, ev.index, std::move(d), lps, *tok));
+        lps = nullptr;
+      }
+    } else if (ev.kind == StreamEvent::kText) {
+      completion_tokens += static_cast<int64_t>(ev.tokens.size());
+      if (!meta.chat)  // completions: the end-of-text token too, as the whole response
+        for (auto& lp : ev.eog_logprobs) ev.logprobs.push_back(std::move(lp));
+      if (ev.text.empty() && ev.logprobs.empty()) return "";
+      out = chunk(text_chunk(meta, ev.index, ev.text, with_logprobs ? &ev.logprobs : nullptr, &text_offset[ev.index], *tok));
+    } else if (ev.kind == StreamEvent::kPrompt) {
+      const int32_t first = ev.index;  // its prompt's first choice
+      const PromptResult* p = take_prompt(prompts, n_per_prompt, ev);
+      if (!p) return "";
+      for (int32_t i = first; i < first + n_per_prompt; ++i) out += chunk(prompt_chunk(meta, i, *p, with_logprobs, &text_offset[i], *tok));
+    } else if (ev.kind == StreamEvent::kFinish) {
+      finish_reasons[ev.index] = ev.finish_reason;
+      std::string reason = ev.finish_reason;
+      if (!tools.empty() && reason != "abort")  // held text, parsed calls; the reason the response reports
+        for (json& d : tools[ev.index].finish(&reason)) out += chunk(delta_chunk(meta, ev.index, std::move(d), nullptr, *tok));
+      out += chunk(finish_chunk(meta, ev.index, reason));
+    } else {
+      out = sse_event(from_event(ev).to_json());
+    }
+    return out;
+  }
+
+  std::string end(const std::optional<ApiError>& ended, const Usage& usage) override {
+    std::string out;
+    if (ended && std::any_of(finish_reasons.begin(), finish_reasons.end(), [](const std::string& r) { return r == "abort"; }))
+      out += sse_event(ended->to_json());
+    if (meta.include_usage) out += sse_event(usage_chunk(meta, usage));
+    return out + kSseDone;
+  }
+};
+
+// The Responses stream (responses_api.h): typed events, no [DONE]; a finished response is stored.
+class ResponsesSseWriter : public SseWriter {
+ public:
+  ResponsesSseWriter(std::unique_ptr<ResponseBuilder> b, bool logprobs, std::function<void(const ResponseBuilder&)> on_done)
+      : builder_(std::move(b)), logprobs_(logprobs), on_done_(std::move(on_done)) {}
+
+  std::string begin() override { return responses_sse(builder_->begin()); }
+
+  std::string event(StreamEvent& ev) override {
+    if (ev.index != 0 || failed_) return "";
+    if (ev.kind == StreamEvent::kText) return responses_sse(builder_->push(ev.text, logprobs_ ? ev.logprobs : kNoLogprobs));
+    if (ev.kind == StreamEvent::kFinish) {
+      finish_reason_ = ev.finish_reason;
+      return "";
+    }
+    if (ev.kind == StreamEvent::kPrompt) return "";
+    failed_ = true;
+    return responses_sse(builder_->fail(from_event(ev)));
+  }
+
+  std::string end(const std::optional<ApiError>& ended, const Usage& usage) override {
+    if (failed_) return "";
+    if (finish_reason_ == "abort" || finish_reason_.empty())
+      return responses_sse(builder_->fail(ended ? *ended : ApiError{500, "The response ended without finishing.", "server_error", "", ""}));
+    std::string out = responses_sse(builder_->finish(finish_reason_, usage));
+    if (on_done_) on_done_(*builder_);
+    return out;
+  }
+
+ private:
+  static inline const std::vector<TokenLogprob> kNoLogprobs{};
+  std::unique_ptr<ResponseBuilder> builder_;
+  bool logprobs_ = false;
+  std::function<void(const ResponseBuilder&)> on_done_;
+  std::string finish_reason_;
+  bool failed_ = false;
+};
+
+}  // namespace
+
+void HttpServer::stream_sse(httplib::Response& res, std::shared_ptr<RequestGroup> group, std::unique_ptr<SseWriter> writer,
+                            std::chrono::steady_clock::time_point deadline) {
+  // The content provider runs on this connection's thread after the handler returns, one poll
+  // per call, until the writer's end or the client is gone.
+  struct State {
+    std::shared_ptr<RequestGroup> stream;
+    std::unique_ptr<SseWriter> writer;
+    bool started = false;
+    bool finished = false;          // the end written
+    std::optional<ApiError> ended;  // the server ended it (shutdown, deadline): cancelled, ends with this error
+    std::chrono::steady_clock::time_point deadline;
+    std::vector<StreamEvent> events;
+  };
+  auto st = std::make_shared<State>();
+  st->stream = std::move(group);
+  st->writer = std::move(writer);
+  st->deadline = deadline;
+  res.set_header("Cache-Control", "no-cache");
+  res.set_header("X-Accel-Buffering", "no");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [this, st](size_t, httplib::DataSink& sink) -> bool {
+        try {
+          auto send = [&](const std::string& s) { return s.empty() || sink.write(s.data(), s.size()); };
+          if (!sink.is_writable()) {
+            st->stream->cancel();
+            return false;
+          }
+          if (!st->ended && (st->ended = why_end(st->deadline)))  // the choices still end: finish "abort", an error, the end
+            st->stream->cancel(end_reason(*st->ended));
+          if (!st->started) {
+            st->started = true;
+            return send(st->writer->begin());
+          }
+          const bool more = st->stream->pop(&st->events, kPollInterval);
+          for (auto& ev : st->events) {
+            // Nothing to write for a held text (an empty chunk would end the body).
+            if (!send(st->writer->event(ev))) {
+              st->events.clear();
+              return false;  // the releaser cancels
+            }
+          }
+          st->events.clear();
+          if (!more) {
+            if (!send(st->writer->end(st->ended, st->stream->usage()))) return false;
+            st->finished = true;
+            sink.done();
+          }
+          return true;
+        } catch (...) {
+          st->stream->cancel();
+          return false;
+        }
+      },
+      [this, st](bool) {
+        if (!st->finished) st->stream->cancel();
+        in_flight_.fetch_sub(1);
+      });
+}
+
 void HttpServer::handle_generate(const httplib::Request& req, httplib::Response& res, bool chat) {
   InFlight in_flight(&in_flight_);  // before the draining check: drain() sees this request or it sees drain
   if (draining_.load()) {
@@ -428,93 +691,29 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
     for (size_t k = 0; k < ar.prompts.size(); ++k) prompts.push_back({ar.prompts[k], ar.echo ? ar.prompt_texts.at(k) : "", {}});
   for (const auto& p : ar.prompts) meta.prompt_tokens += static_cast<int32_t>(p.size());
 
-  // Prefix-cache namespace: the caller's cache_salt, and with auth on, the key itself (hashed,
-  // never stored raw), so tenants with different keys never share a page.
-  if (!opts_.api_keys.empty()) ar.params.cache_namespace = tenant_prefix(req.get_header_value("Authorization").substr(7)) + ar.params.cache_namespace;
-  // Without keys a salt is the whole namespace: one spelled as a tenant's prefix would reach that
-  // tenant's pages in a disk or Redis tier shared with servers that check keys.
-  else if (ar.params.cache_namespace.rfind(kTenantPrefixTag, 0) == 0)
-    throw ApiError{400, std::string("Invalid value for 'cache_salt': it may not start with \"") + kTenantPrefixTag +
-                            "\", which names the namespaces of API-key tenants.",
-                   "invalid_request_error", "cache_salt", "invalid_value"};
-  // One engine request per prompt, all queued or none (a bad prompt anywhere in a batch is
-  // answered before anything runs).
-  std::vector<Request> reqs(ar.prompts.size());
-  std::vector<std::shared_ptr<RequestStream>> streams;
-  for (size_t k = 0; k < reqs.size(); ++k) {
-    reqs[k].id = engine_.next_request_id();
-    reqs[k].prompt = std::move(ar.prompts[k]);
-    reqs[k].params = ar.params;
-    reqs[k].stream = std::make_shared<RequestStream>();
-    streams.push_back(reqs[k].stream);
-  }
-  const int32_t n = ar.params.n * static_cast<int32_t>(reqs.size());  // choices in all
-  auto stream = std::make_shared<RequestGroup>(std::move(streams), ar.params.n);
-  int32_t failed = -1;
-  if (Rejection rej = engine_.submit_all(std::move(reqs), &failed); rej.http_status != 0) {
-    if (rej.http_status == 429 || rej.http_status == 503) res.set_header("Retry-After", "1");  // the queue is full: soon
-    ApiError e = from_rejection(rej, chat);
-    if (failed >= 0 && stream->n_choices() > ar.params.n) e.message = "prompt[" + std::to_string(failed) + "]: " + e.message;
-    throw e;
-  }
-  CancelGuard guard{stream};
-  const auto deadline = opts_.request_timeout_s > 0
-                            ? std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                                                     std::chrono::duration<double>(opts_.request_timeout_s))
-                            : std::chrono::steady_clock::time_point::max();
-
   const int32_t n_per_prompt = ar.params.n;
+  const int32_t n = n_per_prompt * static_cast<int32_t>(ar.prompts.size());  // choices in all
+  std::shared_ptr<RequestGroup> stream = submit(ar, req, res, chat);
+  CancelGuard guard{stream};
+  const auto deadline = request_deadline();
+
   if (!ar.stream) {
     std::vector<ChoiceResult> choices(n);
     for (int32_t i = 0; i < n; ++i) choices[i].prompt = i / n_per_prompt;
-    std::vector<StreamEvent> events;
-    std::optional<ApiError> error;
-    const int client_fd = find_client_socket(req);  // nothing is written until the end: watch the socket
-    std::optional<ApiError> ended;  // the server ended it: shutdown or the deadline
-    bool client_gone = false;
-    for (bool more = true; more;) {
-      if (!ended && (ended = why_end(deadline))) stream->cancel(end_reason(*ended));
-      if (!client_gone && client_fd >= 0 && peer_closed(client_fd)) {
-        client_gone = true;
-        stream->cancel();
-      }
-      more = stream->pop(&events, kPollInterval);
-      for (auto& ev : events) {
-        if (ev.index < 0 || ev.index >= n) continue;
-        ChoiceResult& c = choices[ev.index];
-        if (ev.kind == StreamEvent::kText) {
-          c.text += ev.text;
-          for (auto& lp : ev.logprobs) c.logprobs.push_back(std::move(lp));
-          if (!chat)  // completions: the end-of-text token too (eog_logprobs), as vLLM and OpenAI
-            for (auto& lp : ev.eog_logprobs) c.logprobs.push_back(std::move(lp));
-        } else if (ev.kind == StreamEvent::kPrompt) {
-          take_prompt(prompts, n_per_prompt, ev);
-        } else if (ev.kind == StreamEvent::kFinish) {
-          c.finish_reason = ev.finish_reason;
-        } else if (!error) {
-          error = from_event(ev);
-        }
-      }
-      events.clear();
-    }
+    const bool answered = collect_or_retry_after(req, res, *stream, deadline, chat, n_per_prompt, &choices, &prompts);
     guard.armed = false;
-    if (client_gone) {  // nobody to answer; the pages are back
+    if (!answered) {  // the client is gone
       res.status = 499;
       return;
     }
-    if (error) throw *error;
     if (ar.tool_choice.kind != ToolChoice::Kind::kNone)
       for (ChoiceResult& c : choices) {
-        if (c.finish_reason == "abort") continue;  // answered as an error below
+        if (c.finish_reason == "abort") continue;
         ToolCallStream t(ar.tool_choice);
         t.push(c.text);
         t.finish(&c.finish_reason);
         c.message = t.message();
       }
-    if (ended && std::any_of(choices.begin(), choices.end(), [](const ChoiceResult& c) { return c.finish_reason == "abort"; })) {
-      if (ended->status == 503) res.set_header("Retry-After", kRetryAfterSeconds);
-      throw *ended;
-    }
     if (prefill) {
       // The prompt's full pages were queued for the tier as they filled (write-through), before
       // the token was sampled: once the writes queued so far are done, a decode instance finds them.
@@ -525,118 +724,107 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
     return;
   }
 
-  // Streaming: the content provider runs on this connection's thread after the handler
-  // returns, one poll per call, until [DONE] or the client is gone.
-  auto st = std::make_shared<SseState>();
-  st->stream = stream;
-  st->meta = meta;
-  st->n = n;
-  st->with_logprobs = ar.logprobs;
-  st->text_offset.assign(n, TextOffset{});
-  st->finish_reasons.assign(n, "");
-  st->deadline = deadline;
-  st->prompts = std::move(prompts);
-  st->n_per_prompt = n_per_prompt;
-  st->prompt_lp_events = ar.params.prompt_logprobs >= 0;
+  auto w = std::make_unique<ChatSseWriter>();
+  w->meta = meta;
+  w->n = n;
+  w->with_logprobs = ar.logprobs;
+  w->text_offset.assign(n, TextOffset{});
+  w->finish_reasons.assign(n, "");
+  w->prompts = std::move(prompts);
+  w->n_per_prompt = n_per_prompt;
+  w->prompt_lp_events = ar.params.prompt_logprobs >= 0;
+  w->tok = ctx_.tok;
   if (ar.tool_choice.kind != ToolChoice::Kind::kNone)
-    for (int32_t i = 0; i < n; ++i) st->tools.emplace_back(ar.tool_choice);
-  guard.armed = false;  // from here the releaser owns cancellation
+    for (int32_t i = 0; i < n; ++i) w->tools.emplace_back(ar.tool_choice);
+  guard.armed = false;      // from here the releaser owns cancellation
   in_flight.armed = false;  // and the count
-  const Tokenizer* tok = ctx_.tok;
-  res.set_header("Cache-Control", "no-cache");
-  res.set_header("X-Accel-Buffering", "no");
-  res.set_chunked_content_provider(
-      "text/event-stream",
-      [this, st, tok](size_t, httplib::DataSink& sink) -> bool {
-        try {
-          auto send = [&](const std::string& s) { return sink.write(s.data(), s.size()); };
-          // A choice's chunk; with continuous_usage_stats it carries the usage so far.
-          auto chunk = [&](json j) {
-            if (st->meta.continuous_usage) j["usage"] = running_usage(st->meta, st->completion_tokens);
-            return sse_event(j);
-          };
-          if (!sink.is_writable()) {
-            st->stream->cancel();
-            return false;
-          }
-          if (!st->ended && (st->ended = why_end(st->deadline)))  // the choices still end: finish "abort", an error, [DONE]
-            st->stream->cancel(end_reason(*st->ended));
-          if (!st->started) {
-            st->started = true;
-            if (st->meta.chat)
-              for (int32_t i = 0; i < st->n; ++i)
-                if (!send(chunk(chat_role_chunk(st->meta, i)))) return false;
-            // echo without logprobs: the prompts' text at once (with them, when their logprobs come)
-            if (st->meta.echo && !st->prompt_lp_events)
-              for (int32_t i = 0; i < st->n; ++i)
-                if (!send(chunk(prompt_chunk(st->meta, i, st->prompts.at(i / st->n_per_prompt), false, &st->text_offset[i], *tok))))
-                  return false;
-            return true;
-          }
-          const bool more = st->stream->pop(&st->events, kPollInterval);
-          for (auto& ev : st->events) {
-            if (ev.index < 0 || ev.index >= st->n) continue;
-            std::string out;
-            if (ev.kind == StreamEvent::kText && !st->tools.empty()) {
-              // The text becomes tool-call or content deltas, or is held (tool_calls.h); its
-              // logprobs go with the first chunk it makes, or alone.
-              st->completion_tokens += static_cast<int64_t>(ev.tokens.size());
-              const std::vector<TokenLogprob>* lps = st->with_logprobs && !ev.logprobs.empty() ? &ev.logprobs : nullptr;
-              std::vector<json> deltas = st->tools[ev.index].push(ev.text);
-              if (deltas.empty() && lps) deltas.push_back(json::object());
-              for (json& d : deltas) {
-                out += chunk(delta_chunk(st->meta, ev.index, std::move(d), lps, *tok));
-                lps = nullptr;
-              }
-            } else if (ev.kind == StreamEvent::kText) {
-              st->completion_tokens += static_cast<int64_t>(ev.tokens.size());
-              if (!st->meta.chat)  // completions: the end-of-text token too, as the whole response
-                for (auto& lp : ev.eog_logprobs) ev.logprobs.push_back(std::move(lp));
-              if (ev.text.empty() && ev.logprobs.empty()) continue;
-              out = chunk(text_chunk(st->meta, ev.index, ev.text, st->with_logprobs ? &ev.logprobs : nullptr,
-                                     &st->text_offset[ev.index], *tok));
-            } else if (ev.kind == StreamEvent::kPrompt) {
-              const int32_t first = ev.index;  // its prompt's first choice
-              const PromptResult* p = take_prompt(st->prompts, st->n_per_prompt, ev);
-              if (!p) continue;
-              for (int32_t i = first; i < first + st->n_per_prompt; ++i)
-                out += chunk(prompt_chunk(st->meta, i, *p, st->with_logprobs, &st->text_offset[i], *tok));
-            } else if (ev.kind == StreamEvent::kFinish) {
-              st->finish_reasons[ev.index] = ev.finish_reason;
-              std::string reason = ev.finish_reason;
-              if (!st->tools.empty() && reason != "abort")  // held text, parsed calls; the reason the response reports
-                for (json& d : st->tools[ev.index].finish(&reason)) out += chunk(delta_chunk(st->meta, ev.index, std::move(d), nullptr, *tok));
-              out += chunk(finish_chunk(st->meta, ev.index, reason));
-            } else {
-              out = sse_event(from_event(ev).to_json());
-            }
-            if (out.empty()) continue;  // a held text: nothing to write (an empty chunk would end the body)
-            if (!send(out)) {
-              st->events.clear();
-              return false;  // the releaser cancels
-            }
-          }
-          st->events.clear();
-          if (!more) {
-            if (st->ended && std::any_of(st->finish_reasons.begin(), st->finish_reasons.end(),
-                                         [](const std::string& r) { return r == "abort"; }) &&
-                !send(sse_event(st->ended->to_json())))
-              return false;
-            if (st->meta.include_usage && !send(sse_event(usage_chunk(st->meta, st->stream->usage())))) return false;
-            if (!send(kSseDone)) return false;
-            st->finished = true;
-            sink.done();
-          }
-          return true;
-        } catch (...) {
-          st->stream->cancel();
-          return false;
-        }
-      },
-      [this, st](bool) {
-        if (!st->finished) st->stream->cancel();
-        in_flight_.fetch_sub(1);
-      });
+  stream_sse(res, stream, std::move(w), deadline);
+}
+
+bool HttpServer::collect_or_retry_after(const httplib::Request& req, httplib::Response& res, RequestGroup& group,
+                                        std::chrono::steady_clock::time_point deadline, bool chat, int32_t n_per_prompt,
+                                        std::vector<ChoiceResult>* choices, std::vector<PromptResult>* prompts) {
+  try {
+    return collect(req, group, deadline, chat, n_per_prompt, choices, prompts);
+  } catch (ApiError& e) {
+    if (e.status == 503 && e.code == "server_shutting_down") res.set_header("Retry-After", kRetryAfterSeconds);
+    throw;
+  }
+}
+
+void HttpServer::handle_responses(const httplib::Request& req, httplib::Response& res) {
+  InFlight in_flight(&in_flight_);
+  if (draining_.load()) {
+    res.set_header("Retry-After", kRetryAfterSeconds);
+    throw draining_error();
+  }
+  const std::string tenant = tenant_of(req);
+  PreviousLookup previous;
+  if (store_.enabled()) previous = [this, tenant](const std::string& id) { return store_.get(id, tenant); };
+  nlohmann::json body = parse_json_body(req.body, ctx_);
+  ResponsesRequest rr = parse_responses_request(body, ctx_, previous);
+  if (opts_.role == ServerRole::kPrefill) {  // as handle_generate: one token, nothing kept
+    rr.chat.params.max_tokens = 1;
+    rr.chat.params.min_tokens = 0;
+    rr.chat.stream = false;
+    rr.store = false;
+  }
+  auto builder = std::make_unique<ResponseBuilder>(rr, make_item_id("resp"), unix_now(), ctx_.model_names.at(0), *ctx_.tok);
+  // What the store keeps of a finished response (its conversation goes on with its output).
+  auto keep = [this, tenant, conversation = rr.conversation, salt = rr.cache_salt](const ResponseBuilder& b) mutable {
+    auto s = std::make_shared<StoredResponse>();
+    s->response = b.response();
+    s->conversation = std::move(conversation);
+    for (const json& item : b.output()) s->conversation.push_back(item);
+    s->tenant = tenant;
+    s->cache_salt = salt;
+    const std::string id = s->response.at("id").get<std::string>();
+    store_.put(id, std::move(s));
+  };
+  std::shared_ptr<RequestGroup> stream = submit(rr.chat, req, res, /*chat=*/true);
+  CancelGuard guard{stream};
+  const auto deadline = request_deadline();
+
+  if (!rr.chat.stream) {
+    std::vector<ChoiceResult> choices(1);
+    std::vector<PromptResult> prompts;
+    const bool answered = collect_or_retry_after(req, res, *stream, deadline, /*chat=*/true, 1, &choices, &prompts);
+    guard.armed = false;
+    if (!answered) {
+      res.status = 499;
+      return;
+    }
+    builder->begin();
+    builder->push(choices[0].text, rr.logprobs ? choices[0].logprobs : std::vector<TokenLogprob>{});
+    builder->finish(choices[0].finish_reason, stream->usage());
+    if (rr.store) keep(*builder);
+    write_json(res, builder->response());
+    return;
+  }
+  std::function<void(const ResponseBuilder&)> on_done;
+  if (rr.store) on_done = keep;
+  guard.armed = false;
+  in_flight.armed = false;
+  stream_sse(res, stream, std::make_unique<ResponsesSseWriter>(std::move(builder), rr.logprobs, std::move(on_done)), deadline);
+}
+
+void HttpServer::handle_stored_response(const httplib::Request& req, httplib::Response& res, bool erase) {
+  const std::string id = req.matches.size() > 1 ? std::string(req.matches[1]) : std::string();
+  const std::string tenant = tenant_of(req);
+  auto not_found = [&] {
+    return ApiError{404,
+                    "Response with id '" + id + "' not found." +
+                        (store_.enabled() ? "" : " This server keeps no responses (--max-stored-responses 0)."),
+                    "invalid_request_error", "response_id", "response_not_found"};
+  };
+  if (erase) {
+    if (!store_.erase(id, tenant)) throw not_found();
+    write_json(res, json{{"id", id}, {"object", "response"}, {"deleted", true}});
+    return;
+  }
+  std::shared_ptr<const StoredResponse> s = store_.get(id, tenant);
+  if (!s) throw not_found();
+  write_json(res, s->response);
 }
 
 }  // namespace kv

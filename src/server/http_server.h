@@ -9,6 +9,9 @@
 //   GET  /dashboard/events      its SSE feed (server/dashboard.h): at most max_dashboard_clients at
 //                               once (429 beyond), each a snapshot at most every 250 ms
 //   POST /tokenize              POST /detokenize
+//   POST /v1/responses          OpenAI's Responses API over the chat path (server/responses_api.h)
+//   GET  /v1/responses/{id}     DELETE /v1/responses/{id}: stored responses (server/response_store.h),
+//                               each visible only to the API key that made it
 //
 // Every error is an OpenAI-shaped JSON body with a 4xx/5xx status; no exception escapes a
 // handler. A streaming client that goes away cancels its request, so the engine frees its
@@ -37,6 +40,8 @@
 #include <vector>
 
 #include "server/openai_request.h"
+#include "server/openai_response.h"
+#include "server/response_store.h"
 
 namespace kv {
 class ConnectionWatchdog;  // server/http_util.h
@@ -51,6 +56,8 @@ struct Response;
 namespace kv {
 
 class Engine;
+class RequestGroup;  // the engine requests of one HTTP request (http_server.cpp)
+class SseWriter;     // one streamed response's wire format (http_server.cpp)
 
 // What an instance does in prefill/decode disaggregation (docs/disaggregation.md).
 //   both:    everything (one instance, or a replica behind the router)
@@ -80,6 +87,9 @@ struct ServerOptions {
   // an equal share, at least one: max(1, this / keys), so no tenant can lock out the others.
   int32_t max_dashboard_clients = 8;
   std::vector<std::string> allowed_origins = {"*"};  // CORS (http_util.h install_cors); empty: none
+  // Finished Responses API responses kept in memory (LRU) for GET, DELETE and previous_response_id;
+  // 0 keeps none (store is then answered false, previous_response_id refused).
+  size_t max_stored_responses = 1000;
 };
 
 class HttpServer {
@@ -99,6 +109,23 @@ class HttpServer {
  private:
   void routes();
   void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat);
+  void handle_responses(const httplib::Request& req, httplib::Response& res);
+  void handle_stored_response(const httplib::Request& req, httplib::Response& res, bool erase);
+  // The generation machinery both APIs share. submit: the request's prompts into the engine
+  // (under the caller's cache namespace); throws the rejection. collect: waits for every choice
+  // (false: the client left; throws an error event, or the server's end of it); stream_sse: the
+  // choices' events through a writer as Server-Sent Events (owns cancellation and the in-flight
+  // count from then on).
+  std::shared_ptr<RequestGroup> submit(ApiRequest& ar, const httplib::Request& req, httplib::Response& res, bool chat);
+  bool collect(const httplib::Request& req, RequestGroup& group, std::chrono::steady_clock::time_point deadline, bool chat,
+               int32_t n_per_prompt, std::vector<ChoiceResult>* choices, std::vector<PromptResult>* prompts);
+  bool collect_or_retry_after(const httplib::Request& req, httplib::Response& res, RequestGroup& group,
+                              std::chrono::steady_clock::time_point deadline, bool chat, int32_t n_per_prompt,
+                              std::vector<ChoiceResult>* choices, std::vector<PromptResult>* prompts);
+  void stream_sse(httplib::Response& res, std::shared_ptr<RequestGroup> group, std::unique_ptr<SseWriter> writer,
+                  std::chrono::steady_clock::time_point deadline);
+  std::chrono::steady_clock::time_point request_deadline() const;
+  std::string tenant_of(const httplib::Request& req) const;  // tenant_prefix of the request's key; "" without keys
   void handle_debug_kv(httplib::Response& res);
   void handle_dashboard_events(const httplib::Request& req, httplib::Response& res);
   bool authorized(const httplib::Request& req) const;
@@ -111,6 +138,7 @@ class HttpServer {
   ServerOptions opts_;
   std::unique_ptr<httplib::Server> svr_;
   std::unique_ptr<ConnectionWatchdog> watchdog_;  // from bind on
+  ResponseStore store_;
   std::atomic<bool> stopping_{false};
   std::atomic<bool> draining_{false};
   std::atomic<int32_t> in_flight_{0};  // generation requests admitted and not yet answered

@@ -19,21 +19,9 @@ json byte_list(const std::string& s) {
   return b;
 }
 
-// Tokens are spelled with control tokens as their text ("<|im_end|>"), as vLLM and llama-server
-// do: rendered empty, several at one position would collide in a completions top_logprobs dict.
 // Chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal": null}
 json chat_logprobs(const std::vector<TokenLogprob>& lps, const Tokenizer& tok) {
-  json content = json::array();
-  for (const auto& lp : lps) {
-    std::string s = tok.token_bytes(lp.token, /*special=*/true);
-    json top = json::array();
-    for (const auto& [id, l] : lp.top) {
-      std::string ts = tok.token_bytes(id, /*special=*/true);
-      top.push_back({{"token", ts}, {"logprob", l}, {"bytes", byte_list(ts)}});
-    }
-    content.push_back({{"token", s}, {"logprob", lp.logprob}, {"bytes", byte_list(s)}, {"top_logprobs", top}});
-  }
-  return {{"content", content}, {"refusal", nullptr}};
+  return {{"content", logprob_content(lps, tok)}, {"refusal", nullptr}};
 }
 
 // Completions (legacy): {"tokens", "token_logprobs", "top_logprobs": [{tok: lp}], "text_offset"}.
@@ -103,6 +91,22 @@ json with_choice(const ResponseMeta& m, json choice) {
 }
 
 }  // namespace
+
+// Tokens are spelled with control tokens as their text ("<|im_end|>"), as vLLM and llama-server
+// do: rendered empty, several at one position would collide in a completions top_logprobs dict.
+json logprob_content(const std::vector<TokenLogprob>& lps, const Tokenizer& tok) {
+  json content = json::array();
+  for (const auto& lp : lps) {
+    std::string s = tok.token_bytes(lp.token, /*special=*/true);
+    json top = json::array();
+    for (const auto& [id, l] : lp.top) {
+      std::string ts = tok.token_bytes(id, /*special=*/true);
+      top.push_back({{"token", ts}, {"logprob", l}, {"bytes", byte_list(ts)}});
+    }
+    content.push_back({{"token", s}, {"logprob", lp.logprob}, {"bytes", byte_list(s)}, {"top_logprobs", top}});
+  }
+  return content;
+}
 
 void TextOffset::add(const std::string& bytes) {
   // Characters as Python's decode(errors="replace") counts them (an ill-formed part is one U+FFFD);

@@ -60,6 +60,10 @@ std::string logprob_token_string(const std::string& bytes);
 
 nlohmann::ordered_json usage_json(const Usage& u);
 
+// Chat's (and the Responses output_text's) logprob entries: [{"token", "logprob", "bytes",
+// "top_logprobs": [{"token", "logprob", "bytes"}]}], control tokens spelled as their text.
+nlohmann::ordered_json logprob_content(const std::vector<TokenLogprob>& lps, const Tokenizer& tok);
+
 // The whole response. with_logprobs: the request asked for logprobs (else "logprobs": null).
 // prompts: what meta.echo and meta.prompt_logprobs show (may be empty otherwise).
 nlohmann::ordered_json full_response(const ResponseMeta& meta, const std::vector<ChoiceResult>& choices,
