@@ -3,6 +3,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <deque>
@@ -13,6 +14,7 @@
 
 #include "server/http_util.h"
 #include "server/openai_response.h"
+#include "server/responses_api.h"
 
 namespace kv {
 
@@ -319,7 +321,7 @@ void Router::routes() {
   // Which methods each path answers; another method on a known path is a 405, as the server's.
   static const std::map<std::string, std::string> kAllowed = {
       {"/v1/completions", "POST"}, {"/v1/chat/completions", "POST"}, {"/v1/models", "GET"}, {"/health", "GET"}, {"/metrics", "GET"},
-      {"/tokenize", "POST"},       {"/detokenize", "POST"}};
+      {"/tokenize", "POST"},       {"/detokenize", "POST"},         {"/v1/responses", "POST"}};
   svr_->set_logger([this](const httplib::Request& req, const httplib::Response&) {
     if (watchdog_) watchdog_->end(req);
   });
@@ -331,6 +333,9 @@ void Router::routes() {
   });
   post_with_body_limit(*svr_, "/v1/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); }, opts_.http_read_timeout_s);
   post_with_body_limit(*svr_, "/v1/chat/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); }, opts_.http_read_timeout_s);
+  post_with_body_limit(*svr_, "/v1/responses", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_responses(req, res); }, opts_.http_read_timeout_s);
+  svr_->Get(R"(/v1/responses/([^/]+))", safe_handler([this](const httplib::Request& req, httplib::Response& res) { handle_stored_response(req, res, false); }));
+  svr_->Delete(R"(/v1/responses/([^/]+))", safe_handler([this](const httplib::Request& req, httplib::Response& res) { handle_stored_response(req, res, true); }));
   install_model_routes(*svr_, ctx_);
   install_tokenize_routes(*svr_, ctx_, opts_.max_body_bytes, opts_.http_read_timeout_s);  // the router has the tokenizer and the template
   svr_->Get("/health", safe_handler([this](const httplib::Request&, httplib::Response& res) {
@@ -386,6 +391,75 @@ void Router::handle_generate(const httplib::Request& req, httplib::Response& res
   }
   // The client is watched while the backend answers (watch_loop).
   forward(*serve_, key, path, req.body, auth, ar.stream, res, guard, find_client_socket(req));
+}
+
+int32_t Router::find_stored(const std::string& id, const std::string& auth, httplib::Response* found, bool erase) {
+  // Stored responses live on the instance that made them: each backend is asked in turn (a GET,
+  // or the DELETE itself), the first that has it answers. Cheap next to a generation, and
+  // nothing to keep in step here.
+  for (size_t k = 0; k < serve_->backends.size(); ++k) {
+    Backend& b = *serve_->backends[k];
+    if (!b.up.load()) continue;
+    httplib::Client cli(b.host, b.port);
+    set_timeouts(cli, opts_);
+    cli.set_read_timeout(std::chrono::seconds(10));
+    std::string path = "/v1/responses/";
+    for (unsigned char ch : id) {  // percent-encoded but for the unreserved characters (ids are resp_<hex>)
+      static const char* kHex = "0123456789ABCDEF";
+      if (std::isalnum(ch) || ch == '_' || ch == '-' || ch == '.' || ch == '~') path += static_cast<char>(ch);
+      else path += std::string("%") + kHex[ch >> 4] + kHex[ch & 15];
+    }
+    auto r = erase ? cli.Delete(path, upstream_headers(auth)) : cli.Get(path, upstream_headers(auth));
+    if (!r || r->status == 404) continue;
+    if (found) {
+      found->status = r->status;
+      found->set_content(r->body, r->get_header_value("Content-Type", 0).empty() ? std::string("application/json") : r->get_header_value("Content-Type", 0));
+    }
+    return static_cast<int32_t>(k);
+  }
+  return -1;
+}
+
+void Router::handle_stored_response(const httplib::Request& req, httplib::Response& res, bool erase) {
+  const std::string id = req.matches[1];
+  if (find_stored(id, req.get_header_value("Authorization"), &res, erase) < 0)
+    throw ApiError{404, "Response with id '" + id + "' not found on any backend (stored responses are kept by the instance that made them).",
+                   "invalid_request_error", "response_id", "response_not_found"};
+}
+
+void Router::handle_responses(const httplib::Request& req, httplib::Response& res) {
+  auto guard = std::make_shared<InFlight>(in_flight_);
+  if (draining_.load()) {
+    res.set_header("Retry-After", "5");
+    throw draining_error();
+  }
+  nlohmann::json body = parse_json_body(req.body, ctx_);
+  const std::string auth = req.get_header_value("Authorization");
+  // A continuation goes to the instance that stored the previous response (it alone has the
+  // conversation, and its prefix cache the pages); it is checked here as if that conversation were
+  // empty, and there in full.
+  int32_t holder = -1;
+  const nlohmann::json* prev = body.contains("previous_response_id") && body["previous_response_id"].is_string() ? &body["previous_response_id"] : nullptr;
+  if (prev) {
+    holder = find_stored(prev->get<std::string>(), auth, nullptr, false);
+    if (holder < 0)
+      throw ApiError{404, "Previous response with id '" + prev->get<std::string>() + "' not found on any backend.", "invalid_request_error",
+                     "previous_response_id", "previous_response_not_found"};
+  }
+  const PreviousLookup placeholder = [](const std::string&) { return std::make_shared<StoredResponse>(); };
+  const ResponsesRequest rr = parse_responses_request(body, ctx_, placeholder);
+  std::string ns = rr.chat.params.cache_namespace;
+  if (!auth.empty()) ns = std::to_string(XXH3_64bits(auth.data(), auth.size())) + "/" + ns;
+  const std::vector<int32_t>& first = rr.chat.prompts.at(0);
+  uint64_t key = affinity_key(ns, first.data(), static_cast<int64_t>(first.size()), opts_.block_size,
+                              std::max(1, opts_.affinity_tokens / opts_.block_size));
+  if (opts_.routing == RouterOptions::Routing::kRoundRobin) key = round_robin_key(*serve_, rr_.fetch_add(1));
+  const std::vector<bool> up = serve_->up();
+  if (holder < 0 && !prefill_->empty() && std::find(up.begin(), up.end(), true) != up.end()) {
+    if (static_cast<int64_t>(first.size()) >= opts_.prefill_min_tokens) prefill(key, "/v1/responses", req.body, auth);
+    else n_prefill_skipped_.fetch_add(1);
+  }
+  forward(*serve_, key, "/v1/responses", req.body, auth, rr.chat.stream, res, guard, find_client_socket(req), holder);
 }
 
 RouteChoice Router::choose(Pool& pool, uint64_t key, const std::vector<int32_t>& tried) {
@@ -486,11 +560,14 @@ void Router::run_upstream(Backend* b, const std::string& path, const std::string
 }
 
 void Router::forward(Pool& pool, uint64_t key, const std::string& path, const std::string& body, const std::string& auth, bool stream,
-                     httplib::Response& res, std::shared_ptr<void> in_flight, int client_fd) {
+                     httplib::Response& res, std::shared_ptr<void> in_flight, int client_fd, int32_t pinned) {
   std::vector<int32_t> tried;
   std::optional<std::pair<std::string, std::string>> full;  // a 429's body and type, if no other backend answers
-  for (size_t attempt = 0; attempt < pool.backends.size(); ++attempt) {
-    const RouteChoice c = choose(pool, key, tried);
+  const size_t attempts = pinned >= 0 ? 1 : pool.backends.size();  // a pinned request has one place to go
+  for (size_t attempt = 0; attempt < attempts; ++attempt) {
+    RouteChoice c;
+    if (pinned >= 0) c.backend = pinned, c.why = RouteChoice::Why::kOwner;
+    else c = choose(pool, key, tried);
     if (c.backend < 0) break;
     if (attempt == 0) {
       if (c.why == RouteChoice::Why::kOwner) n_owner_.fetch_add(1);
@@ -527,7 +604,7 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
         gave_no_answer(*b, c.backend, tried, n_retries_);
         continue;
       }
-      if (refused(*b, r->status) && attempt + 1 < pool.backends.size()) {  // another replica may take it
+      if (refused(*b, r->status) && attempt + 1 < attempts) {  // another replica may take it
         tried.push_back(c.backend), n_retries_.fetch_add(1);
         if (r->status == 429) n_full_.fetch_add(1);
         full.emplace(r->body, r->get_header_value("Content-Type", 0));
@@ -560,7 +637,7 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
       gave_no_answer(*b, c.backend, tried, n_retries_);
       continue;
     }
-    if (refused(*b, pipe->status) && attempt + 1 < pool.backends.size()) {  // nothing was sent yet: try another
+    if (refused(*b, pipe->status) && attempt + 1 < attempts) {  // nothing was sent yet: try another
       pipe->cv.wait(l, [&] { return pipe->done; });
       std::string out;
       for (auto& ch : pipe->chunks) out += ch;

@@ -101,8 +101,16 @@ class Router {
   void routes();
   void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat);
   void prefill(uint64_t key, const std::string& path, const std::string& body, const std::string& auth);
+  // pinned ≥ 0: that backend alone (a continuation of a response it stored), no retry elsewhere.
   void forward(Pool& pool, uint64_t key, const std::string& path, const std::string& body, const std::string& auth, bool stream,
-               httplib::Response& res, std::shared_ptr<void> in_flight, int client_fd);
+               httplib::Response& res, std::shared_ptr<void> in_flight, int client_fd, int32_t pinned = -1);
+  // The Responses API: POST forwarded as chat is (a previous_response_id pinned to the backend that
+  // stored it); GET / DELETE /v1/responses/{id} asked of each backend until one has it.
+  void handle_responses(const httplib::Request& req, httplib::Response& res);
+  void handle_stored_response(const httplib::Request& req, httplib::Response& res, bool erase);
+  // The serving backend that holds stored response `id` for this key (its answer to the GET or
+  // DELETE copied into *found), or -1.
+  int32_t find_stored(const std::string& id, const std::string& auth, httplib::Response* found, bool erase);
   void run_upstream(Backend* b, const std::string& path, const std::string& body, const std::string& auth, int client_fd, Pipe& pipe);
   std::string render_metrics() const;
   static uint64_t round_robin_key(const Pool& pool, uint64_t turn);
