@@ -23,8 +23,8 @@ std::vector<std::pair<double, std::string>>& big_literals() {
 }
 
 // A copy of the last body parse_json_body read on this thread, when it may hold a JSON schema
-// (every field that takes one has "json" in its name) or tools (whose parameters are schemas, and
-// which a chat template prints in the client's order): such values are taken from it in the
+// (every field that takes one has "json" in its name), tools (whose parameters are schemas, and
+// which a chat template prints in the client's order) or the Responses API's metadata (echoed as given): such values are taken from it in the
 // client's key order (in_client_order), which the parsed object (keys sorted) has lost. A copy,
 // not a view: a caller may parse a value after the body it came from is gone.
 std::string& last_body() {
@@ -53,7 +53,8 @@ OrderedBodyScope::~OrderedBodyScope() { ordered_body().reset(); }
 void begin_body(const std::string& body) {
   big_literals().clear();
   ordered_body().reset();
-  if (body.find("json") != std::string::npos || body.find("tool") != std::string::npos) last_body() = body;
+  if (body.find("json") != std::string::npos || body.find("tool") != std::string::npos || body.find("metadata") != std::string::npos)
+    last_body() = body;
   else last_body().clear();
 }
 

@@ -338,6 +338,10 @@ ResponsesRequest parse_responses_request(const json& body, const ApiContext& ctx
   }
   if (chat.contains("cache_salt") && chat["cache_salt"].is_string()) r.cache_salt = chat["cache_salt"].get<std::string>();
 
+  // Read in the client's key order now: parsing the chat body below makes it the thread's last body.
+  ordered echoed_choice = f.get("tool_choice") ? in_client_order(*f.get("tool_choice"), "/tool_choice") : ordered("auto");
+  ordered echoed_metadata = f.get("metadata") ? in_client_order(*f.get("metadata"), "/metadata") : ordered::object();
+
   ordered system = nullptr;
   if (auto ins = f.string("instructions"); ins && !ins->empty()) system = {{"role", "system"}, {"content", *ins}};
 
@@ -402,13 +406,13 @@ ResponsesRequest parse_responses_request(const json& body, const ApiContext& ctx
   s["store"] = r.store;
   s["temperature"] = f.get("temperature") ? ordered(f.number("temperature", 0, 2).value()) : ordered(1.0);
   s["text"] = echoed_text;
-  s["tool_choice"] = f.get("tool_choice") ? in_client_order(*f.get("tool_choice"), "/tool_choice") : ordered("auto");
+  s["tool_choice"] = std::move(echoed_choice);
   s["tools"] = echoed_tools;
   s["top_logprobs"] = top.value_or(0);
   s["top_p"] = f.get("top_p") ? ordered(f.number("top_p", 0, 1).value()) : ordered(1.0);
   s["truncation"] = truncate ? "auto" : "disabled";
   s["user"] = f.get("user") ? ordered(*f.string("user")) : ordered(nullptr);
-  s["metadata"] = f.get("metadata") ? in_client_order(*f.get("metadata"), "/metadata") : ordered::object();
+  s["metadata"] = std::move(echoed_metadata);
   return r;
 }
 
