@@ -781,7 +781,13 @@ void HttpServer::handle_responses(const httplib::Request& req, httplib::Response
     const std::string id = s->response.at("id").get<std::string>();
     store_.put(id, std::move(s));
   };
-  std::shared_ptr<RequestGroup> stream = submit(rr.chat, req, res, /*chat=*/true);
+  std::shared_ptr<RequestGroup> stream;
+  try {
+    stream = submit(rr.chat, req, res, /*chat=*/true);
+  } catch (ApiError& e) {
+    if (e.param == "messages") e.param = "input";  // the engine's name for the prompt
+    throw;
+  }
   CancelGuard guard{stream};
   const auto deadline = request_deadline();
 
