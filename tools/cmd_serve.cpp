@@ -42,6 +42,7 @@ struct ServeOptions {
   int http_threads = 0;
   int max_dashboards = 8;
   int max_stored_responses = 1000;
+  std::string stored_responses_memory = "256MiB";
   double shutdown_timeout = 30;
   double request_timeout = 600;
   double http_read_timeout = 30;
@@ -80,6 +81,8 @@ void run_serve(const ServeOptions& o) {
   if (auto b = kv::parse_byte_size(o.kv_disk_bytes); !b) fail("--kv-disk-bytes: " + b.message());
   auto max_body = kv::parse_byte_size(o.max_body);
   if (!max_body) fail("--max-body-size: " + max_body.message());
+  auto stored_memory = kv::parse_memory_size(o.stored_responses_memory);
+  if (!stored_memory) fail("--stored-responses-memory: " + stored_memory.message());
   // vLLM's pair: tool_choice "auto" parses the answer with the parser, which alone does nothing.
   if (o.enable_auto_tool_choice && o.tool_call_parser.empty()) fail("--enable-auto-tool-choice needs --tool-call-parser (hermes)");
   if (!o.enable_auto_tool_choice && !o.tool_call_parser.empty())
@@ -232,6 +235,7 @@ void run_serve(const ServeOptions& o) {
   so.http_threads = o.http_threads;
   so.max_dashboard_clients = o.max_dashboards;
   so.max_stored_responses = static_cast<size_t>(o.max_stored_responses);
+  so.stored_responses_bytes = static_cast<size_t>(*stored_memory);
   so.allowed_origins = parse_allowed_origins(o.allowed_origins);
   so.request_timeout_s = o.request_timeout;
   so.http_read_timeout_s = o.http_read_timeout;
@@ -336,6 +340,9 @@ void add_serve_command(CLI::App& app) {
                   "finished /v1/responses answers kept in memory (LRU) for GET, DELETE and previous_response_id; "
                   "0 keeps none (store is answered false, previous_response_id refused)")
       ->check(number_in(0, 1 << 24))
+      ->capture_default_str();
+  cmd->add_option("--stored-responses-memory", o->stored_responses_memory,
+                  "and at most this much of their JSON (each keeps its whole conversation), oldest first: bytes (256MiB) or a fraction of RAM")
       ->capture_default_str();
   cmd->add_option("--max-n", o->max_n, "largest n (choices per request)")->check(number_in(1, 256))->capture_default_str();
   cmd->add_option("-t,--threads", o->threads, "compute threads (default: all cores)")->check(number_in(1, 256));

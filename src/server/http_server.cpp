@@ -177,7 +177,7 @@ const char* role_name(ServerRole r) {
 
 HttpServer::HttpServer(Engine& engine, ApiContext ctx, ServerOptions opts)
     : engine_(engine), ctx_(std::move(ctx)), opts_(std::move(opts)), svr_(std::make_unique<httplib::Server>()),
-      store_(opts_.max_stored_responses) {
+      store_(opts_.max_stored_responses, opts_.stored_responses_bytes) {
   // A thread per running request, 8 for the rest (health, metrics, queued requests' refusals),
   // and one per dashboard that may be open.
   const auto n_keys = static_cast<int32_t>(opts_.api_keys.size());
@@ -674,11 +674,10 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
   ApiRequest ar = chat ? parse_chat_request(body, ctx_) : parse_completion_request(body, ctx_);
   const bool prefill = opts_.role == ServerRole::kPrefill;
   if (prefill) {  // the prompt's KV is the product; one token proves the prompt ran
-    ar.params.max_tokens = 1;
+    ar.params.max_tokens = 1;  // echo's max_tokens 0 included
     ar.params.min_tokens = 0;  // the decode instance holds the end off; this token is thrown away
     ar.params.n = 1;
     ar.params.prompt_logprobs = -1;
-    ar.params.max_tokens = 1;  // echo's max_tokens 0 included
     ar.echo = ar.prompt_logprobs = false;
     ar.stream = false;
   }

@@ -90,6 +90,7 @@ struct ServerOptions {
   // Finished Responses API responses kept in memory (LRU) for GET, DELETE and previous_response_id;
   // 0 keeps none (store is then answered false, previous_response_id refused).
   size_t max_stored_responses = 1000;
+  size_t stored_responses_bytes = size_t(256) << 20;  // and at most this much of their JSON
 };
 
 class HttpServer {

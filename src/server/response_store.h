@@ -1,7 +1,9 @@
 // The stored responses of the Responses API (responses_api.h): GET /v1/responses/{id},
 // DELETE /v1/responses/{id}, and previous_response_id. In memory, per instance, bounded: at most
-// `capacity` responses, the least recently used (created, read or continued) evicted first;
-// capacity 0 keeps none. A response is seen only by its tenant (the API key that made it:
+// `capacity` responses and `max_bytes` of their JSON (each keeps its whole conversation, so a
+// long previous_response_id chain grows as the square of its turns), the least recently used
+// (created, read or continued) evicted first; capacity 0 keeps none. A response larger than
+// max_bytes alone is not kept (a later GET is a 404, as for an evicted one). A response is seen only by its tenant (the API key that made it:
 // tenant_prefix; "" without keys): another key's lookup finds nothing, as an unknown id.
 //
 // Thread-safe (one mutex; every call is a map lookup and a list splice).
@@ -19,7 +21,7 @@ namespace kv {
 
 class ResponseStore {
  public:
-  explicit ResponseStore(size_t capacity) : capacity_(capacity) {}
+  ResponseStore(size_t capacity, size_t max_bytes) : capacity_(capacity), max_bytes_(max_bytes) {}
 
   bool enabled() const { return capacity_ > 0; }
   // Keeps r under id (replacing one there); the least recently used goes when over capacity.
@@ -29,12 +31,21 @@ class ResponseStore {
   // Removes it if it is there and tenant's; false otherwise.
   bool erase(const std::string& id, const std::string& tenant);
   size_t size() const;
+  size_t bytes() const;  // the JSON sizes of what is kept
 
  private:
-  using Lru = std::list<std::pair<std::string, std::shared_ptr<const StoredResponse>>>;  // most recent first
+  struct Entry {
+    std::string id;
+    std::shared_ptr<const StoredResponse> r;
+    size_t bytes;
+  };
+  using Lru = std::list<Entry>;  // most recent first
+  void drop(Lru::iterator it);   // with mu_ held
   const size_t capacity_;
+  const size_t max_bytes_;
   mutable std::mutex mu_;
   Lru lru_;
+  size_t bytes_ = 0;
   std::unordered_map<std::string, Lru::iterator> index_;
 };
 

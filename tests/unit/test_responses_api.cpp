@@ -244,7 +244,7 @@ std::shared_ptr<StoredResponse> stored(const std::string& tenant) {
 }
 
 TEST(ResponseStore, KeepsTheMostRecentlyUsedAndTenantsApart) {
-  kv::ResponseStore store(2);
+  kv::ResponseStore store(2, size_t(1) << 20);
   store.put("a", stored(""));
   store.put("b", stored(""));
   ASSERT_TRUE(store.get("a", ""));  // a used: b is the oldest
@@ -259,10 +259,38 @@ TEST(ResponseStore, KeepsTheMostRecentlyUsedAndTenantsApart) {
   EXPECT_TRUE(store.get("k", "key:1/"));
   EXPECT_TRUE(store.erase("k", "key:1/"));
   EXPECT_FALSE(store.get("k", "key:1/"));
-  kv::ResponseStore none(0);
+  kv::ResponseStore none(0, size_t(1) << 20);
   none.put("a", stored(""));
   EXPECT_FALSE(none.enabled());
   EXPECT_FALSE(none.get("a", ""));
+}
+
+// Each response keeps its whole conversation: the bytes are bounded too, oldest first.
+TEST(ResponseStore, KeepsItsBytesWithinTheBound) {
+  auto big = [](const std::string& text) {
+    auto s = stored("");
+    s->conversation.push_back({{"type", "message"}, {"role", "user"}, {"content", text}});
+    return s;
+  };
+  kv::ResponseStore probe(1, size_t(1) << 20);
+  probe.put("p", big(std::string(1000, 'x')));
+  const size_t one = probe.bytes();
+  ASSERT_GT(one, 1000u);
+  kv::ResponseStore store(100, 3 * one + 10);
+  for (const char* id : {"a", "b", "c"}) store.put(id, big(std::string(1000, 'x')));
+  EXPECT_EQ(store.size(), 3u);
+  EXPECT_EQ(store.bytes(), 3 * one);
+  store.put("d", big(std::string(1000, 'x')));  // a goes
+  EXPECT_FALSE(store.get("a", ""));
+  EXPECT_TRUE(store.get("d", ""));
+  EXPECT_EQ(store.bytes(), 3 * one);
+  store.put("huge", big(std::string(4000, 'x')));  // larger than the bound alone: not kept, nothing evicted
+  EXPECT_FALSE(store.get("huge", ""));
+  EXPECT_EQ(store.size(), 3u);
+  store.put("b", big("short"));  // replacing an entry frees its bytes
+  EXPECT_LT(store.bytes(), 3 * one);
+  EXPECT_TRUE(store.erase("b", ""));
+  EXPECT_EQ(store.bytes(), 2 * one);
 }
 
 }  // namespace
