@@ -346,7 +346,7 @@ void add_serve_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--max-n", o->max_n, "largest n (choices per request)")->check(number_in(1, 256))->capture_default_str();
   cmd->add_option("-t,--threads", o->threads, "compute threads (default: all cores)")->check(number_in(1, 256));
-  cmd->add_option("--http-threads", o->http_threads, "connection threads (default: max-num-seqs + 8 + the dashboards that may be open)")
+  cmd->add_option("--http-threads", o->http_threads, "connection threads (default: max-num-seqs + max-queue + 8 + the dashboards that may be open, at most 1024; a request holds one until answered, queued ones too)")
       ->check(number_in(1, 4096));
   cmd->add_option("--max-dashboards", o->max_dashboards,
                   "KV dashboards (/dashboard/events streams) open at once; with API keys each key gets an equal share, at least one")

@@ -178,11 +178,17 @@ const char* role_name(ServerRole r) {
 HttpServer::HttpServer(Engine& engine, ApiContext ctx, ServerOptions opts)
     : engine_(engine), ctx_(std::move(ctx)), opts_(std::move(opts)), svr_(std::make_unique<httplib::Server>()),
       store_(opts_.max_stored_responses, opts_.stored_responses_bytes) {
-  // A thread per running request, 8 for the rest (health, metrics, queued requests' refusals),
-  // and one per dashboard that may be open.
+  // A thread per request the engine may hold (running or waiting in its queue: a request keeps
+  // its connection's thread until answered), 8 for the rest (health, metrics, refusals), and one
+  // per dashboard that may be open. With fewer, the threads ran out before the engine's queue
+  // filled: --max-queue's 429 was never reached and connections past the threads waited unseen
+  // (and the watchdog took them for slow clients). Beyond kMaxDefaultThreads connections wait for
+  // a thread (never dropped: ConnectionWatchdog leaves a complete request alone).
+  constexpr int32_t kMaxDefaultThreads = 1024;
   const auto n_keys = static_cast<int32_t>(opts_.api_keys.size());
   const int32_t n_dashboards = std::max(opts_.max_dashboard_clients, n_keys);
-  const int32_t n_threads = opts_.http_threads > 0 ? opts_.http_threads : engine_.config().max_num_seqs + 8 + n_dashboards;
+  const int64_t n_default = int64_t(engine_.config().max_num_seqs) + engine_.config().max_queue + 8 + n_dashboards;
+  const int32_t n_threads = opts_.http_threads > 0 ? opts_.http_threads : static_cast<int32_t>(std::min<int64_t>(n_default, kMaxDefaultThreads));
   svr_->new_task_queue = [n_threads] { return new httplib::ThreadPool(static_cast<size_t>(n_threads)); };
   svr_->set_payload_max_length(opts_.max_body_bytes);
   svr_->set_keep_alive_max_count(1000);

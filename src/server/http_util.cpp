@@ -9,6 +9,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
+#include <string_view>
 
 #include <chrono>
 
@@ -324,6 +326,18 @@ void ConnectionWatchdog::loop() {
   }
 }
 
+namespace {
+
+// Whether the unread bytes of socket fd hold a request's line and headers ("\r\n\r\n"), as
+// a client waiting for a connection thread has sent them. Never blocks, reads nothing.
+bool holds_request_headers(int fd) {
+  char buf[16384];
+  const ssize_t n = ::recv(fd, buf, sizeof buf, MSG_PEEK | MSG_DONTWAIT);
+  return n > 0 && std::string_view(buf, static_cast<size_t>(n)).find("\r\n\r\n") != std::string_view::npos;
+}
+
+}  // namespace
+
 void ConnectionWatchdog::check() {
   // This process's connected sockets on the port (the listening one has no peer).
   std::vector<std::pair<int, Peer>> open;
@@ -334,6 +348,7 @@ void ConnectionWatchdog::check() {
   const auto now = std::chrono::steady_clock::now();
   const auto limit = std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(limit_s_));
   std::vector<std::pair<int, Peer>> idle;
+  int64_t waiting = 0;  // complete requests no thread has taken yet
   {
     std::lock_guard<std::mutex> l(mu_);
     for (auto& [peer, c] : conns_) c.seen = false;
@@ -341,7 +356,10 @@ void ConnectionWatchdog::check() {
       auto [it, fresh] = conns_.try_emplace(peer);
       if (fresh) it->second.since = now;
       it->second.seen = true;
-      if (it->second.active == 0 && now - it->second.since > limit) idle.push_back({fd, peer});
+      if (it->second.active == 0 && now - it->second.since > limit) {
+        if (holds_request_headers(fd)) ++waiting;
+        else idle.push_back({fd, peer});
+      }
     }
     for (auto it = conns_.begin(); it != conns_.end();) it = it->second.seen ? std::next(it) : conns_.erase(it);
   }
@@ -356,6 +374,11 @@ void ConnectionWatchdog::check() {
       continue;
     ::shutdown(fd, SHUT_RDWR);
     closed_.fetch_add(1);
+  }
+  if (waiting > 0 && (told_waiting_at_ == std::chrono::steady_clock::time_point{} || now - told_waiting_at_ > std::chrono::minutes(1))) {
+    std::fprintf(stderr, "http: %lld connections with a complete request have waited over %g s for a connection thread (--http-threads)\n",
+                 static_cast<long long>(waiting), limit_s_);
+    told_waiting_at_ = now;
   }
   const int64_t closed = closed_.load();
   if (closed > told_ && (told_ == 0 || now - told_at_ > std::chrono::minutes(1))) {

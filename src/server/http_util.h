@@ -99,7 +99,9 @@ int64_t unix_now();
 // thread, /health's included. A connection to `port` with no request begun (its headers read)
 // for limit_s since it opened or since its last response ended is shut down; one inside a
 // request (its body being read, with post_with_body_limit's own deadline, or its answer being
-// computed or streamed) is never touched. An idle kept-alive connection is closed by httplib
+// computed or streamed) is never touched. Nor is one whose complete request headers wait unread
+// in its socket (peeked): it waits for a free connection thread, it is not slow; it was shut
+// down unanswered while every thread was busy. Such waits are logged (once a minute at most). An idle kept-alive connection is closed by httplib
 // after 5 s first. begin and end come from the server's pre-routing handler and logger (httplib
 // calls both for every routed request, the logger once its response is written); connections
 // are matched to requests by their peer address. Looks once a second.
@@ -128,6 +130,7 @@ class ConnectionWatchdog {
   std::map<Peer, Conn> conns_;
   std::atomic<int64_t> closed_{0};
   int64_t told_ = 0;
+  std::chrono::steady_clock::time_point told_waiting_at_{};
   std::chrono::steady_clock::time_point told_at_{};
   std::thread thread_;
 };

@@ -254,3 +254,54 @@ def test_clients_that_send_their_request_slowly_are_closed_and_others_served():
         for c in socks:
             c.close()
         s.stop()
+
+
+def _long_completion(url, results, i, max_tokens):
+    try:
+        r = requests.post(url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": max_tokens,
+                                                         "ignore_eos": True, "temperature": 0}, timeout=120)
+        results[i] = r.status_code
+    except requests.RequestException as e:  # a connection closed without an answer lands here
+        results[i] = repr(e)
+
+
+def test_requests_past_the_running_slots_queue_in_the_engine_and_none_is_dropped():
+    """The connection threads were max-num-seqs + 8 + dashboards: with one sequence slot and a
+    queue of 100, the eleventh of 20 clients found no thread, waited unseen, and the watchdog
+    (--http-read-timeout) shut it down unanswered as if it were slow; --max-queue was never
+    reached. The default now gives every request the engine may hold (running or queued) a
+    thread: all 20 are answered."""
+    s = Server("--max-num-seqs", "1", "--max-queue", "100", "--max-dashboards", "1", "--http-read-timeout", "2")
+    try:
+        results = [None] * 20
+        threads = [threading.Thread(target=_long_completion, args=(s.url, results, i, 160)) for i in range(20)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == [200] * 20, results
+        assert "http: closed" not in s.output()
+    finally:
+        s.stop()
+
+
+def test_a_complete_request_waiting_for_a_connection_thread_is_served_not_dropped():
+    """With the only connection thread held by a running request (--http-threads 1), a second
+    client's complete request waits in its socket. The watchdog took it for a client sending
+    slowly and shut it down unanswered after --http-read-timeout; it now peeks, finds the
+    request's headers, leaves it waiting, and the request is answered once the thread is free."""
+    import time
+    s = Server("--max-num-seqs", "1", "--http-threads", "1", "--http-read-timeout", "1", max_model_len=2048)
+    try:
+        results = [None] * 2
+        holder = threading.Thread(target=_long_completion, args=(s.url, results, 0, 1500))
+        holder.start()
+        time.sleep(0.3)
+        waiter = threading.Thread(target=_long_completion, args=(s.url, results, 1, 2))
+        waiter.start()
+        for t in (holder, waiter):
+            t.join()
+        assert results == [200, 200], results
+        assert "waited over" in s.output() and "--http-threads" in s.output(), s.output()[-2000:]
+    finally:
+        s.stop()
