@@ -3,10 +3,12 @@
 #include <httplib.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <functional>
 #include <map>
+#include <string_view>
 #include <thread>
 
 #include "engine/engine.h"
@@ -239,13 +241,27 @@ void HttpServer::stop() {
   svr_->stop();
 }
 
+namespace {
+
+// The credentials of an "Authorization: Bearer <key>" header; the scheme's case does not matter
+// (RFC 7235), spaces after it do not either. Empty: no key in that form.
+std::string bearer_key(const httplib::Request& req) {
+  const std::string h = req.get_header_value("Authorization");
+  constexpr std::string_view kScheme = "bearer";
+  if (h.size() <= kScheme.size() || h[kScheme.size()] != ' ') return "";
+  for (size_t i = 0; i < kScheme.size(); ++i)
+    if (std::tolower(static_cast<unsigned char>(h[i])) != kScheme[i]) return "";
+  const size_t k = h.find_first_not_of(' ', kScheme.size());
+  return k == std::string::npos ? "" : h.substr(k);
+}
+
+}  // namespace
+
 bool HttpServer::authorized(const httplib::Request& req) const {
   if (opts_.api_keys.empty()) return true;
-  std::string h = req.get_header_value("Authorization");
-  const std::string prefix = "Bearer ";
-  if (h.size() < prefix.size() || h.compare(0, prefix.size(), prefix) != 0) return false;
+  const std::string given = bearer_key(req);
   bool ok = false;
-  for (const std::string& key : opts_.api_keys) ok |= same_secret(h.substr(prefix.size()), key);  // every key compared
+  for (const std::string& key : opts_.api_keys) ok |= same_secret(given, key);  // every key compared
   return ok;
 }
 
@@ -267,7 +283,8 @@ void HttpServer::routes() {
     // Everything but the liveness and metrics probes and the two pages (which ask for the key)
     // needs the key.
     if (path != "/health" && path != "/metrics" && path != "/" && path != "/dashboard" && !authorized(req)) {
-      bool missing = req.get_header_value("Authorization").empty();
+      // No header, or one not in the Bearer form (the key alone, Basic): OpenAI's "didn't provide".
+      const bool missing = bearer_key(req).empty();
       write_error(res, ApiError{401,
                                 missing ? "You didn't provide an API key. Provide it in an Authorization header using Bearer auth "
                                           "(i.e. Authorization: Bearer YOUR_KEY)."
@@ -348,7 +365,7 @@ int32_t HttpServer::dashboards_per_tenant() const {
 void HttpServer::handle_dashboard_events(const httplib::Request& req, httplib::Response& res) {
   // Each viewer holds an HTTP thread for as long as it watches: a few, not the pool; with keys,
   // an equal share per tenant.
-  const std::string tenant = opts_.api_keys.empty() ? std::string() : tenant_prefix(req.get_header_value("Authorization").substr(7));
+  const std::string tenant = tenant_of(req);
   {
     std::lock_guard<std::mutex> l(dashboards_mu_);
     int32_t& open = dashboards_[tenant];
@@ -415,7 +432,7 @@ std::chrono::steady_clock::time_point HttpServer::request_deadline() const {
 }
 
 std::string HttpServer::tenant_of(const httplib::Request& req) const {
-  return opts_.api_keys.empty() ? std::string() : tenant_prefix(req.get_header_value("Authorization").substr(7));
+  return opts_.api_keys.empty() ? std::string() : tenant_prefix(bearer_key(req));
 }
 
 std::shared_ptr<RequestGroup> HttpServer::submit(ApiRequest& ar, const httplib::Request& req, httplib::Response& res, bool chat) {

@@ -46,7 +46,20 @@ def test_401_without_the_key(keyed, headers):
     for path in ("/v1/completions", "/v1/chat/completions"):
         e = error_of(requests.post(keyed.url + path, json=body(), headers=headers), 401)
         assert e["code"] == "invalid_api_key"
+        # A header without the Bearer form (none, the key alone, Basic, an empty key) says how to
+        # send one, as OpenAI does; only a wrong key in that form is "incorrect".
+        bearer = headers.get("Authorization", "").startswith("Bearer ") and len(headers["Authorization"]) > 7
+        assert ("Incorrect API key" in e["message"]) == bearer, e["message"]
+        assert ("Bearer auth" in e["message"]) == (not bearer), e["message"]
     error_of(requests.get(keyed.url + "/v1/models", headers=headers), 401)
+
+
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "Bearer  "])
+def test_the_bearer_scheme_is_case_insensitive(keyed, scheme):
+    """RFC 7235: the scheme's case does not matter (a user test: "bearer <key>" was an
+    "Incorrect API key")."""
+    r = requests.post(keyed.url + "/v1/completions", json=body(), headers={"Authorization": scheme + " " + KEY})
+    assert r.status_code == 200, r.text
 
 
 def test_key_accepted(keyed):
