@@ -23,7 +23,7 @@ namespace kvtools {
 namespace {
 struct RouterCliOptions {
   std::string model = kDefaultModel;
-  std::string served_model_name;
+  std::vector<std::string> served_model_name;
   std::string chat_template;
   std::string allowed_origins = "[\"*\"]";
   bool trust_request_chat_template = false;
@@ -148,7 +148,7 @@ void add_router_command(CLI::App& app) {
   auto o = std::make_shared<RouterCliOptions>();
   CLI::App* cmd = app.add_subcommand("router", "OpenAI-compatible front over kvserve instances: replicas by prefix, or prefill + decode");
   cmd->add_option("-m,--model", o->model, "GGUF model the backends serve (its tokenizer and chat template are used)")->capture_default_str();
-  cmd->add_option("--served-model-name", o->served_model_name, "model id in the API (default: the file's stem)");
+  cmd->add_option("--served-model-name", o->served_model_name, "model id in the API (default: the file's stem); several are aliases, as vLLM's: responses and /v1/models name the first")->expected(1, -1);
   add_allowed_origins_option(cmd, &o->allowed_origins);
   cmd->add_flag("--trust-request-chat-template", o->trust_request_chat_template,
                 "accept a request's own chat_template, as the backends' flag (vLLM's; off: such a request is a 400)");

@@ -25,7 +25,7 @@ struct ServeOptions {
   std::string host = "127.0.0.1";
   int port = 8080;
   std::vector<std::string> api_keys;
-  std::string served_model_name;
+  std::vector<std::string> served_model_name;
   std::string chat_template;
   std::string allowed_origins = "[\"*\"]";
   bool trust_request_chat_template = false;
@@ -311,7 +311,7 @@ void add_serve_command(CLI::App& app) {
       ->envname("KVSERVE_API_KEY")
       ->expected(1)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  cmd->add_option("--served-model-name", o->served_model_name, "model id in the API (default: the file's stem)");
+  cmd->add_option("--served-model-name", o->served_model_name, "model id in the API (default: the file's stem); several are aliases, as vLLM's: responses and /v1/models name the first")->expected(1, -1);
   add_allowed_origins_option(cmd, &o->allowed_origins);
   cmd->add_flag("--trust-request-chat-template", o->trust_request_chat_template,
                 "accept a request's own chat_template (vLLM's flag; off: such a request is a 400)");

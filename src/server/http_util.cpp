@@ -170,18 +170,22 @@ bool refuse_wrong_method(const httplib::Request& req, httplib::Response& res, co
 }
 
 void install_model_routes(httplib::Server& svr, const ApiContext& ctx) {
-  auto card = [&ctx] {
-    return nlohmann::ordered_json{{"id", ctx.model_names.at(0)}, {"object", "model"}, {"created", unix_now()}, {"owned_by", "kvserve"},
+  // A card per served name (vLLM lists each of --served-model-name's); a file-name alias gets the first's.
+  auto card = [&ctx](const std::string& id) {
+    return nlohmann::ordered_json{{"id", id}, {"object", "model"}, {"created", unix_now()}, {"owned_by", "kvserve"},
                                   {"max_model_len", ctx.max_model_len}, {"chat_template", ctx.chat_template != nullptr}};
   };
-  svr.Get("/v1/models", safe_handler([card](const httplib::Request&, httplib::Response& res) {
-            write_json(res, nlohmann::ordered_json{{"object", "list"}, {"data", nlohmann::ordered_json::array({card()})}});
+  svr.Get("/v1/models", safe_handler([&ctx, card](const httplib::Request&, httplib::Response& res) {
+            auto data = nlohmann::ordered_json::array();
+            for (int32_t i = 0; i < ctx.n_served_names; ++i) data.push_back(card(ctx.model_names.at(i)));
+            write_json(res, nlohmann::ordered_json{{"object", "list"}, {"data", data}});
           }));
   svr.Get(R"(/v1/models/(.+))", safe_handler([&ctx, card](const httplib::Request& req, httplib::Response& res) {
             const std::string id = req.matches[1];
             if (std::find(ctx.model_names.begin(), ctx.model_names.end(), id) == ctx.model_names.end())
               throw ApiError{404, "The model `" + id + "` does not exist.", "invalid_request_error", "model", "model_not_found"};
-            write_json(res, card());
+            const auto k = std::find(ctx.model_names.begin(), ctx.model_names.end(), id) - ctx.model_names.begin();
+            write_json(res, card(k < ctx.n_served_names ? id : ctx.model_names.at(0)));
           }));
 }
 

@@ -564,14 +564,17 @@ ApiError from_event(const StreamEvent& ev) {
 }
 
 ApiContext make_api_context(const Tokenizer& tok, const ChatTemplate* chat_template, const std::string& model_path,
-                            const std::string& served_name, int32_t max_model_len, int32_t max_n) {
+                            const std::vector<std::string>& served_names, int32_t max_model_len, int32_t max_n) {
   ApiContext ctx;
   ctx.tok = &tok;
   ctx.chat_template = chat_template;
   if (tok.bos_id() >= 0) ctx.bos_text = tok.token_bytes(tok.bos_id(), true);
   if (tok.eos_id() >= 0) ctx.eos_text = tok.token_bytes(tok.eos_id(), true);
   const std::filesystem::path p(model_path);
-  ctx.model_names = {served_name.empty() ? p.stem().string() : served_name, p.stem().string(), p.filename().string()};
+  ctx.model_names = served_names.empty() ? std::vector<std::string>{p.stem().string()} : served_names;
+  ctx.n_served_names = static_cast<int32_t>(ctx.model_names.size());
+  for (std::string alias : {p.stem().string(), p.filename().string()})
+    if (std::find(ctx.model_names.begin(), ctx.model_names.end(), alias) == ctx.model_names.end()) ctx.model_names.push_back(alias);
   ctx.max_model_len = max_model_len;
   ctx.max_n = max_n;
   return ctx;

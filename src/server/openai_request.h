@@ -26,6 +26,7 @@ struct ApiContext {
   const ChatTemplate* chat_template = nullptr;  // nullptr: the model has none; chat answers 400
   std::string bos_text, eos_text;               // template variables bos_token / eos_token
   std::vector<std::string> model_names;         // accepted `model` values; [0] is the served name
+  int32_t n_served_names = 1;                    // model_names' first n: --served-model-name's (listed in /v1/models)
   int32_t max_model_len = 4096;
   int32_t max_n = 16;
   int32_t max_stop = 16;      // stop strings per request (OpenAI allows 4)
@@ -75,10 +76,16 @@ struct ApiRequest {
   ToolChoice tool_choice;
 };
 
-// The context of a model file at `model_path`: names accepted as `model` (served_name or the
-// file's stem first, then the stem and the file name), the template's bos/eos texts.
+// The context of a model file at `model_path`: names accepted as `model` (the served names, or
+// the file's stem, first; then the stem and the file name), the template's bos/eos texts.
+// Several served names are aliases, as vLLM's --served-model-name a b: responses name the first.
 ApiContext make_api_context(const Tokenizer& tok, const ChatTemplate* chat_template, const std::string& model_path,
-                            const std::string& served_name, int32_t max_model_len, int32_t max_n);
+                            const std::vector<std::string>& served_names, int32_t max_model_len, int32_t max_n);
+inline ApiContext make_api_context(const Tokenizer& tok, const ChatTemplate* chat_template, const std::string& model_path,
+                                   const std::string& served_name, int32_t max_model_len, int32_t max_n) {
+  return make_api_context(tok, chat_template, model_path,
+                          served_name.empty() ? std::vector<std::string>{} : std::vector<std::string>{served_name}, max_model_len, max_n);
+}
 
 // Parses a body as one JSON object. Rejects bodies that are not UTF-8, not JSON, nested
 // deeper than ctx.max_nesting, or not an object.

@@ -318,3 +318,19 @@ def test_a_complete_request_waiting_for_a_connection_thread_is_served_not_droppe
         assert "waited over" in s.output() and "--http-threads" in s.output(), s.output()[-2000:]
     finally:
         s.stop()
+
+
+def test_several_served_model_names_are_aliases():
+    """vLLM's --served-model-name takes several names (a user test: a vLLM launch line with
+    aliases did not start). Each is listed and accepted; responses name the first."""
+    from openai import OpenAI
+    s = Server("--served-model-name", "foo", "bar")
+    try:
+        c = OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        assert [m.id for m in c.models.list().data] == ["foo", "bar"]
+        for name in ("foo", "bar", MODEL_NAME):
+            assert c.completions.create(model=name, prompt="Hi", max_tokens=1).model == "foo"
+        assert c.models.retrieve("bar").id == "bar"
+        assert requests.post(s.url + "/v1/completions", json={"model": "baz", "prompt": "Hi"}).status_code == 404
+    finally:
+        s.stop()
