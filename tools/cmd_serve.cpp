@@ -195,7 +195,10 @@ void run_serve(const ServeOptions& o) {
     std::fprintf(stderr, "note: the KV cache holds %lld tokens, less than one sequence of max_model_len %d: a chat request without "
                  "max_tokens gets at most what the cache leaves after its prompt (raise --kv-cache-memory or lower --max-model-len)\n",
                  static_cast<long long>(n_tokens), ec.max_model_len);
-  if (ec.kv_policy.evicts())  // a sequence holds its prompt, then at most the budget
+  if (ec.kv_policy.evicts() && ec.kv_policy.budget >= ec.max_model_len)  // a user test read "0 sequences of 99999999999 tokens fit"
+    std::fprintf(stderr, "note: --kv-budget %lld is not below max_model_len %d: no sequence grows past it, so --kv-eviction %s never evicts\n",
+                 static_cast<long long>(ec.kv_policy.budget), ec.max_model_len, kv::eviction_policy_name(ec.kv_policy.policy));
+  else if (ec.kv_policy.evicts())  // a sequence holds its prompt, then at most the budget
     std::fprintf(stderr, "KV cache under --kv-eviction %s: %lld sequences of %lld tokens (the budget, once their prompts are cut down to it) fit\n",
                  kv::eviction_policy_name(ec.kv_policy.policy), static_cast<long long>(n_pages / ((ec.kv_policy.budget + ec.block_size - 1) / ec.block_size + 1)),
                  static_cast<long long>(ec.kv_policy.budget));

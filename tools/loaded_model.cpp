@@ -82,6 +82,10 @@ kv::EvictionConfig make_eviction(const EvictionOptions& eo, int block_size) {
       fail("--kv-sink-tokens and --kv-recent-tokens need --kv-eviction POLICY or --kv-sparse quest");
   }
   if (eo.obs_window >= 0 && c.policy != kv::EvictionPolicy::kSnapKV) fail("--kv-obs-window needs --kv-eviction snapkv");
+  // window keeps no sink tokens (sinks is window plus sinks): a user test's request for 4 got none, silently
+  if (eo.sink_tokens >= 0 && c.policy == kv::EvictionPolicy::kWindow)
+    fail("--kv-sink-tokens: window keeps no sink tokens; --kv-eviction sinks keeps them and a recent window");
+  if (!eo.offload_dir.empty() && !eo.offload_cold) fail("--kv-offload-dir needs --kv-offload-cold (the directory of its spill file)");
   c.budget = eo.budget;
   if (eo.sink_tokens >= 0) c.sink_tokens = eo.sink_tokens;
   c.recent_tokens = eo.recent_tokens;

@@ -272,14 +272,14 @@ Rejection Engine::check_request(const Request& req) const {
                          {p.sampling.frequency_penalty, "frequency_penalty"}})
     if (!std::isfinite(v)) return reject(400, std::string(name) + " must be a finite number.", name);
   if (p.kv_policy_set) {
-    if (Status st = p.kv_policy.validate(cfg_.block_size); !st) return reject(400, st.message(), "kv_eviction");
+    if (Status st = policy_of(p).validate(cfg_.block_size); !st) return reject(400, st.message(), "kv_eviction");
     if (p.kv_policy.active() && model_.config().mla) return reject(400, "KV eviction and sparse reads are not supported for this model (MLA).", "kv_eviction");
     if (p.kv_policy.sparse() && !pool_->has_key_stats())
       return reject(400, "Quest sparse reads need the server started with --kv-sparse quest (the pages' key summaries are kept only then).", "kv_eviction");
   }
   // An evicting policy whose budget is below max_model_len may go past it (re-indexing); the
   // prompt must still fit, since it is computed whole before it is compressed.
-  const EvictionConfig& ev = p.kv_policy_set ? p.kv_policy : cfg_.kv_policy;
+  const EvictionConfig ev = policy_of(p);
   const bool past_context = ev.evicts() && ev.budget < cfg_.max_model_len && n_prompt < cfg_.max_model_len;
   if (n_prompt + p.max_tokens > cfg_.max_model_len && !past_context)
     return reject(400,
@@ -293,9 +293,8 @@ Rejection Engine::check_request(const Request& req) const {
   int64_t tokens_one = std::min<int64_t>(n_prompt + p.max_tokens, cfg_.max_model_len);
   if (ev.evicts()) tokens_one = std::min<int64_t>(tokens_one, std::max<int64_t>(n_prompt + 1, ev.budget + cfg_.block_size));
   int64_t pages_one = BlockTable::pages_for(tokens_one, cfg_.block_size);
-  if (cold_ && !p.kv_policy_set)  // RAM holds the budget and what one step reads back
-    pages_one = std::min<int64_t>(pages_one, BlockTable::pages_for(cfg_.kv_policy.budget, cfg_.block_size) +
-                                                 cfg_.kv_policy.quest_pages_read(cfg_.block_size) + 2);
+  if (cold_ && ev.offload_cold)  // RAM holds the budget and what one step reads back
+    pages_one = std::min<int64_t>(pages_one, BlockTable::pages_for(ev.budget, cfg_.block_size) + ev.quest_pages_read(cfg_.block_size) + 2);
   if (pages_one > pool_->n_pages())
     return reject(400,
                   "The request needs " + std::to_string(pages_one) + " KV pages (" + std::to_string(tokens_one) +
@@ -389,7 +388,7 @@ void Engine::drain_incoming() {
     s->rs = rs;
     s->tokens = rs->req.prompt;
     s->n_prompt = static_cast<int32_t>(s->tokens.size());
-    s->evict = rs->req.params.kv_policy_set ? rs->req.params.kv_policy : cfg_.kv_policy;
+    s->evict = policy_of(rs->req.params);
     if (rs->req.params.constraint) s->constraint = std::make_unique<ConstraintMatcher>(rs->req.params.constraint);
     attach_cold(*s);
     switch (rs->req.params.spec_choice) {
@@ -670,7 +669,13 @@ bool Engine::schedule(Plan* plan) {
 
 void Engine::annotate(Sequence& s, BatchSeq& b) {
   if (!s.evict.active()) return;
-  if (s.evict.sparse()) b.quest = &s.evict;
+  // Quest reads sparsely in decode runs only. A prompt's last run is as short as the prefix cache
+  // or the chunking leaves it (8 tokens after 992 cached), and read sparsely it made a greedy
+  // answer depend on the cache's state and the step size (a user test); the prompt is read whole.
+  // With cold pages a prompt past the RAM budget runs in Quest tiles (cold_cap): those read
+  // sparsely too, or they would hold every page.
+  const bool past_ram = s.cold.attached() && b.pos0 + b.n_tokens > s.evict.budget;
+  if (s.evict.sparse() && (b.pos0 >= s.n_prompt || past_ram)) b.quest = &s.evict;
   if (s.cold.attached()) b.cold = &s.cold;
   if (!s.evict.wants_scores()) return;
   const int64_t n_pages = BlockTable::pages_for(b.pos0 + b.n_tokens, cfg_.block_size);
@@ -816,6 +821,18 @@ bool Engine::admit(Sequence& s, int64_t budget, int32_t* n_out) {
 }
 
 // ---- Hot and cold pages (kv/cold_store.h) ---------------------------------------------------
+
+EvictionConfig Engine::policy_of(const RequestParams& p) const {
+  if (!p.kv_policy_set) return cfg_.kv_policy;
+  EvictionConfig c = p.kv_policy;
+  // A request's own Quest reads on a server with cold pages keep the operator's RAM budget (its
+  // own budget if it gives one): its config dropped the cold pages (a user test).
+  if (cold_ && cfg_.kv_policy.offload_cold && c.sparse() && !c.evicts()) {
+    c.offload_cold = true;
+    if (c.budget <= 0) c.budget = cfg_.kv_policy.budget;
+  }
+  return c;
+}
 
 void Engine::attach_cold(Sequence& s) {
   if (!cold_ || !s.evict.offload_cold) return;
@@ -1480,7 +1497,7 @@ void Engine::maybe_finish_request(Sequence& s) {
   u.prompt_tokens = static_cast<int32_t>(rs.req.prompt.size());
   u.completion_tokens = rs.completion_tokens;
   u.cached_tokens = std::max(rs.cached_tokens, 0);
-  const EvictionConfig& ev = rs.req.params.kv_policy_set ? rs.req.params.kv_policy : cfg_.kv_policy;
+  const EvictionConfig ev = policy_of(rs.req.params);
   if (ev.active()) {
     u.kv_policy = ev.describe(cfg_.block_size);
     u.kv_tokens_kept = rs.kv_tokens_kept;
@@ -1579,6 +1596,19 @@ bool Engine::step() {
 }
 
 void Engine::publish_gauges() {
+  // Cold-page fetches that found no free pool page read without those pages: say so (at most once
+  // a minute), or a loaded server's outputs differ from an idle one's with only a counter to show.
+  if (cold_) {
+    const int64_t no_room = cold_->stats().no_room;
+    const auto now = Clock::now();
+    if (no_room > cold_no_room_told_ && now - cold_no_room_told_at_ > std::chrono::minutes(1)) {
+      std::fprintf(stderr, "kv: %lld cold-page fetches found no free page in the KV cache and were read without it "
+                   "(outputs then differ from a less loaded server's; raise --kv-cache-memory or lower --max-num-seqs)\n",
+                   static_cast<long long>(no_room - cold_no_room_told_));
+      cold_no_room_told_ = no_room;
+      cold_no_room_told_at_ = now;
+    }
+  }
   // Pages held by requests = pages some block table references (the rest of the used pages
   // are held by the prefix cache alone).
   held_scratch_.assign(pool_->n_pages(), 0);

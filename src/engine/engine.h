@@ -172,6 +172,9 @@ class Engine {
   void maybe_finish_request(Sequence& s);  // the last choice is done: queues the stream's end
   void end_finished_streams();              // ends the queued streams (after publish_gauges)
   Sequence* fork(Sequence& parent, int32_t index);
+  // The KV policy a request runs under: its own, or the server's default (a request's Quest
+  // reads on a cold-page server keep the cold pages and the server's RAM budget).
+  EvictionConfig policy_of(const RequestParams& p) const;
   void annotate(Sequence& s, BatchSeq& b);  // eviction scores / sparse reads for s's run
   void maybe_evict(Sequence& s, int32_t n_run);
   // Evicts what the policy says now (prompt_end: also between page boundaries).
@@ -209,6 +212,8 @@ class Engine {
   std::unique_ptr<PrefixCache> cache_;  // after pool_: destroyed first, releasing into the pool
   std::unique_ptr<TierManager> tiers_;  // after cache_: destroyed before it
   std::unordered_set<uint64_t> tail_tickets_;  // tier lookups whose last page is a prompt tail
+  int64_t cold_no_room_told_ = 0;        // kv_cold_no_room_total when last logged
+  std::chrono::steady_clock::time_point cold_no_room_told_at_{};
   std::unique_ptr<ColdStore> cold_;     // --kv-offload-cold: pages of live sequences beyond their budget
   void attach_cold(Sequence& s);        // s's cold table, when its policy offloads
   void maybe_offload(Sequence& s);      // after a run: s's cold pages down to its budget

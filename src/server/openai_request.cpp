@@ -264,7 +264,9 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r, ReadCon
   // {"policy": "snapkv", "budget": 2048, "sink_tokens": 4, "recent_tokens": 512, "obs_window": 32,
   //  "sparse": "quest", "sparse_pages": 64}: this request's long-context KV policy (kv/kv_eviction.h);
   // fields not given take their defaults, not the server's. Checked against the pool by submit().
-  if (const json* ke = f.get("kv_eviction")) {
+  // An empty object is the field's absence (the server's default), as null is; a user test's {}
+  // dropped the server's policy.
+  if (const json* ke = f.get("kv_eviction"); ke && !(ke->is_object() && ke->empty())) {
     if (!ke->is_object()) type_error("kv_eviction", "an object", *ke);
     static const char* kKnown[] = {"policy", "budget", "sink_tokens", "recent_tokens", "obs_window", "sparse", "sparse_pages"};
     for (auto it = ke->begin(); it != ke->end(); ++it)
@@ -288,6 +290,11 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r, ReadCon
     if (sparse != "none" && sparse != "quest") value_error("kv_eviction", "sparse must be \"none\" or \"quest\", got \"" + sparse + "\".");
     c.sparse_pages = static_cast<int32_t>(kf.integer("sparse_pages", 0, kMax).value_or(0));
     if (sparse == "quest" && c.sparse_pages <= 0) value_error("kv_eviction", "sparse \"quest\" needs sparse_pages > 0.");
+    if (sparse != "quest" && kf.get("sparse_pages")) value_error("sparse_pages", "needs \"sparse\": \"quest\".");
+    if (kf.get("sink_tokens") && c.policy == EvictionPolicy::kWindow)
+      value_error("sink_tokens", "window keeps no sink tokens; \"policy\": \"sinks\" keeps them and a recent window.");
+    if (c.evicts() && c.budget <= 0)  // the engine's check names the CLI's flag
+      value_error("budget", std::string("policy \"") + eviction_policy_name(c.policy) + "\" needs a budget (tokens kept per sequence).");
     if (sparse == "none") c.sparse_pages = 0;
     // Settings that would do nothing are refused, as the CLI's flags are (tools/loaded_model.cpp):
     // {"budget": 256} alone answered 200 with nothing evicted.

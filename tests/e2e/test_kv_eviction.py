@@ -58,6 +58,10 @@ def test_each_policy_streams_and_choices_share_the_evicted_prompt(server, client
     ({"policy": "none", "budget": 256}, "a budget needs a \"policy\""),
     ({"sink_tokens": 8}, "needs a \"policy\""),
     ({"policy": "window", "budget": 256, "obs_window": 8}, "needs \"policy\": \"snapkv\""),
+    # a user test: sparse_pages alone turned a server's Quest off, and window took sink_tokens and kept none
+    ({"sparse_pages": 4}, "needs \"sparse\": \"quest\""),
+    ({"sparse": "none", "sparse_pages": 4}, "needs \"sparse\": \"quest\""),
+    ({"policy": "window", "budget": 128, "sink_tokens": 4}, "window keeps no sink tokens"),
 ])
 def test_bad_kv_eviction_is_a_400(server, client, field, message):
     with pytest.raises(openai.BadRequestError) as e:
@@ -65,6 +69,7 @@ def test_bad_kv_eviction_is_a_400(server, client, field, message):
     err = e.value.body
     assert err["param"].startswith("kv_eviction"), err
     assert message in err["message"], err
+    assert "--kv-budget" not in err["message"], err  # a request's error names its field, not the CLI's flag
 
 
 @pytest.mark.parametrize("policy", ["window", "sinks"])
@@ -102,6 +107,10 @@ def test_server_default_and_quest():
         assert ev["tokens_evicted"] > 0 and ev["tokens_kept"] <= 64
         r = requests.post(url, json={**body, "kv_eviction": {"policy": "none"}}, timeout=60).json()
         assert "kv_eviction" not in r["usage"]
+        # {} is the field's absence, as null: the server's default (it dropped the policy; a user test)
+        for empty in ({}, None):
+            r = requests.post(url, json={**body, "kv_eviction": empty}, timeout=60).json()
+            assert r["usage"]["kv_eviction"]["policy"].startswith("sinks budget 64"), r
         r = requests.post(url, json={**body, "kv_eviction": {"sparse": "quest", "sparse_pages": 3}}, timeout=60).json()
         assert r["usage"]["kv_eviction"]["tokens_evicted"] == 0
         assert r["usage"]["kv_eviction"]["tokens_kept"] == r["usage"]["total_tokens"] - 1
@@ -121,7 +130,10 @@ def test_bad_server_flags_fail_fast():
                        (["--kv-sparse", "quest", "--kv-sparse-pages", "2", "--kv-offload-cold", "--kv-budget", "32"],
                         "leaves no room for cold pages"),
                        (["--kv-sparse", "quest", "--kv-sparse-pages", "2", "--kv-offload-cold", "--kv-budget", "512",
-                         "--kv-offload-dir", "/nonexistent/dir"], "cannot create a spill file")]:
+                         "--kv-offload-dir", "/nonexistent/dir"], "cannot create a spill file"),
+                       # accepted and ignored before (a user test)
+                       (["--kv-offload-dir", "/nonexistent/dir"], "needs --kv-offload-cold"),
+                       (["--kv-eviction", "window", "--kv-budget", "128", "--kv-sink-tokens", "4"], "window keeps no sink tokens")]:
         p = subprocess.run([KVSERVE, "serve", "-m", MODEL, *flags], capture_output=True, text=True, timeout=60)
         assert p.returncode != 0
         assert msg in p.stderr, p.stderr
@@ -143,6 +155,10 @@ def test_cold_pages_go_to_disk_and_come_back(tmp_path, request):
         ev = usage.model_extra["kv_eviction"]
         assert ev["policy"] == "quest 2 pages, cold pages to disk beyond 96 tokens", ev
         assert ev["tokens_evicted"] == 0 and ev["tokens_kept"] <= 2 * 96
+        # a request's own Quest reads keep the server's cold pages and RAM budget (they were dropped)
+        r = client.completions.create(model=MODEL_NAME, prompt=LONG, max_tokens=8, temperature=0,
+                                      extra_body={"kv_eviction": {"sparse": "quest", "sparse_pages": 3}})
+        assert r.usage.model_extra["kv_eviction"]["policy"] == "quest 3 pages, cold pages to disk beyond 96 tokens"
         s.wait_clean()
         m = s.metrics()
         assert m["kvserve:kv_cold_pages_out_total"] > 0 and m["kvserve:kv_cold_pages_in_total"] > 0, m
@@ -262,3 +278,24 @@ def test_a_small_pool_admits_by_the_budget():
     finally:
         s.stop()
     assert s.proc.returncode == 0
+
+
+def test_quest_reads_a_prompt_whole_whatever_the_cache_left_of_it():
+    """Quest reads sparsely in decode runs only. A prompt's last run is as short as the prefix
+    cache leaves it (8 tokens after 992 cached); read sparsely, the same greedy request answered
+    differently once its prompt was cached (a user test)."""
+    s = Server("--debug", "--kv-sparse", "quest", "--kv-sparse-pages", "8", max_model_len=2048, kv_memory="256MiB")
+    try:
+        text = open(__import__("pathlib").Path(__file__).parents[2] / "data/text/emma.txt").read()[:80000]
+        ids = requests.post(s.url + "/tokenize", json={"prompt": text}).json()["tokens"]
+        prompt = requests.post(s.url + "/detokenize", json={"tokens": ids[18000:19000]}).json()["prompt"]
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 32, "temperature": 0}
+        outs = []
+        for _ in range(2):
+            r = requests.post(s.url + "/v1/completions", json=body, timeout=120).json()
+            outs.append((r["choices"][0]["text"], r["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        assert outs[0][1] == 0 and outs[1][1] > 900, outs
+        assert outs[0][0] == outs[1][0], outs
+        s.wait_clean()
+    finally:
+        s.stop()
