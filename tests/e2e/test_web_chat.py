@@ -168,3 +168,82 @@ def test_a_model_without_a_chat_template_continues_text(browser):
         page.close()
     finally:
         s.stop()
+
+
+def test_new_chat_forgets_the_conversation(server, browser):
+    """A conversation that filled the context had no way out but a reload (a user test): New chat
+    empties the log, and the next message is sent alone (its prompt as short as the first's)."""
+    page = browser.new_page()
+    page.goto(server.url + "/")
+    sync_api.expect(page.locator("#model")).to_contain_text(MODEL_NAME)
+    ask(page, "Name a colour.", 6)
+    first = last_stats(page).text_content()
+    ask(page, "Name a colour.", 6)
+    page.wait_for_function("() => document.querySelectorAll('.assistant .stats').length == 2 && "
+                           "document.querySelectorAll('.assistant .stats')[1].textContent", timeout=60_000)
+    second = page.locator(".assistant .stats").last.text_content()
+    prompt = lambda s: int(s.split(" · prompt ")[1].split(" ")[0])
+    assert prompt(second) > prompt(first)
+    page.click("#new-chat")
+    assert page.locator(".msg").count() == 0
+    ask(page, "Name a colour.", 6)
+    assert prompt(last_stats(page).text_content()) == prompt(first)
+    page.close()
+
+
+def test_the_pages_work_behind_a_path_prefix(server, browser):
+    """Behind a reverse proxy that serves kvserve under /kv/, the pages called /v1/models and the
+    rest at the origin's root and got 404s (a user test). Their requests are relative now."""
+    import asyncio
+    import threading
+
+    import aiohttp
+    from aiohttp import web
+
+    async def forward(request):  # as a proxy would: the body decoded, streamed as it comes
+        async with aiohttp.ClientSession() as s:
+            async with s.request(request.method, server.url + "/" + request.match_info["tail"], data=await request.read(),
+                                 headers={k: v for k, v in request.headers.items() if k.lower() not in ("host", "accept-encoding")}) as up:
+                resp = web.StreamResponse(status=up.status, headers={"Content-Type": up.headers.get("Content-Type", "")})
+                await resp.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+                return resp
+
+    # The proxy's loop runs on its own thread: Playwright keeps one running on this one.
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    box = {}
+
+    def serve():
+        asyncio.set_event_loop(loop)
+        app = web.Application()
+        app.router.add_route("*", "/kv/{tail:.*}", forward)
+        box["runner"] = web.AppRunner(app)
+        loop.run_until_complete(box["runner"].setup())
+        site = web.TCPSite(box["runner"], "127.0.0.1", 0)
+        loop.run_until_complete(site.start())
+        box["port"] = site._server.sockets[0].getsockname()[1]
+        started.set()
+        loop.run_forever()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    assert started.wait(10)
+    port, runner = box["port"], box["runner"]
+    try:
+        page = browser.new_page()
+        page.goto(f"http://127.0.0.1:{port}/kv/")
+        sync_api.expect(page.locator("#model")).to_contain_text(MODEL_NAME)
+        ask(page, "Say hello.", 6)
+        assert "6 tokens" in last_stats(page).text_content()
+        dash = browser.new_page()
+        dash.goto(f"http://127.0.0.1:{port}/kv/dashboard")
+        sync_api.expect(dash.locator("h1")).to_contain_text("KV dashboard")
+        dash.wait_for_function("() => !document.body.textContent.includes('404')", timeout=10_000)
+        dash.close()
+        page.close()
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
