@@ -332,7 +332,7 @@ void add_serve_command(CLI::App& app) {
                   "a prompt with more tokens left than this gets at most this many per step before waiting "
                   "requests are admitted, then what the step leaves (default: 0 = no cap; a quarter of --max-num-batched-tokens with --role prefill)")
       ->check(number_in(0, 1 << 20));
-  cmd->add_option("--max-num-seqs", o->max_num_seqs, "sequences per engine step")->check(number_in(1, 4096))->capture_default_str();
+  cmd->add_option("--max-num-seqs", o->max_num_seqs, "sequences per engine step (a request of n choices counts n)")->check(number_in(1, 4096))->capture_default_str();
   cmd->add_option("--max-model-len", o->max_model_len,
                   "prompt + completion tokens per sequence (default: the model's context; past it, a warning)")
       ->check(number_in(1, 1 << 24));

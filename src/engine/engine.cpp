@@ -609,13 +609,21 @@ bool Engine::schedule(Plan* plan) {
     lp_take(s, n);
     note_capped(s, n);
   }
-  while (budget > 0 && !waiting_.empty() && static_cast<int32_t>(running_.size()) < cfg_.max_num_seqs) {
+  // --max-num-seqs counts every sequence, as vLLM's: a request of n choices that has not forked
+  // yet (its children come after its prompt) holds n slots from its admission (a user test saw
+  // 8 sequences run under --max-num-seqs 4). One of n > max_num_seqs runs alone.
+  auto slots_of = [](const Sequence& q) { return q.index == 0 && !q.rs->forked ? std::max(1, q.rs->req.params.n) : 1; };
+  int32_t slots = 0;
+  for (const auto& q : running_) slots += slots_of(*q);
+  while (budget > 0 && !waiting_.empty() && slots < cfg_.max_num_seqs) {
     auto pick = pick_waiting();
     if (pick == waiting_.end()) break;  // every candidate is loading pages from a lower tier
     Sequence& s = **pick;
+    if (slots + slots_of(s) > cfg_.max_num_seqs && !running_.empty()) break;  // no overtaking: it waits for its slots
     int32_t n = 0;
     const int64_t want = lp_limit(s, std::min(budget, cap));
     if (want <= 0 || !admit(s, want, &n)) break;  // no overtaking: the chosen request waits for room
+    slots += slots_of(s);
     running_.push_back(std::move(*pick));
     waiting_.erase(pick);
     n_running_seqs_.store(static_cast<int32_t>(running_.size()));  // before the waiting count drops: submit never over-admits

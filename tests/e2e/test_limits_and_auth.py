@@ -334,3 +334,40 @@ def test_several_served_model_names_are_aliases():
         assert requests.post(s.url + "/v1/completions", json={"model": "baz", "prompt": "Hi"}).status_code == 404
     finally:
         s.stop()
+
+
+def test_max_num_seqs_counts_every_choice():
+    """vLLM's max_num_seqs counts each sequence; a request of n choices holds n slots from its
+    admission. Forks joined beyond the limit: 4 requests of n = 2 ran 8 sequences under
+    --max-num-seqs 4 (a user test)."""
+    import time
+    s = Server("--max-num-seqs", "4")
+    try:
+        results, peak, done = [None] * 4, [0], threading.Event()
+
+        def one(i):
+            r = requests.post(s.url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 48, "n": 2,
+                                                               "ignore_eos": True, "temperature": 0.7}, timeout=120)
+            results[i] = (r.status_code, len(r.json().get("choices", [])))
+
+        def watch():
+            while not done.is_set():
+                peak[0] = max(peak[0], s.metrics().get("kvserve:num_requests_running", 0))
+                time.sleep(0.005)
+
+        w = threading.Thread(target=watch)
+        w.start()
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        done.set()
+        w.join()
+        assert results == [(200, 2)] * 4, results
+        assert 2 <= peak[0] <= 4, peak
+        # n at the limit runs (alone); above it is a 400 (--max-n defaults to --max-num-seqs here)
+        r = requests.post(s.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "n": 4, "temperature": 0.7}, timeout=120)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 4, r.text
+    finally:
+        s.stop()
