@@ -182,9 +182,9 @@ TEST(ColdPages, SequenceRunnerLogitsEqualAllInRam) {
 
 // The engine (SmolLM2 and Gemma 3): greedy output with cold pages equals the all-in-RAM
 // output, forks (n = 2) share cold slots, integrity (every slot reference a table's) holds
-// after every step, and when the requests end no page and no slot is held. Steps of 8 tokens,
-// so that both runs read prompts through Quest (a prompt beyond the budget runs in Quest tiles
-// with cold pages; without them it would be read in full).
+// after every step, and when the requests end no page and no slot is held. The prompts fit the
+// budget and the answers go far past it: Quest reads a prompt whole, except with cold pages past
+// the budget (Quest tiles, which would otherwise hold every page), where the two differ.
 void engine_matches(LlamaModel* m, const Tokenizer& tok, int32_t n_prompt, int64_t budget, int64_t cache_bytes) {
   auto run = [&](bool offload, MetricsSnapshot* ms) {
     EngineConfig c;
@@ -203,7 +203,7 @@ void engine_matches(LlamaModel* m, const Tokenizer& tok, int32_t n_prompt, int64
       Request r;
       r.id = e.next_request_id();
       r.prompt = tokens_of(n_prompt + 50 * k, 5 + k);
-      r.params.max_tokens = 40;
+      r.params.max_tokens = 200;
       r.params.n = 2;
       r.params.ignore_eos = true;
       r.params.sampling.temperature = 0;
@@ -233,7 +233,7 @@ void engine_matches(LlamaModel* m, const Tokenizer& tok, int32_t n_prompt, int64
   MetricsSnapshot m_ram, m_cold;
   const auto ram = run(false, &m_ram), cold = run(true, &m_cold);
   for (int i = 0; i < 4; ++i) {
-    EXPECT_EQ(ram[i].size(), 40u);
+    EXPECT_EQ(ram[i].size(), 200u);
     EXPECT_EQ(ram[i], cold[i]) << "sequence " << i;
   }
   EXPECT_TRUE(m_cold.has_cold);
@@ -246,7 +246,7 @@ void engine_matches(LlamaModel* m, const Tokenizer& tok, int32_t n_prompt, int64
 TEST(ColdPages, EngineSmolLM2OutputEqualsAllInRam) {
   LlamaModel* m = kvtest::smollm2_model();
   ASSERT_TRUE(m);
-  engine_matches(m, *kvtest::smollm2_tokenizer(), 300, 128, 64ll << 20);
+  engine_matches(m, *kvtest::smollm2_tokenizer(), 60, 128, 64ll << 20);
 }
 
 TEST(ColdPages, EngineGemma3OutputEqualsAllInRam) {
@@ -256,7 +256,7 @@ TEST(ColdPages, EngineGemma3OutputEqualsAllInRam) {
   ASSERT_TRUE(f);
   auto tok = Tokenizer::from_gguf(**f);
   ASSERT_TRUE(tok);
-  engine_matches(m, **tok, 400, 128, 96ll << 20);
+  engine_matches(m, **tok, 60, 128, 96ll << 20);
 }
 
 // Bad configurations are refused with a message.
