@@ -197,6 +197,11 @@ def aborted(m: dict) -> float:
     return sum(v for k, v in m.items() if k.startswith("kvserve:request_aborted_total"))
 
 
+def rejected(m: dict) -> float:
+    """kvserve:request_rejected_total summed over its reasons."""
+    return sum(v for k, v in m.items() if k.startswith("kvserve:request_rejected_total"))
+
+
 def scrape(port: int) -> dict:
     """kvserve /metrics -> {name or name{labels}: value}; {} when unreachable."""
     try:
@@ -228,7 +233,7 @@ def step_profile(m0: dict, m1: dict, wall: float) -> dict | None:
             "tokens_per_step": gen / steps if steps else None,
             "ms_per_step": 1e3 * tot / steps if steps else None,
             "preemptions": m1.get("kvserve:num_preemptions_total", 0) - m0.get("kvserve:num_preemptions_total", 0),
-            "rejected": m1.get("kvserve:request_rejected_total", 0) - m0.get("kvserve:request_rejected_total", 0),
+            "rejected": rejected(m1) - rejected(m0),
             "aborted": aborted(m1) - aborted(m0)}
 
 

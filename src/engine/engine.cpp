@@ -313,7 +313,7 @@ Rejection Engine::submit(Request req) {
 Rejection Engine::submit_all(std::vector<Request> reqs, int32_t* failed) {
   if (failed) *failed = -1;
   auto reject = [&](Rejection r) {
-    metrics_.add_rejected();
+    metrics_.add_rejected(r.http_status == 429);
     return r;
   };
   for (size_t i = 0; i < reqs.size(); ++i)  // every request first: a bad one queues none

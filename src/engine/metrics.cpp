@@ -90,7 +90,11 @@ void Metrics::add_finished(CancelReason aborted) {
   if (aborted != CancelReason::kNone) ++m_.request_aborted_total[static_cast<int>(aborted)];
   else ++m_.request_success_total;
 }
-void Metrics::add_rejected() { std::lock_guard<std::mutex> l(mu_); ++m_.request_rejected_total; }
+void Metrics::add_rejected(bool queue_full) {
+  std::lock_guard<std::mutex> l(mu_);
+  ++m_.request_rejected_total;
+  if (queue_full) ++m_.request_rejected_queue_full;
+}
 void Metrics::observe_ttft(double s) { std::lock_guard<std::mutex> l(mu_); m_.ttft.observe(s); }
 void Metrics::observe_itl(double s) { std::lock_guard<std::mutex> l(mu_); m_.itl.observe(s); }
 void Metrics::observe_e2e(double s) { std::lock_guard<std::mutex> l(mu_); m_.e2e.observe(s); }
@@ -169,7 +173,12 @@ std::string render_prometheus(const MetricsSnapshot& m) {
                    "Requests cancelled before they finished, by reason: the client went away (client), --request-timeout "
                    "passed (timeout), the server shut down (shutdown), or the forward failed (error).",
                    "reason", aborted);
-  counter(out, "kvserve:request_rejected_total", "Requests refused at admission.", double(m.request_rejected_total));
+  // By reason (a user test: an alert on refusals mixed an overload with requests that can never run).
+  labelled_counter(out, "kvserve:request_rejected_total",
+                   "Requests refused at admission, by reason: the queue was full (queue_full, 429: --max-queue), or the "
+                   "request can never run here (invalid, 400: too long for max_model_len or the KV cache, a batch over "
+                   "--max-num-seqs + --max-queue, a KV policy the server cannot apply).",
+                   "reason", {{"queue_full", m.request_rejected_queue_full}, {"invalid", m.request_rejected_total - m.request_rejected_queue_full}});
   counter(out, "kvserve:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", double(m.prefix_cache_queries_total));
   counter(out, "kvserve:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", double(m.prefix_cache_hits_total));
   counter(out, "kvserve:prefix_cache_partial_hits_total",

@@ -57,7 +57,8 @@ struct MetricsSnapshot {
   int64_t prompt_tokens_total = 0;
   int64_t generation_tokens_total = 0;
   int64_t request_success_total = 0;
-  int64_t request_rejected_total = 0;
+  int64_t request_rejected_total = 0;        // every refusal at admission
+  int64_t request_rejected_queue_full = 0;   // of which 429s: the queue (--max-queue) was full
   int64_t request_aborted_total[kNumCancelReasons] = {};  // by CancelReason
   // Owned by the prefix cache, copied here each step.
   int64_t prefix_cache_queries_total = 0;   // prompt tokens looked up
@@ -118,7 +119,7 @@ class Metrics {
   void add_prompt_tokens(int64_t n);
   void add_generation_tokens(int64_t n);
   void add_finished(CancelReason aborted);  // kNone: finished normally
-  void add_rejected();
+  void add_rejected(bool queue_full);
   void observe_ttft(double s);
   void observe_itl(double s);
   void observe_e2e(double s);

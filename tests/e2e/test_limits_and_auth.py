@@ -97,6 +97,14 @@ def test_429_when_queue_full(keyed):
             assert j["error"]["code"] == "rate_limit_exceeded"
     # and it still serves
     assert requests.post(keyed.url + "/v1/completions", json=body(), headers=auth).status_code == 200
+    # the refusals by reason: an overload is not a request that can never run (a user test)
+    before = keyed.metrics()
+    too_long = requests.post(keyed.url + "/v1/completions", json=body(prompt="word " * 3000, max_tokens=16), headers=auth)
+    assert too_long.status_code == 400, too_long.text
+    after = keyed.metrics()
+    full, invalid = 'kvserve:request_rejected_total{reason="queue_full"}', 'kvserve:request_rejected_total{reason="invalid"}'
+    assert after[full] == before[full] >= codes.count(429)
+    assert after[invalid] == before[invalid] + 1
 
 
 def test_a_burst_of_connections_is_queued_not_reset(keyed):
