@@ -19,6 +19,7 @@
 #include "server/openai_response.h"
 #include "server/response_store.h"
 #include "server/responses_api.h"
+#include "server/sse_writers.h"
 #include "web_assets.h"
 
 namespace kv {
@@ -70,14 +71,6 @@ bool same_secret(const std::string& given, const std::string& key) {
   return diff == 0;
 }
 
-// The engine's kPrompt event (index: its prompt's first choice, p * n) fills that prompt's
-// logprobs; null for an index past the prompts.
-const PromptResult* take_prompt(std::vector<PromptResult>& prompts, int32_t n_per_prompt, StreamEvent& ev) {
-  const size_t k = static_cast<size_t>(ev.index / n_per_prompt);
-  if (k >= prompts.size()) return nullptr;
-  prompts[k].logprobs = std::move(ev.logprobs);
-  return &prompts[k];
-}
 
 }  // namespace
 
@@ -147,10 +140,6 @@ class RequestGroup {
   std::vector<uint64_t> ready_;
 };
 
-// One streamed response's wire format: what the stream's start, each engine event and its end
-// become (chat and completions chunks, or the Responses API's events). "" writes nothing.
-class SseWriter;
-
 // Cancels the requests if the handler leaves early (an exception, a vanished client).
 struct CancelGuard {
   std::shared_ptr<RequestGroup> group;
@@ -160,14 +149,6 @@ struct CancelGuard {
   }
 };
 
-class SseWriter {
- public:
-  virtual ~SseWriter() = default;
-  virtual std::string begin() = 0;
-  virtual std::string event(StreamEvent& ev) = 0;
-  // ended: why the server cut the request short (shutdown, deadline), if it did.
-  virtual std::string end(const std::optional<ApiError>& ended, const Usage& usage) = 0;
-};
 
 const char* role_name(ServerRole r) {
   switch (r) {
@@ -507,125 +488,6 @@ bool HttpServer::collect(const httplib::Request& req, RequestGroup& group, std::
   }
   return true;
 }
-
-namespace {
-
-// The chat and completions stream: chunks per choice, the usage chunk, [DONE].
-class ChatSseWriter : public SseWriter {
- public:
-  ResponseMeta meta;
-  int32_t n = 1;                      // choices in all (prompts × n)
-  bool with_logprobs = false;
-  std::vector<TextOffset> text_offset;  // per choice, completions' logprobs.text_offset
-  std::vector<std::string> finish_reasons;  // per choice, once finished
-  int64_t completion_tokens = 0;      // streamed so far, every choice (continuous_usage_stats)
-  std::vector<PromptResult> prompts;  // echo, prompt_logprobs
-  int32_t n_per_prompt = 1;
-  bool prompt_lp_events = false;      // the engine sends kPrompt (params.prompt_logprobs ≥ 0)
-  std::vector<ToolCallStream> tools;  // per choice, under a tool choice other than "none"
-  const Tokenizer* tok = nullptr;
-
-  // A choice's chunk; with continuous_usage_stats it carries the usage so far.
-  std::string chunk(json j) const {
-    if (meta.continuous_usage) j["usage"] = running_usage(meta, completion_tokens);
-    return sse_event(j);
-  }
-
-  std::string begin() override {
-    std::string out;
-    if (meta.chat)
-      for (int32_t i = 0; i < n; ++i) out += chunk(chat_role_chunk(meta, i));
-    // echo without logprobs: the prompts' text at once (with them, when their logprobs come)
-    if (meta.echo && !prompt_lp_events)
-      for (int32_t i = 0; i < n; ++i) out += chunk(prompt_chunk(meta, i, prompts.at(i / n_per_prompt), false, &text_offset[i], *tok));
-    return out;
-  }
-
-  std::string event(StreamEvent& ev) override {
-    if (ev.index < 0 || ev.index >= n) return "";
-    std::string out;
-    if (ev.kind == StreamEvent::kText && !tools.empty()) {
-      // The text becomes tool-call or content deltas, or is held (tool_calls.h); its
-      // logprobs go with the first chunk it makes, or alone.
-      completion_tokens += static_cast<int64_t>(ev.tokens.size());
-      const std::vector<TokenLogprob>* lps = with_logprobs && !ev.logprobs.empty() ? &ev.logprobs : nullptr;
-      std::vector<json> deltas = tools[ev.index].push(ev.text);
-      if (deltas.empty() && lps) deltas.push_back(json::object());
-      for (json& d : deltas) {
-        out += chunk(delta_chunk(meta, ev.index, std::move(d), lps, *tok));
-        lps = nullptr;
-      }
-    } else if (ev.kind == StreamEvent::kText) {
-      completion_tokens += static_cast<int64_t>(ev.tokens.size());
-      if (!meta.chat)  // completions: the end-of-text token too, as the whole response
-        for (auto& lp : ev.eog_logprobs) ev.logprobs.push_back(std::move(lp));
-      if (ev.text.empty() && ev.logprobs.empty()) return "";
-      out = chunk(text_chunk(meta, ev.index, ev.text, with_logprobs ? &ev.logprobs : nullptr, &text_offset[ev.index], *tok));
-    } else if (ev.kind == StreamEvent::kPrompt) {
-      const int32_t first = ev.index;  // its prompt's first choice
-      const PromptResult* p = take_prompt(prompts, n_per_prompt, ev);
-      if (!p) return "";
-      for (int32_t i = first; i < first + n_per_prompt; ++i) out += chunk(prompt_chunk(meta, i, *p, with_logprobs, &text_offset[i], *tok));
-    } else if (ev.kind == StreamEvent::kFinish) {
-      finish_reasons[ev.index] = ev.finish_reason;
-      std::string reason = ev.finish_reason;
-      if (!tools.empty() && reason != "abort")  // held text, parsed calls; the reason the response reports
-        for (json& d : tools[ev.index].finish(&reason)) out += chunk(delta_chunk(meta, ev.index, std::move(d), nullptr, *tok));
-      out += chunk(finish_chunk(meta, ev.index, reason));
-    } else {
-      out = sse_event(from_event(ev).to_json());
-    }
-    return out;
-  }
-
-  std::string end(const std::optional<ApiError>& ended, const Usage& usage) override {
-    std::string out;
-    if (ended && std::any_of(finish_reasons.begin(), finish_reasons.end(), [](const std::string& r) { return r == "abort"; }))
-      out += sse_event(ended->to_json());
-    if (meta.include_usage) out += sse_event(usage_chunk(meta, usage));
-    return out + kSseDone;
-  }
-};
-
-// The Responses stream (responses_api.h): typed events, no [DONE]; a finished response is stored.
-class ResponsesSseWriter : public SseWriter {
- public:
-  ResponsesSseWriter(std::unique_ptr<ResponseBuilder> b, bool logprobs, std::function<void(const ResponseBuilder&)> on_done)
-      : builder_(std::move(b)), logprobs_(logprobs), on_done_(std::move(on_done)) {}
-
-  std::string begin() override { return responses_sse(builder_->begin()); }
-
-  std::string event(StreamEvent& ev) override {
-    if (ev.index != 0 || failed_) return "";
-    if (ev.kind == StreamEvent::kText) return responses_sse(builder_->push(ev.text, logprobs_ ? ev.logprobs : kNoLogprobs));
-    if (ev.kind == StreamEvent::kFinish) {
-      finish_reason_ = ev.finish_reason;
-      return "";
-    }
-    if (ev.kind == StreamEvent::kPrompt) return "";
-    failed_ = true;
-    return responses_sse(builder_->fail(from_event(ev)));
-  }
-
-  std::string end(const std::optional<ApiError>& ended, const Usage& usage) override {
-    if (failed_) return "";
-    if (finish_reason_ == "abort" || finish_reason_.empty())
-      return responses_sse(builder_->fail(ended ? *ended : ApiError{500, "The response ended without finishing.", "server_error", "", ""}));
-    std::string out = responses_sse(builder_->finish(finish_reason_, usage));
-    if (on_done_) on_done_(*builder_);
-    return out;
-  }
-
- private:
-  static inline const std::vector<TokenLogprob> kNoLogprobs{};
-  std::unique_ptr<ResponseBuilder> builder_;
-  bool logprobs_ = false;
-  std::function<void(const ResponseBuilder&)> on_done_;
-  std::string finish_reason_;
-  bool failed_ = false;
-};
-
-}  // namespace
 
 void HttpServer::stream_sse(httplib::Response& res, std::shared_ptr<RequestGroup> group, std::unique_ptr<SseWriter> writer,
                             std::chrono::steady_clock::time_point deadline) {

@@ -57,7 +57,7 @@ namespace kv {
 
 class Engine;
 class RequestGroup;  // the engine requests of one HTTP request (http_server.cpp)
-class SseWriter;     // one streamed response's wire format (http_server.cpp)
+class SseWriter;     // one streamed response's wire format (sse_writers.h)
 
 // What an instance does in prefill/decode disaggregation (docs/disaggregation.md).
 //   both:    everything (one instance, or a replica behind the router)
