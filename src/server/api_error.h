@@ -27,6 +27,11 @@ inline ApiError bad_request(std::string message, std::string param = "", std::st
   return ApiError{400, std::move(message), "invalid_request_error", std::move(param), std::move(code)};
 }
 
+// OpenAI's 400 for a required field that is absent: "Missing required parameter: '<param>'.".
+[[noreturn]] inline void missing_parameter(const std::string& param) {
+  throw bad_request("Missing required parameter: '" + param + "'.", param, "missing_required_parameter");
+}
+
 // The error type OpenAI uses for a status (the openai client maps statuses to exceptions;
 // the type is for humans and for clients that switch on it).
 inline std::string error_type_for_status(int status) {

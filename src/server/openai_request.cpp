@@ -379,7 +379,7 @@ void truncate_prompts(const ApiContext& ctx, ApiRequest* r) {
 // texts (echo): each prompt's text, as given, or for token ids their text (special tokens rendered).
 std::vector<std::vector<int32_t>> parse_prompts(const Fields& f, const ApiContext& ctx, std::vector<std::string>* texts) {
   const json* v = f.get("prompt");
-  if (!v) throw bad_request("Missing required parameter: 'prompt'.", "prompt", "missing_required_parameter");
+  if (!v) missing_parameter("prompt");
   const char* expected = "a string, an array of token ids, an array of strings or an array of token-id arrays";
   auto from_ids = [&](const json& arr, const std::string& where) {
     std::vector<int32_t> ids;
@@ -446,12 +446,12 @@ std::string message_text(const json& content, const std::string& role, size_t i,
     if (!part.is_object()) type_error(pname, "an object", part);
     Fields pf(part);
     auto type = pf.string("type");
-    if (!type) throw bad_request("Missing required parameter: '" + pname + ".type'.", pname + ".type", "missing_required_parameter");
+    if (!type) missing_parameter(pname + ".type");
     if (*type != "text")
       throw bad_request("Content part type '" + *type + "' is not supported: this server serves a text-only model.", pname + ".type",
                         "unsupported_parameter");
     auto text = pf.string("text");
-    if (!text) throw bad_request("Missing required parameter: '" + pname + ".text'.", pname + ".text", "missing_required_parameter");
+    if (!text) missing_parameter(pname + ".text");
     if (k > 0) out += '\n';
     out += *text;
     parts->push_back(std::move(*text));
@@ -461,7 +461,7 @@ std::string message_text(const json& content, const std::string& role, size_t i,
 
 std::vector<ChatMessage> parse_messages(const Fields& f) {
   const json* v = f.get("messages");
-  if (!v) throw bad_request("Missing required parameter: 'messages'.", "messages", "missing_required_parameter");
+  if (!v) missing_parameter("messages");
   if (!v->is_array()) type_error("messages", "an array", *v);
   if (v->empty()) throw bad_request("'messages' must contain at least one message.", "messages", "empty_array");
   std::vector<ChatMessage> out;
@@ -471,7 +471,7 @@ std::vector<ChatMessage> parse_messages(const Fields& f) {
     if (!m.is_object()) type_error(name, "an object", m);
     Fields mf(m);
     const json* role_v = mf.get("role");
-    if (!role_v) throw bad_request("Missing required parameter: '" + name + ".role'.", name + ".role", "missing_required_parameter");
+    if (!role_v) missing_parameter(name + ".role");
     if (!role_v->is_string()) type_error(name + ".role", "a string", *role_v);
     std::string role = role_v->get<std::string>();
     if (role == "function")
@@ -494,14 +494,14 @@ std::vector<ChatMessage> parse_messages(const Fields& f) {
     }
     if (role == "tool") {
       const json* id = mf.get("tool_call_id");
-      if (!id) throw bad_request("Missing required parameter: '" + name + ".tool_call_id'.", name + ".tool_call_id", "missing_required_parameter");
+      if (!id) missing_parameter(name + ".tool_call_id");
       if (!id->is_string()) type_error(name + ".tool_call_id", "a string", *id);
       extra = {{"tool_call_id", id->get<std::string>()}};
     }
     auto it = m.find("content");
     // An assistant turn may be only its tool calls (content absent or null).
     if (it == m.end() && role != "assistant")
-      throw bad_request("Missing required parameter: '" + name + ".content'.", name + ".content", "missing_required_parameter");
+      missing_parameter(name + ".content");
     std::vector<std::string> parts;
     std::string text = it == m.end() ? std::string() : message_text(*it, role, i, &parts);
     // Templates written before OpenAI's "developer" role know it as "system".
@@ -792,7 +792,7 @@ std::vector<int32_t> parse_detokenize_request(const json& body, const ApiContext
   Fields f(body);
   check_model(f, ctx);
   const json* v = f.get("tokens");
-  if (!v) throw bad_request("Missing required parameter: 'tokens'.", "tokens", "missing_required_parameter");
+  if (!v) missing_parameter("tokens");
   if (!v->is_array()) type_error("tokens", "an array of token ids", *v);
   std::vector<int32_t> ids;
   ids.reserve(v->size());

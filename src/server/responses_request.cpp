@@ -12,10 +12,6 @@ using ordered = nlohmann::ordered_json;
 
 namespace {
 
-[[noreturn]] void missing(const std::string& name) {
-  throw bad_request("Missing required parameter: '" + name + "'.", name, "missing_required_parameter");
-}
-
 // A chat message built from the conversation, and the field it came from (for errors).
 struct Built {
   ordered msg;
@@ -35,7 +31,7 @@ ordered message_content(const json& content, const std::string& role, const std:
     if (!part.is_object()) type_error(pname, "an object", part);
     Fields pf(part);
     auto type = pf.string("type");
-    if (!type) missing(pname + ".type");
+    if (!type) missing_parameter(pname + ".type");
     if (*type == "output_text" || *type == "refusal") {
       if (role != "assistant")
         value_error(pname + ".type", "'" + *type + "' parts are an assistant's output; a " + role + " message takes 'input_text'.");
@@ -47,7 +43,7 @@ ordered message_content(const json& content, const std::string& role, const std:
     }
     const char* field = *type == "refusal" ? "refusal" : "text";
     auto text = pf.string(field);
-    if (!text) missing(pname + "." + field);
+    if (!text) missing_parameter(pname + "." + field);
     parts.push_back({{"type", "text"}, {"text", *text}});
   }
   return parts;
@@ -67,17 +63,17 @@ void check_item(const json& item, const std::string& name) {
   const std::string type = f.string("type").value_or("message");
   if (type == "message") {
     const json* role = f.get("role");
-    if (!role) missing(name + ".role");
+    if (!role) missing_parameter(name + ".role");
     if (!role->is_string()) type_error(name + ".role", "a string", *role);
     const std::string r = role->get<std::string>();
     if (r != "user" && r != "assistant" && r != "system" && r != "developer")
       value_error(name + ".role", "'" + r + "'. Supported roles: user, assistant, system, developer.");
     const json* content = f.get("content");
-    if (!content) missing(name + ".content");
+    if (!content) missing_parameter(name + ".content");
     message_content(*content, r, name + ".content");
   } else if (type == "function_call") {
     for (const char* k : {"call_id", "name", "arguments"}) {
-      if (!f.get(k)) missing(name + "." + k);
+      if (!f.get(k)) missing_parameter(name + "." + k);
       f.string(k);
     }
     if (f.string("name")->empty()) value_error(name + ".name", "must not be empty.");
@@ -86,10 +82,10 @@ void check_item(const json& item, const std::string& name) {
     if (!args.empty() && (parsed.is_discarded() || !parsed.is_object()))
       value_error(name + ".arguments", "is not the JSON text of an object.");
   } else if (type == "function_call_output") {
-    if (!f.get("call_id")) missing(name + ".call_id");
+    if (!f.get("call_id")) missing_parameter(name + ".call_id");
     f.string("call_id");
     const json* out = f.get("output");
-    if (!out) missing(name + ".output");
+    if (!out) missing_parameter(name + ".output");
     if (!out->is_string()) message_content(*out, "tool", name + ".output");
   } else if (type == "reasoning") {
     unsupported(name + ".type", "'reasoning' items: this model does not reason.");
@@ -167,12 +163,12 @@ ordered chat_tools(const json& tools, ordered* echoed) {
     if (!t.is_object()) type_error(name, "an object", t);
     Fields tf(t);
     auto type = tf.string("type");
-    if (!type) missing(name + ".type");
+    if (!type) missing_parameter(name + ".type");
     if (*type != "function")
       unsupported(name + ".type", "only \"function\" tools are served (got \"" + *type + "\"); built-in tools (web search, file search, ...) are OpenAI's.");
     if (tf.get("function"))
       value_error(name, "the Responses API takes a function tool flat: {\"type\": \"function\", \"name\", \"parameters\"}, not under 'function'.");
-    if (!tf.get("name")) missing(name + ".name");
+    if (!tf.get("name")) missing_parameter(name + ".name");
     tf.string("name");
     if (const json* s = tf.get("strict"); s && !s->is_boolean()) type_error(name + ".strict", "a boolean", *s);
     ordered fn = in_client_order(t, "/tools/" + std::to_string(i));
@@ -197,7 +193,7 @@ ordered chat_tool_choice(const json& v) {
     unsupported("tool_choice", "only \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"name\": ...} are served (got type \"" + type + "\").");
   if (f.get("function")) value_error("tool_choice", "the Responses API names the function flat: {\"type\": \"function\", \"name\": \"my_function\"}.");
   auto name = f.string("name");
-  if (!name) missing("tool_choice.name");
+  if (!name) missing_parameter("tool_choice.name");
   return {{"type", "function"}, {"function", {{"name", *name}}}};
 }
 
@@ -212,15 +208,15 @@ ordered chat_response_format(const json& text, ordered* echoed) {
   if (!fmt->is_object()) type_error("text.format", "an object", *fmt);
   Fields ff(*fmt);
   auto type = ff.string("type");
-  if (!type) missing("text.format.type");
+  if (!type) missing_parameter("text.format.type");
   (*echoed)["format"] = in_client_order(*fmt, "/text/format");
   if (*type == "text") return nullptr;
   if (*type == "json_object") return {{"type", "json_object"}};
   if (*type != "json_schema") value_error("text.format.type", "'" + *type + "'; expected 'text', 'json_schema' or 'json_object'.");
-  if (!ff.get("name")) missing("text.format.name");
+  if (!ff.get("name")) missing_parameter("text.format.name");
   ff.string("name");
   const json* schema = ff.get("schema");
-  if (!schema) missing("text.format.schema");
+  if (!schema) missing_parameter("text.format.schema");
   if (!schema->is_object()) type_error("text.format.schema", "a JSON schema object", *schema);
   if (const json* s = ff.get("strict"); s && !s->is_boolean()) type_error("text.format.strict", "a boolean", *s);
   ordered js = {{"name", fmt->at("name")}, {"schema", in_client_order(*schema, "/text/format/schema")}};
@@ -321,7 +317,7 @@ ResponsesRequest parse_responses_request(const json& body, const ApiContext& ctx
     if (!f.get("cache_salt") && !prev->cache_salt.empty()) chat["cache_salt"] = prev->cache_salt;  // its pages are under that salt
   }
   const json* input = f.get("input");
-  if (!input) missing("input");
+  if (!input) missing_parameter("input");
   if (input->is_string()) {
     r.conversation.push_back({{"type", "message"}, {"role", "user"}, {"content", input->get<std::string>()}});
     sources.push_back("input");

@@ -14,10 +14,6 @@ using ordered = nlohmann::ordered_json;
 
 namespace {
 
-[[noreturn]] void missing(const std::string& name) {
-  throw bad_request("Missing required parameter: '" + name + "'.", name, "missing_required_parameter");
-}
-
 // What a call takes when its tool gives no parameters (vLLM's schema for one).
 const char* kNoParameters = R"({"type": "object", "properties": {}})";
 
@@ -66,11 +62,11 @@ std::vector<ToolSpec> parse_tool_list(const Fields& f) {
     if (auto type = tf.string("type"); type && *type != "function")
       value_error(name + ".type", "only \"function\" tools are supported, got \"" + *type + "\".");
     const json* fn = tf.get("function");
-    if (!fn) missing(name + ".function");
+    if (!fn) missing_parameter(name + ".function");
     if (!fn->is_object()) type_error(name + ".function", "an object", *fn);
     Fields ff(*fn);
     const json* fname = ff.get("name");
-    if (!fname) missing(name + ".function.name");
+    if (!fname) missing_parameter(name + ".function.name");
     if (!fname->is_string()) type_error(name + ".function.name", "a string", *fname);
     ToolSpec spec;
     spec.name = fname->get<std::string>();
@@ -214,10 +210,10 @@ ordered parse_tool_calls_message(const json& v, const std::string& name, const s
     if (auto type = cf.string("type"); type && *type != "function")
       value_error(cname + ".type", "only \"function\" calls are supported, got \"" + *type + "\".");
     const json* fn = cf.get("function");
-    if (!fn) missing(cname + ".function");
+    if (!fn) missing_parameter(cname + ".function");
     if (!fn->is_object()) type_error(cname + ".function", "an object", *fn);
     Fields ff(*fn);
-    if (!ff.get("name")) missing(cname + ".function.name");
+    if (!ff.get("name")) missing_parameter(cname + ".function.name");
     ff.string("name");
     // OpenAI sends the arguments as JSON text; templates read them as a mapping (vLLM parses
     // them, as transformers' documentation asks). An object is taken as it is.

@@ -35,6 +35,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def leave_mid_stream(server, path: str, body: dict, marker: bytes, n: int = 2, timeout: float = 3) -> None:
+    """A raw socket (so the moment of closing is ours): POST a streamed body, read until `marker`
+    came n times, check the request holds KV pages, hang up; then the engine must free them and
+    count a client abort within `timeout` s (× SLOWDOWN). Reads /metrics, which never waits for
+    the engine's state lock (the integrity check in /debug/kv does)."""
+    def pages_used():
+        return server.metrics()["kvserve:kv_cache_pages_used"]
+
+    before = server.metrics()[ABORTED_CLIENT]
+    data = json.dumps(body).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n").encode()
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    try:
+        s.sendall(head + data)
+        got = b""
+        while got.count(marker) < n:
+            chunk = s.recv(4096)
+            assert chunk, got
+            got += chunk
+        assert got.startswith(b"HTTP/1.1 200")
+        assert pages_used() > 0
+    finally:
+        s.close()
+    t0 = time.time()
+    while pages_used() != 0 or server.metrics()[ABORTED_CLIENT] <= before:
+        assert time.time() - t0 < timeout * SLOWDOWN, server.metrics()
+        time.sleep(0.02)
+
+
 def first_token_ms(http, url: str, k: int) -> float:
     """Milliseconds from sending a streamed chat (prompt varied by k) through `http` (a
     `requests.Session`, or the `requests` module: a new connection) to its first content chunk."""

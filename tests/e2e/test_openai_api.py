@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from kvserve_server import ABORTED_CLIENT, MAX_MODEL_LEN, MODEL, MODEL_NAME, ROOT, assert_kept_alive_as_quick_as_new, first_token_ms
+from kvserve_server import ABORTED_CLIENT, MAX_MODEL_LEN, MODEL, MODEL_NAME, ROOT, assert_kept_alive_as_quick_as_new, first_token_ms, leave_mid_stream
 
 PROMPT = "The three most important ideas in computer science are"
 CHAT = [{"role": "user", "content": "Name three colours."}]
@@ -416,33 +416,10 @@ def test_concurrent_clients_match_sequential(client):
 
 
 def test_client_disconnect_frees_pages(server):
-    """A raw socket (so the moment of closing is ours): read two SSE events, check the request
-    holds pages, hang up; the engine must free them within a step or two. Reads /metrics, which
-    never waits for the engine's state lock (the integrity check in /debug/kv does)."""
-    def pages_used():
-        return server.metrics()["kvserve:kv_cache_pages_used"]
-
-    before = server.metrics()[ABORTED_CLIENT]
-    body = json.dumps({"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 400, "temperature": 0,
-                       "ignore_eos": True, "stream": True}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
-    s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-    try:
-        s.sendall(head + body)
-        data = b""
-        while data.count(b"data: ") < 2:
-            chunk = s.recv(4096)
-            assert chunk, data
-            data += chunk
-        assert data.startswith(b"HTTP/1.1 200")
-        assert pages_used() > 0
-    finally:
-        s.close()
-    t0 = time.time()
-    while pages_used() != 0 or server.metrics()[ABORTED_CLIENT] <= before:
-        assert time.time() - t0 < 3, server.metrics()
-        time.sleep(0.02)
+    """Read two SSE events, check the request holds pages, hang up: the engine must free them
+    within a step or two."""
+    leave_mid_stream(server, "/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 400, "temperature": 0,
+                                                 "ignore_eos": True, "stream": True}, b"data: ")
 
 
 def test_gauges_show_an_admitted_request_while_its_one_prefill_step_runs():

@@ -23,7 +23,7 @@ from openai import BadRequestError, NotFoundError, OpenAI
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from kvserve_server import ABORTED_CLIENT, MODEL, MODEL_NAME, ROOT, SLOWDOWN, Router, Server
+from kvserve_server import ABORTED_CLIENT, MODEL, MODEL_NAME, ROOT, SLOWDOWN, Router, Server, leave_mid_stream
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "reference"))
 import tokenizer_ref  # noqa: E402
@@ -401,30 +401,8 @@ def test_bad_requests_are_4xx_naming_the_field(server, body, param):
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_pages(server):
-    def pages_used():
-        return server.metrics()["kvserve:kv_cache_pages_used"]
-
-    before = server.metrics()[ABORTED_CLIENT]
-    body = json.dumps({"model": MODEL_NAME, "input": "Write a very long story about a dragon.", "max_output_tokens": 400,
-                       "stream": True}).encode()
-    head = (f"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
-    s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-    try:
-        s.sendall(head + body)
-        data = b""
-        while data.count(b"response.output_text.delta") < 2:
-            chunk = s.recv(4096)
-            assert chunk, data
-            data += chunk
-        assert data.startswith(b"HTTP/1.1 200")
-        assert pages_used() > 0
-    finally:
-        s.close()
-    t0 = time.time()
-    while pages_used() != 0 or server.metrics()[ABORTED_CLIENT] <= before:
-        assert time.time() - t0 < 3 * SLOWDOWN, server.metrics()
-        time.sleep(0.02)
+    leave_mid_stream(server, "/v1/responses", {"model": MODEL_NAME, "input": "Write a very long story about a dragon.",
+                                               "max_output_tokens": 400, "stream": True}, b"response.output_text.delta")
 
 
 def test_through_the_router():
