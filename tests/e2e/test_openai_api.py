@@ -5,7 +5,6 @@ from __future__ import annotations
 import codecs
 import json
 import math
-import socket
 import os
 import sys
 import time
@@ -14,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from kvserve_server import ABORTED_CLIENT, MAX_MODEL_LEN, MODEL, MODEL_NAME, ROOT, assert_kept_alive_as_quick_as_new, first_token_ms, leave_mid_stream
+from kvserve_server import MAX_MODEL_LEN, MODEL, MODEL_NAME, ROOT, assert_kept_alive_as_quick_as_new, first_token_ms, leave_mid_stream
 
 PROMPT = "The three most important ideas in computer science are"
 CHAT = [{"role": "user", "content": "Name three colours."}]

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
-import time
 
 import jsonschema
 import pytest
@@ -23,7 +21,7 @@ from openai import BadRequestError, NotFoundError, OpenAI
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from kvserve_server import ABORTED_CLIENT, MODEL, MODEL_NAME, ROOT, SLOWDOWN, Router, Server, leave_mid_stream
+from kvserve_server import MODEL, MODEL_NAME, ROOT, SLOWDOWN, Router, Server, leave_mid_stream
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "reference"))
 import tokenizer_ref  # noqa: E402
