@@ -77,10 +77,9 @@ void check_item(const json& item, const std::string& name) {
       f.string(k);
     }
     if (f.string("name")->empty()) value_error(name + ".name", "must not be empty.");
-    const std::string args = *f.string("arguments");
-    const json parsed = json::parse(args, nullptr, /*allow_exceptions=*/false);
-    if (!args.empty() && (parsed.is_discarded() || !parsed.is_object()))
-      value_error(name + ".arguments", "is not the JSON text of an object.");
+    // arguments are opaque text to OpenAI and vLLM: a call cut short by max_output_tokens is the
+    // server's own output, and its continuation must be taken (it was a 400; a user test).
+    // JSON text reaches the template as its mapping, anything else as the text (to_messages).
   } else if (type == "function_call_output") {
     if (!f.get("call_id")) missing_parameter(name + ".call_id");
     f.string("call_id");
@@ -108,7 +107,10 @@ void to_messages(const std::vector<ordered>& items, const std::vector<std::strin
       out->push_back({{{"role", role}, {"content", message_content(json::parse(it.at("content").dump()), role, sources[i] + ".content")}},
                       sources[i]});
     } else if (type == "function_call") {
-      ordered call = {{"id", it.at("call_id")}, {"type", "function"}, {"function", {{"name", it.at("name")}, {"arguments", it.at("arguments")}}}};
+      // The chat parser takes JSON text; text that is not JSON goes as a JSON string of itself.
+      std::string args = it.at("arguments").get<std::string>();
+      if (!args.empty() && json::parse(args, nullptr, /*allow_exceptions=*/false).is_discarded()) args = json(args).dump();
+      ordered call = {{"id", it.at("call_id")}, {"type", "function"}, {"function", {{"name", it.at("name")}, {"arguments", args}}}};
       if (!out->empty() && out->back().msg.at("role") == "assistant") {
         ordered& m = out->back().msg;
         if (!m.contains("tool_calls")) m["tool_calls"] = ordered::array();
@@ -360,13 +362,18 @@ ResponsesRequest parse_responses_request(const json& body, const ApiContext& ctx
     }
   };
   r.chat = build(0);
-  // truncation "auto": the oldest items go until the prompt and the output fit (an item that
-  // answers a call left out goes with it). Shorter conversations render shorter: a binary search.
+  // truncation "auto": the oldest items go until the prompt and the output fit, whole turns: the
+  // kept part starts at a user (or system) message, so an answer or a call's output never comes
+  // first (Gemma 3's template refuses a conversation that starts with the assistant: the prompt
+  // the server made was a 400; a user test). Shorter conversations render shorter: a binary search.
   const int64_t out_tokens = f.get("max_output_tokens") ? r.chat.params.max_tokens : 1;
   auto fits = [&](const ApiRequest& a) { return static_cast<int64_t>(a.prompts.at(0).size()) + out_tokens <= ctx.max_model_len; };
   if (truncate && !ctx.default_policy_evicts && !fits(r.chat)) {
     auto start_at = [&](size_t k) {
-      while (k < r.conversation.size() && r.conversation[k].value("type", "") == "function_call_output") ++k;
+      auto opens_a_turn = [](const ordered& it) {
+        return it.value("type", "message") == "message" && it.value("role", "") != "assistant";
+      };
+      while (k < r.conversation.size() && !opens_a_turn(r.conversation[k])) ++k;
       return k;
     };
     size_t lo = 1, hi = r.conversation.size() - 1;  // the last item always stays

@@ -150,6 +150,18 @@ def test_json_object_output_is_json(client):
         assert isinstance(json.loads(r.output_text), dict)
 
 
+def test_a_call_cut_short_by_max_output_tokens_can_be_continued(client):
+    """A call's arguments are opaque text (OpenAI, vLLM): the server's own incomplete call, its
+    arguments not JSON yet, made every continuation a 400 (a user test)."""
+    r = create(client, input="What is the weather in Paris?", tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"},
+               temperature=0, max_output_tokens=5)
+    assert r.status == "incomplete" and r.output[0].type == "function_call"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(r.output[0].arguments)
+    r2 = create(client, input="Never mind. Say hello.", previous_response_id=r.id, max_output_tokens=8, temperature=0)
+    assert r2.status in ("completed", "incomplete") and r2.usage.input_tokens > r.usage.input_tokens
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_a_named_function_gives_a_call_with_valid_arguments(client, seed):
     r = create(client, input="What is the weather in Paris?", tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"},
@@ -334,6 +346,19 @@ def test_truncation_auto_drops_the_oldest_items(server, client):
     assert e.value.body["param"] == "input"
     r = create(client, input=items, max_output_tokens=32, truncation="auto", temperature=0)
     assert r.truncation == "auto" and r.usage.input_tokens + 32 <= 512 and r.output_text
+
+
+def test_truncation_auto_drops_whole_turns(server, client):
+    """The kept part starts at a user message: dropping one item at a time left an assistant turn
+    first, which Gemma 3's template refuses (a user test). Oracle: the chat endpoint given the
+    last user message alone, at temperature 0."""
+    items = [{"role": "user", "content": "tell me about the history of tea " * 80},
+             {"role": "assistant", "content": "Tea is old."},
+             {"role": "user", "content": "Summarize."}]
+    r = create(client, input=items, max_output_tokens=16, truncation="auto", temperature=0)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=items[2:], max_tokens=16, temperature=0)
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.output_text == chat.choices[0].message.content
 
 
 BAD = [
