@@ -55,9 +55,9 @@ void install_cors(httplib::Server& svr, std::vector<std::string> origins) {
 bool cors_preflight(const httplib::Request& req, httplib::Response& res, const std::vector<std::string>& origins) {
   if (req.method != "OPTIONS") return false;
   res.status = 204;
-  res.set_header("Allow", "GET, POST, OPTIONS");
+  res.set_header("Allow", "GET, POST, DELETE, OPTIONS");
   if (allowed_origin(req.get_header_value("Origin"), origins).empty()) return true;  // no CORS headers: refused
-  res.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+  res.set_header("Access-Control-Allow-Methods", "GET, POST, DELETE, OPTIONS");
   const std::string asked = req.get_header_value("Access-Control-Request-Headers");
   res.set_header("Access-Control-Allow-Headers", asked.empty() ? "Authorization, Content-Type" : asked);
   res.set_header("Access-Control-Max-Age", "600");

@@ -82,8 +82,9 @@ class ResponseBuilder {
   // The choice ended with finish_reason ("length": status incomplete): the open items' done
   // events, then response.completed or response.incomplete.
   std::vector<nlohmann::ordered_json> finish(const std::string& finish_reason, const Usage& usage);
-  // An error ended the response: the "error" event and response.failed.
-  std::vector<nlohmann::ordered_json> fail(const ApiError& e);
+  // An error ended the response: the open items' done events (incomplete, with what they hold),
+  // the "error" event and response.failed (with the usage so far when known).
+  std::vector<nlohmann::ordered_json> fail(const ApiError& e, const Usage* usage = nullptr);
 
   const nlohmann::ordered_json& response() const;
   const std::vector<nlohmann::ordered_json>& output() const;  // the output items so far

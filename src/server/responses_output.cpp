@@ -193,14 +193,22 @@ std::vector<ordered> ResponseBuilder::finish(const std::string& finish_reason, c
   return out;
 }
 
-std::vector<ordered> ResponseBuilder::fail(const ApiError& e) {
+std::vector<ordered> ResponseBuilder::fail(const ApiError& e, const Usage* usage) {
   Impl& m = *impl_;
   std::vector<ordered> out;
   m.events = &out;
+  // The open items end incomplete with what they hold: the failed response keeps the text already
+  // streamed (its message item stayed in_progress and empty; a black-box test).
+  m.close_message("incomplete");
+  m.close_calls("incomplete");
   m.emit({{"type", "error"}, {"code", e.code.empty() ? ordered(nullptr) : ordered(e.code)}, {"message", e.message},
           {"param", e.param.empty() ? ordered(nullptr) : ordered(e.param)}});
   m.response["status"] = "failed";
-  m.response["error"] = {{"code", e.code.empty() ? "server_error" : e.code}, {"message", e.message}};
+  // response.error.code is one of OpenAI's codes (the client's types refuse "request_timeout"):
+  // the server's own code goes in the message.
+  const char* code = e.status == 429 ? "rate_limit_exceeded" : "server_error";
+  m.response["error"] = {{"code", code}, {"message", e.code.empty() || e.code == code ? e.message : e.code + ": " + e.message}};
+  if (usage) m.response["usage"] = responses_usage(*usage);
   m.emit({{"type", "response.failed"}, {"response", m.response}});
   return out;
 }

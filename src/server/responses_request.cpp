@@ -18,6 +18,30 @@ struct Built {
   std::string source;
 };
 
+// Characters of UTF-8 text (the body parsed as UTF-8): OpenAI's metadata limits count them, not
+// bytes (64 'é' were refused; a black-box test).
+size_t utf8_chars(const std::string& t) {
+  size_t n = 0;
+  for (unsigned char c : t) n += (c & 0xC0) != 0x80;
+  return n;
+}
+
+// Runs fn; an error naming a bare field of the object at `prefix` (Fields names its own fields
+// alone: 'text', 'arguments') names it in full, prefix.field, as the other errors do.
+template <typename F>
+auto under(const std::string& prefix, F&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (ApiError& e) {
+    if (!e.param.empty() && e.param.find_first_of(".[") == std::string::npos) {
+      const std::string q = "'" + e.param + "'";
+      if (size_t at = e.message.find(q); at != std::string::npos) e.message.replace(at, q.size(), "'" + prefix + "." + e.param + "'");
+      e.param = prefix + "." + e.param;
+    }
+    throw;
+  }
+}
+
 // One content part list or string → the chat content (a string, or text parts). output_text is an
 // assistant's; images, files and audio are refused (a text-only model).
 ordered message_content(const json& content, const std::string& role, const std::string& name) {
@@ -30,7 +54,7 @@ ordered message_content(const json& content, const std::string& role, const std:
     const json& part = content[k];
     if (!part.is_object()) type_error(pname, "an object", part);
     Fields pf(part);
-    auto type = pf.string("type");
+    auto type = under(pname, [&] { return pf.string("type"); });
     if (!type) missing_parameter(pname + ".type");
     if (*type == "output_text" || *type == "refusal") {
       if (role != "assistant")
@@ -42,7 +66,7 @@ ordered message_content(const json& content, const std::string& role, const std:
       value_error(pname + ".type", "'" + *type + "'; expected 'input_text' (or, in an assistant message, 'output_text').");
     }
     const char* field = *type == "refusal" ? "refusal" : "text";
-    auto text = pf.string(field);
+    auto text = under(pname, [&] { return pf.string(field); });
     if (!text) missing_parameter(pname + "." + field);
     parts.push_back({{"type", "text"}, {"text", *text}});
   }
@@ -57,7 +81,13 @@ ordered normalized(const json& item, const std::string& pointer) {
 }
 
 // Checks one input item (name: "input[i]"); throws naming the field.
+void check_item_fields(const json& item, const std::string& name);
+
 void check_item(const json& item, const std::string& name) {
+  under(name, [&] { check_item_fields(item, name); });
+}
+
+void check_item_fields(const json& item, const std::string& name) {
   if (!item.is_object()) type_error(name, "an object (a message or a function call item)", item);
   Fields f(item);
   const std::string type = f.string("type").value_or("message");
@@ -230,9 +260,9 @@ void check_metadata(const json& m) {
   if (!m.is_object()) type_error("metadata", "an object of string values", m);
   if (m.size() > 16) value_error("metadata", "at most 16 keys, got " + std::to_string(m.size()) + ".");
   for (auto it = m.begin(); it != m.end(); ++it) {
-    if (it.key().size() > 64) value_error("metadata", "key '" + it.key().substr(0, 64) + "...' is longer than 64 characters.");
+    if (utf8_chars(it.key()) > 64) value_error("metadata", "key '" + it.key().substr(0, 64) + "...' is longer than 64 characters.");
     if (!it->is_string()) type_error("metadata." + it.key(), "a string", *it);
-    if (it->get<std::string>().size() > 512) value_error("metadata." + it.key(), "is longer than 512 characters.");
+    if (utf8_chars(it->get<std::string>()) > 512) value_error("metadata." + it.key(), "is longer than 512 characters.");
   }
 }
 

@@ -92,8 +92,11 @@ std::string ResponsesSseWriter::event(StreamEvent& ev) {
 
 std::string ResponsesSseWriter::end(const std::optional<ApiError>& ended, const Usage& usage) {
   if (failed_) return "";
-  if (finish_reason_ == "abort" || finish_reason_.empty())
-    return responses_sse(builder_->fail(ended ? *ended : ApiError{500, "The response ended without finishing.", "server_error", "", ""}));
+  if (finish_reason_ == "abort" || finish_reason_.empty()) {
+    std::string out = responses_sse(builder_->fail(ended ? *ended : ApiError{500, "The response ended without finishing.", "server_error", "", ""}, &usage));
+    if (on_done_) on_done_(*builder_);  // a failed response is kept too, as OpenAI keeps it (GET shows it failed)
+    return out;
+  }
   std::string out = responses_sse(builder_->finish(finish_reason_, usage));
   if (on_done_) on_done_(*builder_);
   return out;

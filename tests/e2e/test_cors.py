@@ -87,6 +87,9 @@ def test_preflight_headers(other_origin):
         assert r.status_code == 204  # not a 401: a preflight never carries the key
         assert r.headers["Access-Control-Allow-Origin"] == other_origin
         assert "POST" in r.headers["Access-Control-Allow-Methods"]
+        # a browser app may delete its stored responses (DELETE was left out; a black-box test)
+        d = requests.options(s.url + "/v1/responses/resp_1", headers={**pre, "Access-Control-Request-Method": "DELETE"})
+        assert d.status_code == 204 and "DELETE" in d.headers["Access-Control-Allow-Methods"]
         assert r.headers["Access-Control-Allow-Headers"].lower() == "authorization,content-type"
         r = requests.options(s.url + "/v1/chat/completions", headers={**pre, "Origin": "http://evil.example"})
         assert r.status_code == 204 and "Access-Control-Allow-Origin" not in r.headers

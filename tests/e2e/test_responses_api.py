@@ -62,6 +62,9 @@ def test_a_string_input_gives_a_response_in_openais_shape(client):
     u = r.usage
     assert u.total_tokens == u.input_tokens + u.output_tokens and u.output_tokens_details.reasoning_tokens == 0
     assert r.metadata == {"k": "v"} and r.user == "u1" and r.max_output_tokens == 24 and r.temperature == 0
+    # OpenAI's limits count characters, not bytes (64 'é' were refused; a black-box test)
+    wide = {"é" * 64: "é" * 512}
+    assert create(client, input="Hi.", max_output_tokens=2, metadata=wide).metadata == wide
     assert r.truncation == "disabled" and r.store is True and r.tools == [] and r.parallel_tool_calls is True
     # the same conversation through chat
     text, prompt = chat_text(client, [{"role": "user", "content": "Name a colour."}], temperature=0, max_tokens=24)
@@ -376,7 +379,10 @@ BAD = [
     ({"input": [{"role": "user", "content": [{"type": "output_text", "text": "x"}]}]}, "input[0].content[0].type"),
     ({"input": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"type": "bogus"}]}, "input[2].type"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
-    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{nope"}]}, "input[0].arguments"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": 5}]}, "input[0].arguments"),  # text, opaque: "{nope" is taken
+    # a wrong type deep in an item names its path (it named the bare field; a black-box test)
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 1}]}]}, "input[0].content[0].text"),
+    ({"input": [{"type": "function_call", "call_id": 5, "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
     ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
@@ -402,6 +408,8 @@ BAD = [
     ({"input": "x", "include": ["file_search_call.results"]}, "include[0]"),
     ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
     ({"input": "x", "metadata": {"k": 1}}, "metadata.k"),
+    ({"input": "x", "metadata": {"k": "é" * 513}}, "metadata.k"),
+    ({"input": "x", "metadata": {"é" * 65: "v"}}, "metadata"),
     ({"input": "x", "truncation": "sometimes"}, "truncation"),
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
@@ -456,3 +464,29 @@ def test_through_the_router():
     finally:
         b1.stop()
         b2.stop()
+
+
+def test_a_stream_cut_by_the_request_timeout_fails_with_what_it_streamed():
+    """--request-timeout ends a stream with response.failed: its error code one of OpenAI's (the
+    client's types refused "request_timeout"), the message item closed incomplete with the text
+    already streamed (it stayed in_progress and empty), the usage so far, and the failed response
+    stored (GET was a 404; a black-box test)."""
+    from openai.types.responses import ResponseFailedEvent
+    s = Server("--request-timeout", "1", max_model_len=8192, kv_memory="256MiB")
+    try:
+        c = OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60 * SLOWDOWN)
+        fmt = {"format": {"type": "json_schema", "name": "long", "schema": {
+            "type": "object", "properties": {"a": {"type": "string", "minLength": 20000}}, "required": ["a"]}}}
+        events = list(c.responses.create(model=MODEL_NAME, input="Write.", text=fmt, max_output_tokens=6000, stream=True))
+        failed = events[-1]
+        assert failed.type == "response.failed", [e.type for e in events[-4:]]
+        ResponseFailedEvent.model_validate(failed.model_dump(mode="json", by_alias=True))  # the code is one of its literals
+        r = failed.response
+        assert r.error.code == "server_error" and "timeout" in r.error.message
+        streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert streamed and r.output[0].status == "incomplete" and r.output[0].content[0].text == streamed
+        assert r.usage.output_tokens > 0
+        assert c.responses.retrieve(r.id).status == "failed"
+        assert s.metrics()["kvserve:kv_cache_pages_used"] == 0
+    finally:
+        s.stop()
