@@ -655,6 +655,7 @@ void HttpServer::handle_responses(const httplib::Request& req, httplib::Response
   }
   auto builder = std::make_unique<ResponseBuilder>(rr, make_item_id("resp"), unix_now(), ctx_.model_names.at(0), *ctx_.tok);
   // What the store keeps of a finished response (its conversation goes on with its output).
+  // False when it was not kept (larger than --stored-responses-memory alone): store then says false.
   auto keep = [this, tenant, conversation = rr.conversation, salt = rr.cache_salt](const ResponseBuilder& b) mutable {
     auto s = std::make_shared<StoredResponse>();
     s->response = b.response();
@@ -663,7 +664,7 @@ void HttpServer::handle_responses(const httplib::Request& req, httplib::Response
     s->tenant = tenant;
     s->cache_salt = salt;
     const std::string id = s->response.at("id").get<std::string>();
-    store_.put(id, std::move(s));
+    return store_.put(id, std::move(s));
   };
   std::shared_ptr<RequestGroup> stream;
   try {
@@ -687,11 +688,11 @@ void HttpServer::handle_responses(const httplib::Request& req, httplib::Response
     builder->begin();
     builder->push(choices[0].text, rr.logprobs ? choices[0].logprobs : std::vector<TokenLogprob>{});
     builder->finish(choices[0].finish_reason, stream->usage());
-    if (rr.store) keep(*builder);
+    if (rr.store && !keep(*builder)) builder->set_store(false);
     write_json(res, builder->response());
     return;
   }
-  std::function<void(const ResponseBuilder&)> on_done;
+  std::function<bool(const ResponseBuilder&)> on_done;
   if (rr.store) on_done = keep;
   guard.armed = false;
   in_flight.armed = false;

@@ -21,16 +21,17 @@ void ResponseStore::drop(Lru::iterator it) {
   lru_.erase(it);
 }
 
-void ResponseStore::put(const std::string& id, std::shared_ptr<const StoredResponse> r) {
-  if (capacity_ == 0) return;
+bool ResponseStore::put(const std::string& id, std::shared_ptr<const StoredResponse> r) {
+  if (capacity_ == 0) return false;
   const size_t n = json_bytes(*r);  // outside the lock: a long conversation takes a while
   std::lock_guard<std::mutex> l(mu_);
   if (auto it = index_.find(id); it != index_.end()) drop(it->second);
-  if (n > max_bytes_) return;
+  if (n > max_bytes_) return false;
   lru_.push_front({id, std::move(r), n});
   index_[id] = lru_.begin();
   bytes_ += n;
   while (lru_.size() > capacity_ || bytes_ > max_bytes_) drop(std::prev(lru_.end()));
+  return true;
 }
 
 std::shared_ptr<const StoredResponse> ResponseStore::get(const std::string& id, const std::string& tenant) {

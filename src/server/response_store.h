@@ -25,7 +25,8 @@ class ResponseStore {
 
   bool enabled() const { return capacity_ > 0; }
   // Keeps r under id (replacing one there); the least recently used goes when over capacity.
-  void put(const std::string& id, std::shared_ptr<const StoredResponse> r);
+  // False when it is not kept (the store keeps none, or r alone is over max_bytes).
+  bool put(const std::string& id, std::shared_ptr<const StoredResponse> r);
   // The response if it is there and tenant's; marks it used.
   std::shared_ptr<const StoredResponse> get(const std::string& id, const std::string& tenant);
   // Removes it if it is there and tenant's; false otherwise.

@@ -87,6 +87,8 @@ class ResponseBuilder {
   std::vector<nlohmann::ordered_json> fail(const ApiError& e, const Usage* usage = nullptr);
 
   const nlohmann::ordered_json& response() const;
+  // The response's store field (false: the store did not keep it, though the request asked).
+  void set_store(bool stored);
   const std::vector<nlohmann::ordered_json>& output() const;  // the output items so far
 
  private:

@@ -215,6 +215,8 @@ std::vector<ordered> ResponseBuilder::fail(const ApiError& e, const Usage* usage
 
 const ordered& ResponseBuilder::response() const { return impl_->response; }
 
+void ResponseBuilder::set_store(bool stored) { impl_->response["store"] = stored; }
+
 const std::vector<ordered>& ResponseBuilder::output() const { return impl_->response["output"].get_ref<const ordered::array_t&>(); }
 
 }  // namespace kv

@@ -73,7 +73,7 @@ std::string ChatSseWriter::end(const std::optional<ApiError>& ended, const Usage
   return out + kSseDone;
 }
 
-ResponsesSseWriter::ResponsesSseWriter(std::unique_ptr<ResponseBuilder> b, bool logprobs, std::function<void(const ResponseBuilder&)> on_done)
+ResponsesSseWriter::ResponsesSseWriter(std::unique_ptr<ResponseBuilder> b, bool logprobs, std::function<bool(const ResponseBuilder&)> on_done)
     : builder_(std::move(b)), logprobs_(logprobs), on_done_(std::move(on_done)) {}
 
 std::string ResponsesSseWriter::begin() { return responses_sse(builder_->begin()); }
@@ -92,14 +92,18 @@ std::string ResponsesSseWriter::event(StreamEvent& ev) {
 
 std::string ResponsesSseWriter::end(const std::optional<ApiError>& ended, const Usage& usage) {
   if (failed_) return "";
-  if (finish_reason_ == "abort" || finish_reason_.empty()) {
-    std::string out = responses_sse(builder_->fail(ended ? *ended : ApiError{500, "The response ended without finishing.", "server_error", "", ""}, &usage));
-    if (on_done_) on_done_(*builder_);  // a failed response is kept too, as OpenAI keeps it (GET shows it failed)
-    return out;
+  // A failed response is kept too, as OpenAI keeps it (GET shows it failed).
+  if (finish_reason_ == "abort" || finish_reason_.empty())
+    return last_events(builder_->fail(ended ? *ended : ApiError{500, "The response ended without finishing.", "server_error", "", ""}, &usage));
+  return last_events(builder_->finish(finish_reason_, usage));
+}
+
+std::string ResponsesSseWriter::last_events(std::vector<json> events) {
+  if (on_done_ && !on_done_(*builder_) && !events.empty() && events.back().contains("response")) {
+    builder_->set_store(false);
+    events.back()["response"]["store"] = false;
   }
-  std::string out = responses_sse(builder_->finish(finish_reason_, usage));
-  if (on_done_) on_done_(*builder_);
-  return out;
+  return responses_sse(events);
 }
 
 }  // namespace kv

@@ -63,7 +63,8 @@ class ChatSseWriter : public SseWriter {
 // response (the store).
 class ResponsesSseWriter : public SseWriter {
  public:
-  ResponsesSseWriter(std::unique_ptr<ResponseBuilder> b, bool logprobs, std::function<void(const ResponseBuilder&)> on_done);
+  // on_done: false when the response was not kept (its final event then says store false).
+  ResponsesSseWriter(std::unique_ptr<ResponseBuilder> b, bool logprobs, std::function<bool(const ResponseBuilder&)> on_done);
 
   std::string begin() override;
   std::string event(StreamEvent& ev) override;
@@ -72,7 +73,8 @@ class ResponsesSseWriter : public SseWriter {
  private:
   std::unique_ptr<ResponseBuilder> builder_;
   bool logprobs_ = false;
-  std::function<void(const ResponseBuilder&)> on_done_;
+  std::function<bool(const ResponseBuilder&)> on_done_;
+  std::string last_events(std::vector<nlohmann::ordered_json> events);  // the final events, once on_done_ has run
   std::string finish_reason_;
   bool failed_ = false;
 };

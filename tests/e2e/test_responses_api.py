@@ -490,3 +490,23 @@ def test_a_stream_cut_by_the_request_timeout_fails_with_what_it_streamed():
         assert s.metrics()["kvserve:kv_cache_pages_used"] == 0
     finally:
         s.stop()
+
+
+def test_a_response_the_store_cannot_keep_says_store_false():
+    """A response larger than --stored-responses-memory alone is not kept: it said store true and
+    GET was a 404 (a black-box test). Whole and streamed, it now says false; a small one is kept."""
+    s = Server("--stored-responses-memory", "3000")
+    try:
+        c = OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60 * SLOWDOWN)
+        small = c.responses.create(model=MODEL_NAME, input="Hi.", max_output_tokens=2, temperature=0)
+        assert small.store is True and c.responses.retrieve(small.id).id == small.id
+        big = dict(model=MODEL_NAME, input="Tell me a story.", max_output_tokens=40, temperature=0,
+                   include=["message.output_text.logprobs"], top_logprobs=5)
+        r = c.responses.create(**big)
+        assert r.store is False
+        with pytest.raises(NotFoundError):
+            c.responses.retrieve(r.id)
+        last = list(c.responses.create(**big, stream=True))[-1]
+        assert last.type in ("response.completed", "response.incomplete") and last.response.store is False
+    finally:
+        s.stop()
