@@ -693,7 +693,11 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
           }
           return true;
         },
-        [pipe, in_flight](bool) {
+        [this, pipe, in_flight](bool) {
+          // Under clients_mu_: watch_loop peeks at the client's socket under it while the stream is
+          // not ended, and httplib closes that socket once this returns (TSan saw the close race
+          // the peek, and a reused descriptor could have been peeked).
+          std::lock_guard<std::mutex> l(clients_mu_);
           pipe->cancel.store(true);
           (void)in_flight;  // held until the response ends
         });
