@@ -367,6 +367,11 @@ void Router::handle_generate(const httplib::Request& req, httplib::Response& res
   // good one gets its prompt tokens for the affinity key.
   nlohmann::json body = parse_json_body(req.body, ctx_);
   const ApiRequest ar = chat ? parse_chat_request(body, ctx_) : parse_completion_request(body, ctx_);
+  route(ar, chat ? "/v1/chat/completions" : "/v1/completions", req, res, std::move(guard), -1);
+}
+
+void Router::route(const ApiRequest& ar, const std::string& path, const httplib::Request& req, httplib::Response& res,
+                   std::shared_ptr<void> guard, int32_t pinned) {
   const std::string auth = req.get_header_value("Authorization");
   // The backends' namespace is the salt, under the API key when they check one: the key (hashed)
   // keys affinity too, so tenants spread as their caches do.
@@ -378,10 +383,10 @@ void Router::handle_generate(const httplib::Request& req, httplib::Response& res
   uint64_t key = affinity_key(ns, first.data(), static_cast<int64_t>(first.size()), opts_.block_size,
                               std::max(1, opts_.affinity_tokens / opts_.block_size));
   if (opts_.routing == RouterOptions::Routing::kRoundRobin) key = round_robin_key(*serve_, rr_.fetch_add(1));
-  const std::string path = chat ? "/v1/chat/completions" : "/v1/completions";
-  // No decode instance up: forward answers 503 at once, without loading a prefill instance.
+  // No decode instance up: forward answers 503 at once, without loading a prefill instance. A
+  // pinned request's pages are on its backend already.
   const std::vector<bool> up = serve_->up();
-  if (!prefill_->empty() && std::find(up.begin(), up.end(), true) != up.end()) {
+  if (pinned < 0 && !prefill_->empty() && std::find(up.begin(), up.end(), true) != up.end()) {
     // A batch is prefilled whole (the prefill instance computes every prompt) when its longest
     // prompt is long enough, on the prefill instance of its first prompt.
     size_t longest = 0;
@@ -390,7 +395,7 @@ void Router::handle_generate(const httplib::Request& req, httplib::Response& res
     else n_prefill_skipped_.fetch_add(1);
   }
   // The client is watched while the backend answers (watch_loop).
-  forward(*serve_, key, path, req.body, auth, ar.stream, res, guard, find_client_socket(req));
+  forward(*serve_, key, path, req.body, auth, ar.stream, res, std::move(guard), find_client_socket(req), pinned);
 }
 
 int32_t Router::find_stored(const std::string& id, const std::string& auth, httplib::Response* found, bool erase) {
@@ -448,18 +453,7 @@ void Router::handle_responses(const httplib::Request& req, httplib::Response& re
   }
   const PreviousLookup placeholder = [](const std::string&) { return std::make_shared<StoredResponse>(); };
   const ResponsesRequest rr = parse_responses_request(body, ctx_, placeholder);
-  std::string ns = rr.chat.params.cache_namespace;
-  if (!auth.empty()) ns = std::to_string(XXH3_64bits(auth.data(), auth.size())) + "/" + ns;
-  const std::vector<int32_t>& first = rr.chat.prompts.at(0);
-  uint64_t key = affinity_key(ns, first.data(), static_cast<int64_t>(first.size()), opts_.block_size,
-                              std::max(1, opts_.affinity_tokens / opts_.block_size));
-  if (opts_.routing == RouterOptions::Routing::kRoundRobin) key = round_robin_key(*serve_, rr_.fetch_add(1));
-  const std::vector<bool> up = serve_->up();
-  if (holder < 0 && !prefill_->empty() && std::find(up.begin(), up.end(), true) != up.end()) {
-    if (static_cast<int64_t>(first.size()) >= opts_.prefill_min_tokens) prefill(key, "/v1/responses", req.body, auth);
-    else n_prefill_skipped_.fetch_add(1);
-  }
-  forward(*serve_, key, "/v1/responses", req.body, auth, rr.chat.stream, res, guard, find_client_socket(req), holder);
+  route(rr.chat, "/v1/responses", req, res, std::move(guard), holder);
 }
 
 RouteChoice Router::choose(Pool& pool, uint64_t key, const std::vector<int32_t>& tried) {

@@ -101,6 +101,10 @@ class Router {
   void routes();
   void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat);
   void prefill(uint64_t key, const std::string& path, const std::string& body, const std::string& auth);
+  // A parsed request's way to a backend: its affinity key (namespace, first prompt), the prefill
+  // instance when long enough (not for a pinned one), then forward.
+  void route(const ApiRequest& ar, const std::string& path, const httplib::Request& req, httplib::Response& res,
+             std::shared_ptr<void> guard, int32_t pinned);
   // pinned ≥ 0: that backend alone (a continuation of a response it stored), no retry elsewhere.
   void forward(Pool& pool, uint64_t key, const std::string& path, const std::string& body, const std::string& auth, bool stream,
                httplib::Response& res, std::shared_ptr<void> in_flight, int client_fd, int32_t pinned = -1);
