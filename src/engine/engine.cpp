@@ -293,8 +293,8 @@ Rejection Engine::check_request(const Request& req) const {
   int64_t tokens_one = std::min<int64_t>(n_prompt + p.max_tokens, cfg_.max_model_len);
   if (ev.evicts()) tokens_one = std::min<int64_t>(tokens_one, std::max<int64_t>(n_prompt + 1, ev.budget + cfg_.block_size));
   int64_t pages_one = BlockTable::pages_for(tokens_one, cfg_.block_size);
-  if (cold_ && ev.offload_cold)  // RAM holds the budget and what one step reads back
-    pages_one = std::min<int64_t>(pages_one, BlockTable::pages_for(ev.budget, cfg_.block_size) + ev.quest_pages_read(cfg_.block_size) + 2);
+  if (cold_ && ev.offload_cold)  // RAM holds the budget, or one layer's reads when they are more
+    pages_one = std::min<int64_t>(pages_one, ev.cold_cap_pages(cfg_.block_size, model_.config().n_head_kv) + 2);
   if (pages_one > pool_->n_pages())
     return reject(400,
                   "The request needs " + std::to_string(pages_one) + " KV pages (" + std::to_string(tokens_one) +
@@ -429,8 +429,10 @@ bool Engine::ensure_pages(Sequence& s, int64_t n_new) {
   }
   // Evict only when it can succeed: a waiting head that cannot fit emptied the prefix cache each
   // step for nothing, pages just loaded from a tier for the sequences behind it among them.
-  if (!pool_->can_allocate(total) &&
-      !(cache_ && pool_->n_free() + cache_->n_evictable_pages() >= total && cache_->ensure_free(total)))
+  // With cold pages, what the step reads back stays free too (cold_reserve).
+  const int64_t keep = total + cold_reserve(s, n_new);
+  if (!pool_->can_allocate(static_cast<int32_t>(std::min<int64_t>(keep, INT32_MAX))) &&
+      !(cache_ && pool_->n_free() + cache_->n_evictable_pages() >= keep && cache_->ensure_free(static_cast<int32_t>(keep))))
     return false;
   auto copy_on_write = [&](BlockTable& t, PagePool& p) {
     std::vector<int32_t> fresh;
@@ -846,6 +848,21 @@ void Engine::attach_cold(Sequence& s) {
   if (!cold_ || !s.evict.offload_cold) return;
   // A fetch that finds the pool full takes a page from the prefix cache's evictable ones.
   s.cold.attach(cold_.get(), &s.table.pages, [this](int32_t n) { return cache_ && cache_->ensure_free(n); });
+  s.cold.set_cap(s.evict.cold_cap_pages(cfg_.block_size, model_.config().n_head_kv));
+}
+
+int64_t Engine::cold_reserve(const Sequence& s, int64_t n_new) const {
+  // A sequence past its budget may hold cold_extra_pages more than its budget during a step
+  // (one layer's reads, when they are more than the budget): those stay free for it.
+  if (!cold_) return 0;
+  const int32_t hkv = model_.config().n_head_kv;
+  auto extra = [&](const Sequence& t, int64_t n) {
+    return t.cold.attached() && t.n_computed + n > t.evict.budget ? t.evict.cold_extra_pages(cfg_.block_size, hkv) : 0;
+  };
+  int64_t r = extra(s, n_new);
+  for (const auto& t : running_)
+    if (t.get() != &s) r += extra(*t, 0);
+  return r;
 }
 
 int64_t Engine::cold_cap(const Sequence& s, int64_t n) const {

@@ -228,6 +228,9 @@ std::string render_prometheus(const MetricsSnapshot& m) {
     counter(out, "kvserve:kv_cold_errors_total", "Cold-page reads or writes that failed (the page was dropped, as if evicted).", double(c.errors));
     counter(out, "kvserve:kv_cold_no_room_total", "Cold-page fetches that found no free RAM page (the page was skipped for that step).",
             double(c.no_room));
+    counter(out, "kvserve:kv_cold_room_swaps_total",
+            "Resident KV pages a layer did not read, sent to the spill file mid-step to make room for a cold page it did.",
+            double(c.room_swaps));
     counter(out, "kvserve:kv_cold_fetch_seconds_total", "Seconds spent bringing cold pages back into RAM.", c.fetch_seconds);
   }
   if (!m.tiers.empty()) {

@@ -216,6 +216,7 @@ ColdStats ColdStore::stats() const {
   s.bytes_in = bytes_in_.load(std::memory_order_relaxed);
   s.errors = errors_.load(std::memory_order_relaxed);
   s.no_room = no_room_.load(std::memory_order_relaxed);
+  s.room_swaps = room_swaps_.load(std::memory_order_relaxed);
   s.slots_used = slots_used_pub_.load(std::memory_order_relaxed);
   s.file_bytes = file_bytes_.load(std::memory_order_relaxed);
   s.fetch_seconds = double(fetch_ns_.load(std::memory_order_relaxed)) * 1e-9;
@@ -228,7 +229,13 @@ int32_t ColdTable::fetch(int64_t i) {
   std::vector<int32_t>& pages = *pages_;
   if (pages[i] != kColdPage) return pages[i];
   PagePool& pool = store_->pool();
-  if (pool.n_free() < 1 && !(reclaim_ && reclaim_(1))) {
+  if (mark_ != 0 && resident_ < 0) {
+    resident_ = 0;
+    for (int32_t p : pages) resident_ += p >= 0;
+  }
+  // at its cap the sequence makes its own room; else a free page, one from the prefix cache, or its own
+  const bool own = mark_ != 0 && resident_ >= cap_ && room_for();
+  if (!own && pool.n_free() < 1 && !(reclaim_ && reclaim_(1)) && !room_for()) {
     store_->add_no_room();
     return -1;
   }
@@ -244,11 +251,50 @@ int32_t ColdTable::fetch(int64_t i) {
   }
   pages[i] = got[0];
   --n_cold_;
+  if (resident_ >= 0) ++resident_;
   return got[0];
+}
+
+void ColdTable::begin_layer(const EvictionConfig& cfg, int64_t pos) {
+  const int32_t bs = store_->pool().layout().block_size;
+  ++mark_;
+  resident_ = -1;
+  movable_from_ = cfg.sink_pages(bs);
+  // as quest_select: the query's recent area (and the filling page) is always read
+  movable_to_ = std::max<int64_t>(0, pos + 1 - cfg.quest_recent(bs)) / bs;
+}
+
+bool ColdTable::room_for() {
+  if (mark_ == 0) return false;
+  std::vector<int32_t>& pages = *pages_;
+  PagePool& pool = store_->pool();
+  // The least recently read page the layer does not read, held by this sequence alone (a
+  // shared page frees nothing); a clean one (its slot still holds its bytes) before one that
+  // must be written.
+  int64_t best = -1;
+  auto key = [&](int64_t i) {
+    return std::pair<bool, int64_t>(i >= int64_t(slot_.size()) || slot_[i] < 0, i < int64_t(last_read_.size()) ? last_read_[i] : -1);
+  };
+  const int64_t to = std::min<int64_t>(movable_to_, pages.size());
+  for (int64_t i = movable_from_; i < to; ++i) {
+    if (pages[i] < 0 || pool.refcount(pages[i]) != 1 || (i < int64_t(need_.size()) && need_[i] == mark_)) continue;
+    if (best < 0 || key(i) < key(best)) best = i;
+  }
+  if (best < 0) return false;
+  if (int64_t(slot_.size()) <= best) slot_.resize(best + 1, -1);
+  if (slot_[best] < 0 && (slot_[best] = store_->put(pages[best])) < 0) return false;  // the disk failed
+  pool.release(pages[best]);
+  pages[best] = kColdPage;
+  ++n_cold_;
+  if (resident_ >= 0) --resident_;
+  store_->add_room_swap();
+  return true;
 }
 
 bool ColdTable::fetch_all() {
   if (n_cold_ == 0) return true;
+  mark_ = 0;  // the run reads every page: none may go down for room
+  resident_ = -1;
   bool ok = true;
   for (int64_t i = 0; i < int64_t(pages_->size()); ++i)
     if ((*pages_)[i] == kColdPage) ok = fetch(i) >= 0 && ok;

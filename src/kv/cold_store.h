@@ -57,6 +57,7 @@ struct ColdStats {
   int64_t bytes_out = 0, bytes_in = 0;
   int64_t errors = 0;          // I/O failures and checksum mismatches (the page is then dropped)
   int64_t no_room = 0;         // fetches that found no free pool page (the page was skipped once)
+  int64_t room_swaps = 0;      // pages the layer did not read sent down mid-step to make room for a fetch
   int64_t slots_used = 0;      // pages held in the spill file now
   int64_t file_bytes = 0;      // the spill file's size
   double fetch_seconds = 0;    // time spent in fetches (reads and copies)
@@ -89,6 +90,7 @@ class ColdStore {
   int64_t slot_bytes() const { return slot_bytes_; }
   ColdStats stats() const;
   void add_no_room() { no_room_.fetch_add(1, std::memory_order_relaxed); }
+  void add_room_swap() { room_swaps_.fetch_add(1, std::memory_order_relaxed); }
 
  private:
   ColdStore(PagePool& pool, int fd);
@@ -124,7 +126,7 @@ class ColdStore {
   std::thread loader_;
 
   std::atomic<int64_t> pages_out_{0}, pages_in_{0}, prefetch_hits_{0}, prefetches_{0}, bytes_out_{0}, bytes_in_{0}, errors_{0},
-      no_room_{0}, fetch_ns_{0};
+      no_room_{0}, room_swaps_{0}, fetch_ns_{0};
   std::atomic<int64_t> slots_used_pub_{0}, file_bytes_{0};
 };
 
@@ -140,13 +142,27 @@ class ColdTable {
     pages_ = pages;
     reclaim_ = std::move(reclaim);
   }
+  // The most pages the sequence holds during a step (EvictionConfig::cold_cap_pages): at it, a
+  // fetch sends one of its own pages down before it takes a free one, so the free pages the
+  // engine keeps for every sequence's reads are not taken by one of them.
+  void set_cap(int64_t pages) { cap_ = pages; }
   bool attached() const { return store_ != nullptr; }
   int64_t n_cold() const { return n_cold_; }
   const uint8_t* key_stats(int64_t logical, int32_t layer) const { return store_->key_stats(slot_[logical], layer); }
 
   // Makes logical page i resident: its pool page, or -1 (no free page, or the read failed: then
-  // the page is dropped for good and the entry becomes -1, as if evicted).
+  // the page is dropped for good and the entry becomes -1, as if evicted). With no free pool
+  // page, even after reclaim: after begin_layer, one of the sequence's own resident pages that
+  // the layer does not read goes down to make room (room_for); otherwise the page is skipped.
   int32_t fetch(int64_t i);
+  // Before a layer's fetches: the query at position pos, and need(i) for every page any of the
+  // layer's selections reads. Until the next begin_layer, a fetch may send down a resident page
+  // not needed, outside the sinks and the query's recent area, to make room.
+  void begin_layer(const EvictionConfig& cfg, int64_t pos);
+  void need(int64_t i) {
+    if (i >= int64_t(need_.size())) need_.resize(i + 1, 0);
+    need_[i] = mark_;
+  }
   // Every cold page resident (a run that reads the whole table). False if some could not be.
   bool fetch_all();
   void prefetch(int64_t i) {
@@ -180,6 +196,12 @@ class ColdTable {
   std::function<bool(int32_t)> reclaim_;
   std::vector<int32_t> slot_;        // per logical page: its slot, or -1
   std::vector<int64_t> last_read_;   // per logical page: the step a selection last read it (-1 never)
+  bool room_for();                   // sends one page down for a fetch; false when none may go
+  std::vector<uint64_t> need_;       // per logical page: the mark of the last layer that reads it
+  uint64_t mark_ = 0;                // the current layer's mark (0: no layer begun: nothing may go)
+  int64_t movable_from_ = 0, movable_to_ = 0;  // pages that may go down for room: [from, to)
+  int64_t cap_ = INT64_MAX;
+  int64_t resident_ = -1;            // resident pages during the current layer (-1: not counted yet)
   int64_t step_ = 0;
   int64_t n_cold_ = 0;
 };

@@ -532,6 +532,11 @@ void LlamaModel::resolve_cold(const Batch& batch) {
   for (size_t si = 0; si < batch.seqs.size(); ++si) {
     const BatchSeq& s = batch.seqs[si];
     if (!quest_on_[si] || !s.cold) continue;
+    // what any head of this layer reads stays; a fetch short of room sends down another page
+    s.cold->begin_layer(*s.quest, s.pos0 + s.n_tokens - 1);
+    for (int h = 0; h < hkv; ++h)
+      for (int64_t i = 0; i < int64_t(quest_tables_[si * hkv + h].size()); ++i)
+        if (quest_tables_[si * hkv + h][i] != -1) s.cold->need(i);
     for (int h = 0; h < hkv; ++h) {
       std::vector<int32_t>& t = quest_tables_[si * hkv + h];
       for (int64_t i = 0; i < int64_t(t.size()); ++i) {

@@ -34,12 +34,14 @@ std::vector<int32_t> tokens_of(size_t n, uint32_t seed) {
   return t;
 }
 
-// The spill file's descriptor, found the way an outside process would: /proc/self/fd.
-int spill_fd() {
+// The spill file's descriptor, found the way an outside process would: /proc/self/fd, the one
+// deleted file in dir (a directory of the test's own: another deleted /tmp file the process
+// holds, e.g. a second test run's, was taken for it once).
+int spill_fd(const std::string& dir) {
   for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
     std::error_code ec;
     const std::string target = std::filesystem::read_symlink(e.path(), ec).string();
-    if (!ec && target.find("/tmp/") == 0 && target.find("(deleted)") != std::string::npos) return std::stoi(e.path().filename());
+    if (!ec && target.rfind(dir + "/", 0) == 0 && target.find("(deleted)") != std::string::npos) return std::stoi(e.path().filename());
   }
   return -1;
 }
@@ -67,7 +69,10 @@ TEST(ColdPages, StoreRoundTripAndChecksum) {
       for (auto& x : v) x = float(rng() % 2000) / 1000.f - 1.f;
       ASSERT_TRUE(pool.write_token(layer, pages[0], slot, k.data(), v.data()));
     }
-  auto store = ColdStore::create("/tmp", pool);
+  char dir_template[] = "/tmp/kvserve-cold-test-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  auto store = ColdStore::create(dir, pool);
   ASSERT_TRUE(store) << store.message();
   ColdStore& cs = **store;
   const int32_t slot = cs.put(pages[0]);
@@ -87,7 +92,7 @@ TEST(ColdPages, StoreRoundTripAndChecksum) {
   EXPECT_EQ(cs.stats().prefetch_hits, 1);
   EXPECT_EQ(std::memcmp(pool.k_data(1, pages[0]), pool.k_data(1, pages[2]), l.k_layer_page_bytes(1)), 0);
   // Corrupt one byte of the slot on disk: the read fails and is counted.
-  const int fd = spill_fd();
+  const int fd = spill_fd(dir);
   ASSERT_GE(fd, 0);
   uint8_t b = 0;
   const off_t at = off_t(slot) * cs.slot_bytes() + 100;
@@ -102,6 +107,7 @@ TEST(ColdPages, StoreRoundTripAndChecksum) {
   cs.release(slot);
   for (int32_t p : pages) pool.release(p);
   EXPECT_EQ(pool.n_used(), 0);
+  std::filesystem::remove(dir);  // empty: the spill file was unlinked at once
 }
 
 // SmolLM2, one sequence of 1,000 tokens with a 256-token RAM budget: every logit equals the
@@ -185,14 +191,16 @@ TEST(ColdPages, SequenceRunnerLogitsEqualAllInRam) {
 // after every step, and when the requests end no page and no slot is held. The prompts fit the
 // budget and the answers go far past it: Quest reads a prompt whole, except with cold pages past
 // the budget (Quest tiles, which would otherwise hold every page), where the two differ.
-void engine_matches(LlamaModel* m, const Tokenizer& tok, int32_t n_prompt, int64_t budget, int64_t cache_bytes) {
+// cold_cache_bytes: the cold run's KV cache (default: cache_bytes).
+MetricsSnapshot engine_matches(LlamaModel* m, const Tokenizer& tok, int32_t n_prompt, int64_t budget, int64_t cache_bytes,
+                               int64_t cold_cache_bytes = 0) {
   auto run = [&](bool offload, MetricsSnapshot* ms) {
     EngineConfig c;
     c.max_num_batched_tokens = 8;
     c.max_num_seqs = 4;
     c.max_model_len = 2048;
     c.block_size = 16;
-    c.kv_cache_bytes = cache_bytes;
+    c.kv_cache_bytes = offload && cold_cache_bytes > 0 ? cold_cache_bytes : cache_bytes;
     c.n_threads = 2;
     c.enable_prefix_caching = false;
     c.kv_policy = quest(4, budget, offload);
@@ -241,12 +249,24 @@ void engine_matches(LlamaModel* m, const Tokenizer& tok, int32_t n_prompt, int64
   EXPECT_GT(m_cold.cold.pages_in, 0);
   EXPECT_EQ(m_cold.cold.slots_used, 0);
   EXPECT_EQ(m_cold.cold.errors, 0);
+  EXPECT_EQ(m_cold.cold.no_room, 0);
+  return m_cold;
 }
 
 TEST(ColdPages, EngineSmolLM2OutputEqualsAllInRam) {
   LlamaModel* m = kvtest::smollm2_model();
   ASSERT_TRUE(m);
   engine_matches(m, *kvtest::smollm2_tokenizer(), 60, 128, 64ll << 20);
+}
+
+// A pool that holds the four sequences' budgets but little more: fetches find no free page, and
+// each sends down a page of its own sequence that the layer does not read instead of reading
+// without the page it picked (which changed greedy text with the load). Same outputs as all in RAM.
+TEST(ColdPages, EngineTightPoolSwapsPagesInsteadOfSkipping) {
+  LlamaModel* m = kvtest::smollm2_model();
+  ASSERT_TRUE(m);
+  const MetricsSnapshot ms = engine_matches(m, *kvtest::smollm2_tokenizer(), 60, 128, 64ll << 20, 14ll << 20);
+  EXPECT_GT(ms.cold.room_swaps, 0);
 }
 
 TEST(ColdPages, EngineGemma3OutputEqualsAllInRam) {
