@@ -80,8 +80,9 @@ struct EvictionConfig {
   // Cold pages (offload_cold): the pages one layer's selections read at once when each of
   // n_head_kv KV heads picks its own sparse_pages, and the most pages a sequence past its budget
   // holds during a step (its budget, or that layer's reads when they are more: cold_extra_pages).
+  // (The recent area's tokens end at the query, so unaligned they span one page more.)
   int64_t quest_layer_pages(int32_t block_size, int32_t n_head_kv) const {
-    return sink_pages(block_size) + (quest_recent(block_size) + block_size - 1) / block_size + int64_t(n_head_kv) * sparse_pages;
+    return sink_pages(block_size) + (quest_recent(block_size) - 1) / block_size + 2 + int64_t(n_head_kv) * sparse_pages;
   }
   int64_t cold_cap_pages(int32_t block_size, int32_t n_head_kv) const {
     return std::max<int64_t>(budget / block_size, quest_layer_pages(block_size, n_head_kv));
