@@ -336,6 +336,8 @@ void Router::routes() {
   post_with_body_limit(*svr_, "/v1/responses", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_responses(req, res); }, opts_.http_read_timeout_s);
   svr_->Get(R"(/v1/responses/([^/]+))", safe_handler([this](const httplib::Request& req, httplib::Response& res) { handle_stored_response(req, res, false); }));
   svr_->Delete(R"(/v1/responses/([^/]+))", safe_handler([this](const httplib::Request& req, httplib::Response& res) { handle_stored_response(req, res, true); }));
+  svr_->Get(R"(/v1/responses/([^/]+)/input_items)",
+            safe_handler([this](const httplib::Request& req, httplib::Response& res) { handle_stored_response(req, res, false); }));
   install_model_routes(*svr_, ctx_);
   install_tokenize_routes(*svr_, ctx_, opts_.max_body_bytes, opts_.http_read_timeout_s);  // the router has the tokenizer and the template
   svr_->Get("/health", safe_handler([this](const httplib::Request&, httplib::Response& res) {
@@ -398,7 +400,7 @@ void Router::route(const ApiRequest& ar, const std::string& path, const httplib:
   forward(*serve_, key, path, req.body, auth, ar.stream, res, std::move(guard), find_client_socket(req), pinned);
 }
 
-int32_t Router::find_stored(const std::string& id, const std::string& auth, httplib::Response* found, bool erase) {
+int32_t Router::find_stored(const std::string& id, const std::string& auth, httplib::Response* found, bool erase, const std::string& rest) {
   // Stored responses live on the instance that made them: each backend is asked in turn (a GET,
   // or the DELETE itself), the first that has it answers. Cheap next to a generation, and
   // nothing to keep in step here.
@@ -414,6 +416,7 @@ int32_t Router::find_stored(const std::string& id, const std::string& auth, http
       if (std::isalnum(ch) || ch == '_' || ch == '-' || ch == '.' || ch == '~') path += static_cast<char>(ch);
       else path += std::string("%") + kHex[ch >> 4] + kHex[ch & 15];
     }
+    path += rest;
     auto r = erase ? cli.Delete(path, upstream_headers(auth)) : cli.Get(path, upstream_headers(auth));
     if (!r || r->status == 404) continue;
     if (found) {
@@ -427,7 +430,13 @@ int32_t Router::find_stored(const std::string& id, const std::string& auth, http
 
 void Router::handle_stored_response(const httplib::Request& req, httplib::Response& res, bool erase) {
   const std::string id = req.matches[1];
-  if (find_stored(id, req.get_header_value("Authorization"), &res, erase) < 0)
+  // GET …/input_items: the same path below the id, and the query (limit, order, cursors) as sent
+  std::string rest;
+  if (const std::string p = req.path; p.size() > 12 && p.compare(p.size() - 12, 12, "/input_items") == 0) {
+    rest = "/input_items";
+    if (const size_t q = req.target.find('?'); q != std::string::npos) rest += req.target.substr(q);
+  }
+  if (find_stored(id, req.get_header_value("Authorization"), &res, erase, rest) < 0)
     throw ApiError{404, "Response with id '" + id + "' not found on any backend (stored responses are kept by the instance that made them).",
                    "invalid_request_error", "response_id", "response_not_found"};
 }

@@ -114,7 +114,8 @@ class Router {
   void handle_stored_response(const httplib::Request& req, httplib::Response& res, bool erase);
   // The serving backend that holds stored response `id` for this key (its answer to the GET or
   // DELETE copied into *found), or -1.
-  int32_t find_stored(const std::string& id, const std::string& auth, httplib::Response* found, bool erase);
+  // rest: what follows the id in the path (with its query), e.g. "/input_items?limit=5".
+  int32_t find_stored(const std::string& id, const std::string& auth, httplib::Response* found, bool erase, const std::string& rest = "");
   void run_upstream(Backend* b, const std::string& path, const std::string& body, const std::string& auth, int client_fd, Pipe& pipe);
   std::string render_metrics() const;
   static uint64_t round_robin_key(const Pool& pool, uint64_t turn);

@@ -292,6 +292,8 @@ void HttpServer::routes() {
 
   post_with_body_limit(*svr_, "/v1/responses", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_responses(req, res); }, opts_.http_read_timeout_s);
   svr_->Get(R"(/v1/responses/([^/]+))", safe([this](const httplib::Request& req, httplib::Response& res) { handle_stored_response(req, res, false); }));
+  svr_->Get(R"(/v1/responses/([^/]+)/input_items)",
+            safe([this](const httplib::Request& req, httplib::Response& res) { handle_input_items(req, res); }));
   svr_->Delete(R"(/v1/responses/([^/]+))", safe([this](const httplib::Request& req, httplib::Response& res) { handle_stored_response(req, res, true); }));
 
   install_model_routes(*svr_, ctx_);
@@ -660,6 +662,7 @@ void HttpServer::handle_responses(const httplib::Request& req, httplib::Response
     auto s = std::make_shared<StoredResponse>();
     s->response = b.response();
     s->conversation = std::move(conversation);
+    s->n_input = s->conversation.size();
     for (const json& item : b.output()) s->conversation.push_back(item);
     s->tenant = tenant;
     s->cache_salt = salt;
@@ -699,22 +702,46 @@ void HttpServer::handle_responses(const httplib::Request& req, httplib::Response
   stream_sse(res, stream, std::make_unique<ResponsesSseWriter>(std::move(builder), rr.logprobs, std::move(on_done)), deadline);
 }
 
+ApiError HttpServer::response_not_found(const std::string& id) const {
+  return ApiError{404,
+                  "Response with id '" + id + "' not found." + (store_.enabled() ? "" : " This server keeps no responses (--max-stored-responses 0)."),
+                  "invalid_request_error", "response_id", "response_not_found"};
+}
+
+void HttpServer::handle_input_items(const httplib::Request& req, httplib::Response& res) {
+  const std::string id = req.matches[1];
+  InputItemsQuery q;
+  if (req.has_param("limit")) {
+    const std::string v = req.get_param_value("limit");
+    int64_t n = -1;
+    if (!v.empty() && v.size() < 10 && std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; })) n = std::stoll(v);
+    if (n < 1 || n > 100)
+      throw ApiError{400, "Invalid 'limit': '" + v + "'. Expected an integer from 1 to 100.", "invalid_request_error", "limit", "invalid_value"};
+    q.limit = static_cast<int32_t>(n);
+  }
+  if (req.has_param("order")) {
+    const std::string v = req.get_param_value("order");
+    if (v != "asc" && v != "desc")
+      throw ApiError{400, "Invalid 'order': '" + v + "'. Expected 'asc' or 'desc'.", "invalid_request_error", "order", "invalid_value"};
+    q.ascending = v == "asc";
+  }
+  q.after = req.get_param_value("after");
+  q.before = req.get_param_value("before");
+  std::shared_ptr<const StoredResponse> s = store_.get(id, tenant_of(req));
+  if (!s) throw response_not_found(id);
+  write_json(res, input_items_page(*s, q));
+}
+
 void HttpServer::handle_stored_response(const httplib::Request& req, httplib::Response& res, bool erase) {
   const std::string id = req.matches.size() > 1 ? std::string(req.matches[1]) : std::string();
   const std::string tenant = tenant_of(req);
-  auto not_found = [&] {
-    return ApiError{404,
-                    "Response with id '" + id + "' not found." +
-                        (store_.enabled() ? "" : " This server keeps no responses (--max-stored-responses 0)."),
-                    "invalid_request_error", "response_id", "response_not_found"};
-  };
   if (erase) {
-    if (!store_.erase(id, tenant)) throw not_found();
+    if (!store_.erase(id, tenant)) throw response_not_found(id);
     write_json(res, json{{"id", id}, {"object", "response"}, {"deleted", true}});
     return;
   }
   std::shared_ptr<const StoredResponse> s = store_.get(id, tenant);
-  if (!s) throw not_found();
+  if (!s) throw response_not_found(id);
   write_json(res, s->response);
 }
 

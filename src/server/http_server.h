@@ -111,6 +111,8 @@ class HttpServer {
   void routes();
   void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat);
   void handle_responses(const httplib::Request& req, httplib::Response& res);
+  void handle_input_items(const httplib::Request& req, httplib::Response& res);
+  ApiError response_not_found(const std::string& id) const;
   void handle_stored_response(const httplib::Request& req, httplib::Response& res, bool erase);
   // The generation machinery both APIs share. submit: the request's prompts into the engine
   // (under the caller's cache namespace); throws the rejection. collect: waits for every choice

@@ -42,7 +42,18 @@ struct StoredResponse {
   std::vector<nlohmann::ordered_json> conversation;  // every input item of the chain, then this response's output items
   std::string tenant;                                // tenant_prefix of the API key that made it ("" without keys)
   std::string cache_salt;                            // the request's cache_salt: a continuation without one keeps it
+  size_t n_input = 0;                                // conversation[0, n_input): the input items (the rest: its output)
 };
+
+// GET /v1/responses/{id}/input_items: one page of a stored response's input items (every item of
+// its conversation before its own output, each with an id), OpenAI's list object. after / before:
+// item ids (exclusive cursors in `order`); an id not among the items is a 400.
+struct InputItemsQuery {
+  int32_t limit = 20;  // 1..100
+  bool ascending = false;
+  std::string after, before;
+};
+nlohmann::ordered_json input_items_page(const StoredResponse& s, const InputItemsQuery& q);
 
 // Finds a stored response for previous_response_id (the caller's tenant already applied); null:
 // none. An empty function: the server stores nothing, previous_response_id is refused.

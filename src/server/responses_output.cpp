@@ -20,6 +20,39 @@ std::string make_item_id(const char* prefix) {
   return id;
 }
 
+ordered input_items_page(const StoredResponse& s, const InputItemsQuery& q) {
+  const size_t n = std::min(s.n_input, s.conversation.size());
+  std::vector<size_t> order(n);
+  for (size_t i = 0; i < n; ++i) order[i] = q.ascending ? i : n - 1 - i;
+  auto position = [&](const std::string& id, const char* param) {
+    for (size_t k = 0; k < n; ++k)
+      if (s.conversation[order[k]].value("id", "") == id) return k;
+    throw ApiError{400, "No input item with id '" + id + "' in this response.", "invalid_request_error", param, "invalid_value"};
+  };
+  size_t from = q.after.empty() ? 0 : position(q.after, "after") + 1;
+  size_t to = q.before.empty() ? n : position(q.before, "before");
+  to = std::max(to, from);
+  const size_t end = std::min(to, from + static_cast<size_t>(q.limit));
+  ordered data = ordered::array();
+  for (size_t k = from; k < end; ++k) {
+    ordered item = s.conversation[order[k]];
+    // a message's text given as a string is listed as the one part OpenAI makes of it
+    if (item.value("type", "") == "message" && item.contains("content") && item["content"].is_string()) {
+      const bool assistant = item.value("role", "") == "assistant";
+      ordered part = {{"type", assistant ? "output_text" : "input_text"}, {"text", item["content"]}};
+      if (assistant) part["annotations"] = ordered::array();
+      item["content"] = ordered::array({part});
+    }
+    if (item.value("type", "") == "message" && !item.contains("status")) item["status"] = "completed";
+    data.push_back(std::move(item));
+  }
+  ordered page = {{"object", "list"}, {"data", data}};
+  page["first_id"] = data.empty() ? ordered(nullptr) : data.front()["id"];
+  page["last_id"] = data.empty() ? ordered(nullptr) : data.back()["id"];
+  page["has_more"] = end < to;
+  return page;
+}
+
 ordered responses_usage(const Usage& u) {
   return {{"input_tokens", u.prompt_tokens},
           // cache_write_tokens (OpenAI's explicit caching) is not counted here: 0, as the client's type needs an integer.

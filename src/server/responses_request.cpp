@@ -74,9 +74,14 @@ ordered message_content(const json& content, const std::string& role, const std:
 }
 
 // An input item as the conversation keeps it: the client's, type made explicit.
+// Every item gets an id (GET /v1/responses/{id}/input_items lists them by it).
 ordered normalized(const json& item, const std::string& pointer) {
   ordered o = in_client_order(item, pointer);
   if (!o.contains("type")) o["type"] = "message";
+  if (!o.contains("id")) {
+    const std::string type = o["type"].get<std::string>();
+    o["id"] = make_item_id(type == "function_call" ? "fc" : type == "function_call_output" ? "fco" : "msg");
+  }
   return o;
 }
 
@@ -351,7 +356,7 @@ ResponsesRequest parse_responses_request(const json& body, const ApiContext& ctx
   const json* input = f.get("input");
   if (!input) missing_parameter("input");
   if (input->is_string()) {
-    r.conversation.push_back({{"type", "message"}, {"role", "user"}, {"content", input->get<std::string>()}});
+    r.conversation.push_back({{"type", "message"}, {"role", "user"}, {"content", input->get<std::string>()}, {"id", make_item_id("msg")}});
     sources.push_back("input");
   } else if (input->is_array()) {
     if (input->empty()) value_error("input", "must not be an empty array.");

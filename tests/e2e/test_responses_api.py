@@ -246,6 +246,39 @@ def test_previous_response_id_continues_from_the_cache(client):
     assert c3.instructions == "Be terse." and c3.usage.input_tokens > b.usage.input_tokens
 
 
+def test_input_items_list_the_whole_conversation_with_ids_and_pages(client, server):
+    """GET /v1/responses/{id}/input_items through the client: every item the response was made
+    from (the chain's earlier inputs and outputs, then its own input), newest first by default,
+    each with an id; the client's auto-paging over limit 2 gives the same list; bad queries are 400s."""
+    a = create(client, input="Name a colour.", temperature=0, max_output_tokens=8)
+    b = create(client, input=[{"role": "user", "content": [{"type": "input_text", "text": "And a fruit?"}]},
+                              {"type": "message", "role": "user", "content": "Just one."}],
+               previous_response_id=a.id, temperature=0, max_output_tokens=8)
+    asc = client.responses.input_items.list(b.id, order="asc", limit=100)
+    assert not asc.has_more and asc.first_id == asc.data[0].id and asc.last_id == asc.data[-1].id
+    items = [i.model_dump(exclude_none=True) for i in asc.data]
+    assert [(i["type"], i["role"]) for i in items] == [("message", "user"), ("message", "assistant"), ("message", "user"), ("message", "user")]
+    assert items[0]["content"] == [{"type": "input_text", "text": "Name a colour."}]  # a string, as OpenAI lists it
+    assert items[1]["id"] == a.output[0].id and items[1]["content"][0]["text"] == a.output_text
+    assert items[2]["content"][0]["text"] == "And a fruit?" and items[3]["content"][0]["text"] == "Just one."
+    ids = [i["id"] for i in items]
+    assert len(set(ids)) == 4 and all(i.startswith("msg_") for i in ids)
+    # the same ids on every read; a's own list is its one input item
+    assert [i.id for i in client.responses.input_items.list(b.id)] == ids[::-1]  # desc by default, auto-paged
+    assert [i.id for i in client.responses.input_items.list(b.id, limit=2)] == ids[::-1]
+    assert [i.id for i in client.responses.input_items.list(a.id)] == ids[:1]
+    page = client.responses.input_items.list(b.id, order="asc", limit=2, after=ids[0])
+    assert [i.id for i in page.data] == ids[1:3] and page.has_more
+    before = requests.get(f"{server.url}/v1/responses/{b.id}/input_items", params={"order": "asc", "before": ids[2]}, timeout=10).json()
+    assert [i["id"] for i in before["data"]] == ids[:2] and before["has_more"] is False
+    for params, param in (({"limit": "0"}, "limit"), ({"limit": "101"}, "limit"), ({"limit": "x"}, "limit"),
+                          ({"order": "up"}, "order"), ({"after": "msg_nope"}, "after")):
+        r = requests.get(f"{server.url}/v1/responses/{b.id}/input_items", params=params, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (params, r.text)
+    with pytest.raises(NotFoundError):
+        client.responses.input_items.list("resp_nope")
+
+
 def test_get_delete_and_404(client, server):
     r = create(client, input="Hello!", max_output_tokens=8)
     got = client.responses.retrieve(r.id)
@@ -450,6 +483,8 @@ def test_through_the_router():
                 nxt = create(c, input="Another one.", previous_response_id=a.id, temperature=0, max_output_tokens=10)
                 assert nxt.usage.input_tokens_details.cached_tokens > 0
             assert c.responses.retrieve(a.id).id == a.id
+            listed = c.responses.input_items.list(nxt.id, order="asc", limit=2)  # the query goes through too
+            assert [i.role for i in listed.data] == ["user", "assistant"] and listed.has_more
             c.responses.delete(a.id)
             with pytest.raises(NotFoundError):
                 c.responses.retrieve(a.id)
