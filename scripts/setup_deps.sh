@@ -23,6 +23,7 @@ APT_PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libfmt-dev libspdlog-dev libpcre2-dev
   libhiredis-dev redis-server
+  libjs-marked
   iproute2
   chromium
   qemu-user

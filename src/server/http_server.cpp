@@ -253,6 +253,7 @@ void HttpServer::routes() {
       {"/health", "GET"},          {"/metrics", "GET"},              {"/debug/kv", "GET"},
       {"/tokenize", "POST"},       {"/detokenize", "POST"},          {"/", "GET"},
       {"/dashboard", "GET"},       {"/dashboard/events", "GET"},    {"/v1/responses", "POST"},
+      {"/marked.min.js", "GET"},
   };
 
   install_cors(*svr_, opts_.allowed_origins);
@@ -262,8 +263,8 @@ void HttpServer::routes() {
     std::string path = req.path;
     if (path == "/debug/kv" && !opts_.debug) return httplib::Server::HandlerResponse::Unhandled;  // → 404
     // Everything but the liveness and metrics probes and the two pages (which ask for the key)
-    // needs the key.
-    if (path != "/health" && path != "/metrics" && path != "/" && path != "/dashboard" && !authorized(req)) {
+    // and their script needs the key.
+    if (path != "/health" && path != "/metrics" && path != "/" && path != "/dashboard" && path != "/marked.min.js" && !authorized(req)) {
       // No header, or one not in the Bearer form (the key alone, Basic): OpenAI's "didn't provide".
       const bool missing = bearer_key(req).empty();
       write_error(res, ApiError{401,
@@ -301,6 +302,10 @@ void HttpServer::routes() {
   svr_->Get("/", safe([](const httplib::Request&, httplib::Response& res) {
               res.set_header("Cache-Control", "no-cache");
               res.set_content(web::k_chat_html, "text/html; charset=utf-8");
+            }));
+  svr_->Get("/marked.min.js", safe([](const httplib::Request&, httplib::Response& res) {
+              res.set_header("Cache-Control", "max-age=86400");
+              res.set_content(web::k_marked_js, "text/javascript; charset=utf-8");
             }));
   svr_->Get("/dashboard", safe([](const httplib::Request&, httplib::Response& res) {
               res.set_header("Cache-Control", "no-cache");

@@ -21,16 +21,50 @@ def test_a_chat_round_trip_streams_the_apis_answer(server, client, browser):
     ask(page, "Name three rivers.", 24)
     stats = last_stats(page)
     assert "tok/s" in stats.text_content(), stats.text_content()
-    shown = page.locator(".assistant .body").last.text_content()
+    body = page.locator(".assistant .body").last
+    shown = body.get_attribute("data-raw")
     want = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Name three rivers."}],
                                           temperature=0, top_p=0.95, max_tokens=24).choices[0].message.content
     assert shown == want and shown
+    # shown as Markdown: the text the browser shows is marked's rendering of the answer
+    assert body.inner_html() == page.evaluate("(t) => marked.parse(t)", want)
+    if any(line[:3] in ("1. ", "- ", "* ") for line in want.splitlines()):
+        assert body.locator("li").count() > 0
     # The second turn resends the conversation: its prefix comes from the prefix cache.
     ask(page, "And three mountains?", 8)
     page.wait_for_function("() => document.querySelectorAll('.assistant .stats').length == 2 && "
                            "document.querySelectorAll('.assistant .stats')[1].textContent", timeout=60_000)
     assert int(page.locator(".assistant .stats").last.get_attribute("data-cached")) > 0
     screenshot(page, "chat.png")
+    page.close()
+
+
+def test_answers_render_as_markdown_without_running_their_html(server, browser):
+    """The model's text is untrusted: Markdown renders (marked, served by the server itself), but
+    raw HTML shows as text, script links and images do not become live elements."""
+    page = browser.new_page()
+    errors = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.goto(server.url + "/")
+    sync_api.expect(page.locator("#model")).to_contain_text(MODEL_NAME)
+    md = ("**bold** and `x<y`\n\n1. one\n2. two\n\n```\n<b>code</b>\n```\n\n"
+          "<img src=x onerror=\"window.pwned=1\"> <script>window.pwned=2</script> [click](javascript:window.pwned=3) "
+          "![pic](http://example.invalid/p.png) [ok](https://example.org)")
+    page.evaluate("(t) => { const d = document.createElement('div'); d.id = 'probe'; d.innerHTML = renderMarkdown(t); "
+                  "document.body.appendChild(d); }", md)
+    probe = page.locator("#probe")
+    assert probe.locator("strong").text_content() == "bold"
+    assert probe.locator("li").count() == 2 and probe.locator("pre code").text_content() == "<b>code</b>\n"
+    assert probe.locator("img, script, b").count() == 0
+    hrefs = probe.locator("a").evaluate_all("(as) => as.map((a) => a.getAttribute('href'))")
+    assert hrefs == ["http://example.invalid/p.png", "https://example.org"], hrefs
+    assert "<img src=x" in probe.text_content() and "<script>" in probe.text_content()
+    assert page.evaluate("window.pwned") is None
+    # the script is the server's own, with no key needed (the page asks for one later)
+    import requests
+    r = requests.get(server.url + "/marked.min.js", timeout=10)
+    assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/javascript") and "marked" in r.text[:200]
+    assert errors == [], errors
     page.close()
 
 
@@ -164,6 +198,7 @@ def test_a_model_without_a_chat_template_continues_text(browser):
         stats = last_stats(page).text_content()
         assert "error" not in stats and sent == [s.url + "/v1/completions"], (stats, sent)
         assert page.locator(".assistant .body").last.text_content()
+        assert page.locator(".assistant .body.md").count() == 0  # a continuation stays raw text
         assert errors == [], errors
         page.close()
     finally:
