@@ -187,7 +187,7 @@ void add_router_command(CLI::App& app) {
                   "go to another backend); 0: wait for --timeout")
       ->check(number_in(0.0, 86400.0))
       ->capture_default_str();
-  cmd->add_option("--http-threads", o->ro.http_threads, "connection threads")->check(number_in(1, 4096))->capture_default_str();
+  cmd->add_option("--http-threads", o->ro.http_threads, "connection threads (a request holds one until it is answered, however long its backend queues it)")->check(number_in(1, 4096))->capture_default_str();
   cmd->add_option("--max-model-len", o->max_model_len, "as the backends' (default: the model's context)")->check(number_in(1, 1 << 24));
   cmd->add_flag("--past-trained-context", o->past_trained_context, "as the backends': no warning for a --max-model-len past the training context");
   cmd->add_option("--max-n", o->max_n, "as the backends'")->check(number_in(1, 256))->capture_default_str();

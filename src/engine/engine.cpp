@@ -1513,6 +1513,8 @@ uint64_t Engine::tier_write_mark() const { return tiers_ ? tiers_->write_mark() 
 
 bool Engine::wait_tier_writes(uint64_t mark, double timeout_s) { return !tiers_ || tiers_->wait_written(mark, timeout_s); }
 
+uint64_t Engine::tier_lost_writes() const { return tiers_ ? tiers_->lost_writes() : 0; }
+
 void Engine::maybe_finish_request(Sequence& s) {
   RequestState& rs = *s.rs;
   if (--rs.n_unfinished > 0) return;

@@ -127,6 +127,7 @@ class Engine {
   // TierManager::write_mark / wait_written (true at once without tiers). Thread-safe.
   uint64_t tier_write_mark() const;
   bool wait_tier_writes(uint64_t mark, double timeout_s);
+  uint64_t tier_lost_writes() const;  // TierManager::lost_writes (0 without tiers). Thread-safe.
   // Pool integrity, and every page's refcount equals the number of block-table entries
   // holding it. Thread-safe: waits for the current step to end.
   Status check_integrity() const;

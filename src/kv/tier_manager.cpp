@@ -271,6 +271,7 @@ bool TierManager::queue_write(Write w) {
       // written_ is the engine thread's: only its own writes (store()) were added there; a
       // promotion (only_store >= 0) is queued by the loader thread, which must not touch it.
       if (w.only_store < 0) written_.erase(w.hash);
+      if (!w.touch) ++lost_writes_;
       return false;
     }
     pending_bytes_ += bytes;
@@ -372,6 +373,7 @@ void TierManager::writer_loop() {
             ++st.pages_refreshed;
           } else {
             ++st.write_drops;
+            if (i + 1 == stores_.size()) ++lost_writes_;  // the shared store (Redis is the last)
           }
         }
       }
@@ -405,6 +407,11 @@ void TierManager::flush() {
 uint64_t TierManager::write_mark() const {
   std::lock_guard<std::mutex> l(mu_);
   return queued_seq_;
+}
+
+uint64_t TierManager::lost_writes() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return lost_writes_;
 }
 
 bool TierManager::wait_written(uint64_t mark, double timeout_s) {

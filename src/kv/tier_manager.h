@@ -159,6 +159,9 @@ class TierManager : public PageListener {
   // instance answers once its own pages are down. Any thread.
   uint64_t write_mark() const;
   bool wait_written(uint64_t mark, double timeout_s);
+  // Writes that did not reach the shared store (Redis; else the last store): dropped from a full
+  // queue, or failed there. Unchanged across a prefill's writes: its pages are all down.
+  uint64_t lost_writes() const;
 
   std::vector<TierSnapshot> stats() const;
   const DiskStore* disk() const { return disk_; }
@@ -235,6 +238,7 @@ class TierManager : public PageListener {
   int64_t writes_in_flight_ = 0;
   uint64_t queued_seq_ = 0;  // writes accepted into writes_ so far
   uint64_t done_seq_ = 0;    // writes finished so far (in queue order)
+  uint64_t lost_writes_ = 0; // lost_writes()
   std::deque<Fetch> fetches_;
   std::vector<Loaded> loaded_;
   uint64_t next_ticket_ = 1;

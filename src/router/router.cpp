@@ -88,6 +88,7 @@ struct Router::Pipe {
   bool stalled = false;           // ... or froze: down and silent for --stall-timeout
   std::atomic<bool> cancel{false};  // the client went away, or the router stops
   std::atomic<int64_t> last_byte_ns{0};  // steady clock of the upstream's last byte (or its start)
+  std::atomic<bool> gone_counted{false};  // router_client_disconnects_total has this client (watch_loop or a failed write)
 };
 
 namespace {
@@ -277,7 +278,7 @@ void Router::watch_loop() {
       for (Upstream& u : clients_) {
         if (u.client_fd >= 0 && !u.client_gone && !(u.ended && u.ended->load()) && peer_closed(u.client_fd)) {
           u.client_gone = true;
-          n_client_gone_.fetch_add(1);
+          if (!u.gone_counted || !u.gone_counted->exchange(true)) n_client_gone_.fetch_add(1);
           u.cli->stop();
         }
         if (stall_ns <= 0 || u.backend == nullptr || u.stalled || u.client_gone) continue;
@@ -299,16 +300,20 @@ void Router::watch_loop() {
 
 void Router::health_loop() {
   while (!stopping_.load()) {
+    // Every backend at once: one by one, each frozen backend held the others' checks up for its
+    // 2 s timeout (two frozen replicas took 4.4 s to be left; a user test).
+    std::vector<std::thread> checks;
     for (Pool* p : {serve_.get(), prefill_.get()})
-      for (auto& b : p->backends) {
-        httplib::Client c(b->host, b->port);
-        c.set_connection_timeout(std::chrono::milliseconds(500));
-        c.set_read_timeout(std::chrono::seconds(2));
-        auto r = c.Get("/health");
-        const bool ok = r && r->status == 200;
-        if (set_up(*b, ok) != ok)
-          std::fprintf(stderr, "router: %s %s is %s\n", p->role, b->url.c_str(), ok ? "up" : "down");
-      }
+      for (auto& b : p->backends)
+        checks.emplace_back([this, p, b = b.get()] {
+          httplib::Client c(b->host, b->port);
+          c.set_connection_timeout(std::chrono::milliseconds(500));
+          c.set_read_timeout(std::chrono::seconds(2));
+          auto r = c.Get("/health");
+          const bool ok = r && r->status == 200;
+          if (set_up(*b, ok) != ok) std::fprintf(stderr, "router: %s %s is %s\n", p->role, b->url.c_str(), ok ? "up" : "down");
+        });
+    for (std::thread& t : checks) t.join();
     std::unique_lock<std::mutex> l(health_mu_);
     health_cv_.wait_for(l, std::chrono::microseconds(static_cast<int64_t>(opts_.health_interval_s * 1e6)),
                         [&] { return stopping_.load(); });
@@ -393,8 +398,16 @@ void Router::route(const ApiRequest& ar, const std::string& path, const httplib:
     // prompt is long enough, on the prefill instance of its first prompt.
     size_t longest = 0;
     for (const auto& p : ar.prompts) longest = std::max(longest, p.size());
-    if (static_cast<int64_t>(longest) >= opts_.prefill_min_tokens) prefill(key, path, req.body, auth);
-    else n_prefill_skipped_.fetch_add(1);
+    if (static_cast<int64_t>(longest) >= opts_.prefill_min_tokens) {
+      const Prefilled p = prefill(key, path, req.body, auth, find_client_socket(req), &res);
+      if (p == Prefilled::kRefused) return;  // its answer is the client's: decode would give the same
+      if (p == Prefilled::kClientGone) {     // nobody to answer: nothing goes to decode
+        res.status = 499;
+        return;
+      }
+    } else {
+      n_prefill_skipped_.fetch_add(1);
+    }
   }
   // The client is watched while the backend answers (watch_loop).
   forward(*serve_, key, path, req.body, auth, ar.stream, res, std::move(guard), find_client_socket(req), pinned);
@@ -404,9 +417,13 @@ int32_t Router::find_stored(const std::string& id, const std::string& auth, http
   // Stored responses live on the instance that made them: each backend is asked in turn (a GET,
   // or the DELETE itself), the first that has it answers. Cheap next to a generation, and
   // nothing to keep in step here.
+  bool unsure = false;  // a backend that is down, or did not answer, may hold it
   for (size_t k = 0; k < serve_->backends.size(); ++k) {
     Backend& b = *serve_->backends[k];
-    if (!b.up.load()) continue;
+    if (!b.up.load()) {
+      unsure = true;
+      continue;
+    }
     httplib::Client cli(b.host, b.port);
     set_timeouts(cli, opts_);
     cli.set_read_timeout(std::chrono::seconds(10));
@@ -418,14 +435,20 @@ int32_t Router::find_stored(const std::string& id, const std::string& auth, http
     }
     path += rest;
     auto r = erase ? cli.Delete(path, upstream_headers(auth)) : cli.Get(path, upstream_headers(auth));
-    if (!r || r->status == 404) continue;
+    if (!r || r->status >= 500) unsure = true;
+    if (!r || r->status == 404 || r->status >= 500) continue;
     if (found) {
       found->status = r->status;
       found->set_content(r->body, r->get_header_value("Content-Type", 0).empty() ? std::string("application/json") : r->get_header_value("Content-Type", 0));
     }
     return static_cast<int32_t>(k);
   }
-  return -1;
+  return unsure ? -2 : -1;
+}
+
+ApiError Router::stored_unreachable(const std::string& id, const char* param) {
+  return ApiError{503, "Response with id '" + id + "' was not found on the backends that answered; one that is down may hold it. Try again later.",
+                  "server_error", param, "backend_unavailable"};
 }
 
 void Router::handle_stored_response(const httplib::Request& req, httplib::Response& res, bool erase) {
@@ -436,7 +459,12 @@ void Router::handle_stored_response(const httplib::Request& req, httplib::Respon
     rest = "/input_items";
     if (const size_t q = req.target.find('?'); q != std::string::npos) rest += req.target.substr(q);
   }
-  if (find_stored(id, req.get_header_value("Authorization"), &res, erase, rest) < 0)
+  const int32_t k = find_stored(id, req.get_header_value("Authorization"), &res, erase, rest);
+  if (k == -2) {
+    res.set_header("Retry-After", "5");
+    throw stored_unreachable(id, "response_id");
+  }
+  if (k < 0)
     throw ApiError{404, "Response with id '" + id + "' not found on any backend (stored responses are kept by the instance that made them).",
                    "invalid_request_error", "response_id", "response_not_found"};
 }
@@ -456,6 +484,10 @@ void Router::handle_responses(const httplib::Request& req, httplib::Response& re
   const nlohmann::json* prev = body.contains("previous_response_id") && body["previous_response_id"].is_string() ? &body["previous_response_id"] : nullptr;
   if (prev) {
     holder = find_stored(prev->get<std::string>(), auth, nullptr, false);
+    if (holder == -2) {
+      res.set_header("Retry-After", "5");
+      throw stored_unreachable(prev->get<std::string>(), "previous_response_id");
+    }
     if (holder < 0)
       throw ApiError{404, "Previous response with id '" + prev->get<std::string>() + "' not found on any backend.", "invalid_request_error",
                      "previous_response_id", "previous_response_not_found"};
@@ -472,8 +504,11 @@ RouteChoice Router::choose(Pool& pool, uint64_t key, const std::vector<int32_t>&
   return pool.map->choose(pool.ring, key, pool.up(), pool.load(), opts_.load_factor, opts_.balance_abs, tried);
 }
 
-void Router::prefill(uint64_t key, const std::string& path, const std::string& body, const std::string& auth) {
-  // The prefill instance forces one token, one choice, no stream: the body goes as it is.
+Router::Prefilled Router::prefill(uint64_t key, const std::string& path, const std::string& body, const std::string& auth, int client_fd,
+                                  httplib::Response* answer) {
+  // The prefill instance forces one token, one choice, no stream: the body goes as it is. The
+  // client is watched meanwhile (watch_loop): one who leaves cancels it (a long document kept the
+  // prefill instance busy for 20 s after its client had gone; a user test).
   std::vector<int32_t> tried;
   bool sent = false;  // to some prefill instance
   for (size_t attempt = 0; attempt < prefill_->backends.size(); ++attempt) {
@@ -488,27 +523,50 @@ void Router::prefill(uint64_t key, const std::string& path, const std::string& b
     {
       std::lock_guard<std::mutex> l(clients_mu_);
       if (aborting_.load()) break;
-      clients_.push_back({&cli, false, -1, nullptr, false, &b, nullptr, now_ns()});  // stop() and the stall check close it
+      clients_.push_back({&cli, false, client_fd, nullptr, false, &b, nullptr, now_ns()});  // stop(), the stall check and a client gone close it
     }
     auto r = cli.Post(path, upstream_headers(auth), body, "application/json");
+    bool client_gone = false;
     {
       std::lock_guard<std::mutex> l(clients_mu_);
-      clients_.erase(std::find_if(clients_.begin(), clients_.end(), [&](const Upstream& u) { return u.cli == &cli; }));
+      auto it = std::find_if(clients_.begin(), clients_.end(), [&](const Upstream& u) { return u.cli == &cli; });
+      client_gone = it->client_gone;
+      clients_.erase(it);
+    }
+    if (client_gone) {
+      n_prefill_cancelled_.fetch_add(1);
+      return Prefilled::kClientGone;
     }
     if (r && r->status == 200) {
-      n_prefill_ok_.fetch_add(1);
-      return;
+      // it ran; its pages are where decode looks only if every write reached the shared tier
+      if (r->get_header_value("X-KVServe-Prefill-Stored") == "1") {
+        n_prefill_ok_.fetch_add(1);
+        return Prefilled::kOk;
+      }
+      n_prefill_not_stored_.fetch_add(1);
+      return Prefilled::kNotStored;
     }
     if (!r) {  // no answer: the instance is gone; try another
       gave_no_answer(b, c.backend, tried, n_retries_);
       continue;
     }
-    b.failures.fetch_add(1);
-    break;  // it answered with an error: the decode side will give the client its own answer
+    if (r->status >= 400 && r->status < 500 && r->status != 408 && r->status != 429) {
+      // The request's own fault (a bad key, a prompt past the context): not the backend's. Decode
+      // would answer the same; this answer goes to the client now.
+      n_prefill_refused_.fetch_add(1);
+      answer->status = r->status;
+      if (r->has_header("WWW-Authenticate")) answer->set_header("WWW-Authenticate", r->get_header_value("WWW-Authenticate"));
+      answer->set_content(r->body, r->get_header_value("Content-Type", 0).empty() ? std::string("application/json")
+                                                                                     : r->get_header_value("Content-Type", 0));
+      return Prefilled::kRefused;
+    }
+    if (r->status != 429) b.failures.fetch_add(1);  // full is not failed
+    break;  // it could not: the decode side computes the prompt and gives the client its answer
   }
   // The decode instance computes the prompt itself: a prefill instance failed, or none was up
   // (then no backend failure is counted either: nothing was sent).
   (sent ? n_prefill_failed_ : n_prefill_no_backend_).fetch_add(1);
+  return sent ? Prefilled::kFailed : Prefilled::kNoBackend;
 }
 
 // A streamed request's upstream half, on its own thread: the backend's answer goes into the pipe.
@@ -519,7 +577,7 @@ void Router::run_upstream(Backend* b, const std::string& path, const std::string
   pipe.last_byte_ns.store(now_ns());
   {
     std::lock_guard<std::mutex> l(clients_mu_);
-    clients_.push_back({&cli, true, client_fd, &pipe.cancel, false, b, &pipe.last_byte_ns, 0});  // stop(), the stall and client checks close it
+    clients_.push_back({&cli, true, client_fd, &pipe.cancel, false, b, &pipe.last_byte_ns, 0, false, &pipe.gone_counted});  // stop(), the stall and client checks close it
   }
   httplib::Request ureq;
   ureq.method = "POST";
@@ -679,6 +737,7 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
             std::string ch = std::move(pipe->chunks.front());
             pipe->chunks.pop_front();
             if (stopping_.load() || !sink.write(ch.data(), ch.size())) {
+              if (!stopping_.load() && !pipe->gone_counted.exchange(true)) n_client_gone_.fetch_add(1);  // the client left mid-stream
               pipe->cancel.store(true);
               return false;
             }
@@ -761,9 +820,14 @@ std::string Router::render_metrics() const {
   help("router_unavailable_total", "counter", "Requests answered 503: no backend up.");
   line("router_unavailable_total", "", double(n_unavailable_.load()));
   help("router_prefills_total", "counter",
-       "Prefill/decode: ok = prefilled remotely; failed = a prefill instance failed and the decode instance computed the prompt; "
-       "no_backend = no prefill instance was up, the decode instance computed it; skipped = prompt too short.");
+       "Prefill/decode: ok = prefilled remotely, its pages in the shared tier; not_stored = prefilled, but some pages did not reach "
+       "the shared tier (decode computes them); failed = a prefill instance failed or was full and the decode instance computed the "
+       "prompt; refused = the prefill instance answered 4xx (the request's fault), its answer went to the client; cancelled = the "
+       "client left during the prefill; no_backend = no prefill instance was up, the decode instance computed it; skipped = prompt too short.");
   line("router_prefills_total", "result=\"ok\"", double(n_prefill_ok_.load()));
+  line("router_prefills_total", "result=\"not_stored\"", double(n_prefill_not_stored_.load()));
+  line("router_prefills_total", "result=\"refused\"", double(n_prefill_refused_.load()));
+  line("router_prefills_total", "result=\"cancelled\"", double(n_prefill_cancelled_.load()));
   line("router_prefills_total", "result=\"failed\"", double(n_prefill_failed_.load()));
   line("router_prefills_total", "result=\"skipped\"", double(n_prefill_skipped_.load()));
   line("router_prefills_total", "result=\"no_backend\"", double(n_prefill_no_backend_.load()));

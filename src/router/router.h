@@ -70,7 +70,7 @@ struct RouterOptions {
   double connect_timeout_s = 2.0;
   double read_timeout_s = 600.0;      // longest silence from a backend mid-request
   double stall_timeout_s = 10.0;      // ... once its health check fails: down and silent this long, it is left (0: never)
-  int32_t http_threads = 128;
+  int32_t http_threads = 1024;       // a request holds one until answered (the backends queue behind theirs)
   size_t max_body_bytes = size_t(8) << 20;
   double http_read_timeout_s = 30;  // as ServerOptions::http_read_timeout_s
 };
@@ -100,7 +100,12 @@ class Router {
   Router(RouterOptions opts, ApiContext ctx);
   void routes();
   void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat);
-  void prefill(uint64_t key, const std::string& path, const std::string& body, const std::string& auth);
+  // P/D: the prompt computed on a prefill instance first. kRefused: it answered 4xx (the request's
+  // own fault: a bad key, a prompt past the context), and that answer is in *answer for the client.
+  // kClientGone: the client left while it ran (it was cancelled there).
+  enum class Prefilled { kOk, kNotStored, kFailed, kNoBackend, kRefused, kClientGone };
+  Prefilled prefill(uint64_t key, const std::string& path, const std::string& body, const std::string& auth, int client_fd,
+                    httplib::Response* answer);
   // A parsed request's way to a backend: its affinity key (namespace, first prompt), the prefill
   // instance when long enough (not for a pinned one), then forward.
   void route(const ApiRequest& ar, const std::string& path, const httplib::Request& req, httplib::Response& res,
@@ -114,8 +119,11 @@ class Router {
   void handle_stored_response(const httplib::Request& req, httplib::Response& res, bool erase);
   // The serving backend that holds stored response `id` for this key (its answer to the GET or
   // DELETE copied into *found), or -1.
+  // The backend that holds it; -1 none has it, -2 none that answered has it but one that is down
+  // or failed may (stored_unreachable: a 503, not the 404 of an unknown id).
   // rest: what follows the id in the path (with its query), e.g. "/input_items?limit=5".
   int32_t find_stored(const std::string& id, const std::string& auth, httplib::Response* found, bool erase, const std::string& rest = "");
+  static ApiError stored_unreachable(const std::string& id, const char* param);
   void run_upstream(Backend* b, const std::string& path, const std::string& body, const std::string& auth, int client_fd, Pipe& pipe);
   std::string render_metrics() const;
   static uint64_t round_robin_key(const Pool& pool, uint64_t turn);
@@ -144,6 +152,7 @@ class Router {
     const std::atomic<int64_t>* last_byte_ns = nullptr;  // streams: the pipe's; else the start counts
     int64_t started_ns = 0;
     bool stalled = false;  // watch_loop closed it: the backend is down and has been silent (--stall-timeout)
+    std::atomic<bool>* gone_counted = nullptr;  // streams: the pipe's (its client is counted gone once)
   };
   std::mutex clients_mu_;
   std::vector<Upstream> clients_;
@@ -157,7 +166,8 @@ class Router {
   // Counters for /metrics.
   std::atomic<uint64_t> n_owner_{0}, n_owner_down_{0}, n_owner_busy_{0}, n_new_{0};
   std::atomic<uint64_t> n_retries_{0}, n_unavailable_{0}, n_client_gone_{0}, n_stalled_{0}, n_full_{0};
-  std::atomic<uint64_t> n_prefill_ok_{0}, n_prefill_failed_{0}, n_prefill_skipped_{0}, n_prefill_no_backend_{0};
+  std::atomic<uint64_t> n_prefill_ok_{0}, n_prefill_failed_{0}, n_prefill_skipped_{0}, n_prefill_no_backend_{0}, n_prefill_not_stored_{0},
+      n_prefill_refused_{0}, n_prefill_cancelled_{0};
 };
 
 }  // namespace kv

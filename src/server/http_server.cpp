@@ -584,6 +584,7 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
 
   const int32_t n_per_prompt = ar.params.n;
   const int32_t n = n_per_prompt * static_cast<int32_t>(ar.prompts.size());  // choices in all
+  const uint64_t lost_before = engine_.tier_lost_writes();
   std::shared_ptr<RequestGroup> stream = submit(ar, req, res, chat);
   CancelGuard guard{stream};
   const auto deadline = request_deadline();
@@ -605,12 +606,7 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
         t.finish(&c.finish_reason);
         c.message = t.message();
       }
-    if (prefill) {
-      // The prompt's full pages were queued for the tier as they filled (write-through), before
-      // the token was sampled: once the writes queued so far are done, a decode instance finds them.
-      const bool stored = engine_.wait_tier_writes(engine_.tier_write_mark(), opts_.prefill_write_timeout_s);
-      res.set_header("X-KVServe-Prefill-Stored", stored ? "1" : "0");
-    }
+    if (prefill) say_prefill_stored(res, lost_before);
     write_json(res, full_response(meta, choices, prompts, stream->usage(), ar.logprobs, *ctx_.tok));
     return;
   }
@@ -630,6 +626,15 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
   guard.armed = false;      // from here the releaser owns cancellation
   in_flight.armed = false;  // and the count
   stream_sse(res, stream, std::move(w), deadline);
+}
+
+void HttpServer::say_prefill_stored(httplib::Response& res, uint64_t lost_before) {
+  // The prompt's full pages were queued for the tier as they filled (write-through), before the
+  // token was sampled: once the writes queued so far are done, a decode instance finds them, unless
+  // one of them was dropped or failed in the shared store since the request came (Redis down: the
+  // router counted such prefills as done, and decode computed the prompt again; a user test).
+  const bool done = engine_.wait_tier_writes(engine_.tier_write_mark(), opts_.prefill_write_timeout_s);
+  res.set_header("X-KVServe-Prefill-Stored", done && engine_.tier_lost_writes() == lost_before ? "1" : "0");
 }
 
 bool HttpServer::collect_or_retry_after(const httplib::Request& req, httplib::Response& res, RequestGroup& group,
@@ -654,12 +659,14 @@ void HttpServer::handle_responses(const httplib::Request& req, httplib::Response
   if (store_.enabled()) previous = [this, tenant](const std::string& id) { return store_.get(id, tenant); };
   nlohmann::json body = parse_json_body(req.body, ctx_);
   ResponsesRequest rr = parse_responses_request(body, ctx_, previous);
-  if (opts_.role == ServerRole::kPrefill) {  // as handle_generate: one token, nothing kept
+  const bool prefill = opts_.role == ServerRole::kPrefill;
+  if (prefill) {  // as handle_generate: one token, nothing kept
     rr.chat.params.max_tokens = 1;
     rr.chat.params.min_tokens = 0;
     rr.chat.stream = false;
     rr.store = false;
   }
+  const uint64_t lost_before = engine_.tier_lost_writes();
   auto builder = std::make_unique<ResponseBuilder>(rr, make_item_id("resp"), unix_now(), ctx_.model_names.at(0), *ctx_.tok);
   // What the store keeps of a finished response (its conversation goes on with its output).
   // False when it was not kept (larger than --stored-responses-memory alone): store then says false.
@@ -697,6 +704,8 @@ void HttpServer::handle_responses(const httplib::Request& req, httplib::Response
     builder->push(choices[0].text, rr.logprobs ? choices[0].logprobs : std::vector<TokenLogprob>{});
     builder->finish(choices[0].finish_reason, stream->usage());
     if (rr.store && !keep(*builder)) builder->set_store(false);
+    // its pages are the product, as for chat (it answered before they were down: decode found gaps)
+    if (prefill) say_prefill_stored(res, lost_before);
     write_json(res, builder->response());
     return;
   }

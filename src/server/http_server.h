@@ -113,6 +113,8 @@ class HttpServer {
   void handle_responses(const httplib::Request& req, httplib::Response& res);
   void handle_input_items(const httplib::Request& req, httplib::Response& res);
   ApiError response_not_found(const std::string& id) const;
+  // Prefill role: waits for the prompt's tier writes, then X-KVServe-Prefill-Stored 1 or 0.
+  void say_prefill_stored(httplib::Response& res, uint64_t lost_before);
   void handle_stored_response(const httplib::Request& req, httplib::Response& res, bool erase);
   // The generation machinery both APIs share. submit: the request's prompts into the engine
   // (under the caller's cache namespace); throws the rejection. collect: waits for every choice

@@ -143,6 +143,81 @@ def test_prefill_and_decode_give_the_output_of_one_instance(redis):
         stop_all(router, dec, pre)
 
 
+def _router_counts(router, dec_url):
+    m = router.metrics()
+    return ({k.split('result="')[1][:-2]: v for k, v in m.items() if k.startswith("kvserve:router_prefills_total")},
+            m[f'kvserve:router_requests_total{{backend="{dec_url}",role="decode"}}'],
+            sum(v for k, v in m.items() if k.startswith("kvserve:router_backend_failures_total")))
+
+
+def test_prefill_for_responses_refusals_disconnects_and_a_lost_tier(redis):
+    """A user test's P/D findings, each shown on the previous build:
+    - /v1/responses: the prefill instance answered before its pages were down (decode found gaps);
+    - a request the prefill instance refuses (4xx: a wrong key) is answered from there, counted
+      neither as a backend failure nor sent to decode;
+    - a client that leaves during the prefill cancels it there, and nothing goes to decode;
+    - with Redis gone, the prefill instance says its pages are not stored (it said 1), and the
+      router counts not_stored instead of ok, while the answer still comes (decode computes)."""
+    pre = dec = router = None
+    try:
+        pre = Server("--debug", "--role", "prefill", "--kv-redis", redis.url, "--api-key", "k1", max_model_len=8192,
+                     kv_memory="256MiB", api_key="k1")
+        dec = Server("--debug", "--role", "decode", "--kv-redis", redis.url, "--api-key", "k1", max_model_len=MAX_LEN,
+                     kv_memory="64MiB", api_key="k1")
+        router = Router("--prefill", pre.url, "--decode", dec.url, max_model_len=MAX_LEN)
+        c = OpenAI(base_url=router.url + "/v1", api_key="k1", max_retries=0, timeout=120 * SLOWDOWN)
+        r = c.responses.create(model=MODEL_NAME, input=doc(30000, 2500), max_output_tokens=8, temperature=0)
+        assert r.usage.input_tokens_details.cached_tokens == r.usage.input_tokens - 1, r.usage
+        direct = requests.post(pre.url + "/v1/responses", headers={"Authorization": "Bearer k1"},
+                               json={"model": MODEL_NAME, "input": doc(34000, 1500)}, timeout=60)
+        assert direct.status_code == 200 and direct.headers["X-KVServe-Prefill-Stored"] == "1"
+        counts, to_dec, failures = _router_counts(router, dec.url)
+        assert counts["ok"] == 1 and failures == 0
+
+        # a wrong key: the prefill instance's 401, straight back
+        bad = requests.post(router.url + "/v1/completions", headers={"Authorization": "Bearer nope"},
+                            json={"model": MODEL_NAME, "prompt": doc(36000, 1500), "max_tokens": 4}, timeout=60)
+        assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key", bad.text
+        counts2, to_dec2, failures2 = _router_counts(router, dec.url)
+        assert counts2["refused"] == 1 and to_dec2 == to_dec and failures2 == 0, (counts2, to_dec2, failures2)
+
+        # a client that leaves during a long prefill (~7k tokens, 8k context on the prefill side)
+        import json as _json
+        import socket
+        body = _json.dumps({"model": MODEL_NAME, "prompt": BASE[50000:50000 + 30000], "max_tokens": 4}).encode()
+        s = socket.create_connection(("127.0.0.1", router.port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        aborted = pre.metrics().get('kvserve:request_aborted_total{reason="client"}', 0)
+        t0 = time.time()
+        while pre.metrics()["kvserve:num_requests_running"] == 0:
+            assert time.time() - t0 < 30 * SLOWDOWN
+            time.sleep(0.02)
+        s.close()
+        while pre.metrics().get('kvserve:request_aborted_total{reason="client"}', 0) < aborted + 1:
+            assert time.time() - t0 < 30 * SLOWDOWN, "the prefill ran on after its client left"
+            time.sleep(0.05)
+        time.sleep(0.3)
+        counts3, to_dec3, _ = _router_counts(router, dec.url)
+        assert counts3["cancelled"] == 1 and to_dec3 == to_dec2, (counts3, to_dec3)
+        assert router.metrics()["kvserve:router_client_disconnects_total"] == 1
+        pre.wait_clean()
+
+        # Redis gone: the answer comes, computed by decode; the prefill says so
+        redis.stop()
+        r = c.completions.create(model=MODEL_NAME, prompt=doc(38000, 1500), max_tokens=4, temperature=0)
+        assert r.usage.completion_tokens == 4
+        counts4, _, _ = _router_counts(router, dec.url)
+        assert counts4["not_stored"] == 1 and counts4["ok"] == 1, counts4
+        direct = requests.post(pre.url + "/v1/completions", headers={"Authorization": "Bearer k1"},
+                               json={"model": MODEL_NAME, "prompt": doc(40000, 1500)}, timeout=60)
+        assert direct.status_code == 200 and direct.headers["X-KVServe-Prefill-Stored"] == "0"
+        c.close()
+        dec.wait_clean()
+    finally:
+        stop_all(router, dec, pre)
+
+
 def test_short_prompts_skip_the_prefill_instance(redis):
     pre = dec = router = None
     try:
@@ -380,6 +455,65 @@ def test_a_full_replica_sends_its_requests_to_the_other():
             s.wait_clean(timeout=30)
     finally:
         stop_all(router, a, b)
+
+
+def test_frozen_backends_are_left_together_and_a_stored_response_behind_one_is_a_503():
+    """Health checks run at once: three backends that accept connections and never answer are all
+    left within one check's timeout (one by one they took 2 s each: 6 s here). A stored response
+    on a replica that froze is a retryable 503 (it was the 404 of an unknown id), and a streamed
+    client that leaves is counted once in router_client_disconnects_total (streams were not)."""
+    import socket
+    frozen = []
+    for _ in range(3):
+        sk = socket.socket()
+        sk.bind(("127.0.0.1", 0))
+        sk.listen(64)  # connections queue; nothing is ever read or answered
+        frozen.append(sk)
+    a = router = None
+    try:
+        a = Server("--debug", max_model_len=MAX_LEN, kv_memory="64MiB")
+        t0 = time.time()
+        router = Router("--replica", a.url, *[f for sk in frozen for f in ("--replica", f"127.0.0.1:{sk.getsockname()[1]}")],
+                        max_model_len=MAX_LEN, health_interval=0.2)
+        while sum(not b["up"] for b in requests.get(router.url + "/health", timeout=10).json()["backends"]) < 3:
+            time.sleep(0.05)
+        assert time.time() - t0 < 5, "the frozen backends' checks ran one after another"
+
+        c = client(router.url)
+        stream = c.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Count to 300."}],
+                                           max_tokens=300, stream=True)
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+        stream.close()
+        t1 = time.time()
+        while a.metrics()["kvserve:num_requests_running"] != 0 or router.metrics()["kvserve:router_client_disconnects_total"] < 1:
+            assert time.time() - t1 < 10, router.metrics()["kvserve:router_client_disconnects_total"]
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert router.metrics()["kvserve:router_client_disconnects_total"] == 1
+
+        resp = c.responses.create(model=MODEL_NAME, input="Hello", max_output_tokens=4)
+        a.proc.send_signal(signal.SIGSTOP)
+        try:
+            while any(b["up"] for b in requests.get(router.url + "/health", timeout=10).json()["backends"]):
+                time.sleep(0.05)
+            got = requests.get(f"{router.url}/v1/responses/{resp.id}", timeout=30)
+            assert got.status_code == 503 and got.headers.get("Retry-After"), got.text
+            assert got.json()["error"]["code"] == "backend_unavailable"
+            cont = requests.post(router.url + "/v1/responses", json={"model": MODEL_NAME, "input": "more", "previous_response_id": resp.id},
+                                 timeout=30)
+            assert cont.status_code == 503 and cont.json()["error"]["param"] == "previous_response_id", cont.text
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+        while not requests.get(router.url + "/health", timeout=10).json()["backends"][0]["up"]:
+            time.sleep(0.05)
+        assert c.responses.retrieve(resp.id).id == resp.id
+        c.close()
+    finally:
+        stop_all(router, a)
+        for sk in frozen:
+            sk.close()
 
 
 def test_a_draining_replica_sends_new_requests_to_the_other():
