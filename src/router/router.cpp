@@ -332,9 +332,15 @@ void Router::routes() {
   });
   svr_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
     if (watchdog_) watchdog_->begin(req);  // ends in the logger, once the response is written
-    return cors_preflight(req, res, opts_.allowed_origins) || refuse_wrong_method(req, res, kAllowed)
-               ? httplib::Server::HandlerResponse::Handled
-               : httplib::Server::HandlerResponse::Unhandled;
+    if (cors_preflight(req, res, opts_.allowed_origins)) return httplib::Server::HandlerResponse::Handled;
+    // With keys, as the server: everything but the probes needs one, before any validation (a
+    // user test: /v1/models and /tokenize answered anyone, and a bad body a 400 before the 401).
+    if (req.path != "/health" && req.path != "/metrics" && !authorized(req, opts_.api_keys)) {
+      refuse_unauthorized(req, res);
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    return refuse_wrong_method(req, res, kAllowed) ? httplib::Server::HandlerResponse::Handled
+                                                   : httplib::Server::HandlerResponse::Unhandled;
   });
   post_with_body_limit(*svr_, "/v1/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); }, opts_.http_read_timeout_s);
   post_with_body_limit(*svr_, "/v1/chat/completions", opts_.max_body_bytes, [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); }, opts_.http_read_timeout_s);

@@ -70,6 +70,7 @@ struct RouterOptions {
   double connect_timeout_s = 2.0;
   double read_timeout_s = 600.0;      // longest silence from a backend mid-request
   double stall_timeout_s = 10.0;      // ... once its health check fails: down and silent this long, it is left (0: never)
+  std::vector<std::string> api_keys;  // --api-key: checked here before anything else (the backends check theirs)
   int32_t http_threads = 1024;       // a request holds one until answered (the backends queue behind theirs)
   size_t max_body_bytes = size_t(8) << 20;
   double http_read_timeout_s = 30;  // as ServerOptions::http_read_timeout_s

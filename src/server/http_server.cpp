@@ -63,14 +63,6 @@ constexpr const char* kRetryAfterSeconds = "5";
 // The cancel reason of why_end's error: its 504 is the deadline, its 503 the shutdown.
 CancelReason end_reason(const ApiError& e) { return e.status == 504 ? CancelReason::kTimeout : CancelReason::kShutdown; }
 
-// Constant-time comparison: the key check must not leak how many leading bytes matched.
-bool same_secret(const std::string& given, const std::string& key) {
-  if (given.size() != key.size() || key.empty()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < key.size(); ++i) diff |= static_cast<unsigned char>(given[i] ^ key[i]);
-  return diff == 0;
-}
-
 
 }  // namespace
 
@@ -222,29 +214,7 @@ void HttpServer::stop() {
   svr_->stop();
 }
 
-namespace {
-
-// The credentials of an "Authorization: Bearer <key>" header; the scheme's case does not matter
-// (RFC 7235), spaces after it do not either. Empty: no key in that form.
-std::string bearer_key(const httplib::Request& req) {
-  const std::string h = req.get_header_value("Authorization");
-  constexpr std::string_view kScheme = "bearer";
-  if (h.size() <= kScheme.size() || h[kScheme.size()] != ' ') return "";
-  for (size_t i = 0; i < kScheme.size(); ++i)
-    if (std::tolower(static_cast<unsigned char>(h[i])) != kScheme[i]) return "";
-  const size_t k = h.find_first_not_of(' ', kScheme.size());
-  return k == std::string::npos ? "" : h.substr(k);
-}
-
-}  // namespace
-
-bool HttpServer::authorized(const httplib::Request& req) const {
-  if (opts_.api_keys.empty()) return true;
-  const std::string given = bearer_key(req);
-  bool ok = false;
-  for (const std::string& key : opts_.api_keys) ok |= same_secret(given, key);  // every key compared
-  return ok;
-}
+bool HttpServer::authorized(const httplib::Request& req) const { return kv::authorized(req, opts_.api_keys); }
 
 void HttpServer::routes() {
   // Which methods each path answers; another method on a known path is a 405, not a 404.
@@ -265,14 +235,7 @@ void HttpServer::routes() {
     // Everything but the liveness and metrics probes and the two pages (which ask for the key)
     // and their script needs the key.
     if (path != "/health" && path != "/metrics" && path != "/" && path != "/dashboard" && path != "/marked.min.js" && !authorized(req)) {
-      // No header, or one not in the Bearer form (the key alone, Basic): OpenAI's "didn't provide".
-      const bool missing = bearer_key(req).empty();
-      write_error(res, ApiError{401,
-                                missing ? "You didn't provide an API key. Provide it in an Authorization header using Bearer auth "
-                                          "(i.e. Authorization: Bearer YOUR_KEY)."
-                                        : "Incorrect API key provided.",
-                                "invalid_request_error", "", "invalid_api_key"});
-      res.set_header("WWW-Authenticate", "Bearer");
+      refuse_unauthorized(req, res);
       return httplib::Server::HandlerResponse::Handled;
     }
     return refuse_wrong_method(req, res, kAllowed) ? httplib::Server::HandlerResponse::Handled

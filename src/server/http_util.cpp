@@ -274,7 +274,45 @@ void each_connection(int local_port, const std::function<bool(int, const std::st
   }
   closedir(dir);
 }
+
+// Constant-time comparison: the key check must not leak how many leading bytes matched.
+bool same_secret(const std::string& given, const std::string& key) {
+  if (given.size() != key.size() || key.empty()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < key.size(); ++i) diff |= static_cast<unsigned char>(given[i] ^ key[i]);
+  return diff == 0;
+}
+
 }  // namespace
+
+std::string bearer_key(const httplib::Request& req) {
+  const std::string h = req.get_header_value("Authorization");
+  constexpr std::string_view kScheme = "bearer";
+  if (h.size() <= kScheme.size() || h[kScheme.size()] != ' ') return "";
+  for (size_t i = 0; i < kScheme.size(); ++i)
+    if (std::tolower(static_cast<unsigned char>(h[i])) != kScheme[i]) return "";
+  const size_t k = h.find_first_not_of(' ', kScheme.size());
+  return k == std::string::npos ? "" : h.substr(k);
+}
+
+bool authorized(const httplib::Request& req, const std::vector<std::string>& keys) {
+  if (keys.empty()) return true;
+  const std::string given = bearer_key(req);
+  bool ok = false;
+  for (const std::string& key : keys) ok |= same_secret(given, key);  // every key compared
+  return ok;
+}
+
+void refuse_unauthorized(const httplib::Request& req, httplib::Response& res) {
+  // No header, or one not in the Bearer form (the key alone, Basic): OpenAI's "didn't provide".
+  const bool missing = bearer_key(req).empty();
+  write_error(res, ApiError{401,
+                            missing ? "You didn't provide an API key. Provide it in an Authorization header using Bearer auth "
+                                      "(i.e. Authorization: Bearer YOUR_KEY)."
+                                    : "Incorrect API key provided.",
+                            "invalid_request_error", "", "invalid_api_key"});
+  res.set_header("WWW-Authenticate", "Bearer");
+}
 
 int find_client_socket(const httplib::Request& req) {
   if (req.remote_port <= 0 || req.local_port <= 0) return -1;

@@ -65,6 +65,16 @@ ApiError payload_too_large(size_t max_body_bytes);
 // as /v1/models): 405 with Allow and an OpenAI-shaped body, and true. HEAD passes for GET.
 bool refuse_wrong_method(const httplib::Request& req, httplib::Response& res, const std::map<std::string, std::string>& allowed);
 
+// API keys (--api-key): true when keys is empty or the request's "Authorization: Bearer <key>"
+// (the scheme in any case) is one of them, compared in constant time. Otherwise
+// refuse_unauthorized writes OpenAI's 401 (its "didn't provide" message when there is no Bearer
+// key at all) with WWW-Authenticate.
+bool authorized(const httplib::Request& req, const std::vector<std::string>& keys);
+// The credentials of an "Authorization: Bearer <key>" header; the scheme's case does not matter
+// (RFC 7235), spaces after it do not either. Empty: no key in that form.
+std::string bearer_key(const httplib::Request& req);
+void refuse_unauthorized(const httplib::Request& req, httplib::Response& res);
+
 // GET /v1/models and GET /v1/models/{id} for the served model (its names: ctx.model_names), as
 // the server and the router answer them.
 void install_model_routes(httplib::Server& svr, const ApiContext& ctx);

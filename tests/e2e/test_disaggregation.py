@@ -516,6 +516,33 @@ def test_frozen_backends_are_left_together_and_a_stored_response_behind_one_is_a
             sk.close()
 
 
+def test_the_router_checks_api_keys_before_anything_else():
+    """`kvserve router --api-key`: as the server, every route but /health and /metrics needs a
+    key, checked before the body is validated (a user test: the router answered /v1/models and
+    /tokenize to anyone, and a bad body with a 400 before the backend's 401); the header goes on
+    to the backends, which check the same keys."""
+    a = router = None
+    try:
+        a = Server("--debug", "--api-key", "k1", "--api-key", "k2", max_model_len=MAX_LEN, kv_memory="64MiB", api_key="k1")
+        router = Router("--replica", a.url, "--api-key", "k1", "--api-key", "k2", max_model_len=MAX_LEN)
+        for method, path, body in (("GET", "/v1/models", None), ("POST", "/tokenize", {"prompt": "hi"}),
+                                   ("POST", "/v1/chat/completions", {"model": MODEL_NAME, "messages": "not a list"}),
+                                   ("GET", "/v1/responses/resp_x", None)):
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                r = requests.request(method, router.url + path, json=body, headers=headers, timeout=30)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers, r.text)
+                assert r.headers["WWW-Authenticate"] == "Bearer"
+        assert requests.get(router.url + "/health", timeout=10).status_code == 200
+        assert requests.get(router.url + "/metrics", timeout=10).status_code == 200
+        for key in ("k1", "k2"):
+            c = OpenAI(base_url=router.url + "/v1", api_key=key, max_retries=0, timeout=60 * SLOWDOWN)
+            assert c.models.list().data[0].id == MODEL_NAME
+            assert c.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3).usage.completion_tokens == 3
+            c.close()
+    finally:
+        stop_all(router, a)
+
+
 def test_a_draining_replica_sends_new_requests_to_the_other():
     """A replica told to stop (SIGINT) drains: it finishes what it runs and answers new requests
     503. The router passed that 503 to the client while the other replica was up, until its
