@@ -27,6 +27,7 @@ struct Router::Backend {
   std::atomic<int64_t> down_since_ns{0};  // steady clock when it went down; 0 while up
   std::atomic<int32_t> in_flight{0};
   std::atomic<uint64_t> requests{0}, failures{0};
+  std::string other_model;  // the health thread's: the model it serves when not the router's (told once)
 };
 
 struct Router::Pool {
@@ -310,7 +311,19 @@ void Router::health_loop() {
           c.set_connection_timeout(std::chrono::milliseconds(500));
           c.set_read_timeout(std::chrono::seconds(2));
           auto r = c.Get("/health");
-          const bool ok = r && r->status == 200;
+          bool ok = r && r->status == 200;
+          // A backend that serves another model would answer every request with a 404 (a user
+          // test: half the traffic went to a Gemma instance behind a SmolLM2 router): left out.
+          if (ok) {
+            const json h = json::parse(r->body, nullptr, false);
+            const std::string model = h.is_object() && h.contains("model") && h["model"].is_string() ? h["model"].get<std::string>() : "";
+            const bool same = model.empty() || std::find(ctx_.model_names.begin(), ctx_.model_names.end(), model) != ctx_.model_names.end();
+            if (!same && model != b->other_model)
+              std::fprintf(stderr, "router: %s %s serves model '%s', not '%s': left out until it serves it\n", p->role, b->url.c_str(),
+                           model.c_str(), ctx_.model_names.at(0).c_str());
+            b->other_model = same ? "" : model;
+            ok = same;
+          }
           if (set_up(*b, ok) != ok) std::fprintf(stderr, "router: %s %s is %s\n", p->role, b->url.c_str(), ok ? "up" : "down");
         });
     for (std::thread& t : checks) t.join();

@@ -279,11 +279,11 @@ void HttpServer::routes() {
   svr_->Get("/health", safe([this](const httplib::Request&, httplib::Response& res) {
               if (draining_.load()) {  // load balancers take this instance out of rotation
                 res.set_header("Retry-After", kRetryAfterSeconds);
-                write_json(res, json{{"status", "draining"}, {"role", role_name(opts_.role)}, {"in_flight", in_flight_.load()}});
+                write_json(res, json{{"status", "draining"}, {"role", role_name(opts_.role)}, {"model", ctx_.model_names.at(0)}, {"in_flight", in_flight_.load()}});
                 res.status = 503;
                 return;
               }
-              write_json(res, json{{"status", "ok"}, {"role", role_name(opts_.role)}});
+              write_json(res, json{{"status", "ok"}, {"role", role_name(opts_.role)}, {"model", ctx_.model_names.at(0)}});
             }));
   svr_->Get("/metrics", safe([this](const httplib::Request&, httplib::Response& res) {
               res.set_content(render_prometheus(engine_.metrics()), "text/plain; version=0.0.4; charset=utf-8");

@@ -543,6 +543,25 @@ def test_the_router_checks_api_keys_before_anything_else():
         stop_all(router, a)
 
 
+def test_a_backend_serving_another_model_is_left_out():
+    """A Gemma 3 instance behind a SmolLM2 router answered half the requests with a 404 (a user
+    test): the health check reads the model a backend serves and leaves such a backend out, with
+    a line in the log."""
+    a = g = router = None
+    try:
+        a = Server("--debug", max_model_len=MAX_LEN, kv_memory="64MiB")
+        g = Server("--debug", model=os.path.join(os.path.dirname(MODEL), "gemma-3-270m-Q4_K_M.gguf"), max_model_len=MAX_LEN, kv_memory="64MiB")
+        router = Router("--replica", a.url, "--replica", g.url, max_model_len=MAX_LEN)
+        while [b["up"] for b in requests.get(router.url + "/health", timeout=10).json()["backends"]] != [True, False]:
+            time.sleep(0.05)
+        for i in range(6):
+            text, _, _ = complete(router.url, f"Request {i}: the capital of France is", max_tokens=2)
+            assert text
+        assert "serves model 'gemma-3-270m-Q4_K_M', not 'SmolLM2-135M-Instruct.Q4_1'" in router.output()
+    finally:
+        stop_all(router, a, g)
+
+
 def test_a_draining_replica_sends_new_requests_to_the_other():
     """A replica told to stop (SIGINT) drains: it finishes what it runs and answers new requests
     503. The router passed that 503 to the client while the other replica was up, until its

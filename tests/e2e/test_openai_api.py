@@ -39,7 +39,7 @@ def tokenizer():
 
 
 def test_health_and_models(server, client):
-    assert requests.get(server.url + "/health").json() == {"status": "ok", "role": "both"}
+    assert requests.get(server.url + "/health").json() == {"status": "ok", "role": "both", "model": MODEL_NAME}
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
     assert models.data[0].object == "model"
