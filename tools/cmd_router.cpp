@@ -92,7 +92,8 @@ void run_router(RouterCliOptions o) {
 
   const size_t colon = o.listen.rfind(':');
   if (colon == std::string::npos) fail("--listen " + o.listen + ": expected HOST:PORT");
-  const std::string host = o.listen.substr(0, colon);
+  std::string host = o.listen.substr(0, colon);
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);  // [::1]:8000
   const int port = std::atoi(o.listen.c_str() + colon + 1);
   if (port < 1 || port > 65535) fail("--listen " + o.listen + ": bad port");
 

@@ -157,6 +157,8 @@ Result<std::pair<std::string, int>> parse_backend_url(const std::string& url) {
   if (s.rfind("http://", 0) == 0) s = s.substr(7);
   else if (s.find("://") != std::string::npos) return Status::error("backend " + url + ": only http:// is supported");
   while (!s.empty() && s.back() == '/') s.pop_back();
+  if (const size_t slash = s.find('/'); slash != std::string::npos)
+    return Status::error("backend " + url + ": a path is not allowed (the router adds /v1/...): give http://HOST:PORT");
   const size_t colon = s.rfind(':');
   if (colon == std::string::npos || colon == 0 || colon + 1 == s.size())
     return Status::error("backend " + url + ": expected http://HOST:PORT");

@@ -259,6 +259,9 @@ TEST(RouterAffinity, BackendUrls) {
   EXPECT_FALSE(parse_backend_url("http://x:0"));
   EXPECT_FALSE(parse_backend_url("http://x:99999"));
   EXPECT_FALSE(parse_backend_url("http://x:8a"));
+  auto path = parse_backend_url("http://127.0.0.1:8081/v1");  // said "bad port"
+  ASSERT_FALSE(path);
+  EXPECT_NE(path.status().message().find("a path is not allowed"), std::string::npos);
 }
 
 }  // namespace
