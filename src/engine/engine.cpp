@@ -4,9 +4,12 @@
 #include <cmath>
 #include <limits>
 
+#include <xxhash.h>
+
 #include "common/units.h"
 #include "engine/sampler.h"
 #include "kernels/attention.h"
+#include "kernels/matmul.h"
 #include "kernels/ops.h"
 #include "kv/kv_reindex.h"
 
@@ -193,14 +196,18 @@ Engine::Engine(LlamaModel& model, const Tokenizer& tok, const EngineConfig& cfg)
   // only with its last window present (prefix_cache.h). The page format tag covers both groups.
   const KvLayout* wlayout = pool_g1_ ? &pool_g1_->layout() : nullptr;
   const uint32_t format_tag = TierManager::format_tag(layout, wlayout);
+  // What computed the pages: the model's weights, and the activations' precision, which changes
+  // every KV byte (--act-quant q8 pages in a q8x2 server's Redis or disk gave it the q8 server's
+  // answers; a user test). The default keeps the weights' fingerprint, so stored pages stay valid.
+  const uint64_t kv_source = act_quant() == ActQuant::kQ8 ? XXH3_64bits_withSeed("act-quant q8", 12, model.fingerprint()) : model.fingerprint();
   if (cfg.enable_prefix_caching)
-    cache_ = std::make_unique<PrefixCache>(*pool_, model.fingerprint(), static_cast<int32_t>(format_tag), nullptr,
+    cache_ = std::make_unique<PrefixCache>(*pool_, kv_source, static_cast<int32_t>(format_tag), nullptr,
                                            WindowGroup{pool_g1_.get(), window_g1_});
   if (cfg.tiers.enabled()) {
     if (!cache_) {
       init_status_ = Status::error("the KV tiers (--kv-disk-dir, --kv-redis) keep prefix-cache pages: enable prefix caching");
     } else {
-      auto t = TierManager::create(cfg.tiers, layout, pool_->has_key_stats(), model.fingerprint(), wlayout);
+      auto t = TierManager::create(cfg.tiers, layout, pool_->has_key_stats(), kv_source, wlayout);
       if (!t) {
         init_status_ = t.status();
       } else {

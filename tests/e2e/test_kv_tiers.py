@@ -111,6 +111,31 @@ def test_restart_with_the_same_disk_dir_hits(disk_dir):
         stop(b)
 
 
+def test_pages_computed_with_other_activation_precision_are_never_taken(disk_dir):
+    """--act-quant q8 computes other KV bytes than the default q8x2: a q8x2 server that took a q8
+    server's pages answered with the q8 server's text (a user test). Now the activations'
+    precision is part of what names a page: the default misses them, q8 again finds them."""
+    p = doc(3000)
+    a = tier_server("--kv-disk-dir", disk_dir, "--act-quant", "q8")
+    try:
+        _, n_prompt, cached = ask(a, p)
+        assert cached == 0
+    finally:
+        stop(a)
+    b = tier_server("--kv-disk-dir", disk_dir)
+    try:
+        _, _, cached = ask(b, p)
+        assert cached == 0 and tier(b, "kv_tier_hits_total", "disk") == 0
+    finally:
+        stop(b)
+    c = tier_server("--kv-disk-dir", disk_dir, "--act-quant", "q8")
+    try:
+        _, _, cached = ask(c, p)
+        assert cached >= n_prompt - 16 - 1, cached
+    finally:
+        stop(c)
+
+
 def test_prompt_logprobs_requests_load_nothing_from_the_disk(disk_dir):
     """A prompt-logprob request computes its whole prompt (the cache keeps K/V, not logits): it must
     not read the prompt's pages from the disk either (it loaded 24-31 pages for nothing), nor count
