@@ -377,18 +377,18 @@ void add_serve_command(CLI::App& app) {
       ->capture_default_str();
   add_kv_options(cmd, &o->kvo);
   add_eviction_options(cmd, &o->evo);
-  cmd->add_option("--kv-disk-dir", o->kv_disk_dir, "L2 KV tier: keep prefix pages in this directory (survives restarts)");
-  cmd->add_option("--kv-disk-bytes", o->kv_disk_bytes, "L2 size, e.g. 20GiB (no fraction of RAM; at least one page); over it, pages no stored page continues go first (unreachable ones, then least recently used)")->capture_default_str();
-  cmd->add_option("--kv-redis", o->kv_redis,
+  CLI::Option* disk_dir = cmd->add_option("--kv-disk-dir", o->kv_disk_dir, "L2 KV tier: keep prefix pages in this directory (survives restarts)");
+  CLI::Option* disk_bytes = cmd->add_option("--kv-disk-bytes", o->kv_disk_bytes, "L2 size, e.g. 20GiB (no fraction of RAM; at least one page); over it, pages no stored page continues go first (unreachable ones, then least recently used)")->capture_default_str();
+  CLI::Option* redis = cmd->add_option("--kv-redis", o->kv_redis,
                   "L3 KV tier shared by instances: redis://HOST:PORT (repeat or comma-separate; a Redis Cluster is followed)");
-  cmd->add_option("--kv-redis-ttl", o->kv_redis_ttl, "seconds a page stays in Redis after its last write or read (0: no expiry); a prefix's first pages up to 1.5x that, so that a Redis with maxmemory-policy volatile-ttl evicts tails first")->check(number_in(0, 1 << 30))->capture_default_str();
-  cmd->add_option("--kv-redis-timeout-ms", o->kv_redis_timeout_ms, "Redis connect / command timeout")
+  CLI::Option* redis_ttl = cmd->add_option("--kv-redis-ttl", o->kv_redis_ttl, "seconds a page stays in Redis after its last write or read (0: no expiry); a prefix's first pages up to 1.5x that, so that a Redis with maxmemory-policy volatile-ttl evicts tails first")->check(number_in(0, 1 << 30))->capture_default_str();
+  CLI::Option* redis_timeout = cmd->add_option("--kv-redis-timeout-ms", o->kv_redis_timeout_ms, "Redis connect / command timeout")
       ->check(number_in(1, 60000))
       ->capture_default_str();
-  cmd->add_option("--kv-tier-write", o->kv_tier_write, "back: write a page down when RAM evicts it; through: as soon as it is full")
+  CLI::Option* tier_write = cmd->add_option("--kv-tier-write", o->kv_tier_write, "back: write a page down when RAM evicts it; through: as soon as it is full")
       ->check(CLI::IsMember({"back", "through"}))
       ->capture_default_str();
-  cmd->add_option("--kv-tier-min-tokens", o->kv_tier_min_tokens, "look below RAM only when at least this many prompt tokens could come from there")
+  CLI::Option* tier_min = cmd->add_option("--kv-tier-min-tokens", o->kv_tier_min_tokens, "look below RAM only when at least this many prompt tokens could come from there")
       ->check(number_in(1, 1 << 24))
       ->capture_default_str();
   cmd->add_option("--speculative-config", o->speculative_config,
@@ -402,7 +402,17 @@ void add_serve_command(CLI::App& app) {
                   "prefilled requests from `kvserve router` (both need --kv-redis)")
       ->check(CLI::IsMember({"both", "prefill", "decode"}))
       ->capture_default_str();
-  cmd->callback([o] { run_serve(*o); });
+  // A tier's settings without that tier did nothing, silently (a user test), where
+  // --preemption-mode swap without a tier is refused: refused alike.
+  disk_bytes->needs(disk_dir);
+  redis_ttl->needs(redis);
+  redis_timeout->needs(redis);
+  cmd->callback([o, disk_dir, redis, tier_write, tier_min] {
+    for (const CLI::Option* opt : {tier_write, tier_min})
+      if (opt->count() > 0 && disk_dir->count() == 0 && redis->count() == 0)
+        throw CLI::ValidationError(opt->get_name(), "sets how pages reach a KV tier: give --kv-disk-dir or --kv-redis");
+    run_serve(*o);
+  });
 }
 
 }  // namespace kvtools

@@ -444,6 +444,11 @@ std::vector<bool> DiskStore::put(std::span<const PageHash> hashes, std::span<con
       // full disk dropped every later write.
       {
         std::lock_guard<std::mutex> l(mu_);
+        // said once: the budget is not what limits the store (nothing said it; a user test)
+        if (told_.insert("enospc").second)
+          std::fprintf(stderr, "kv tier: disk: %s is full at %.1f MiB of pages, below --kv-disk-bytes (%.1f MiB): the least recently "
+                       "used pages make room; set --kv-disk-bytes to the space the filesystem has for them\n",
+                       root_.c_str(), double(bytes_) / (1 << 20), double(max_bytes_) / (1 << 20));
         trim_locked(bytes_ - 2 * int64_t(b.size()));
       }
       err = write_file();

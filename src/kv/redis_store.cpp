@@ -32,6 +32,8 @@ Result<RedisStore::Endpoint> parse_addr(const std::string& a) {
                                                ": credentials in the address are not supported (no AUTH is sent); use a Redis "
                                                "without requirepass, reachable only by the servers");
   while (!s.empty() && s.back() == '/') s.pop_back();
+  if (const size_t db = s.find_first_of("/?"); db != std::string::npos)  // redis://host:port/3, ?db=2: it said bad port
+    return Result<RedisStore::Endpoint>::error("--kv-redis " + a + ": a database number is not supported (pages go to database 0); want redis://HOST:PORT");
   const size_t colon = s.rfind(':');
   RedisStore::Endpoint e;
   e.host = colon == std::string::npos ? s : s.substr(0, colon);
@@ -138,7 +140,10 @@ RedisStore::Conn* RedisStore::conn(ThreadConns& tc, const Endpoint& e) {
 // The node answers: its next failure starts the backoff afresh. An outage that was told (fail)
 // is told over too.
 void RedisStore::answers(Conn& c) {
-  if (c.backoff_ms != 0) std::fprintf(stderr, "kv tier: redis %s:%d answers again\n", c.at.host.c_str(), c.at.port);
+  if (c.backoff_ms != 0) {
+    std::lock_guard<std::mutex> l(mu_);
+    if (std::exchange(told_down_[c.at], false)) std::fprintf(stderr, "kv tier: redis %s:%d answers again\n", c.at.host.c_str(), c.at.port);
+  }
   c.backoff_ms = 0;
 }
 
@@ -146,7 +151,13 @@ void RedisStore::fail(ThreadConns& tc, const Endpoint& e) {
   Conn& c = tc.by_node[e];
   // The first failure after the node last answered is told (the counter alone says nothing of
   // why): a timeout, a refused connection, a reset. Later ones in the same outage stay quiet.
-  if (c.backoff_ms == 0)
+  // Each thread has its own connection: the outage is told by the first that meets it.
+  bool tell = false;
+  if (c.backoff_ms == 0) {
+    std::lock_guard<std::mutex> l(mu_);
+    tell = !std::exchange(told_down_[e], true);
+  }
+  if (tell)
     std::fprintf(stderr, "kv tier: redis %s:%d failed (%s, timeout %d ms): its pages miss and writes drop for %d ms, "
                  "then longer while it keeps failing (up to %d ms)\n",
                  e.host.c_str(), e.port, c.ctx && c.ctx->err ? c.ctx->errstr : "no connection", timeout_ms_, kBackoffMinMs,

@@ -25,6 +25,7 @@
 #include <chrono>
 #include <cstdint>
 #include <map>
+#include <utility>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -113,6 +114,7 @@ class RedisStore : public PageStore {
   std::vector<std::pair<std::pair<int, int>, Endpoint>> slots_;  // [first, last] slot -> master
   std::map<std::thread::id, std::unique_ptr<ThreadConns>> threads_;
   int64_t errors_ = 0;
+  std::map<Endpoint, bool> told_down_;  // an outage told (each thread's connection sees it: told once)
   int64_t redirects_ = 0;
   std::set<std::string> errors_told_;  // first words of the error replies already logged
 };

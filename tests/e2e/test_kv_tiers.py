@@ -446,11 +446,21 @@ def test_bad_redis_address_is_a_clear_error():
     from kvserve_server import KVSERVE, MODEL
     for addr, words in [("http://127.0.0.1:6379", "http:// is not a plain Redis address"),
                         ("rediss://127.0.0.1:6379", "rediss:// is not a plain Redis address"),
-                        ("redis://127.0.0.1:port", "bad port")]:
+                        ("redis://127.0.0.1:port", "bad port"),
+                        ("redis://127.0.0.1:6379/3", "a database number is not supported"),
+                        ("redis://127.0.0.1:6379?db=2", "a database number is not supported")]:
         r = subprocess.run([KVSERVE, "serve", "-m", MODEL, "--port", str(free_port()), "--kv-redis", addr],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode != 0
         assert words in r.stderr, r.stderr[-2000:]
+    # a tier's settings without that tier did nothing, silently
+    for flags, words in [(["--kv-tier-write", "through"], "--kv-tier-write: sets how pages reach a KV tier"),
+                         (["--kv-tier-min-tokens", "5"], "--kv-tier-min-tokens: sets how pages reach a KV tier"),
+                         (["--kv-redis-ttl", "60", "--kv-disk-dir", "/tmp/unused"], "--kv-redis-ttl requires --kv-redis"),
+                         (["--kv-redis-timeout-ms", "60"], "--kv-redis-timeout-ms requires --kv-redis"),
+                         (["--kv-disk-bytes", "1GiB"], "--kv-disk-bytes requires --kv-disk-dir")]:
+        r = subprocess.run([KVSERVE, "serve", "-m", MODEL, "--port", str(free_port()), *flags], capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and words in r.stderr, (flags, r.stderr[-2000:])
 
 
 # ---- L3: Redis ---------------------------------------------------------------------------------

@@ -711,7 +711,12 @@ TEST(KvTierDiskStore, AFullFilesystemMakesRoomFromTheOldestPages) {
   {
     auto s = open_disk(mnt, int64_t(1) << 30);
     ASSERT_TRUE(s);
+    testing::internal::CaptureStderr();
     for (int i = 0; i < 30; ++i) EXPECT_TRUE(put1(*s, i, make_blob(i, 64 * 1024))) << i;  // 64 KiB each, ~1.9 MiB in all
+    // the operator is told, once (nothing said it: a user test)
+    const std::string told = testing::internal::GetCapturedStderr();
+    EXPECT_NE(told.find("is full at"), std::string::npos) << told;
+    EXPECT_EQ(told.find("is full at"), told.rfind("is full at")) << told;
     EXPECT_GT(s->n_pages(), 2);
     EXPECT_LT(s->n_pages(), 30);
     EXPECT_TRUE(get1(*s, 29).has_value());
