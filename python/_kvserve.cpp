@@ -13,6 +13,8 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
+#include <functional>
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -37,6 +39,38 @@ namespace {
 
 // kvserve.RequestError (a ValueError defined in Python): set by set_error_class at import.
 py::object g_error_class;
+
+bool python_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
+// Releases the GIL for its scope. Taking it back while Python finalizes (the main thread exits
+// with this thread still in generate()) ends the thread with pthread_exit, a forced unwind, which
+// out of pybind11's gil_scoped_release (its destructor is noexcept) aborted the process: SIGABRT,
+// exit code 134 (a user test). This thread parks instead, after on_park (a call ends its requests,
+// so the engine goes idle): the process is about to exit. The destructor lets a forced unwind that
+// starts between the check and taking the GIL pass on.
+class NoGil {
+ public:
+  explicit NoGil(std::function<void()> on_park = {}) : on_park_(std::move(on_park)), state_(PyEval_SaveThread()) {}
+  ~NoGil() noexcept(false) {
+    if (python_finalizing()) {
+      if (on_park_) on_park_();
+      for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+    }
+    PyEval_RestoreThread(state_);
+  }
+  NoGil(const NoGil&) = delete;
+  NoGil& operator=(const NoGil&) = delete;
+
+ private:
+  std::function<void()> on_park_;
+  PyThreadState* state_;
+};
 
 // An ApiError on its way to Python, with the index of the request that caused it.
 struct RequestFailure {
@@ -182,7 +216,7 @@ class PyEngine {
       closing_ = true;
       if (std::find(call_threads_.begin(), call_threads_.end(), std::this_thread::get_id()) != call_threads_.end()) return;
     }
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     {
       std::unique_lock<std::mutex> l(calls_mu_);
       ++waiting_closers_;
@@ -253,7 +287,7 @@ class PyEngine {
     size_t n_submitted = 0;
     std::optional<RequestFailure> refused;
     {
-      py::gil_scoped_release nogil;
+      NoGil nogil;
       for (; n_submitted < items.size(); ++n_submitted) {
         Pending& it = items[n_submitted];
         it.stream = std::make_shared<kv::RequestStream>();
@@ -272,37 +306,45 @@ class PyEngine {
     const size_t n = n_submitted;
     if (refused) {  // the ones before it were accepted: they are cancelled, their pages come back
       for (size_t i = 0; i < n; ++i) items[i].stream->cancel();
-      py::gil_scoped_release nogil;
+      NoGil nogil;
       wait_all(items, n, *waiter);
     }
     if (refused) throw *refused;
 
     size_t n_done = 0;
     std::vector<uint64_t> ready;
+    // Ends this call's requests and waits for their pages (GIL released): Ctrl-C, close(), a
+    // progress callback that raised.
+    auto end_all = [&](kv::CancelReason why) {
+      for (size_t i = 0; i < n; ++i) items[i].stream->cancel(why);
+      NoGil nogil;
+      wait_all(items, n, *waiter);
+    };
     while (n_done < n) {
       size_t newly = 0;
       {
-        py::gil_scoped_release nogil;
+        NoGil nogil([&] {  // Python exits under this call: its requests end with it
+          for (size_t i = 0; i < n; ++i) items[i].stream->cancel(kv::CancelReason::kShutdown);
+        });
         waiter->wait(&ready, std::chrono::milliseconds(100));
         newly = drain(items, &ready);
       }
       n_done += newly;
-      if (newly > 0 && !progress.is_none()) progress(newly);
-      if (closing_) {  // close() on another thread: this call's requests end here
-        for (size_t i = 0; i < n; ++i) items[i].stream->cancel(kv::CancelReason::kShutdown);
-        {
-          py::gil_scoped_release nogil;
-          wait_all(items, n, *waiter);
+      if (newly > 0 && !progress.is_none()) {
+        try {
+          progress(newly);
+        } catch (py::error_already_set&) {  // the bar raised (a broken pipe, Ctrl-C inside it): as Ctrl-C, nothing left running
+          end_all(kv::CancelReason::kClient);
+          throw;
         }
+      }
+      if (closing_) {  // close() on another thread: this call's requests end here
+        end_all(kv::CancelReason::kShutdown);
         throw std::runtime_error("this LLM was closed while generate() ran");
       }
       if (PyErr_CheckSignals() != 0) {  // Ctrl-C (or another handler that raised)
         py::error_already_set interrupted;
-        for (size_t i = 0; i < n; ++i) items[i].stream->cancel();
-        {
-          py::gil_scoped_release nogil;
-          wait_all(items, n, *waiter);
-        }
+        end_all(kv::CancelReason::kClient);
         throw interrupted;
       }
     }
@@ -328,7 +370,7 @@ class PyEngine {
     CallGuard call(*this);  // it runs without the GIL: a close() on another thread waits for it
     kv::Status st;
     {
-      py::gil_scoped_release nogil;
+      NoGil nogil;
       st = engine.check_integrity();
     }
     if (!st) throw std::runtime_error("KV integrity check failed: " + st.message());
@@ -358,7 +400,7 @@ class PyEngine {
         }
       }
       if (free_now) {
-        py::gil_scoped_release nogil;
+        NoGil nogil;
         e.free_engine();
       }
     }

@@ -236,6 +236,20 @@ _ENGINE_ARGS = {
 }
 
 
+
+def _jsonable(x: Any) -> Any:
+    """NumPy scalars and arrays (and anything else with .tolist() / .item()) as JSON: vLLM takes
+    them, and json.dumps said "Object of type int64 is not JSON serializable"."""
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if hasattr(x, "item"):
+        return x.item()
+    raise TypeError(f"Object of type {type(x).__name__} is not JSON serializable")
+
+
+def _json(body: Dict[str, Any]) -> str:
+    return json.dumps(body, default=_jsonable)
+
 class LLM:
     """An engine over one GGUF model, in this process (vLLM's LLM).
 
@@ -277,6 +291,7 @@ class LLM:
         if isinstance(args.get("speculative_config"), dict):
             args["speculative_config"] = json.dumps(args["speculative_config"])
         self._engine = _kvserve.Engine(str(model), **args)
+        self._pid = os.getpid()
         self._rng = random.Random(seed) if seed is not None else None
         self._next_id = 0
 
@@ -317,9 +332,12 @@ class LLM:
                 limit = self._engine.max_model_len
                 if (sp.kv_eviction or {}).get("policy", "none") == "none":
                     limit = min(limit, self._engine.kv_capacity_tokens)
-                body["max_tokens"] = max(1, limit - len(ids))
+                n_prompt = len(ids)  # what the server keeps of it (it computed 1 token for a truncated 1,200)
+                if sp.truncate_prompt_tokens is not None and sp.truncate_prompt_tokens >= 0:
+                    n_prompt = min(n_prompt, sp.truncate_prompt_tokens)
+                body["max_tokens"] = max(1, limit - n_prompt)
             body["prompt"] = prompt
-            bodies.append(json.dumps(body))
+            bodies.append(_json(body))
         return self._run(bodies, params, texts, chat=False, use_tqdm=use_tqdm)
 
     def chat(self, messages: Union[List[Dict[str, Any]], List[List[Dict[str, Any]]]],
@@ -350,7 +368,7 @@ class LLM:
                 body["tools"] = tools
             if tool_choice is not None or tools is not None:
                 body["tool_choice"] = "none" if tool_choice is None else tool_choice
-            bodies.append(json.dumps(body))
+            bodies.append(_json(body))
         return self._run(bodies, params, [None] * len(convs), chat=True, use_tqdm=use_tqdm,
                          chat_template=chat_template or "")
 
@@ -402,6 +420,10 @@ class LLM:
 
     def _run(self, bodies: List[str], params: List[SamplingParams], texts: List[Optional[str]],
              chat: bool, use_tqdm: bool, chat_template: str = "") -> List[RequestOutput]:
+        if os.getpid() != self._pid:
+            # A forked child has the engine's memory but not its threads: a call waited forever.
+            raise RuntimeError("this LLM was created in another process (the parent of a fork): create the LLM in "
+                               "this process (multiprocessing's 'spawn' start method does)")
         bar = None
         if use_tqdm and bodies:
             try:

@@ -402,6 +402,82 @@ def test_progress_bar_counts_every_prompt(llm, capsys):
     assert "3/3" in capsys.readouterr().err
 
 
+def test_a_progress_bar_that_raises_leaves_nothing_running(llm, monkeypatch):
+    """A bar whose update raises (a broken stderr pipe, a wrapped bar, Ctrl-C inside it) left the
+    call's requests decoding to max_tokens, holding their pages (a user test): now, as Ctrl-C,
+    they are cancelled and their pages are back before the exception reaches the caller."""
+    import tqdm.auto
+
+    class Broken:
+        def __init__(self, *a, **kw):
+            pass
+
+        def update(self, n):
+            raise BrokenPipeError("stderr is gone")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Broken)
+    t0 = time.monotonic()
+    with pytest.raises(BrokenPipeError):
+        llm.generate(["A long story begins", "Once"] + ["A long story begins"] * 6,
+                     [SamplingParams(temperature=0, max_tokens=1)] + [SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)] * 7)
+    assert time.monotonic() - t0 < 10
+    assert llm.kv_stats()["pages_in_use"] == 0  # at once: not after the others ran to 400 tokens
+
+
+def test_exiting_with_a_generate_running_on_another_thread_exits_cleanly():
+    """Python finalizing while a daemon thread waits in generate() aborted the process (SIGABRT,
+    exit code 134, "terminate called without an active exception"; a user test): the exit code
+    is the script's."""
+    import subprocess
+    script = (f"import sys, threading, time\nsys.path.insert(0, {os.path.join(ROOT, 'build', 'python')!r})\n"
+              "from kvserve import LLM, SamplingParams\n"
+              f"llm = LLM({MODEL!r}, threads=1, kv_cache_memory='32MiB', quiet=True)\n"
+              "threading.Thread(target=lambda: llm.generate(['story'] * 2, SamplingParams(max_tokens=500, ignore_eos=True),"
+              " use_tqdm=False), daemon=True).start()\n"
+              "time.sleep(1)\n"
+              "if len(sys.argv) > 1: raise SystemExit('main failed')\n")
+    for args, code in (([], 0), (["fail"], 1)):
+        r = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == code and "terminate called" not in r.stderr, (r.returncode, r.stderr[-2000:])
+
+
+def test_a_forked_child_is_told_to_make_its_own_llm(llm):
+    """A forked child has the engine's memory but not its threads: its call waited forever (a
+    user test). It raises instead; the parent's LLM is unaffected."""
+    pid = os.fork()
+    if pid == 0:  # the child: a hang here would be caught by the alarm
+        signal.alarm(20)
+        try:
+            llm.generate("x", GREEDY, use_tqdm=False)
+            os._exit(4)
+        except RuntimeError as e:
+            os._exit(3 if "created in another process" in str(e) else 5)
+        except BaseException:
+            os._exit(6)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 3, status
+    assert len(llm.generate("parent", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
+
+
+def test_max_tokens_none_counts_the_truncated_prompt_and_numpy_values_are_taken(llm):
+    """max_tokens None left room for the whole prompt when truncate_prompt_tokens kept less of it
+    (1 token generated for 100 kept of 400; a user test); NumPy ints and floats, as vLLM takes
+    them, were a JSON error."""
+    np = pytest.importorskip("numpy")
+    (o,) = llm.generate("hello world " * 200, SamplingParams(temperature=0, max_tokens=None, truncate_prompt_tokens=100,
+                                                              ignore_eos=True), use_tqdm=False)
+    assert len(o.prompt_token_ids) == 100
+    assert len(o.prompt_token_ids) + len(o.outputs[0].token_ids) == min(MAX_MODEL_LEN, llm._engine.kv_capacity_tokens)
+    ids = llm.get_tokenizer().encode("The capital of France is")
+    (a,) = llm.generate({"prompt_token_ids": np.array(ids, dtype=np.int64)},
+                        SamplingParams(temperature=np.float32(0.0), max_tokens=np.int64(4), seed=np.int64(1)), use_tqdm=False)
+    (b,) = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=4, seed=1), use_tqdm=False)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids and len(a.outputs[0].token_ids) == 4
+
+
 def test_an_evicting_policy_goes_past_max_model_len(llm):
     # StreamingLLM re-indexing (docs/eviction.md): 700 tokens from a 512-position engine.
     sp = SamplingParams(temperature=0, max_tokens=700, ignore_eos=True, kv_eviction={"policy": "sinks", "budget": 128})
