@@ -13,6 +13,8 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
+#include <cstring>
+#include <cctype>
 #include <functional>
 #include <chrono>
 #include <memory>
@@ -78,7 +80,27 @@ struct RequestFailure {
   int64_t index = -1;
 };
 
-[[noreturn]] void fail(const std::string& msg) { throw py::value_error(msg); }
+// The engine's messages name the server's flags; here they are LLM()'s arguments (a user test:
+// "raise --kv-cache-memory" told a Python user of a flag they never saw).
+std::string in_python_words(std::string msg) {
+  static const std::pair<const char*, const char*> kFlags[] = {
+      {"--kv-cache-memory", "kv_cache_memory"}, {"--max-num-batched-tokens", "max_num_batched_tokens"},
+      {"--max-num-seqs", "max_num_seqs"},       {"--max-model-len", "max_model_len"},
+      {"--max-n", "max_n"},                     {"--kv-cache-dtype", "kv_cache_dtype"},
+      {"--block-size", "block_size"}};
+  for (const auto& [flag, arg] : kFlags)
+    for (size_t at = msg.find(flag); at != std::string::npos; at = msg.find(flag, at)) {
+      const size_t end = at + std::strlen(flag);
+      if (end < msg.size() && (std::isalnum(static_cast<unsigned char>(msg[end])) || msg[end] == '-')) {  // a longer flag
+        at = end;
+        continue;
+      }
+      msg.replace(at, end - at, arg);
+    }
+  return msg;
+}
+
+[[noreturn]] void fail(const std::string& msg) { throw py::value_error(in_python_words(msg)); }
 
 struct StderrProgress : kv::LoadProgress {
   void on_tensor(int done, int total) override {
@@ -178,8 +200,7 @@ class PyEngine {
     }
     const kv::KvLayout layout = model_->kv_layout(block_size, ec.kv_dtype, ec.kv_layer_dtypes);
     if (kv::Status st = layout.validate(); !st) fail(st.message());
-    if (kv::PagePool::pages_for_bytes(layout, ec.kv_cache_bytes, kv::staging_slots(ec)) < 1)
-      fail("kv_cache_memory " + kv_cache_memory + " holds no page (one page is " + kv::format_bytes(layout.page_bytes()) + ")");
+    // (the engine says what holds no page: the staging tiles, the sliding-window layers)
     engine_ = std::make_unique<kv::Engine>(*model_, *tok_, ec);
     if (!engine_->init_status()) fail(engine_->init_status().message());
     ctx_ = kv::make_api_context(*tok_, chat_ ? &*chat_ : nullptr, model, served_model_name, ec.max_model_len, ec.max_n);
@@ -299,6 +320,7 @@ class PyEngine {
         r.stream = it.stream;
         if (kv::Rejection rej = engine.submit(std::move(r)); rej.http_status != 0) {
           refused = RequestFailure{kv::from_rejection(rej, chat), static_cast<int64_t>(n_submitted)};
+          refused->error.message = in_python_words(refused->error.message);
           break;
         }
       }

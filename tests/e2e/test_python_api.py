@@ -332,6 +332,16 @@ def test_max_tokens_none_fits_a_kv_cache_smaller_than_max_model_len():
         small.close()
 
 
+def test_a_cache_too_small_says_why_in_the_arguments_words():
+    # It said "kv_cache_memory 8MiB holds no page (one page is 123.75 KiB)": neither the 16 MiB given
+    # nor the reason (the staging tiles of quantized pages), which the server says, in its flags' words.
+    with pytest.raises(ValueError) as ei:
+        LLM(MODEL, kv_cache_memory="16MiB", kv_cache_dtype="int4", max_model_len=128, quiet=True)
+    msg = str(ei.value)
+    assert "kv_cache_memory 16.00 MiB holds no page" in msg and "staging tiles" in msg and "max_num_seqs" in msg, msg
+    assert "--" not in msg, msg
+
+
 def test_a_value_json_cannot_carry_is_refused_where_it_is_set():
     # NaN and infinity have no JSON form: the error names the field when the parameters are built.
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
