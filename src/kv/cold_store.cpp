@@ -347,6 +347,8 @@ void ColdTable::release_all() {
 
 bool ColdTable::truncate(int64_t n_tokens) {
   if (!store_) return true;
+  mark_ = 0;  // no layer runs: the last one's marks say nothing (nothing goes down for room)
+  resident_ = -1;
   const int32_t bs = store_->pool().layout().block_size;
   const int64_t n_pages = (n_tokens + bs - 1) / bs;
   if (n_tokens % bs != 0 && n_tokens / bs < int64_t(slot_.size())) {  // the partly kept page
