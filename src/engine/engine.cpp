@@ -1601,6 +1601,12 @@ bool Engine::step() {
     const size_t n_logits = static_cast<size_t>(plan.batch.n_logit_rows()) * model_.config().n_vocab;
     if (logits_.size() < n_logits) logits_.resize(n_logits);
     PagePool* pools[2] = {pool_.get(), pool_g1_.get()};
+    if (cold_) {  // the room every running sequence past its budget may read into (cold_reserve)
+      int64_t keep = 0;
+      for (const auto& t : running_)
+        if (t->cold.attached() && t->n_computed > t->evict.budget) keep += t->evict.cold_extra_pages(cfg_.block_size, model_.config().n_head_kv);
+      cold_->set_keep_free(keep);
+    }
     Status st = model_.forward(plan.batch, pools, *threads_, logits_.data());
     const LlamaModel::ForwardTimes& ft = model_.last_forward_times();
     phase[static_cast<int>(StepPhase::kAttention)] = ft.attention;

@@ -233,8 +233,9 @@ int32_t ColdTable::fetch(int64_t i) {
     resident_ = 0;
     for (int32_t p : pages) resident_ += p >= 0;
   }
-  // at its cap the sequence makes its own room; else a free page, one from the prefix cache, or its own
-  const bool own = mark_ != 0 && resident_ >= cap_ && room_for();
+  // at its cap, with no free page to spare, the sequence makes its own room; else a free page, one
+  // from the prefix cache, or its own
+  const bool own = mark_ != 0 && resident_ >= cap_ && pool.n_free() <= store_->keep_free() && room_for();
   if (!own && pool.n_free() < 1 && !(reclaim_ && reclaim_(1)) && !room_for()) {
     store_->add_no_room();
     return -1;

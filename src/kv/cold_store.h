@@ -91,6 +91,10 @@ class ColdStore {
   ColdStats stats() const;
   void add_no_room() { no_room_.fetch_add(1, std::memory_order_relaxed); }
   void add_room_swap() { room_swaps_.fetch_add(1, std::memory_order_relaxed); }
+  // Free pool pages the owner keeps for the running sequences' reads this step (the engine's
+  // reserve): a sequence at its cap takes a free page only while more than this many are free.
+  void set_keep_free(int64_t n) { keep_free_ = n; }
+  int64_t keep_free() const { return keep_free_; }
 
  private:
   ColdStore(PagePool& pool, int fd);
@@ -111,6 +115,7 @@ class ColdStore {
   int32_t n_slots_ = 0;              // high-water mark
   int64_t slots_used_ = 0;
   std::vector<uint8_t> buf_;         // engine thread's I/O buffer
+  int64_t keep_free_ = 0;
 
   // Prefetch: requests to the loader; finished buffers by slot (with the slot's generation).
   // Buffers never taken (a runner-up Quest did not pick after all) are dropped oldest first
@@ -142,9 +147,12 @@ class ColdTable {
     pages_ = pages;
     reclaim_ = std::move(reclaim);
   }
-  // The most pages the sequence holds during a step (EvictionConfig::cold_cap_pages): at it, a
-  // fetch sends one of its own pages down before it takes a free one, so the free pages the
-  // engine keeps for every sequence's reads are not taken by one of them.
+  // The most pages the sequence is sure to get during a step (EvictionConfig::cold_cap_pages): at
+  // it, a fetch takes a free page only while the pool has more free than the engine keeps for the
+  // running sequences' reads (ColdStore::keep_free), else it sends one of its own pages down
+  // first, so one sequence does not take the others' room. (Always at the cap, SmolLM2 at 8
+  // pages per head on a 256-token budget decoded at half speed: each layer read pages the last
+  // had just sent down.)
   void set_cap(int64_t pages) { cap_ = pages; }
   bool attached() const { return store_ != nullptr; }
   int64_t n_cold() const { return n_cold_; }
