@@ -42,6 +42,9 @@ namespace {
 // kvserve.RequestError (a ValueError defined in Python): set by set_error_class at import.
 py::object g_error_class;
 
+// The thread that finalizes Python (the main thread) keeps the GIL through it: it never parks.
+unsigned long g_main_thread = 0;
+
 bool python_finalizing() {
 #if PY_VERSION_HEX >= 0x030D0000
   return Py_IsFinalizing();
@@ -60,7 +63,7 @@ class NoGil {
  public:
   explicit NoGil(std::function<void()> on_park = {}) : on_park_(std::move(on_park)), state_(PyEval_SaveThread()) {}
   ~NoGil() noexcept(false) {
-    if (python_finalizing()) {
+    if (python_finalizing() && PyThread_get_thread_ident() != g_main_thread) {
       if (on_park_) on_park_();
       for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
     }
@@ -532,6 +535,7 @@ class PyEngine {
 
 PYBIND11_MODULE(_kvserve, m) {
   m.doc() = "kvserve engine bindings (use the kvserve package: LLM, SamplingParams)";
+  g_main_thread = py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
   m.def("set_error_class", [](py::object cls) { g_error_class = std::move(cls); });
   py::register_exception_translator([](std::exception_ptr p) {
     try {

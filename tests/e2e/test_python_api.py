@@ -452,6 +452,17 @@ def test_exiting_with_a_generate_running_on_another_thread_exits_cleanly():
     for args, code in (([], 0), (["fail"], 1)):
         r = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120)
         assert r.returncode == code and "terminate called" not in r.stderr, (r.returncode, r.stderr[-2000:])
+    # the main thread closing an LLM while Python finalizes (a __del__) takes the GIL back: it is
+    # the finalizing thread, and must not park
+    closer = (f"import sys\nsys.path.insert(0, {os.path.join(ROOT, 'build', 'python')!r})\n"
+              "from kvserve import LLM, SamplingParams\n"
+              "class Holder:\n"
+              f"    def __init__(self): self.llm = LLM({MODEL!r}, threads=1, kv_cache_memory='32MiB', quiet=True)\n"
+              "    def __del__(self): self.llm.close(); print('closed')\n"
+              "h = Holder()\n"
+              "h.llm.generate('hi', SamplingParams(max_tokens=2), use_tqdm=False)\n")
+    r = subprocess.run([sys.executable, "-c", closer], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "closed" in r.stdout, (r.returncode, r.stderr[-2000:])
 
 
 def test_a_forked_child_is_told_to_make_its_own_llm(llm):
