@@ -437,7 +437,7 @@ bool Engine::ensure_pages(Sequence& s, int64_t n_new) {
   // Evict only when it can succeed: a waiting head that cannot fit emptied the prefix cache each
   // step for nothing, pages just loaded from a tier for the sequences behind it among them.
   // With cold pages, what the step reads back stays free too (cold_reserve).
-  const int64_t keep = total + cold_reserve(s, n_new);
+  const int64_t keep = total + cold_reserve(&s, n_new);
   if (!pool_->can_allocate(static_cast<int32_t>(std::min<int64_t>(keep, INT32_MAX))) &&
       !(cache_ && pool_->n_free() + cache_->n_evictable_pages() >= keep && cache_->ensure_free(static_cast<int32_t>(keep))))
     return false;
@@ -858,17 +858,20 @@ void Engine::attach_cold(Sequence& s) {
   s.cold.set_cap(s.evict.cold_cap_pages(cfg_.block_size, model_.config().n_head_kv));
 }
 
-int64_t Engine::cold_reserve(const Sequence& s, int64_t n_new) const {
+int64_t Engine::cold_extra(const Sequence& t, int64_t n_new) const {
   // A sequence past its budget may hold cold_extra_pages more than its budget during a step
-  // (one layer's reads, when they are more than the budget): those stay free for it.
+  // (one layer's reads, when they are more than the budget).
+  return t.cold.attached() && t.n_computed + n_new > t.evict.budget
+             ? t.evict.cold_extra_pages(cfg_.block_size, model_.config().n_head_kv)
+             : 0;
+}
+
+int64_t Engine::cold_reserve(const Sequence* s, int64_t n_new) const {
+  // What the running sequences (and s, about to run n_new more) may read into: kept free for them.
   if (!cold_) return 0;
-  const int32_t hkv = model_.config().n_head_kv;
-  auto extra = [&](const Sequence& t, int64_t n) {
-    return t.cold.attached() && t.n_computed + n > t.evict.budget ? t.evict.cold_extra_pages(cfg_.block_size, hkv) : 0;
-  };
-  int64_t r = extra(s, n_new);
+  int64_t r = s ? cold_extra(*s, n_new) : 0;
   for (const auto& t : running_)
-    if (t.get() != &s) r += extra(*t, 0);
+    if (t.get() != s) r += cold_extra(*t, 0);
   return r;
 }
 
@@ -1601,12 +1604,7 @@ bool Engine::step() {
     const size_t n_logits = static_cast<size_t>(plan.batch.n_logit_rows()) * model_.config().n_vocab;
     if (logits_.size() < n_logits) logits_.resize(n_logits);
     PagePool* pools[2] = {pool_.get(), pool_g1_.get()};
-    if (cold_) {  // the room every running sequence past its budget may read into (cold_reserve)
-      int64_t keep = 0;
-      for (const auto& t : running_)
-        if (t->cold.attached() && t->n_computed > t->evict.budget) keep += t->evict.cold_extra_pages(cfg_.block_size, model_.config().n_head_kv);
-      cold_->set_keep_free(keep);
-    }
+    if (cold_) cold_->set_keep_free(cold_reserve(nullptr, 0));  // the room every running sequence past its budget may read into
     Status st = model_.forward(plan.batch, pools, *threads_, logits_.data());
     const LlamaModel::ForwardTimes& ft = model_.last_forward_times();
     phase[static_cast<int>(StepPhase::kAttention)] = ft.attention;

@@ -219,10 +219,11 @@ class Engine {
   void attach_cold(Sequence& s);        // s's cold table, when its policy offloads
   void maybe_offload(Sequence& s);      // after a run: s's cold pages down to its budget
   void cut_prefix(Sequence& s, int64_t first_gone_page);  // pages from there on are never published
-  int64_t cold_cap(const Sequence& s, int64_t n) const;
-  // Pages kept free for the cold pages running sequences read back during a step, s's own
-  // (running n_new more tokens) included.
-  int64_t cold_reserve(const Sequence& s, int64_t n_new) const;   // a run's length within s's RAM budget
+  int64_t cold_cap(const Sequence& s, int64_t n) const;  // a run's length within s's RAM budget
+  int64_t cold_extra(const Sequence& t, int64_t n_new) const;  // pages past t's budget one layer's reads may hold
+  // Pages kept free for the cold pages the running sequences read back during a step, s's own
+  // (running n_new more tokens) included; s null: the running ones' alone (ColdStore::keep_free).
+  int64_t cold_reserve(const Sequence* s, int64_t n_new) const;
   Status init_status_;
   std::atomic<bool> tier_ready_{false};  // a lookup finished: step again
   std::unique_ptr<ThreadPool> threads_;
