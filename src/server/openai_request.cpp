@@ -540,6 +540,10 @@ SpecConfig parse_spec_config(const json& v, const std::string& param) {
     c.max_batch_tokens = static_cast<int32_t>(f.integer("max_batch_tokens", 0, 1 << 20).value_or(c.max_batch_tokens));
     c.draft_cost = static_cast<float>(f.number("draft_cost", 0.0, 0.99).value_or(c.draft_cost));
     if (Status st = c.validate(); !st) value_error(param, st.message() + ".");
+    // As vLLM ("num_speculative_tokens was provided but without speculative model"): the drafts'
+    // source is named, never assumed.
+    if (!v.contains("method"))
+      value_error(param, "'method' is required: \"ngram\", \"suffix\" or \"none\" (kvserve drafts without a draft model).");
   } catch (ApiError& e) {  // a nested field: name it as <param>.<field>
     if (!e.param.empty() && e.param != param) {
       const std::string q = "'" + e.param + "'";

@@ -296,6 +296,9 @@ def test_a_bad_model_file_is_an_exception_not_a_crash(tmp_path):
             LLM(MODEL, quiet=True, **kw)
     with pytest.raises(ValueError, match="must be more than 0"):
         LLM(MODEL, quiet=True, kv_cache_memory=0)
+    # vLLM refuses a speculative_config that names no method (nor draft model); this silently meant ngram
+    with pytest.raises(ValueError, match="'method' is required"):
+        LLM(MODEL, quiet=True, speculative_config={"num_speculative_tokens": 3})
 
 
 def test_arguments_of_the_wrong_type_are_a_type_error(llm):

@@ -88,6 +88,7 @@ def test_a_lookup_max_alone_sets_the_min_as_vllm_does(server):
     ({"num_speculative_tokens": 99}, "speculative.num_speculative_tokens"),
     ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "speculative"),
     ({"draft_model": "x"}, "speculative"),
+    ({"num_speculative_tokens": 3}, "speculative"),  # no method: vLLM refuses it; this silently meant ngram
     ("yes", "speculative"),
 ])
 def test_bad_configuration_is_a_400_naming_the_field(server, spec, param):
