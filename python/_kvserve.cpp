@@ -276,6 +276,25 @@ class PyEngine {
   }
   bool is_eog(int32_t id) const { return id >= 0 && id < tok_->n_vocab() && tok_->is_eog(id); }
 
+  // A chat body's messages rendered by the template (chat_template: this call's, as generate
+  // takes it) → (text, token ids): what chat() would run, refusals included (/tokenize's path).
+  py::tuple render_chat(const std::string& body, const std::string& chat_template) const {
+    std::optional<kv::ChatTemplate> own_template;
+    kv::ApiContext ctx = ctx_;
+    if (!chat_template.empty()) {
+      auto t = kv::load_chat_template(chat_template);
+      if (!t) throw RequestFailure{kv::ApiError{400, "chat_template " + t.message(), "invalid_request_error", "chat_template", "invalid_chat_template"}, -1};
+      own_template = std::move(*t);
+      ctx.chat_template = &*own_template;
+    }
+    try {
+      kv::TokenizeRequest r = kv::parse_tokenize_request(kv::parse_json_body(body, ctx), ctx);
+      return py::make_tuple(py::str(r.text), r.ids);
+    } catch (const kv::ApiError& e) {
+      throw RequestFailure{e, -1};
+    }
+  }
+
   // bodies: OpenAI request bodies (completions, or chat when `chat`). progress(k) is called
   // with the GIL held each time k more requests are done.
   // chat_template (chat only): this call's template instead of the engine's, as load_chat_template takes it.
@@ -565,6 +584,7 @@ PYBIND11_MODULE(_kvserve, m) {
       .def("detokenize_bytes", &PyEngine::detokenize_bytes, py::arg("ids"), py::arg("special") = false)
       .def("token_bytes", &PyEngine::token_bytes, py::arg("id"))
       .def("is_eog", &PyEngine::is_eog, py::arg("id"))
+      .def("render_chat", &PyEngine::render_chat, py::arg("body"), py::arg("chat_template") = "")
       .def("generate", &PyEngine::generate, py::arg("bodies"), py::arg("chat"), py::arg("progress") = py::none(),
            py::arg("chat_template") = "")
       .def("stats", &PyEngine::stats)

@@ -226,6 +226,36 @@ class Tokenizer:
         # As HuggingFace's decode (vLLM's get_tokenizer()): special tokens kept unless asked.
         return self._engine.detokenize_bytes(list(token_ids), not skip_special_tokens).decode("utf-8", errors="replace")
 
+    def apply_chat_template(self, conversation: Union[List[Dict[str, Any]], List[List[Dict[str, Any]]]],
+                            tools: Optional[List[Dict[str, Any]]] = None, *, chat_template: Optional[str] = None,
+                            add_generation_prompt: bool = False, continue_final_message: bool = False,
+                            tokenize: bool = True, **kwargs: Any) -> Union[str, List[int], List[str], List[List[int]]]:
+        """As transformers' apply_chat_template: the conversation (or a list of them) rendered by the
+        model's chat template (or `chat_template`: a Jinja template, a file, or a built-in name),
+        as token ids (tokenize=True, the default there too) or as text. `tools` and extra keyword
+        arguments are the template's variables (LLM.chat's chat_template_kwargs); it renders
+        exactly what LLM.chat and the server's /v1/chat/completions would run."""
+        unsupported = [k for k in ("documents", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                                   "return_assistant_tokens_mask", "tokenizer_kwargs") if k in kwargs]
+        if unsupported:
+            raise TypeError(f"apply_chat_template: {', '.join(unsupported)} not supported here (kvserve renders one "
+                            "conversation to text or token ids)")
+        if not conversation:
+            raise RequestError("'messages' must contain at least one message.", param="messages", code="empty_array")
+        batched = not isinstance(conversation[0], dict)
+        out = []
+        for conv in (conversation if batched else [conversation]):
+            body: Dict[str, Any] = {"messages": conv, "add_generation_prompt": add_generation_prompt}
+            if continue_final_message:
+                body["continue_final_message"] = True  # refused, with the server's reason
+            if tools is not None:
+                body["tools"] = tools
+            if kwargs:
+                body["chat_template_kwargs"] = kwargs
+            text, ids = self._engine.render_chat(_json(body), chat_template or "")
+            out.append(ids if tokenize else text)
+        return out if batched else out[0]
+
 
 PromptType = Union[str, Dict[str, Any], List[int]]
 
@@ -343,11 +373,13 @@ class LLM:
     def chat(self, messages: Union[List[Dict[str, Any]], List[List[Dict[str, Any]]]],
              sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
              *, use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: Optional[str] = None, tools: Optional[List[Dict[str, Any]]] = None,
+             chat_template: Optional[str] = None, chat_template_kwargs: Optional[Dict[str, Any]] = None,
+             tools: Optional[List[Dict[str, Any]]] = None,
              tool_choice: Optional[Union[str, Dict[str, Any]]] = None) -> List[RequestOutput]:
         """Answers one conversation (a list of {"role", "content"} messages) or a list of
         them, through the model's chat template (or `chat_template`: a Jinja template, a file,
         or a built-in name, chatml or gemma3); one RequestOutput per conversation.
+        `chat_template_kwargs`: extra variables for the template, as vLLM's LLM.chat takes them.
 
         `tools` (OpenAI's list of {"type": "function", "function": {...}}) go to the template, as
         vLLM's LLM.chat passes them; the output is the generated text, not parsed into calls.
@@ -364,6 +396,8 @@ class LLM:
             body = self._sampling_body(sp, chat=True)
             body["messages"] = conv
             body["add_generation_prompt"] = add_generation_prompt
+            if chat_template_kwargs is not None:
+                body["chat_template_kwargs"] = chat_template_kwargs
             if tools is not None:
                 body["tools"] = tools
             if tool_choice is not None or tools is not None:

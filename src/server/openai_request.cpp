@@ -638,10 +638,10 @@ json parse_json_body(const std::string& body, const ApiContext& ctx) {
 
 namespace {
 
-// `messages` rendered by the model's chat template (add_generation_prompt, default true) and
-// tokenized, as transformers' apply_chat_template(tokenize=True): the template writes any BOS.
+// `messages` rendered by the model's chat template (add_generation_prompt, default true), as
+// transformers' apply_chat_template(tokenize=False): the template writes any BOS.
 // tools: the request's (parse_tool_list), the template's `tools` variable.
-std::vector<int32_t> chat_prompt(const Fields& f, const ApiContext& ctx, const std::vector<ToolSpec>& tools) {
+std::string chat_prompt_text(const Fields& f, const ApiContext& ctx, const std::vector<ToolSpec>& tools) {
   // Fields that would change the rendered prompt (here, so that /tokenize refuses them too).
   if (f.requested("continue_final_message")) unsupported("continue_final_message", "the prompt always ends with a new assistant turn.");
   std::vector<ChatMessage> msgs = parse_messages(f);
@@ -675,9 +675,18 @@ std::vector<int32_t> chat_prompt(const Fields& f, const ApiContext& ctx, const s
   bool add_generation_prompt = f.boolean("add_generation_prompt").value_or(true);
   Result<std::string> text = tmpl->render(msgs, add_generation_prompt, ctx.bos_text, ctx.eos_text, extra);
   if (!text) throw bad_request(text.message(), own ? "chat_template" : "messages", "chat_template_error");
-  std::vector<int32_t> ids = ctx.tok->encode(*text, /*add_special=*/false, /*parse_special=*/true);
+  return std::move(*text);
+}
+
+// The rendered conversation tokenized (the template's special-token texts become those tokens).
+std::vector<int32_t> chat_prompt_ids(const std::string& text, const ApiContext& ctx) {
+  std::vector<int32_t> ids = ctx.tok->encode(text, /*add_special=*/false, /*parse_special=*/true);
   if (ids.empty()) value_error("messages", "the conversation renders to an empty prompt.");
   return ids;
+}
+
+std::vector<int32_t> chat_prompt(const Fields& f, const ApiContext& ctx, const std::vector<ToolSpec>& tools) {
+  return chat_prompt_ids(chat_prompt_text(f, ctx, tools), ctx);
 }
 
 }  // namespace
@@ -781,7 +790,8 @@ TokenizeRequest parse_tokenize_request(const json& body, const ApiContext& ctx) 
     throw bad_request("Give one of 'prompt', 'content' or 'messages', not several.", f.get("messages") ? "messages" : "content",
                       "invalid_value");
   if (f.get("messages")) {
-    r.ids = chat_prompt(f, ctx, parse_tool_list(f));
+    r.text = chat_prompt_text(f, ctx, parse_tool_list(f));
+    r.ids = chat_prompt_ids(r.text, ctx);
     return r;
   }
   const char* name = f.get("prompt") ? "prompt" : "content";  // vLLM's name, llama-server's

@@ -107,6 +107,7 @@ ApiError from_event(const StreamEvent& ev);
 // special tokens, as vLLM and llama-server).
 struct TokenizeRequest {
   std::vector<int32_t> ids;
+  std::string text;  // messages: the rendered conversation (the ids' text)
   bool token_strs = false;
 };
 TokenizeRequest parse_tokenize_request(const nlohmann::json& body, const ApiContext& ctx);

@@ -203,6 +203,40 @@ def test_chat_template_per_call_and_per_engine(llm):
         LLM(MODEL, chat_template="nope", quiet=True)
 
 
+def test_tokenizer_apply_chat_template_renders_as_transformers(llm):
+    # As transformers' tokenizer.apply_chat_template (vLLM's get_tokenizer() is one): SmolLM2's own
+    # template from the GGUF rendered by transformers' Jinja renderer, tokenized by HF tokenizers.
+    from gguf import GGUFReader
+    from transformers.utils.chat_template_utils import render_jinja_template
+    sys.path.insert(0, os.path.join(ROOT, "tests", "reference"))
+    import tokenizer_ref
+    hf = tokenizer_ref.load_tokenizer(MODEL)
+    field = GGUFReader(MODEL).fields["tokenizer.chat_template"]
+    source = bytes(field.parts[field.data[0]]).decode("utf-8")
+    tok = llm.get_tokenizer()
+    tools = [{"type": "function", "function": {"name": "get_time", "description": "Current time",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    convs = [[{"role": "user", "content": "Hi there"}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "naïve café?"},
+              {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "<|im_end|> typed"}]]
+    for gen in (False, True):
+        want, _ = render_jinja_template(conversations=convs, chat_template=source, add_generation_prompt=gen)
+        assert tok.apply_chat_template(convs, tokenize=False, add_generation_prompt=gen) == want
+        assert tok.apply_chat_template(convs[1], add_generation_prompt=gen) == hf.encode(want[1], add_special_tokens=False).ids
+    # tools and extra keyword arguments are the template's variables, as LLM.chat's chat_template_kwargs
+    t = "{% for m in messages %}[{{ m['role'] }}|{{ flavour }}|{{ tools | length if tools else 0 }}]{{ m['content'] }}{% endfor %}"
+    want, _ = render_jinja_template(conversations=[convs[0]], chat_template=t, tools=tools, flavour="mint")
+    assert tok.apply_chat_template(convs[0], tools, chat_template=t, tokenize=False, flavour="mint") == want[0]
+    (o,) = llm.chat(convs[0], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False, chat_template=t,
+                    chat_template_kwargs={"flavour": "mint"})
+    assert o.prompt == "[user|mint|0]Hi there"
+    assert o.prompt_token_ids == tok.apply_chat_template(convs[0], chat_template=t, flavour="mint")
+    with pytest.raises(TypeError, match="return_tensors"):
+        tok.apply_chat_template(convs[0], return_tensors="np")
+    with pytest.raises(RequestError, match="'bos_token' is set by the server"):
+        tok.apply_chat_template(convs[0], bos_token="<x>")
+
+
 def test_same_seed_same_text_as_the_server(llm, server, client):
     # The server and the Python API parse the same request the same way; with a seed, sampling
     # is reproducible, so text and token counts agree exactly.
