@@ -83,6 +83,7 @@ struct Router::Pipe {
   std::condition_variable cv;
   int status = -1;  // -1: no answer yet; 0: no answer at all (connection failed)
   std::string content_type;
+  std::string retry_after;  // the backend's Retry-After, if it sent one
   std::deque<std::string> chunks;
   bool done = false;
   bool failed_midway = false;     // the backend went away after answering
@@ -610,6 +611,7 @@ void Router::run_upstream(Backend* b, const std::string& path, const std::string
     std::lock_guard<std::mutex> l(pipe.mu);
     pipe.status = r.status;
     pipe.content_type = r.get_header_value("Content-Type", 0);
+    pipe.retry_after = r.get_header_value("Retry-After", 0);
     pipe.cv.notify_all();
     return !pipe.cancel.load() && !stopping_.load();
   };
@@ -645,6 +647,7 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
                      httplib::Response& res, std::shared_ptr<void> in_flight, int client_fd, int32_t pinned) {
   std::vector<int32_t> tried;
   std::optional<std::pair<std::string, std::string>> full;  // a 429's body and type, if no other backend answers
+  std::string full_retry_after;                             // and its Retry-After
   const size_t attempts = pinned >= 0 ? 1 : pool.backends.size();  // a pinned request has one place to go
   for (size_t attempt = 0; attempt < attempts; ++attempt) {
     RouteChoice c;
@@ -690,6 +693,7 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
         tried.push_back(c.backend), n_retries_.fetch_add(1);
         if (r->status == 429) n_full_.fetch_add(1);
         full.emplace(r->body, r->get_header_value("Content-Type", 0));
+        full_retry_after = r->get_header_value("Retry-After", 0);
         continue;
       }
       res.status = r->status;
@@ -724,6 +728,7 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
       std::string out;
       for (auto& ch : pipe->chunks) out += ch;
       full.emplace(std::move(out), pipe->content_type);
+      full_retry_after = pipe->retry_after;
       l.unlock();
       tried.push_back(c.backend), n_retries_.fetch_add(1);
       if (pipe->status == 429) n_full_.fetch_add(1);
@@ -734,7 +739,9 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
       std::string out;
       for (auto& ch : pipe->chunks) out += ch;
       res.status = pipe->status;
-      if (pipe->status == 429 || pipe->status == 503) res.set_header("Retry-After", "1");
+      // The backend's own Retry-After (a draining server says how long), else 1 s for a retryable status.
+      if (!pipe->retry_after.empty()) res.set_header("Retry-After", pipe->retry_after);
+      else if (pipe->status == 429 || pipe->status == 503) res.set_header("Retry-After", "1");
       res.set_content(out, pipe->content_type.empty() ? std::string("application/json") : pipe->content_type);
       return;
     }
@@ -788,7 +795,7 @@ void Router::forward(Pool& pool, uint64_t key, const std::string& path, const st
   }
   if (full) {  // the others were down: the full backend's own answer
     res.status = 429;
-    res.set_header("Retry-After", "1");
+    res.set_header("Retry-After", full_retry_after.empty() ? std::string("1") : full_retry_after);
     res.set_content(full->first, full->second.empty() ? std::string("application/json") : full->second);
     return;
   }

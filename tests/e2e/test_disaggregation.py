@@ -621,6 +621,37 @@ def test_no_decode_instance_up_is_a_503_without_loading_the_prefill_instance(red
         stop_all(router, dec, pre)
 
 
+def test_a_draining_only_replicas_503_keeps_its_retry_after():
+    """With no other replica, a draining backend's 503 reaches the client with the backend's own
+    Retry-After (the server says 5 s while it drains). Streamed requests got 1 instead (the
+    router wrote its own; found by a user test)."""
+    a = router = r = None
+    try:
+        a = Server("--debug", max_model_len=MAX_LEN, kv_memory="64MiB")
+        router = Router("--replica", a.url, max_model_len=MAX_LEN, health_interval=60)
+        r = requests.post(router.url + "/v1/completions", stream=True, timeout=120, json={
+            "model": MODEL_NAME, "prompt": "Count:", "max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": True})
+        lines = r.iter_lines()
+        next(lines)  # running: the replica drains slowly
+        a.proc.send_signal(signal.SIGINT)
+        deadline = time.time() + 10
+        while requests.get(a.url + "/health", timeout=5).status_code != 503:
+            assert time.time() < deadline, "the replica did not start draining"
+            time.sleep(0.05)
+        q = requests.post(router.url + "/v1/completions", timeout=60, json={
+            "model": MODEL_NAME, "prompt": "Hi", "max_tokens": 4, "stream": True})
+        assert q.status_code == 503, q.text[:300]
+        assert q.headers.get("Retry-After") == "5", (q.headers, q.text)
+        assert q.json()["error"]["code"] == "server_shutting_down", q.text[:300]
+        # The router now knows the replica drains: its own 503, with a Retry-After too.
+        q = requests.post(router.url + "/v1/completions", timeout=60, json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 4})
+        assert q.status_code == 503 and q.headers.get("Retry-After"), (q.headers, q.text)
+    finally:
+        if r is not None:
+            r.close()
+        stop_all(router, a)
+
+
 def test_the_router_streams_to_a_kept_alive_connection_without_waiting_for_acks():
     """The router's own server sends small writes at once too (see test_openai_api's kept-alive
     test): through it, a kept-alive connection's first token is as early as a new one's."""
