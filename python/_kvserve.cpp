@@ -265,10 +265,14 @@ class PyEngine {
   std::vector<int32_t> tokenize(const std::string& text, bool add_special) const {
     return tok_->encode(text, add_special, /*parse_special=*/true);
   }
-  py::bytes detokenize_bytes(const std::vector<int32_t>& ids, bool special) const {
-    for (int32_t id : ids)
-      if (id < 0 || id >= tok_->n_vocab()) fail("token id " + std::to_string(id) + " is outside the vocabulary");
-    return py::bytes(tok_->decode(ids, special));
+  py::bytes detokenize_bytes(const std::vector<int64_t>& ids, bool special) const {
+    std::vector<int32_t> in(ids.size());
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] < 0 || ids[i] >= tok_->n_vocab())
+        fail("token id " + std::to_string(ids[i]) + " is outside the vocabulary [0, " + std::to_string(tok_->n_vocab()) + ")");
+      in[i] = static_cast<int32_t>(ids[i]);
+    }
+    return py::bytes(tok_->decode(in, special));
   }
   py::bytes token_bytes(int32_t id) const {
     if (id < 0 || id >= tok_->n_vocab()) fail("token id " + std::to_string(id) + " is outside the vocabulary");

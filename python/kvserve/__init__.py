@@ -12,6 +12,7 @@ limits, seeds and error messages are the server's: the same seed gives the same 
 from __future__ import annotations
 
 import json
+import operator
 import math
 import os
 import random
@@ -220,11 +221,14 @@ class Tokenizer:
         self._engine = engine
 
     def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
-        return self._engine.tokenize(text, add_special_tokens)
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes a str, not {type(text).__name__}")
+        return self._engine.tokenize(text, _flag("add_special_tokens", add_special_tokens))
 
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        # As HuggingFace's decode (vLLM's get_tokenizer()): special tokens kept unless asked.
-        return self._engine.detokenize_bytes(list(token_ids), not skip_special_tokens).decode("utf-8", errors="replace")
+    def decode(self, token_ids: Union[int, Sequence[int]], skip_special_tokens: bool = False) -> str:
+        # As HuggingFace's decode (vLLM's get_tokenizer()): special tokens kept unless asked; one id too.
+        ids = _token_ids("decode()", [token_ids] if _is_int(token_ids) else token_ids)
+        return self._engine.detokenize_bytes(ids, not _flag("skip_special_tokens", skip_special_tokens)).decode("utf-8", errors="replace")
 
     def apply_chat_template(self, conversation: Union[List[Dict[str, Any]], List[List[Dict[str, Any]]]],
                             tools: Optional[List[Dict[str, Any]]] = None, *, chat_template: Optional[str] = None,
@@ -265,6 +269,34 @@ _ENGINE_ARGS = {
     "act_quant", "served_model_name", "quiet", "speculative_config", "chat_template", "past_trained_context",
 }
 
+
+
+def _is_int(x: Any) -> bool:
+    """An int, a NumPy integer, or anything else with __index__ (not a bool)."""
+    if isinstance(x, bool):
+        return False
+    try:
+        operator.index(x)
+        return True
+    except TypeError:
+        return False
+
+
+def _token_ids(where: str, ids: Any) -> List[int]:
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise TypeError(f"{where} takes a list of token ids, not {type(ids).__name__}")
+    out = []
+    for t in ids:
+        if not _is_int(t):
+            raise TypeError(f"{where} takes a list of token ids (ints), not a list holding {type(t).__name__}")
+        out.append(operator.index(t))
+    return out
+
+
+def _flag(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} is a bool, not {type(v).__name__}")
+    return v
 
 
 def _jsonable(x: Any) -> Any:

@@ -349,6 +349,19 @@ def test_arguments_of_the_wrong_type_are_a_type_error(llm):
     # a tuple of ids is a token-id prompt, as a list is
     ids = llm.generate([504, 3575, 282], GREEDY, use_tqdm=False)[0]
     assert llm.generate((504, 3575, 282), GREEDY, use_tqdm=False)[0].outputs[0].text == ids.outputs[0].text
+    # The tokenizer says what it takes, not pybind11's signature dump (a black-box test)
+    tok = llm.get_tokenizer()
+    for call, word in [(lambda: tok.encode(5), "encode\\(\\) takes a str, not int"),
+                       (lambda: tok.encode("x", add_special_tokens="no"), "add_special_tokens is a bool"),
+                       (lambda: tok.decode("abc"), "takes a list of token ids, not str"),
+                       (lambda: tok.decode([1.5]), "not a list holding float")]:
+        with pytest.raises(TypeError, match=word) as ei:
+            call()
+        assert "incompatible function arguments" not in str(ei.value)
+    with pytest.raises(ValueError, match=r"token id 1099511627776 is outside the vocabulary \[0, 49152\)"):
+        tok.decode([2 ** 40])
+    import numpy as np
+    assert tok.decode(np.array([504, 3575])) == tok.decode([504, 3575]) and tok.decode(np.int64(504)) == tok.decode([504])
 
 
 def test_max_tokens_none_fits_a_kv_cache_smaller_than_max_model_len():
