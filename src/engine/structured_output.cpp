@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <xgrammar/xgrammar.h>
 
+#include "engine/xgrammar_log.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kv {
@@ -74,6 +75,29 @@ std::string xgrammar_message(std::string msg) {
   return msg;
 }
 
+// PCRE / Python syntax xgrammar's ECMAScript-style regexes read as something else without a
+// warning: a POSIX class ("[[:alpha:]]" is the class "[:alph" then "]"), and "\x{41}" ("x"
+// 41 times). Throws std::invalid_argument naming `where`.
+void refuse_foreign_regex(const std::string& re, const std::string& where) {
+  bool in_class = false;
+  for (size_t i = 0; i < re.size(); ++i) {
+    const char ch = re[i];
+    if (ch == '\\') {
+      if (i + 2 < re.size() && re[i + 1] == 'x' && re[i + 2] == '{')
+        throw std::invalid_argument(where + " uses \\x{...}, which this regex dialect (ECMAScript's, as JSON Schema's) does not have; write \\xHH or \\uHHHH.");
+      ++i;
+      continue;
+    }
+    if (!in_class && ch == '[') {
+      in_class = true;
+      if (i + 2 < re.size() && re[i + 1] == '[' && re[i + 2] == ':')
+        throw std::invalid_argument(where + " uses a POSIX character class ([[:name:]]), which this regex dialect (ECMAScript's, as JSON Schema's) does not have.");
+    } else if (in_class && ch == ']') {
+      in_class = false;
+    }
+  }
+}
+
 }  // namespace
 
 std::shared_ptr<const CompiledConstraint> ConstraintCompiler::compile(const OutputConstraint& c) {
@@ -88,6 +112,32 @@ std::shared_ptr<const CompiledConstraint> ConstraintCompiler::compile(const Outp
     xgrammar::TokenizerInfo info(vocab, xgrammar::VocabType::RAW, n_vocab_, stop, false);
     impl_ = std::make_unique<Impl>(info);
   });
+  // A constraint xgrammar enforces only in part is refused: it warns (the warnings are collected
+  // here, xgrammar_log.h) and compiles on without the part, so a "stop" answer would break it.
+  const std::string key = std::string(constraint_kind_name(c.kind)) + '\n' + c.spec;
+  auto refuse = [&](const std::string& why) {
+    throw std::invalid_argument(std::string("invalid ") + constraint_kind_name(c.kind) +
+                                ": the structured-output compiler (xgrammar) would leave part of it out (\"" + why +
+                                "\"), so the output would not keep to it; refused.");
+  };
+  if (c.kind == OutputConstraint::Kind::kJsonSchema || c.kind == OutputConstraint::Kind::kRegex || c.kind == OutputConstraint::Kind::kGrammar) {
+    std::lock_guard<std::mutex> l(refused_mu_);
+    if (auto it = refused_.find(key); it != refused_.end()) refuse(it->second);
+  }
+  auto checked = [&](auto&& compile_it) {
+    XgrammarWarnings warnings;
+    auto g = compile_it();
+    if (!warnings.list().empty()) {
+      const std::string why = xgrammar_message(warnings.list().front());
+      {
+        std::lock_guard<std::mutex> l(refused_mu_);
+        if (refused_.size() >= 4096) refused_.clear();  // a bound, not a policy: a refusal costs a compile to find again
+        refused_.emplace(key, why);
+      }
+      refuse(why);
+    }
+    return std::make_shared<CompiledConstraint>(std::move(g));
+  };
   // Compiles run side by side (xgrammar's compiler is thread-safe, its cache too): one client's
   // slow schema holds its own HTTP thread, not the others' compiles.
   try {
@@ -96,11 +146,12 @@ std::shared_ptr<const CompiledConstraint> ConstraintCompiler::compile(const Outp
         return std::make_shared<CompiledConstraint>(impl_->compiler.CompileJSONSchema(R"({"type": "object"})", c.any_whitespace));
       case OutputConstraint::Kind::kJsonSchema:
         refuse_unenforced(c.spec);
-        return std::make_shared<CompiledConstraint>(impl_->compiler.CompileJSONSchema(c.spec, c.any_whitespace));
+        return checked([&] { return impl_->compiler.CompileJSONSchema(c.spec, c.any_whitespace); });
       case OutputConstraint::Kind::kRegex:
-        return std::make_shared<CompiledConstraint>(impl_->compiler.CompileRegex(c.spec));
+        refuse_foreign_regex(c.spec, "the regex");
+        return checked([&] { return impl_->compiler.CompileRegex(c.spec); });
       case OutputConstraint::Kind::kGrammar:
-        return std::make_shared<CompiledConstraint>(impl_->compiler.CompileGrammar(c.spec, "root"));
+        return checked([&] { return impl_->compiler.CompileGrammar(c.spec, "root"); });
       case OutputConstraint::Kind::kChoice: {
         if (c.choices.empty()) throw std::invalid_argument("the list of choices is empty.");
         std::string g = "root ::= ";
@@ -125,7 +176,7 @@ namespace {
 // only, so a property named "if" is a name, not the keyword.
 std::string first_unenforced(const nlohmann::json& node, const std::string& at) {
   if (!node.is_object()) return "";
-  static const char* kUnenforced[] = {"if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
+  static const char* kUnenforced[] = {"if", "then", "else", "not", "dependentRequired", "dependentSchemas", "dependencies",
                                       "contains", "minContains", "maxContains", "unevaluatedProperties", "unevaluatedItems"};
   auto found = [&](const std::string& what) {  // appended, not `+`: GCC 12 saw a -Wrestrict overlap in the chain
     std::string w = what;
@@ -137,6 +188,51 @@ std::string first_unenforced(const nlohmann::json& node, const std::string& at) 
   if (auto u = node.find("uniqueItems"); u != node.end() && u->is_boolean() && u->get<bool>()) return found("'uniqueItems'");
   if (auto a = node.find("allOf"); a != node.end() && a->is_array() && a->size() > 1)
     return found("'allOf' of " + std::to_string(a->size()) + " schemas");
+  // Keys xgrammar does not keep apart: an object under them may repeat a key ({"x_": 3, "x_": 2}).
+  for (const char* k : {"patternProperties", "propertyNames"})
+    if (node.contains(k)) return found(std::string("'").append(k).append("' (the generated keys could repeat)"));
+  for (const char* k : {"anyOf", "oneOf"})
+    if (auto a = node.find(k); a != node.end() && a->is_array() && a->empty())
+      return found(std::string("an empty '").append(k).append("' (no value could match it)"));
+  // Siblings of a $ref that constrain (draft 2019-09 applies them; xgrammar reads the $ref alone).
+  if (node.contains("$ref")) {
+    static const char* kAnnotations[] = {"$ref", "description", "title", "default", "examples", "$comment", "deprecated",
+                                         "readOnly", "writeOnly", "$defs", "definitions", "$schema", "$id"};
+    for (const auto& [k, v] : node.items())
+      if (std::find_if(std::begin(kAnnotations), std::end(kAnnotations), [&](const char* a) { return k == a; }) == std::end(kAnnotations))
+        return found("'" + k + "' beside '$ref' (only the $ref is applied)");
+  }
+  // Required keys: xgrammar generates the listed properties only, so one never listed never comes.
+  if (auto req = node.find("required"); req != node.end() && req->is_array()) {
+    const auto props = node.find("properties");
+    for (const auto& r : *req)
+      if (r.is_string() && (props == node.end() || !props->is_object() || !props->contains(r.get<std::string>())))
+        return found("required property '" + r.get<std::string>() + "' missing from 'properties' (only listed properties are generated)");
+  }
+  // An enum or const value the schema's own type excludes (xgrammar generates the value anyway).
+  if (auto type = node.find("type"); type != node.end() && (type->is_string() || type->is_array())) {
+    auto allows = [&](const nlohmann::json& v) {
+      auto is = [&](const std::string& t) {
+        if (t == "null") return v.is_null();
+        if (t == "boolean") return v.is_boolean();
+        if (t == "object") return v.is_object();
+        if (t == "array") return v.is_array();
+        if (t == "string") return v.is_string();
+        if (t == "number") return v.is_number();
+        if (t == "integer") return v.is_number_integer() || (v.is_number_float() && std::trunc(v.get<double>()) == v.get<double>());
+        return true;  // an unknown type name: xgrammar says so
+      };
+      if (type->is_string()) return is(type->get<std::string>());
+      for (const auto& t : *type)
+        if (!t.is_string() || is(t.get<std::string>())) return true;
+      return false;
+    };
+    if (auto c = node.find("const"); c != node.end() && !allows(*c))
+      return found("'const' " + c->dump() + ", not of the schema's 'type'");
+    if (auto e = node.find("enum"); e != node.end() && e->is_array())
+      for (const auto& v : *e)
+        if (!allows(v)) return found("'enum' value " + v.dump() + ", not of the schema's 'type'");
+  }
   for (const char* maps : {"properties", "patternProperties", "$defs", "definitions"})
     if (auto m = node.find(maps); m != node.end() && m->is_object())
       for (const auto& [name, sub] : m->items())
@@ -157,8 +253,8 @@ void ConstraintCompiler::refuse_unenforced(const std::string& schema) {
   nlohmann::json j = nlohmann::json::parse(schema, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return;  // xgrammar says what is wrong with it
   if (std::string w = first_unenforced(j, ""); !w.empty())
-    throw std::invalid_argument("invalid JSON schema: " + w + " is not enforced by the structured-output compiler (xgrammar); "
-                                "the output would not keep to it, so the schema is refused");
+    throw std::invalid_argument("invalid JSON schema: " + w +
+                                ": the structured-output compiler (xgrammar) would not keep the output to it, so the schema is refused");
 }
 
 struct ConstraintMatcher::Impl {

@@ -17,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace kv {
@@ -51,6 +52,10 @@ class ConstraintCompiler {
   int32_t n_vocab_;
   std::once_flag init_;
   std::unique_ptr<Impl> impl_;  // built at the first compile (the vocabulary's tables take a moment)
+  // Constraints xgrammar warned about (it enforces them only in part), by kind and text → the
+  // reason: xgrammar's cache compiles a constraint once, so its second compile warns no more.
+  std::mutex refused_mu_;
+  std::unordered_map<std::string, std::string> refused_;
 };
 
 // One choice's walk through a constraint. Not thread-safe; moves with its sequence.

@@ -104,14 +104,26 @@ ReadConstraint read_constraint(const Fields& f) {
   if (const json* rf = f.get("response_format")) {
     if (!rf->is_object()) type_error("response_format", "an object", *rf);
     Fields rff(*rf);
-    const std::string type = rff.string("type").value_or("text");
+    if (!rff.get("type")) missing_parameter("response_format.type");  // OpenAI's 400 (it read as text here)
+    const std::string type = *rff.string("type");
     if (type == "json_object") {
-      set("response_format", OutputConstraint::Kind::kJson);
+      // llama-server's form: a schema beside json_object constrains to it (it was ignored here).
+      if (const json* schema = rff.get("schema")) take_schema("response_format", *schema, "/response_format/schema");
+      else set("response_format", OutputConstraint::Kind::kJson);
     } else if (type == "json_schema") {
       const json* js = rff.get("json_schema");
       if (!js) value_error("response_format", "type 'json_schema' needs a 'json_schema' object with a 'schema'.");
       if (!js->is_object()) type_error("response_format", "a 'json_schema' object", *js);
-      const json* schema = Fields(*js).get("schema");
+      Fields jsf(*js);
+      // OpenAI's (and vLLM's) rule for the name: required, 1-64 of a-z A-Z 0-9 _ -.
+      const std::optional<std::string> name = jsf.string("name");
+      if (!name) missing_parameter("response_format.json_schema.name");
+      const bool name_ok = !name->empty() && name->size() <= 64 && std::all_of(name->begin(), name->end(), [](char ch) {
+        return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '_' || ch == '-';
+      });
+      if (!name_ok)
+        value_error("response_format.json_schema.name", "must be 1 to 64 of a-z, A-Z, 0-9, '_' and '-', got \"" + *name + "\".");
+      const json* schema = jsf.get("schema");
       if (!schema) value_error("response_format", "its 'json_schema' needs a 'schema'.");
       take_schema("response_format", *schema, "/response_format/json_schema/schema");
     } else if (type != "text") {
@@ -131,7 +143,8 @@ ReadConstraint read_constraint(const Fields& f) {
       if (!(key == "json" || key == "regex" || key == "choice" || key == "grammar" || key == "json_object" ||
             key == "disable_any_whitespace" || key == "structural_tag" || key == "whitespace_pattern" ||
             key == "disable_fallback" || key == "disable_additional_properties"))
-        value_error("structured_outputs", "unknown field '" + key + "' (json, regex, choice, grammar, json_object, disable_any_whitespace).");
+        value_error("structured_outputs", "unknown field '" + key +
+                                              "' (json, regex, choice, grammar, json_object, disable_any_whitespace, disable_additional_properties).");
     if (const json* v = sf.get("json")) take_schema("structured_outputs.json", *v, "/structured_outputs/json");
     if (const json* v = sf.get("regex")) take_regex("structured_outputs.regex", *v);
     if (const json* v = sf.get("choice")) take_choice("structured_outputs.choice", *v);
@@ -140,6 +153,9 @@ ReadConstraint read_constraint(const Fields& f) {
     for (const char* name : {"structural_tag", "whitespace_pattern"})
       if (sf.requested(name)) unsupported(std::string("structured_outputs.") + name, "");
     if (sf.boolean("disable_any_whitespace").value_or(false)) c.any_whitespace = false;
+    // vLLM's option: objects take no property their schema does not list. xgrammar's strict mode
+    // (how schemas compile here) already does so; only its type is checked.
+    (void)sf.boolean("disable_additional_properties");
     rc.options_only = given.empty();
   }
   if (f.requested("guided_whitespace_pattern")) unsupported("guided_whitespace_pattern", "");

@@ -278,7 +278,24 @@ ResponsesRequest parse_responses_request(const json& body, const ApiContext& ctx
   OrderedBodyScope ordered_scope;  // tools, schemas and items keep the client's key order
   ResponsesRequest r;
 
+  // A field this endpoint does not know is a 400, as OpenAI's (a constraint meant for the chat
+  // endpoint, guided_regex or response_format, gave free text here: a black-box test).
+  static const char* kKnown[] = {"model", "input", "instructions", "previous_response_id", "store", "stream", "stream_options",
+                                 "temperature", "top_p", "seed", "max_output_tokens", "include", "top_logprobs", "tools",
+                                 "tool_choice", "parallel_tool_calls", "max_tool_calls", "text", "metadata", "user",
+                                 "safety_identifier", "prompt_cache_key", "service_tier", "cache_salt", "truncation", "reasoning",
+                                 "background", "prompt", "conversation", "priority"};
+  for (const auto& [key, v] : body.items()) {
+    if (std::find_if(std::begin(kKnown), std::end(kKnown), [&](const char* k) { return key == k; }) != std::end(kKnown)) continue;
+    std::string hint;
+    if (key == "response_format") hint = " In the Responses API it is 'text.format'.";
+    else if (key.rfind("guided_", 0) == 0 || key == "structured_outputs" || key == "grammar" || key == "json_schema")
+      hint = " The Responses API constrains output with 'text.format' (json_schema or json_object); regex, choice and grammar constraints are served by /v1/chat/completions and /v1/completions.";
+    throw ApiError{400, "Unknown parameter: '" + key + "'." + hint, "invalid_request_error", key, "unknown_parameter"};
+  }
   // What this server does not do: refused, not ignored.
+  if (const json* m = f.get("max_tool_calls"); m && !m->is_null())
+    unsupported("max_tool_calls", "the number of tool calls is not capped here.");
   if (f.boolean("background").value_or(false))
     unsupported("background", "responses run while their request is open; stream them instead.");
   if (f.requested("prompt")) unsupported("prompt", "stored prompt templates are OpenAI's; send the input itself.");

@@ -41,6 +41,7 @@ PERSON = {
     "additionalProperties": False,
 }
 ASK = [{"role": "user", "content": "Describe a person who owns pets, as JSON."}]
+NO_WS = {"structured_outputs": {"disable_any_whitespace": True}}  # vLLM's: no free whitespace (a small model spends tokens on it)
 
 
 def chat(client, **kw):
@@ -211,6 +212,84 @@ def test_bad_constraints_are_400s_with_the_reason(server):
         assert needle in msg, (body, msg)
         assert ".cc:" not in msg  # the library's source position is not the client's business
     assert post({"response_format": {"type": "text"}}).status_code == 200
+
+
+def _obj(prop, **extra):
+    return {"type": "object", "properties": {"a": prop}, "required": ["a"], "additionalProperties": False, **extra}
+
+
+# Constraints xgrammar compiles without a part of them (it logs a warning, or nothing) and whose
+# "stop" answers then broke them (a black-box test, validated with jsonschema): refused, naming why.
+PARTLY_ENFORCED = [
+    ("pattern and maxLength", {"guided_json": _obj({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3})}, "minLength/maxLength"),
+    ("pattern and minLength", {"guided_json": _obj({"type": "string", "pattern": "^[a-z]+$", "minLength": 8})}, "minLength/maxLength"),
+    ("required key not listed", {"guided_json": {"type": "object", "required": ["zzz"]}}, "required property 'zzz'"),
+    ("not", {"guided_json": _obj({"type": "integer", "minimum": 0, "maximum": 9, "not": {"enum": [0, 1]}})}, "'not'"),
+    ("overlapping oneOf", {"guided_json": _obj({"oneOf": [{"type": "integer", "maximum": 5}, {"type": "number", "maximum": 5}]})}, "oneOf"),
+    ("multipleOf on a number", {"guided_json": _obj({"type": "number", "multipleOf": 0.25})}, "multipleOf"),
+    ("limits beside $ref", {"guided_json": {**_obj({"$ref": "#/$defs/p", "minimum": 50}), "$defs": {"p": {"type": "integer"}}}},
+     "beside '$ref'"),
+    ("enum outside its type", {"guided_json": {"enum": [1], "type": "string"}}, "'enum' value 1"),
+    ("const outside its type", {"guided_json": {"const": "a", "type": "integer"}}, "'const'"),
+    ("lookahead in a pattern", {"guided_json": _obj({"type": "string", "pattern": "^(?=z)[a-z]{2}$"})}, "Lookahead"),
+    ("a $ref to a URL", {"guided_json": _obj({"$ref": "https://example.com/s.json"})}, "URI"),
+    ("empty anyOf", {"guided_json": {"anyOf": []}}, "empty 'anyOf'"),
+    ("patternProperties", {"guided_json": {"type": "object", "patternProperties": {"^x_$": {"type": "integer"}}}}, "repeat"),
+    ("regex \\Z", {"guided_regex": "x\\Z"}, "not recognized"),
+    ("regex anchor inside", {"guided_regex": "a$b"}, "middle"),
+    ("regex POSIX class", {"guided_regex": "[[:alpha:]]{2}"}, "POSIX"),
+    ("regex \\x{41}", {"guided_regex": "\\x{41}"}, "\\x{"),
+    ("response_format without a type", {"response_format": {}}, "response_format.type"),
+    ("json_schema without a name", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "integer"}}}}, "name"),
+    ("json_schema with a bad name", {"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}}, "name"),
+]
+
+
+@pytest.mark.parametrize("body,needle", [c[1:] for c in PARTLY_ENFORCED], ids=[c[0] for c in PARTLY_ENFORCED])
+def test_constraints_enforced_only_in_part_are_400s(server, body, needle):
+    for _ in range(2):  # the second time too: xgrammar's cache compiles a constraint once, and warns once
+        r = requests.post(server.url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body}, timeout=60)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert needle in err["message"] and ".cc:" not in err["message"], err
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_what_is_enforced_in_full_still_runs(client):
+    # the neighbours of the refusals above: a discriminated oneOf, a $ref with a description,
+    # integer multipleOf, a pattern or lengths alone; llama-server's json_object with a schema
+    cases = [
+        _obj({"oneOf": [{"type": "object", "properties": {"k": {"const": "x"}}, "required": ["k"], "additionalProperties": False},
+                        {"type": "object", "properties": {"k": {"const": "y"}}, "required": ["k"], "additionalProperties": False}]}),
+        {**_obj({"$ref": "#/$defs/p", "description": "d"}), "$defs": {"p": {"type": "integer", "minimum": 3, "maximum": 9}}},
+        _obj({"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 100}),
+        _obj({"type": "string", "pattern": "^[a-z]{2,3}$"}),
+        _obj({"type": "string", "minLength": 2, "maxLength": 4}),
+    ]
+    for schema in cases:
+        r = chat(client, temperature=1.0, seed=3, max_tokens=60, extra_body={"guided_json": schema, **NO_WS})
+        c = r.choices[0]
+        assert c.finish_reason == "stop", (schema, c)
+        jsonschema.validate(json.loads(c.message.content), schema)
+    schema = {"type": "integer", "minimum": 10, "maximum": 99}
+    r = chat(client, temperature=1.0, seed=5, max_tokens=8, response_format={"type": "json_object", "schema": schema})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)  # was any JSON object: the schema was ignored
+
+
+def test_the_responses_endpoint_refuses_the_chat_endpoints_constraints(server):
+    # They gave free text there; OpenAI answers an unknown parameter with a 400.
+    for field, value in [("guided_regex", "[0-9]{3}"), ("structured_outputs", {"regex": "[0-9]"}), ("grammar", "root ::= \"a\""),
+                         ("response_format", {"type": "json_object"}), ("guided_choice", ["a", "b"])]:
+        r = requests.post(server.url + "/v1/responses", json={"input": "Say hi", "max_output_tokens": 4, field: value}, timeout=30)
+        assert r.status_code == 400, (field, r.text)
+        err = r.json()["error"]
+        assert err["param"] == field and err["code"] == "unknown_parameter" and "text.format" in err["message"], err
+    r = requests.post(server.url + "/v1/responses", json={"input": "Say hi", "max_output_tokens": 4, "max_tool_calls": 2}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tool_calls", r.text
+    r = requests.post(server.url + "/v1/responses", json={"input": "Say hi", "max_output_tokens": 2, "service_tier": "auto",
+                                                          "prompt_cache_key": "k", "safety_identifier": "u1"}, timeout=30)
+    assert r.status_code == 200, r.text
 
 
 def test_preempted_constrained_requests_stay_valid():
