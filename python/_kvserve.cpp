@@ -118,6 +118,8 @@ struct Choice {
   std::vector<int32_t> tokens;
   std::vector<kv::TokenLogprob> logprobs;
   std::string finish_reason;
+  std::string stop_string;  // the engine's stop_reason: the stop string, or the stop token id (-1: neither)
+  int32_t stop_token = -1;
 };
 
 struct Pending {
@@ -476,6 +478,8 @@ class PyEngine {
           it.prompt_logprobs = std::move(ev.logprobs);
         } else if (ev.kind == kv::StreamEvent::kFinish) {
           c.finish_reason = ev.finish_reason;
+          c.stop_string = ev.stop_string;  // no Python object here: this runs without the GIL
+          c.stop_token = ev.stop_token;
         } else if (!it.error) {
           it.error = kv::from_event(ev);
         }
@@ -526,6 +530,8 @@ class PyEngine {
       cd["text"] = py::bytes(c.text);  // UTF-8; decoded (with replacement) in Python
       cd["token_ids"] = c.tokens;
       cd["finish_reason"] = c.finish_reason;
+      if (!c.stop_string.empty()) cd["stop_reason"] = py::bytes(c.stop_string).attr("decode")("utf-8", "replace");
+      else cd["stop_reason"] = c.stop_token >= 0 ? py::object(py::int_(c.stop_token)) : py::object(py::none());
       if (it.ar.logprobs) {
         py::list lps;
         for (const auto& lp : c.logprobs) lps.append(py::make_tuple(lp.token, lp.logprob, lp.top));

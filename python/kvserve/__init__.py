@@ -548,17 +548,9 @@ class LLM:
                 entry = {tok: entry[tok], **{k: v for k, v in entry.items() if k != tok}}
                 logprobs.append(entry)
                 cumulative += lp
-        stop_reason = None
-        if c["finish_reason"] == "stop" and token_ids and sp.stop_token_ids and token_ids[-1] in sp.stop_token_ids:
-            stop_reason = token_ids[-1]  # vLLM: the stop token's id
-        elif c["finish_reason"] == "stop" and token_ids and not self._engine.is_eog(token_ids[-1]):
-            full = self._decode(token_ids)
-            for s in sp._stops():
-                if (text.endswith(s) if sp.include_stop_str_in_output else full.startswith(s, len(text))):
-                    stop_reason = s
-                    break
+        # vLLM's stop_reason, as the engine saw it: the stop string matched, or the stop token's id
         return CompletionOutput(index=c["index"], text=text, token_ids=token_ids, cumulative_logprob=cumulative,
-                                logprobs=logprobs, finish_reason=c["finish_reason"], stop_reason=stop_reason)
+                                logprobs=logprobs, finish_reason=c["finish_reason"], stop_reason=c["stop_reason"])
 
     def _token_text(self, tid: int) -> str:
         return self._engine.token_bytes(tid).decode("utf-8", errors="replace")

@@ -1084,6 +1084,7 @@ void Engine::postprocess(Plan& plan, const float* logits) {
     const RequestParams& p = rs.req.params;
     const double itl = seconds(e->last_token_time, now) / static_cast<double>(d.out.size());
     const char* reason = nullptr;
+    StreamEvent finish{StreamEvent::kFinish, e->index, "", {}, "", "", 0, {}, {}};
     for (size_t i = 0; i < d.out.size() && !reason; ++i) {
       const int32_t tok = d.out[i];
       StreamEvent ev;
@@ -1099,15 +1100,19 @@ void Engine::postprocess(Plan& plan, const float* logits) {
       // Under a constraint an end of text it accepted ends the choice even with ignore_eos: the
       // text is complete, and what followed was free text (a tool call's arguments went on into chat).
       const bool constraint_done = e->constraint && e->constraint->terminated();
-      if ((tok_.is_eog(tok) && (!p.ignore_eos || constraint_done)) || (stop_id && tok_.token_type(tok) == TokenType::kControl)) {
+      const bool eog_stops = tok_.is_eog(tok) && (!p.ignore_eos || constraint_done);
+      if (eog_stops || (stop_id && tok_.token_type(tok) == TokenType::kControl)) {
         reason = "stop";
+        if (stop_id && !eog_stops) finish.stop_token = tok;  // vLLM checks the end of text first
         ev.eog_logprobs.swap(ev.logprobs);  // the end-of-generation token is not part of the text
         // Text held back because it could begin a stop string is the answer's end after all; a
         // character the last tokens left incomplete is not (no U+FFFD the model never wrote).
         e->detok.finish();
         ev.text.swap(e->held);
       } else {
-        e->held += e->detok.push(tok);  // a stop token with text is kept in the output, as vLLM
+        // A stop id's own text is left out unless include_stop_str_in_output, as vLLM's detokenizer
+        // leaves out the token that stopped the choice (its id is still the last of token_ids).
+        if (!stop_id || p.include_stop_str) e->held += e->detok.push(tok);
         const bool at_limit = stop_id || e->n_generated >= p.max_tokens ||
                               (!goes_past_context(*e) && static_cast<int64_t>(e->tokens.size()) >= cfg_.max_model_len);
         if (at_limit) e->detok.finish();
@@ -1115,11 +1120,13 @@ void Engine::postprocess(Plan& plan, const float* logits) {
         // begins there and ends in a later token's text does.
         if (e->n_generated <= p.min_tokens) e->stop_floor = e->held.size();
         size_t cut = std::string::npos, cut_len = 0;  // the earliest match (the longest of those there)
+        const std::string* cut_by = nullptr;
         for (const auto& st : p.stop) {
           size_t at = e->held.find(st, e->stop_floor >= st.size() ? e->stop_floor - st.size() + 1 : 0);
           if (at != std::string::npos && (at < cut || (at == cut && st.size() > cut_len))) {
             cut = at;
             cut_len = st.size();
+            cut_by = &st;
           }
         }
         if (cut != std::string::npos) {
@@ -1127,9 +1134,11 @@ void Engine::postprocess(Plan& plan, const float* logits) {
           e->held.clear();
           e->stop_floor = 0;
           reason = "stop";
+          finish.stop_string = *cut_by;
         } else if (at_limit) {
           ev.text.swap(e->held);
           reason = stop_id ? "stop" : "length";
+          if (stop_id) finish.stop_token = tok;
         } else {
           const size_t keep = stop_holdback(e->held, p.stop);
           ev.text = e->held.substr(0, e->held.size() - keep);
@@ -1145,7 +1154,10 @@ void Engine::postprocess(Plan& plan, const float* logits) {
     // once what it queued is written.
     if (reason && cfg_.tier_prompt_tails == EngineConfig::PromptTails::kStore) store_prompt_tail(*e);
     if (reason) store_finished_path(*e);
-    if (reason) e->rs->req.stream->push(StreamEvent{StreamEvent::kFinish, e->index, "", {}, reason, "", 0, {}, {}});
+    if (reason) {
+      finish.finish_reason = reason;
+      e->rs->req.stream->push(std::move(finish));
+    }
     if (reason) e->n_prompt = -1;  // marks finished; removed from running below
   }
   // Finished sequences leave the batch and give their pages back.

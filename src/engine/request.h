@@ -84,6 +84,10 @@ struct StreamEvent {
   // vLLM, and OpenAI's legacy completions: lm-eval's echo scoring takes the last entry for the
   // drawn token); chat's do not (OpenAI's chat shows no end token).
   std::vector<TokenLogprob> eog_logprobs;
+  // kFinish "stop": what stopped the choice, vLLM's stop_reason: the stop string matched, or the
+  // stop_token_ids id drawn (neither: the end-of-generation token, stop_reason null).
+  std::string stop_string;
+  int32_t stop_token = -1;
 };
 
 struct Usage {

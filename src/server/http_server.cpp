@@ -445,6 +445,8 @@ bool HttpServer::collect(const httplib::Request& req, RequestGroup& group, std::
         take_prompt(*prompts, n_per_prompt, ev);
       } else if (ev.kind == StreamEvent::kFinish) {
         c.finish_reason = ev.finish_reason;
+        c.stop_string = ev.stop_string;
+        c.stop_token = ev.stop_token;
       } else if (!error) {
         error = from_event(ev);
       }

@@ -174,9 +174,14 @@ json full_response(const ResponseMeta& meta, const std::vector<ChoiceResult>& ch
       arr.push_back({{"index", i},
                      {"message", c.message ? *c.message : json{{"role", "assistant"}, {"content", c.text}, {"refusal", nullptr}}},
                      {"logprobs", lp},
-                     {"finish_reason", finish}});
+                     {"finish_reason", finish},
+                     {"stop_reason", stop_reason_json(c.stop_string, c.stop_token)}});
     } else {
-      arr.push_back({{"index", i}, {"text", meta.echo && p ? p->text + c.text : c.text}, {"logprobs", lp}, {"finish_reason", finish}});
+      arr.push_back({{"index", i},
+                     {"text", meta.echo && p ? p->text + c.text : c.text},
+                     {"logprobs", lp},
+                     {"finish_reason", finish},
+                     {"stop_reason", stop_reason_json(c.stop_string, c.stop_token)}});
       if (meta.prompt_logprobs) arr.back()["prompt_logprobs"] = p ? prompt_logprobs_json(*p, tok) : json(nullptr);
     }
   }
@@ -229,10 +234,16 @@ json prompt_chunk(const ResponseMeta& meta, int32_t index, const PromptResult& p
   return j;
 }
 
-json finish_chunk(const ResponseMeta& meta, int32_t index, const std::string& reason) {
+json stop_reason_json(const std::string& stop_string, int32_t stop_token) {
+  if (!stop_string.empty()) return stop_string;
+  return stop_token >= 0 ? json(stop_token) : json(nullptr);
+}
+
+json finish_chunk(const ResponseMeta& meta, int32_t index, const std::string& reason, const json& stop_reason) {
   if (meta.chat)
-    return with_choice(meta, {{"index", index}, {"delta", json::object()}, {"logprobs", nullptr}, {"finish_reason", reason}});
-  return with_choice(meta, {{"index", index}, {"text", ""}, {"logprobs", nullptr}, {"finish_reason", reason}});
+    return with_choice(meta, {{"index", index}, {"delta", json::object()}, {"logprobs", nullptr}, {"finish_reason", reason},
+                              {"stop_reason", stop_reason}});
+  return with_choice(meta, {{"index", index}, {"text", ""}, {"logprobs", nullptr}, {"finish_reason", reason}, {"stop_reason", stop_reason}});
 }
 
 json running_usage(const ResponseMeta& meta, int64_t completion_tokens) {

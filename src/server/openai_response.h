@@ -40,6 +40,8 @@ struct ChoiceResult {
   std::string text;
   std::vector<TokenLogprob> logprobs;
   std::string finish_reason;
+  std::string stop_string;  // vLLM's stop_reason: the stop string, or the stop token id (-1: neither)
+  int32_t stop_token = -1;
   int32_t prompt = 0;  // its prompt's index (completions' batch form: choice / n)
   // Chat under a tool choice: the message ToolCallStream made of the text (content, tool_calls).
   std::optional<nlohmann::ordered_json> message;
@@ -85,7 +87,10 @@ nlohmann::ordered_json delta_chunk(const ResponseMeta& meta, int32_t index, nloh
 // prompt (with its logprobs when with_logprobs), and prompt_logprobs when asked.
 nlohmann::ordered_json prompt_chunk(const ResponseMeta& meta, int32_t index, const PromptResult& p, bool with_logprobs,
                                     TextOffset* text_offset, const Tokenizer& tok);
-nlohmann::ordered_json finish_chunk(const ResponseMeta& meta, int32_t index, const std::string& reason);
+nlohmann::ordered_json finish_chunk(const ResponseMeta& meta, int32_t index, const std::string& reason,
+                                    const nlohmann::ordered_json& stop_reason = nullptr);
+// vLLM's stop_reason: the stop string that ended a choice, or its stop token id; else null.
+nlohmann::ordered_json stop_reason_json(const std::string& stop_string, int32_t stop_token);
 nlohmann::ordered_json usage_chunk(const ResponseMeta& meta, const Usage& usage);
 // A chunk's usage so far, for continuous_usage_stats (meta.continuous_usage).
 nlohmann::ordered_json running_usage(const ResponseMeta& meta, int64_t completion_tokens);

@@ -58,7 +58,7 @@ std::string ChatSseWriter::event(StreamEvent& ev) {
     std::string reason = ev.finish_reason;
     if (!tools.empty() && reason != "abort")  // held text, parsed calls; the reason the response reports
       for (json& d : tools[ev.index].finish(&reason)) out += chunk(delta_chunk(meta, ev.index, std::move(d), nullptr, *tok));
-    out += chunk(finish_chunk(meta, ev.index, reason));
+    out += chunk(finish_chunk(meta, ev.index, reason, stop_reason_json(ev.stop_string, ev.stop_token)));
   } else {
     out = sse_event(from_event(ev).to_json());
   }

@@ -490,7 +490,10 @@ def test_step_phase_profile(server, client):
     assert all(v >= 0 for v in spent.values()), spent
     assert spent["forward_matmul"] > 0 and spent["forward_logits"] > 0 and spent["sample"] > 0, spent
     forward = spent["forward_matmul"] + spent["forward_attention"] + spent["forward_logits"]
-    assert forward > 0.5 * sum(spent.values()), spent
+    # Sampling is not a sort: far below the forward. (Shares of wall time: on a loaded host a
+    # descheduled engine thread lands in any phase, so the bound is loose; forward > half failed
+    # once with a CI rehearsal beside it.)
+    assert spent["sample"] < 0.5 * forward and forward > 0.25 * sum(spent.values()), spent
 
 
 def test_long_prompt_rejected_with_reason(client):

@@ -114,7 +114,9 @@ def test_stop_strings_and_stop_reason(llm):
 
 def test_stop_token_ids_end_a_choice_as_vllm_does(llm, server):
     # vLLM's stop_token_ids: the choice ends at the first of them, finish "stop", stop_reason the id;
-    # a token with text stays in the output, a control token does not; ignore_eos does not stop them.
+    # the stop token's text is left out unless include_stop_str_in_output (vLLM's detokenizer skips
+    # the token that stopped the choice; it was kept here, found by a black-box test); ignore_eos
+    # does not stop them.
     prompt = "Count: one, two, three,"
     (full,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     ids = full.outputs[0].token_ids
@@ -123,12 +125,22 @@ def test_stop_token_ids_end_a_choice_as_vllm_does(llm, server):
     (o,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[t, 10]), use_tqdm=False)
     c = o.outputs[0]
     assert c.token_ids == ids[:k + 1] and c.finish_reason == "stop" and c.stop_reason == t
-    assert c.text == llm._decode(ids[:k + 1]) and full.outputs[0].text.startswith(c.text)
-    # the server gives the same
+    assert llm._decode([t]) and c.text == llm._decode(ids[:k]) and full.outputs[0].text.startswith(c.text)
+    (o,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[t, 10], include_stop_str_in_output=True),
+                        use_tqdm=False)
+    assert o.outputs[0].text == llm._decode(ids[:k + 1]) and o.outputs[0].stop_reason == t
+    # the server gives the same, streamed or not, with vLLM's stop_reason
     import requests
-    r = requests.post(server.url + "/v1/completions", timeout=60,
-                      json={"prompt": prompt, "max_tokens": 12, "temperature": 0, "stop_token_ids": [t, 10]}).json()
-    assert r["choices"][0]["text"] == c.text and r["choices"][0]["finish_reason"] == "stop", r
+    for include in (False, True):
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "stop_token_ids": [t, 10], "include_stop_str_in_output": include}
+        r = requests.post(server.url + "/v1/completions", timeout=60, json=body).json()
+        want = llm._decode(ids[:k + 1] if include else ids[:k])
+        assert r["choices"][0]["text"] == want and r["choices"][0]["finish_reason"] == "stop", r
+        assert r["choices"][0]["stop_reason"] == t, r
+        s = requests.post(server.url + "/v1/completions", timeout=60, json={**body, "stream": True}, stream=True)
+        events = [json.loads(line[6:]) for line in s.iter_lines(decode_unicode=True) if line.startswith("data: {")]
+        assert "".join(ch["text"] for e in events for ch in e["choices"]) == want
+        assert [ch["stop_reason"] for e in events for ch in e["choices"] if ch.get("finish_reason")] == [t]
     # a control token, past ignore_eos: ends the choice, and its text is not in the output
     chat = [{"role": "user", "content": "Say hi."}]
     im_end = llm._engine.tokenize("<|im_end|>", False)

@@ -40,6 +40,32 @@ def test_include_stop_str_in_output(client):
     assert two.text == free[:at + len(stop)]
 
 
+def test_stop_reason_says_what_stopped_the_choice_as_vllm(client):
+    """vLLM's stop_reason on every choice: the stop string matched, the stop token's id, or null
+    (end of text, length); in a stream, on the chunk that finishes the choice. It was missing."""
+    free = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0).choices[0]
+    stop = " " + free.text.split()[2]
+    for api in ("completions", "chat"):
+        def ask(**kw):
+            if api == "chat":
+                return client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": PROMPT}],
+                                                      temperature=0, **kw)
+            return client.completions.create(model=MODEL_NAME, prompt=PROMPT, temperature=0, **kw)
+        text = lambda c: c.message.content if api == "chat" else c.text  # noqa: E731
+        answer = text(ask(max_tokens=24).choices[0])
+        word = " " + answer.split()[1] if api == "chat" else stop
+        c = ask(max_tokens=24, stop=[word, "never-there"]).choices[0]
+        assert c.finish_reason == "stop" and c.model_extra["stop_reason"] == word, c
+        c = ask(max_tokens=3).choices[0]
+        assert c.finish_reason == "length" and c.model_extra["stop_reason"] is None, c
+        chunks = [ch for ch in ask(max_tokens=24, stop=[word], stream=True) if ch.choices]
+        ends = [ch.choices[0] for ch in chunks if ch.choices[0].finish_reason]
+        assert len(ends) == 1 and ends[0].model_extra["stop_reason"] == word, ends
+    c = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Say hi."}], max_tokens=64,
+                                       temperature=0).choices[0]
+    assert c.finish_reason == "stop" and c.model_extra["stop_reason"] is None  # the end of text: null, as vLLM
+
+
 def test_truncate_prompt_tokens_keeps_the_last_tokens(client, server):
     tok = tokenizer_ref.load_tokenizer(MODEL)
     ids = tok.encode("Once upon a time, in a small village by the sea, there lived an old fisherman who").ids
