@@ -18,6 +18,7 @@
 
 #include "server/openai_request.h"
 #include "tokenizer/tokenizer.h"
+#include "tokenizer/utf8.h"
 
 namespace kv {
 
@@ -194,6 +195,18 @@ void install_tokenize_routes(httplib::Server& svr, const ApiContext& ctx, size_t
   post_with_body_limit(svr, "/tokenize", max_body_bytes, [&ctx](const httplib::Request& req, httplib::Response& res) {
     const TokenizeRequest t = parse_tokenize_request(parse_json_body(req.body, ctx), ctx);
     ojson out{{"tokens", t.ids}, {"count", t.ids.size()}, {"max_model_len", ctx.max_model_len}};
+    if (t.with_pieces) {  // llama-server's: each token with its text, or its bytes when they are not UTF-8 alone
+      ojson pieces = ojson::array();
+      for (int32_t id : t.ids) {
+        const std::string b = ctx.tok->token_bytes(id, /*special=*/true);
+        ojson piece = ojson::array();
+        if (utf8::is_valid(b)) piece = b;
+        else
+          for (unsigned char c : b) piece.push_back(c);
+        pieces.push_back({{"id", id}, {"piece", std::move(piece)}});
+      }
+      out["tokens"] = std::move(pieces);
+    }
     if (t.token_strs) {  // the vocabulary's spelling (byte-level "Ġworld"), as HF's convert_ids_to_tokens
       ojson strs = ojson::array();
       for (int32_t id : t.ids) strs.push_back(ctx.tok->token_text(id));

@@ -408,7 +408,9 @@ std::vector<std::vector<int32_t>> parse_prompts(const Fields& f, const ApiContex
     }
     return ids;
   };
-  auto from_text = [&](const std::string& s) { return ctx.tok->encode(s, /*add_special=*/true, /*parse_special=*/true); };
+  // vLLM's add_special_tokens (default true for completions): the tokenizer's BOS, if it adds one.
+  const bool add_special = f.boolean("add_special_tokens").value_or(true);
+  auto from_text = [&](const std::string& s) { return ctx.tok->encode(s, add_special, /*parse_special=*/true); };
 
   std::vector<std::vector<int32_t>> out;
   if (v->is_string()) {
@@ -695,14 +697,16 @@ std::string chat_prompt_text(const Fields& f, const ApiContext& ctx, const std::
 }
 
 // The rendered conversation tokenized (the template's special-token texts become those tokens).
-std::vector<int32_t> chat_prompt_ids(const std::string& text, const ApiContext& ctx) {
-  std::vector<int32_t> ids = ctx.tok->encode(text, /*add_special=*/false, /*parse_special=*/true);
+// vLLM's add_special_tokens (default false for chat: the template writes any BOS) adds the
+// tokenizer's own on top.
+std::vector<int32_t> chat_prompt_ids(const std::string& text, const ApiContext& ctx, const Fields& f) {
+  std::vector<int32_t> ids = ctx.tok->encode(text, f.boolean("add_special_tokens").value_or(false), /*parse_special=*/true);
   if (ids.empty()) value_error("messages", "the conversation renders to an empty prompt.");
   return ids;
 }
 
 std::vector<int32_t> chat_prompt(const Fields& f, const ApiContext& ctx, const std::vector<ToolSpec>& tools) {
-  return chat_prompt_ids(chat_prompt_text(f, ctx, tools), ctx);
+  return chat_prompt_ids(chat_prompt_text(f, ctx, tools), ctx, f);
 }
 
 }  // namespace
@@ -807,14 +811,22 @@ TokenizeRequest parse_tokenize_request(const json& body, const ApiContext& ctx) 
                       "invalid_value");
   if (f.get("messages")) {
     r.text = chat_prompt_text(f, ctx, parse_tool_list(f));
-    r.ids = chat_prompt_ids(r.text, ctx);
+    r.ids = chat_prompt_ids(r.text, ctx, f);
     return r;
   }
-  const char* name = f.get("prompt") ? "prompt" : "content";  // vLLM's name, llama-server's
+  const bool llama = f.get("prompt") == nullptr;  // "content": llama-server's form, with its options and defaults
+  const char* name = llama ? "content" : "prompt";  // vLLM's name, llama-server's
   auto text = f.string(name);
   if (!text) throw bad_request("Missing required parameter: 'prompt' (or 'messages').", "prompt", "missing_required_parameter");
-  const bool add_special = f.boolean("add_special_tokens").value_or(true);
-  r.ids = ctx.tok->encode(*text, add_special, /*parse_special=*/true);
+  // vLLM's add_special_tokens (default true); llama-server's add_special (default false),
+  // parse_special (default true: "<|im_start|>" typed is that token) and with_pieces.
+  const std::optional<bool> vllm_add = f.boolean("add_special_tokens"), llama_add = f.boolean("add_special");
+  if (vllm_add && llama_add && *vllm_add != *llama_add)
+    value_error("add_special", "'add_special' and 'add_special_tokens' disagree; give one.");
+  const bool add_special = vllm_add.value_or(llama_add.value_or(!llama));
+  const bool parse_special = f.boolean("parse_special").value_or(true);
+  r.with_pieces = f.boolean("with_pieces").value_or(false);
+  r.ids = ctx.tok->encode(*text, add_special, parse_special);
   return r;
 }
 

@@ -100,7 +100,8 @@ ApiRequest parse_chat_request(const nlohmann::json& body, const ApiContext& ctx)
 ApiError from_rejection(const Rejection& r, bool chat);
 ApiError from_event(const StreamEvent& ev);
 
-// /tokenize: {"prompt" | "content": text, "add_special_tokens": true} or {"messages": [...],
+// /tokenize: {"prompt": text, "add_special_tokens": true} (vLLM's), {"content": text, "add_special":
+// false, "parse_special": true, "with_pieces": false} (llama-server's), or {"messages": [...],
 // "add_generation_prompt": true} (the chat template, as /v1/chat/completions, with its refusals)
 // → token ids; "return_token_strs": true also asks for each id's vocabulary string (vLLM's).
 // /detokenize: {"tokens": [ids]} → the ids, checked against the vocabulary (the handler renders
@@ -108,6 +109,7 @@ ApiError from_event(const StreamEvent& ev);
 struct TokenizeRequest {
   std::vector<int32_t> ids;
   std::string text;  // messages: the rendered conversation (the ids' text)
+  bool with_pieces = false;  // llama-server's: tokens as [{"id", "piece"}]
   bool token_strs = false;
 };
 TokenizeRequest parse_tokenize_request(const nlohmann::json& body, const ApiContext& ctx);

@@ -7,7 +7,7 @@ import sys
 
 import requests
 
-from kvserve_server import MODEL, MODEL_NAME, ROOT
+from kvserve_server import MODEL, MODEL_NAME, ROOT, Server
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "reference"))
 import tokenizer_ref  # noqa: E402
@@ -56,6 +56,41 @@ def test_tokenize_messages_counts_what_chat_completions_prefills(server, client)
     j = requests.post(server.url + "/tokenize", json={"messages": msgs}, timeout=10).json()
     r = client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=1, temperature=0)
     assert j["count"] == r.usage.prompt_tokens
+
+
+def test_llama_server_tokenize_options_and_add_special_tokens(server):
+    """llama-server's /tokenize options (found ignored by a black-box test): parse_special (false:
+    "<|im_end|>" typed is text), with_pieces ([{"id", "piece"}], bytes when not UTF-8 alone), and
+    add_special (its default false: no BOS); vLLM's add_special_tokens on /v1/completions too.
+    Oracles: HuggingFace tokenizers (encode_special_tokens for parse_special false), and Gemma 3's
+    transformers tokenizer for the BOS."""
+    tok = tokenizer_ref.load_tokenizer(MODEL)
+    text = "Hi<|im_end|> é😀"
+    t = lambda **kw: requests.post(server.url + "/tokenize", json={"content": text, **kw}, timeout=10).json()  # noqa: E731
+    assert t()["tokens"] == tok.encode(text).ids
+    tok.encode_special_tokens = True
+    assert t(parse_special=False)["tokens"] == tok.encode(text).ids and tok.token_to_id("<|im_end|>") not in t(parse_special=False)["tokens"]
+    tok.encode_special_tokens = False
+    pieces = t(with_pieces=True)["tokens"]
+    assert [p["id"] for p in pieces] == tok.encode(text).ids
+    got = b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces)
+    assert got == text.encode() and any(isinstance(p["piece"], list) for p in pieces)  # the emoji's bytes split across tokens
+
+    sys.path.insert(0, os.path.join(ROOT, "tests", "tokenizer"))
+    import oracle_gemma
+    gemma_tok = oracle_gemma.build_transformers(os.path.join(ROOT, "models"))
+    g = Server(model=os.path.join(ROOT, "models", oracle_gemma.GGUF_NAME), max_model_len=512, kv_memory="32MiB")
+    try:
+        with_bos, without = gemma_tok.encode("Hi there").ids, gemma_tok.encode("Hi there", add_special_tokens=False).ids
+        assert with_bos == [2] + without
+        tk = lambda body: requests.post(g.url + "/tokenize", json=body, timeout=10).json()["tokens"]  # noqa: E731
+        assert tk({"content": "Hi there"}) == without and tk({"content": "Hi there", "add_special": True}) == with_bos
+        assert tk({"prompt": "Hi there"}) == with_bos and tk({"prompt": "Hi there", "add_special_tokens": False}) == without
+        usage = lambda **kw: requests.post(g.url + "/v1/completions", json={"prompt": "Hi there", "max_tokens": 1, **kw},  # noqa: E731
+                                           timeout=60).json()["usage"]["prompt_tokens"]
+        assert usage() == len(with_bos) and usage(add_special_tokens=False) == len(without)  # the flag was ignored here
+    finally:
+        g.stop()
 
 
 def test_bad_tokenize_requests(server):
