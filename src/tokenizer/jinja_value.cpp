@@ -4,6 +4,8 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <limits>
+#include <stdexcept>
 
 namespace kv::jinja {
 
@@ -85,7 +87,14 @@ static Value value_from_json(const J& j) {
     case J::value_t::null: return Value::none();
     case J::value_t::boolean: return Value(j.template get<bool>());
     case J::value_t::number_integer: return Value(j.template get<int64_t>());
-    case J::value_t::number_unsigned: return Value(static_cast<int64_t>(j.template get<uint64_t>()));
+    case J::value_t::number_unsigned: {
+      // Python's ints have no bound, the interpreter's do: one past int64 would wrap negative
+      // (12345678901234567890 rendered as -6101065172474983726), so it is refused instead.
+      const uint64_t u = j.template get<uint64_t>();
+      if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+        throw std::out_of_range("the integer " + std::to_string(u) + " is beyond what the chat template interpreter holds (±2^63); send it as a string");
+      return Value(static_cast<int64_t>(u));
+    }
     case J::value_t::number_float: return Value(j.template get<double>());
     case J::value_t::string: return Value(j.template get<std::string>());
     case J::value_t::array: {

@@ -424,5 +424,22 @@ TEST(ChatTemplate, ContentPartsGoToTemplatesThatLoopOverContent) {
   EXPECT_FALSE(plain->iterates_content());
   EXPECT_EQ(*plain->render({m}, false, "", ""), "<a\nb>");
 }
+
+// An integer past int64 would wrap negative in the interpreter (12345678901234567890 rendered as
+// -6101065172474983726, found by a black-box test; jinja2 keeps Python's exact int): refused with
+// a reason, while the largest int64 renders exactly.
+TEST(ChatTemplate, IntegersPastInt64AreRefusedNotWrapped) {
+  auto t = load_chat_template("{{ n }}|{{ messages[0].content }}");
+  ASSERT_TRUE(t) << t.message();
+  auto ok = t->render({{"user", "a"}}, false, "", "", ojson{{"n", std::numeric_limits<int64_t>::max()}});
+  ASSERT_TRUE(ok) << ok.message();
+  EXPECT_EQ(*ok, "9223372036854775807|a");
+  auto big = t->render({{"user", "a"}}, false, "", "", ojson{{"n", uint64_t{12345678901234567890ull}}});
+  ASSERT_FALSE(big);
+  EXPECT_NE(big.message().find("12345678901234567890"), std::string::npos) << big.message();
+  auto in_messages = t->render_json(ojson::array({{{"role", "user"}, {"content", "a"}, {"id", uint64_t{1} << 63}}}), false, "", "");
+  ASSERT_FALSE(in_messages);
+}
+
 }  // namespace
 }  // namespace kv
