@@ -465,11 +465,20 @@ std::string message_text(const json& content, const std::string& role, size_t i,
     Fields pf(part);
     auto type = pf.string("type");
     if (!type) missing_parameter(pname + ".type");
-    if (*type != "text")
-      throw bad_request("Content part type '" + *type + "' is not supported: this server serves a text-only model.", pname + ".type",
-                        "unsupported_parameter");
-    auto text = pf.string("text");
-    if (!text) missing_parameter(pname + ".text");
+    // As vLLM's parser: "text", and the Responses API's "input_text" / "output_text", are text;
+    // an assistant's "refusal" part is its refusal's text.
+    const bool refusal = *type == "refusal" && role == "assistant";
+    if (*type != "text" && *type != "input_text" && *type != "output_text" && !refusal) {
+      static const char* kMedia[] = {"image_url", "input_image", "input_audio", "audio_url", "video_url", "file", "input_file", "image"};
+      const bool media = std::find_if(std::begin(kMedia), std::end(kMedia), [&](const char* m) { return *type == m; }) != std::end(kMedia);
+      throw bad_request("Content part type '" + *type + "' is not supported: " +
+                            (media ? std::string("this server serves a text-only model.")
+                                   : std::string("expected 'text' (or 'input_text', 'output_text'; 'refusal' in an assistant message).")),
+                        pname + ".type", "unsupported_parameter");
+    }
+    const char* field = refusal ? "refusal" : "text";
+    auto text = pf.string(field);
+    if (!text) missing_parameter(pname + "." + field);
     if (k > 0) out += '\n';
     out += *text;
     parts->push_back(std::move(*text));

@@ -171,3 +171,19 @@ def test_content_parts_reach_the_template_as_vllm_passes_them(gemma_chat, gemma_
     as_parts = requests.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": parts}]}, timeout=10).json()
     joined = requests.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "Hello \n World"}]}, timeout=10).json()
     assert as_parts["tokens"] == joined["tokens"]
+
+
+def test_input_text_and_refusal_parts_are_text_as_vllm_reads_them(server):
+    """vLLM reads "input_text" / "output_text" parts (the Responses API's names) as text, and an
+    assistant's "refusal" part as its refusal text; they were refused here as media ("text-only
+    model", a black-box test). Media parts are still refused, saying so."""
+    tk = lambda msgs: requests.post(server.url + "/tokenize", json={"messages": msgs}, timeout=10)  # noqa: E731
+    as_text = tk([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "No."}, {"role": "user", "content": "Why?"}]).json()
+    for user, assistant in [({"type": "input_text", "text": "Hi"}, {"type": "output_text", "text": "No."}),
+                            ({"type": "text", "text": "Hi"}, {"type": "refusal", "refusal": "No."})]:
+        r = tk([{"role": "user", "content": [user]}, {"role": "assistant", "content": [assistant]}, {"role": "user", "content": "Why?"}])
+        assert r.status_code == 200 and r.json()["tokens"] == as_text["tokens"], r.text
+    r = tk([{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}])
+    assert r.status_code == 400 and "'refusal' in an assistant message" in r.json()["error"]["message"]
+    r = tk([{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}])
+    assert r.status_code == 400 and "text-only model" in r.json()["error"]["message"]
