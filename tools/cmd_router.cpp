@@ -149,11 +149,12 @@ void add_router_command(CLI::App& app) {
   auto o = std::make_shared<RouterCliOptions>();
   CLI::App* cmd = app.add_subcommand("router", "OpenAI-compatible front over kvserve instances: replicas by prefix, or prefill + decode");
   cmd->add_option("-m,--model", o->model, "GGUF model the backends serve (its tokenizer and chat template are used)")->capture_default_str();
-  cmd->add_option("--served-model-name", o->served_model_name, "model id in the API (default: the file's stem); several are aliases, as vLLM's: responses and /v1/models name the first")->expected(1, -1);
+  cmd->add_option("--served-model-name", o->served_model_name, "model id in the API (default: the file's stem); several are aliases, as vLLM's: responses and /v1/models name the first")->check(non_empty())->expected(1, -1);
   cmd->add_option("--api-key", o->ro.api_keys,
                   "require Authorization: Bearer <key> on every route but /health and /metrics, before anything else (env "
                   "KVSERVE_API_KEY); repeat for several. The header goes on to the backends: give them the same keys")
       ->envname("KVSERVE_API_KEY")
+      ->check(non_empty())
       ->expected(1)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   add_allowed_origins_option(cmd, &o->allowed_origins);

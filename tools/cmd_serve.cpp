@@ -312,9 +312,10 @@ void add_serve_command(CLI::App& app) {
                   "require Authorization: Bearer <key> on every route but /, /dashboard, /health and /metrics (env KVSERVE_API_KEY); repeat for several "
                   "tenants, whose prefix-cache pages are never shared and whose dashboards show only their own")
       ->envname("KVSERVE_API_KEY")
+      ->check(non_empty())
       ->expected(1)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  cmd->add_option("--served-model-name", o->served_model_name, "model id in the API (default: the file's stem); several are aliases, as vLLM's: responses and /v1/models name the first")->expected(1, -1);
+  cmd->add_option("--served-model-name", o->served_model_name, "model id in the API (default: the file's stem); several are aliases, as vLLM's: responses and /v1/models name the first")->check(non_empty())->expected(1, -1);
   add_allowed_origins_option(cmd, &o->allowed_origins);
   cmd->add_flag("--trust-request-chat-template", o->trust_request_chat_template,
                 "accept a request's own chat_template (vLLM's flag; off: such a request is a 400)");

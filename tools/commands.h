@@ -37,7 +37,8 @@ inline CLI::Validator number_in(double lo, double hi, bool lo_open = false) {
     if (!t.empty() && t.back() == '.') t.pop_back();
     return t;
   };
-  const std::string range = (lo_open ? "(" : "[") + text(lo) + ", " + text(hi) + "]";
+  // No upper bound reads [lo, ∞): infinity itself is not a number a flag takes.
+  const std::string range = (lo_open ? "(" : "[") + text(lo) + ", " + text(hi) + (hi >= 1e300 ? ")" : "]");
   return CLI::Validator(
       [lo, hi, lo_open, range](std::string& s) -> std::string {
         double v = 0;
@@ -54,6 +55,11 @@ inline CLI::Validator number_in(double lo, double hi, bool lo_open = false) {
       range);
 }
 inline CLI::Validator positive() { return number_in(0, 1e308, true); }
+// A text flag that means nothing empty: `--api-key "$KEY"` with KEY unset started a server that
+// refused every request (an empty key matches no header), `--served-model-name ""` an unnamed model.
+inline CLI::Validator non_empty() {
+  return CLI::Validator([](std::string& s) { return s.empty() ? std::string("must not be empty") : std::string(); }, "TEXT");
+}
 inline CLI::Validator non_negative() { return number_in(0, 1e308); }
 // A 64-bit seed as written: [0, 2^64), and -1 (a random one) when minus_one. CLI11's uint64_t
 // took -5 (wrapped) and 2^64 (as -1) silently.

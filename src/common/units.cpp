@@ -47,7 +47,8 @@ Result<int64_t> parse_memory_size(const std::string& s) {
   for (auto& ch : unit) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
   double mult = 1;
   if (unit.empty()) {
-    if (s.find('.') != std::string::npos) {  // a fraction of RAM
+    // A fraction of RAM: written with a point, or below 1 however written (1e-3 read as 0 bytes).
+    if (s.find('.') != std::string::npos || v < 1.0) {
       if (v > 1.0)
         return Result<int64_t>::error("memory size '" + s + "' reads as a fraction of RAM, and is more than all of it (give a fraction up to 1, or a size such as 2GiB)");
       return static_cast<int64_t>(v * physical_ram_bytes());
@@ -66,11 +67,12 @@ Result<int64_t> parse_memory_size(const std::string& s) {
 Result<int64_t> parse_byte_size(const std::string& s) {
   char* end = nullptr;
   const double v = std::strtod(s.c_str(), &end);
-  const bool fraction = end != s.c_str() && *end == '\0' && v <= 1.0 && s.find('.') != std::string::npos;  // as parse_memory_size reads it
+  const bool fraction = end != s.c_str() && *end == '\0' && v <= 1.0 && v > 0 && (s.find('.') != std::string::npos || v < 1.0);  // as parse_memory_size reads it
   if (fraction)
     return Result<int64_t>::error("'" + s + "' would be a fraction of RAM (as --kv-cache-memory takes it), which is no size here: "
                                   "give bytes with a unit (examples: 20GiB, 512MiB)");
   auto bytes = parse_memory_size(s);
+  if (!bytes && end != s.c_str() && std::isfinite(v) && v <= 0) return Result<int64_t>::error("size '" + s + "' must be more than 0");
   if (!bytes) return Result<int64_t>::error("cannot read size '" + s + "' (examples: 20GiB, 512MiB, 1073741824)");
   return bytes;
 }

@@ -130,6 +130,15 @@ def test_bad_flags_exit_nonzero():
     assert run("frobnicate").returncode != 0
 
 
+def test_empty_text_flags_are_refused_at_start():
+    # --api-key "$KEY" with KEY unset started a server that answered every request 401 (a
+    # black-box test); an unnamed model answered to "" alone.
+    for cmd in (["serve", "-m", MODEL], ["router", "-m", MODEL, "--replica", "http://127.0.0.1:9"]):
+        for flag in ("--api-key", "--served-model-name"):
+            r = run(*cmd, flag, "", timeout=10)
+            assert r.returncode != 0 and f"{flag}: must not be empty" in r.stderr, (cmd, flag, r.stderr)
+
+
 def test_version_and_an_unknown_command():
     r = run("--version", timeout=10)
     assert r.returncode == 0 and r.stdout.startswith("kvserve git ") and "kernels for this CPU" in r.stdout, r
