@@ -211,6 +211,17 @@ void HttpServer::stop() {
   // Handlers now cancel their requests and write the ends (abort finishes, error event, [DONE]);
   // httplib cuts chunked responses once it is stopped, so they get a moment to finish first.
   wait_idle(5);
+  // Dashboard streams end themselves once draining (an end chunk: a browser then sees the stream
+  // close, not ERR_INCOMPLETE_CHUNKED_ENCODING); each looks at most once a second (wait_newer).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(1500);
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> l(dashboards_mu_);
+      if (dashboards_.empty()) break;
+    }
+    if (std::chrono::steady_clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   svr_->stop();
 }
 

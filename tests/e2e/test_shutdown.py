@@ -138,6 +138,37 @@ def test_a_second_signal_exits_at_once():
     assert s.proc.returncode == 128 + signal.SIGTERM
 
 
+def test_dashboard_streams_end_cleanly_when_the_server_stops():
+    """A stopping server cut /dashboard/events without the chunked body's end (requests raised
+    ChunkedEncodingError, Chromium logged ERR_INCOMPLETE_CHUNKED_ENCODING; a black-box test): it
+    waits for them to end themselves, as they do once it drains."""
+    s = Server(max_model_len=512, kv_memory="32MiB")
+    got = {}
+
+    def watch():
+        try:
+            with requests.get(s.url + "/dashboard/events", stream=True, timeout=30) as r:
+                got["status"] = r.status_code
+                got["bytes"] = sum(len(chunk) for chunk in r.iter_content(chunk_size=None))
+                got["clean"] = True
+        except requests.exceptions.ChunkedEncodingError as e:
+            got["clean"] = False
+            got["error"] = repr(e)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    deadline = time.time() + 10
+    while "status" not in got:  # the stream is open
+        assert time.time() < deadline
+        time.sleep(0.05)
+    time.sleep(0.3)
+    s.proc.send_signal(signal.SIGINT)
+    s.proc.wait(timeout=30)
+    t.join(timeout=10)
+    assert s.proc.returncode == 0
+    assert got.get("status") == 200 and got.get("clean") is True, got
+
+
 def test_a_client_that_leaves_a_non_streamed_request_cancels_it(server):
     # 400 tokens would take seconds; the server sees the socket close within a poll.
     before = server.metrics().get(ABORTED_CLIENT, 0)
