@@ -251,7 +251,7 @@ class Tokenizer:
         for conv in (conversation if batched else [conversation]):
             body: Dict[str, Any] = {"messages": conv, "add_generation_prompt": add_generation_prompt}
             if continue_final_message:
-                body["continue_final_message"] = True  # refused, with the server's reason
+                body["continue_final_message"] = True  # the last message left open, as transformers
             if tools is not None:
                 body["tools"] = tools
             if kwargs:

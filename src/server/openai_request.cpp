@@ -669,9 +669,21 @@ namespace {
 // transformers' apply_chat_template(tokenize=False): the template writes any BOS.
 // tools: the request's (parse_tool_list), the template's `tools` variable.
 std::string chat_prompt_text(const Fields& f, const ApiContext& ctx, const std::vector<ToolSpec>& tools) {
-  // Fields that would change the rendered prompt (here, so that /tokenize refuses them too).
-  if (f.requested("continue_final_message")) unsupported("continue_final_message", "the prompt always ends with a new assistant turn.");
   std::vector<ChatMessage> msgs = parse_messages(f);
+  // vLLM's continue_final_message: the last message is left open (no end of turn after it), so the
+  // model goes on with it ("prefilling" an answer). As transformers finds where it ends: a tag
+  // appended to its text, the rendering cut at the tag.
+  const bool continue_final = f.boolean("continue_final_message").value_or(false);
+  static const std::string kTag = "CONTINUE_FINAL_MESSAGE_TAG ";
+  std::string final_text;
+  if (continue_final) {
+    if (f.boolean("add_generation_prompt").value_or(false))
+      value_error("continue_final_message", "cannot be true with 'add_generation_prompt' true (vLLM's rule): the prompt would end with a new turn.");
+    ChatMessage& last = msgs.back();
+    final_text = last.parts.empty() ? last.content : last.parts.back();
+    if (!last.parts.empty()) last.parts.back() += kTag;
+    last.content += kTag;  // content is the parts' join: the last part ends it
+  }
   // vLLM's request fields: this request's template (its text) and extra template variables.
   std::optional<ChatTemplate> own;
   if (auto src = f.string("chat_template"); src && !src->empty()) {  // "" : the default, as vLLM
@@ -699,9 +711,22 @@ std::string chat_prompt_text(const Fields& f, const ApiContext& ctx, const std::
     extra["tools"] = nlohmann::ordered_json::array();
     for (const ToolSpec& t : tools) extra["tools"].push_back(t.for_template);
   }
-  bool add_generation_prompt = f.boolean("add_generation_prompt").value_or(true);
+  bool add_generation_prompt = !continue_final && f.boolean("add_generation_prompt").value_or(true);
   Result<std::string> text = tmpl->render(msgs, add_generation_prompt, ctx.bos_text, ctx.eos_text, extra);
   if (!text) throw bad_request(text.message(), own ? "chat_template" : "messages", "chat_template_error");
+  if (continue_final) {
+    auto strip = [](const std::string& t) {
+      const size_t b = t.find_first_not_of(" \t\n\r\f\v"), e = t.find_last_not_of(" \t\n\r\f\v");
+      return b == std::string::npos ? std::string() : t.substr(b, e - b + 1);
+    };
+    const std::string tag = strip(kTag);
+    const size_t at = text->rfind(tag);
+    if (at == std::string::npos || text->find(strip(final_text)) == std::string::npos)
+      value_error("continue_final_message", "the final message does not appear in the rendered prompt (the chat template leaves it out or changes it), so it cannot be continued.");
+    const bool spacing_kept = text->compare(at, kTag.size(), kTag) == 0;
+    text->resize(at);
+    if (!spacing_kept) text->erase(text->find_last_not_of(" \t\n\r\f\v") + 1);  // the template trimmed the message
+  }
   return std::move(*text);
 }
 

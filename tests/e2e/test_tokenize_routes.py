@@ -102,7 +102,7 @@ def test_bad_tokenize_requests(server):
                               ("/tokenize", {"prompt": "a", "content": "b"}, "content"),
                               # what chat completions refuses, since it would change the prompt
                               ("/tokenize", {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
-                                             "add_generation_prompt": False, "continue_final_message": True}, "continue_final_message"),
+                                             "add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
                               # the template's tools are checked as chat's (tests/e2e/test_tool_calling.py renders them)
                               ("/tokenize", {"messages": [{"role": "user", "content": "a"}],
                                              "tools": [{"type": "function"}]}, "tools[0].function")]:
@@ -111,3 +111,28 @@ def test_bad_tokenize_requests(server):
         assert r.json()["error"]["param"] == param
     assert requests.post(server.url + "/tokenize", json={"model": "nope", "prompt": "x"}, timeout=10).status_code == 404
     assert requests.get(server.url + "/tokenize", timeout=10).status_code == 405
+
+
+def test_continue_final_message_leaves_the_last_turn_open_as_transformers(server, client):
+    """vLLM's continue_final_message (it was refused here): the prompt ends inside the last message,
+    as transformers' apply_chat_template(continue_final_message=True) renders it (the oracle, on
+    SmolLM2's own template from the GGUF), and the model goes on with that message."""
+    from gguf import GGUFReader
+    from transformers.utils.chat_template_utils import render_jinja_template
+    field = GGUFReader(MODEL).fields["tokenizer.chat_template"]
+    source = bytes(field.parts[field.data[0]]).decode("utf-8")
+    tok = tokenizer_ref.load_tokenizer(MODEL)
+    for last in ("The capital of France is", "  Paris,  ", [{"type": "text", "text": "Yes."}, {"type": "text", "text": "The capital is"}]):
+        msgs = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": last}]
+        # parts reach a string-content template joined by "\n", as vLLM passes them (the oracle takes the string)
+        joined = last if isinstance(last, str) else "\n".join(p["text"] for p in last)
+        want, _ = render_jinja_template(conversations=[[msgs[0], {**msgs[1], "content": joined}]], chat_template=source,
+                                        continue_final_message=True)
+        j = requests.post(server.url + "/tokenize", json={"messages": msgs, "continue_final_message": True,
+                                                            "add_generation_prompt": False}, timeout=10).json()
+        assert j["tokens"] == tok.encode(want[0]).ids, (last, want[0], tok.decode(j["tokens"]))
+        assert not want[0].rstrip().endswith("<|im_end|>")
+    msgs = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "The capital of France is"}]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=4, temperature=0,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
