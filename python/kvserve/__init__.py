@@ -103,6 +103,7 @@ class SamplingParams:
     stop: Optional[Union[str, List[str]]] = None
     stop_token_ids: Optional[List[int]] = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     truncate_prompt_tokens: Optional[int] = None
     ignore_eos: bool = False
     max_tokens: Optional[int] = 16
@@ -143,6 +144,8 @@ class SamplingParams:
             b["stop_token_ids"] = list(self.stop_token_ids)
         if self.include_stop_str_in_output:
             b["include_stop_str_in_output"] = True
+        if self.skip_special_tokens is not True:
+            b["skip_special_tokens"] = self.skip_special_tokens  # the server's parser checks the type
         if self.truncate_prompt_tokens is not None:
             b["truncate_prompt_tokens"] = self.truncate_prompt_tokens
         if self.max_tokens is not None:

@@ -133,7 +133,8 @@ struct Engine::Sequence {
   // Structured output: this choice's walk through the request's constraint (null: none).
   std::unique_ptr<ConstraintMatcher> constraint;
 
-  Sequence(const Tokenizer& tok, const SamplingParams& sp) : sampler(sp), detok(tok) {}
+  Sequence(const Tokenizer& tok, const RequestParams& p, const SamplingParams& sp)
+      : sampler(sp), detok(tok, /*special=*/!p.skip_special_tokens) {}
   int64_t to_compute() const { return static_cast<int64_t>(tokens.size()) - n_computed; }
   // Prompt logprobs still to compute: their positions' logits must come from runs of this
   // sequence (never from the prefix cache, which keeps K/V, not logits).
@@ -390,7 +391,7 @@ void Engine::drain_incoming() {
       std::sort(m.begin(), m.end());
       m.erase(std::unique(m.begin(), m.end()), m.end());
     }
-    auto s = std::make_unique<Sequence>(tok_, rs->req.params.sampling);
+    auto s = std::make_unique<Sequence>(tok_, rs->req.params, rs->req.params.sampling);
     s->id = next_seq_id_++;
     s->rs = rs;
     s->tokens = rs->req.prompt;
@@ -895,7 +896,7 @@ void Engine::maybe_offload(Sequence& s) {
 Engine::Sequence* Engine::fork(Sequence& parent, int32_t index) {
   SamplingParams sp = parent.rs->req.params.sampling;
   sp.seed = sp.seed + static_cast<uint64_t>(index) * 0x9E3779B97F4A7C15ull;
-  auto c = std::make_unique<Sequence>(tok_, sp);
+  auto c = std::make_unique<Sequence>(tok_, parent.rs->req.params, sp);
   c->id = next_seq_id_++;
   c->rs = parent.rs;
   c->index = index;

@@ -27,6 +27,7 @@ struct RequestParams {
   int32_t max_tokens = 16;           // new tokens per choice; 0: the prompt alone (its KV, its prompt_logprobs)
   std::vector<std::string> stop;     // stop strings: matched across token boundaries
   bool include_stop_str = false;     // vLLM's include_stop_str_in_output: the matched stop string is emitted
+  bool skip_special_tokens = true;   // vLLM's: false writes special tokens' text (<|im_start|>) into the output
   // Token ids that end a choice as end-of-generation does (vLLM's stop_token_ids; not under
   // ignore_eos's control): the token's text is kept, unless it is a control token.
   std::vector<int32_t> stop_token_ids;

@@ -261,8 +261,9 @@ void parse_common(const Fields& f, const ApiContext& ctx, ApiRequest* r, ReadCon
   if (f.requested("use_beam_search")) unsupported("use_beam_search", "");
   for (const char* name : {"bad_words", "allowed_token_ids", "logits_processors", "samplers"})  // samplers: llama.cpp's order
     if (f.requested(name)) unsupported(name, "");
-  if (const json* v = f.get("skip_special_tokens"); v && v->is_boolean() && !v->get<bool>())
-    unsupported("skip_special_tokens", "special tokens are never part of the text.");
+  // vLLM's skip_special_tokens (default true): false writes control tokens' text into the output
+  // (the end of generation itself is not text: it ends the choice).
+  r->params.skip_special_tokens = f.boolean("skip_special_tokens").value_or(true);
   if (f.requested("return_tokens_as_token_ids")) unsupported("return_tokens_as_token_ids", "");
   // Samplers of llama.cpp and others that this one does not have, unless at their "off" value.
   for (auto [name, off] : {std::pair<const char*, double>{"typical_p", 1.0}, {"tfs_z", 1.0}, {"mirostat", 0.0},

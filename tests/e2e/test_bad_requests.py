@@ -182,7 +182,8 @@ CORPUS = [
     ("stop_token_ids not ids", "POST", C, JSON, comp(stop_token_ids="abc"), 400, "stop_token_ids"),
     ("include_stop_str_in_output not a bool", "POST", C, JSON, comp(include_stop_str_in_output="yes", stop=["a"]), 400,
      "include_stop_str_in_output"),
-    ("continue_final_message", "POST", CH, JSON, chat(continue_final_message=True), 400, "continue_final_message"),
+    ("continue_final_message with add_generation_prompt", "POST", CH, JSON,
+     chat(continue_final_message=True, add_generation_prompt=True), 400, "continue_final_message"),
     # More of them, found by a user test (each answered 200 as if it had not been sent).
     ("guided_json not a schema", "POST", CH, JSON, chat(guided_json="not json"), 400, "guided_json"),
     ("guided_choice empty", "POST", C, JSON, comp(guided_choice=[]), 400, "guided_choice"),
@@ -191,7 +192,7 @@ CORPUS = [
     ("truncate_prompt_tokens 0", "POST", C, JSON, comp(truncate_prompt_tokens=0), 400, "truncate_prompt_tokens"),
     ("truncate_prompt_tokens -2", "POST", CH, JSON, chat(truncate_prompt_tokens=-2), 400, "truncate_prompt_tokens"),
     ("echo on chat", "POST", CH, JSON, chat(echo=True), 400, "echo"),
-    ("skip_special_tokens false", "POST", CH, JSON, chat(skip_special_tokens=False), 400, "skip_special_tokens"),
+    ("skip_special_tokens not a bool", "POST", CH, JSON, chat(skip_special_tokens="no"), 400, "skip_special_tokens"),
     ("typical_p", "POST", C, JSON, comp(typical_p=0.5), 400, "typical_p"),
     ("mirostat", "POST", C, JSON, comp(mirostat=2), 400, "mirostat"),
     ("dry_multiplier", "POST", CH, JSON, chat(dry_multiplier=0.8), 400, "dry_multiplier"),

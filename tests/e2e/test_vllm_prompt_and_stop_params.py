@@ -103,3 +103,22 @@ def test_python_api_include_stop_str_and_truncation(server):
         assert len(out.prompt_token_ids) == 3
     finally:
         llm.close()
+
+
+def test_skip_special_tokens_false_writes_control_tokens_as_vllm(server):
+    """vLLM's skip_special_tokens (it was refused): false puts control tokens' text in the output,
+    spelled as HuggingFace's decode(skip_special_tokens=False) (the oracle); the default leaves
+    them out. A forced control token (logit_bias) shows which."""
+    tok = tokenizer_ref.load_tokenizer(MODEL)
+    im_start = tok.token_to_id("<|im_start|>")
+    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0, "logit_bias": {str(im_start): 100}, "logprobs": 0}
+    for skip in (True, False):
+        r = requests.post(server.url + "/v1/completions", json={**body, "skip_special_tokens": skip}, timeout=60).json()
+        c = r["choices"][0]
+        ids = [tok.token_to_id(t) if tok.token_to_id(t) is not None else None for t in c["logprobs"]["tokens"]]
+        assert ids[0] == im_start, c
+        assert c["text"] == tok.decode([im_start] * 3, skip_special_tokens=skip), (skip, c["text"])
+        s = requests.post(server.url + "/v1/completions", json={**body, "skip_special_tokens": skip, "stream": True}, timeout=60, stream=True)
+        streamed = "".join(ch["text"] for line in s.iter_lines(decode_unicode=True) if line.startswith("data: {")
+                           for ch in __import__("json").loads(line[6:])["choices"])
+        assert streamed == c["text"]
