@@ -75,6 +75,21 @@ std::string xgrammar_message(std::string msg) {
   return msg;
 }
 
+// vLLM's grammar_is_likely_lark: no line (comments "#" and "//" removed) defines an EBNF rule.
+bool is_lark(const std::string& g) {
+  size_t at = 0;
+  while (at <= g.size()) {
+    size_t end = g.find('\n', at);
+    if (end == std::string::npos) end = g.size();
+    std::string line = g.substr(at, end - at);
+    for (const char* c : {"#", "//"})
+      if (size_t k = line.find(c); k != std::string::npos) line.resize(k);
+    if (line.find("::=") != std::string::npos) return false;
+    at = end + 1;
+  }
+  return true;
+}
+
 // PCRE / Python syntax xgrammar's ECMAScript-style regexes read as something else without a
 // warning: a POSIX class ("[[:alpha:]]" is the class "[:alph" then "]"), and "\x{41}" ("x"
 // 41 times). Throws std::invalid_argument naming `where`.
@@ -151,6 +166,9 @@ std::shared_ptr<const CompiledConstraint> ConstraintCompiler::compile(const Outp
         refuse_foreign_regex(c.spec, "the regex");
         return checked([&] { return impl_->compiler.CompileRegex(c.spec); });
       case OutputConstraint::Kind::kGrammar:
+        // As vLLM tells them apart: a grammar with no "::=" rule is Lark's (start rule "start"),
+        // which its xgrammar backend converts; xgrammar compiles Lark itself.
+        if (is_lark(c.spec)) return checked([&] { return impl_->compiler.CompileLark(c.spec); });
         return checked([&] { return impl_->compiler.CompileGrammar(c.spec, "root"); });
       case OutputConstraint::Kind::kChoice: {
         if (c.choices.empty()) throw std::invalid_argument("the list of choices is empty.");

@@ -154,6 +154,15 @@ def test_gbnf_grammar_as_llama_cpp_takes_it(client):
         assert c.finish_reason == "stop" and re.fullmatch(r"(red|green|blue) [1-9][0-9]?", c.text), c.text
 
 
+def test_lark_grammars_as_vllm_takes_them(client):
+    # vLLM's xgrammar backend takes Lark too (a grammar with no "::=" rule; start rule "start"); it was a 400 here
+    lark = 'start: color " " NUMBER\ncolor: "red" | "green" | "blue"\nNUMBER: /[1-9][0-9]?/'
+    r = client.completions.create(model=MODEL_NAME, prompt="A colour and a number:", temperature=1.0, seed=8, n=4,
+                                  max_tokens=10, extra_body={"guided_grammar": lark})
+    for c in r.choices:
+        assert c.finish_reason == "stop" and re.fullmatch(r"(red|green|blue) [1-9][0-9]?", c.text), c.text
+
+
 def test_llama_cpp_json_schema_field(client):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
     r = chat(client, temperature=0, max_tokens=30, extra_body={"json_schema": schema})
