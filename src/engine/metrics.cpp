@@ -163,7 +163,7 @@ std::string render_prometheus(const MetricsSnapshot& m) {
   counter(out, "kvserve:kv_reindex_preemptions_total",
           "Sequences preempted at max_model_len: their evicted tokens dropped, the kept ones recomputed at re-indexed positions.",
           double(m.kv_reindex_preemptions_total));
-  counter(out, "kvserve:prompt_tokens_total", "Prompt tokens computed (prefill work: prefix-cache and tier hits are not counted, a preempted prompt's recomputation is; vLLM's counts every prompt token).", double(m.prompt_tokens_total));
+  counter(out, "kvserve:prompt_tokens_total", "Prompt tokens computed (prefill work: prefix-cache and tier hits are not counted; after a preemption, prompt tokens computed again are, generated tokens computed again are not; vLLM's counts every prompt token once).", double(m.prompt_tokens_total));
   counter(out, "kvserve:generation_tokens_total", "Tokens generated.", double(m.generation_tokens_total));
   counter(out, "kvserve:request_success_total", "Requests finished normally.", double(m.request_success_total));
   std::vector<std::pair<const char*, int64_t>> aborted;
