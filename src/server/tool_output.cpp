@@ -301,6 +301,12 @@ std::vector<ordered> ToolCallStream::finish(std::string* finish_reason) {
     case ToolChoice::Kind::kRequired:
       // Only a whole array is calls to make: a stop string can end the text inside the JSON.
       if (*finish_reason == "stop" && !m.calls.empty() && nlohmann::json::accept(m.text)) *finish_reason = "tool_calls";
+      // Cut (max_tokens) before a first call's name was whole: the text is the content, not lost
+      // (the message had neither content nor calls; a black-box test).
+      if (m.calls.empty() && !m.text.empty()) {
+        m.content = m.text;
+        out.push_back(content_delta(m.text));
+      }
       break;
     case ToolChoice::Kind::kAuto:
       if (m.in_calls) {
@@ -327,8 +333,9 @@ std::vector<ordered> ToolCallStream::finish(std::string* finish_reason) {
 ordered ToolCallStream::message() const {
   const Impl& m = *impl_;
   // Content is text the model wrote beside its calls; a forced call has none (null, as OpenAI).
-  const bool has_content = (m.choice.kind == ToolChoice::Kind::kAuto || m.choice.kind == ToolChoice::Kind::kNone) &&
-                           (m.calls.empty() || !m.content.empty());
+  const bool has_content = ((m.choice.kind == ToolChoice::Kind::kAuto || m.choice.kind == ToolChoice::Kind::kNone) &&
+                            (m.calls.empty() || !m.content.empty())) ||
+                           (m.choice.kind == ToolChoice::Kind::kRequired && m.calls.empty() && !m.content.empty());
   ordered msg = {{"role", "assistant"}, {"content", has_content ? ordered(m.content) : ordered(nullptr)}, {"refusal", nullptr}};
   if (!m.calls.empty()) {
     ordered calls = ordered::array();

@@ -531,3 +531,17 @@ def test_auto_keeps_one_call_without_parallel_tool_calls(hermes):
                                    parallel_tool_calls=False, extra_body={"structured_outputs": {"regex": FORCED_TWO}})
     c = r.choices[0]
     assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+
+
+def test_a_required_choice_cut_before_its_first_name_keeps_its_text(client):
+    """max_tokens can end a "required" answer before its first call's name is whole: the message had
+    no content and no calls, the text was lost (a black-box test). The text is the content now,
+    streamed or not, with finish_reason "length"."""
+    whole = chat(client, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=60, extra_body=NO_WS).choices[0]
+    assert whole.message.tool_calls
+    r = chat(client, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=3, extra_body=NO_WS).choices[0]
+    assert r.finish_reason == "length" and not r.message.tool_calls, r
+    assert r.message.content and r.message.content.startswith("["), r
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chat(client, tools=TOOLS, tool_choice="required", temperature=0,
+                                                                        max_tokens=3, stream=True, extra_body=NO_WS) if ch.choices)
+    assert streamed == r.message.content
