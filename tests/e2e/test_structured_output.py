@@ -146,19 +146,14 @@ def test_choice_output_is_one_of_them(client):
     assert len(seen) >= 2  # temperature 1: not one answer forced
 
 
-def test_gbnf_grammar_as_llama_cpp_takes_it(client):
-    gbnf = 'root ::= colour " " number\ncolour ::= "red" | "green" | "blue"\nnumber ::= [1-9] [0-9]?'
+@pytest.mark.parametrize("field,grammar", [
+    ("grammar", 'root ::= colour " " number\ncolour ::= "red" | "green" | "blue"\nnumber ::= [1-9] [0-9]?'),  # llama.cpp's GBNF
+    # vLLM's xgrammar backend takes Lark too (no "::=" rule; start rule "start"); it was a 400 here
+    ("guided_grammar", 'start: color " " NUMBER\ncolor: "red" | "green" | "blue"\nNUMBER: /[1-9][0-9]?/'),
+], ids=["gbnf", "lark"])
+def test_grammars_as_llama_cpp_and_vllm_take_them(client, field, grammar):
     r = client.completions.create(model=MODEL_NAME, prompt="A colour and a number:", temperature=1.0, seed=8, n=4,
-                                  max_tokens=10, extra_body={"grammar": gbnf})
-    for c in r.choices:
-        assert c.finish_reason == "stop" and re.fullmatch(r"(red|green|blue) [1-9][0-9]?", c.text), c.text
-
-
-def test_lark_grammars_as_vllm_takes_them(client):
-    # vLLM's xgrammar backend takes Lark too (a grammar with no "::=" rule; start rule "start"); it was a 400 here
-    lark = 'start: color " " NUMBER\ncolor: "red" | "green" | "blue"\nNUMBER: /[1-9][0-9]?/'
-    r = client.completions.create(model=MODEL_NAME, prompt="A colour and a number:", temperature=1.0, seed=8, n=4,
-                                  max_tokens=10, extra_body={"guided_grammar": lark})
+                                  max_tokens=10, extra_body={field: grammar})
     for c in r.choices:
         assert c.finish_reason == "stop" and re.fullmatch(r"(red|green|blue) [1-9][0-9]?", c.text), c.text
 
