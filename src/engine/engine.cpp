@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 
 #include <xxhash.h>
 
@@ -75,6 +76,9 @@ struct RequestState {
   int64_t kv_tokens_kept = 0, kv_tokens_evicted = 0, kv_tokens_reindexed = 0;  // KV policy outcome, summed over finished choices
   bool forked = false;      // n > 1: children created after the prompt's prefill
   bool first_token = false;
+  // When it was first scheduled (admitted to the batch) and drew its first token: the request
+  // phase histograms (kvserve:request_{queue,prefill,decode,inference}_time_seconds).
+  std::optional<Clock::time_point> scheduled_at, first_token_at;
   // min_tokens > 0: the ids a choice may not draw before it has min_tokens tokens (the
   // tokenizer's end-of-generation ids and the request's stop_token_ids, as vLLM's
   // all_stop_token_ids).
@@ -633,6 +637,7 @@ bool Engine::schedule(Plan* plan) {
     int32_t n = 0;
     const int64_t want = lp_limit(s, std::min(budget, cap));
     if (want <= 0 || !admit(s, want, &n)) break;  // no overtaking: the chosen request waits for room
+    if (!s.rs->scheduled_at) s.rs->scheduled_at = Clock::now();  // a preempted one keeps its first
     slots += slots_of(s);
     running_.push_back(std::move(*pick));
     waiting_.erase(pick);
@@ -1050,6 +1055,7 @@ void Engine::postprocess(Plan& plan, const float* logits) {
     }
     if (!rs.first_token) {
       rs.first_token = true;
+      rs.first_token_at = now;
       metrics_.observe_ttft(seconds(rs.req.arrival, now));
     }
   }
@@ -1556,7 +1562,13 @@ void Engine::maybe_finish_request(Sequence& s) {
   }
   // Metrics first: a client that sees its response must also see it counted.
   metrics_.add_finished(why);
-  metrics_.observe_e2e(seconds(rs.req.arrival, Clock::now()));
+  const auto done = Clock::now();
+  metrics_.observe_e2e(seconds(rs.req.arrival, done));
+  const double unset = -1;
+  metrics_.observe_request(rs.scheduled_at ? seconds(rs.req.arrival, *rs.scheduled_at) : unset,
+                           rs.scheduled_at && rs.first_token_at ? seconds(*rs.scheduled_at, *rs.first_token_at) : unset,
+                           rs.first_token_at ? seconds(*rs.first_token_at, done) : unset,
+                           rs.scheduled_at ? seconds(*rs.scheduled_at, done) : unset, u.prompt_tokens, u.completion_tokens);
   finishing_.emplace_back(rs.req.stream, u);  // done at the end of the step, after the gauges
   const bool at_length = rs.completion_tokens >= int64_t(rs.req.params.max_tokens) * rs.req.params.n ||
                          (!goes_past_context(s) && static_cast<int64_t>(s.tokens.size()) >= cfg_.max_model_len);

@@ -34,6 +34,12 @@ Metrics::Metrics() {
     m_.step_phase.push_back(Histogram({1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5}));
   m_.kv_kept_tokens = Histogram({64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072});
   m_.e2e = Histogram({0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0});
+  m_.queue_time = m_.prefill_time = m_.decode_time = m_.inference_time = m_.e2e;  // vLLM's request_*_time buckets are e2e's
+  // vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to past the longest context.
+  std::vector<double> counts;
+  for (double d = 1; d <= 1e6; d *= 10)
+    for (double m : {1.0, 2.0, 5.0}) counts.push_back(d * m);
+  m_.request_prompt_tokens = m_.request_generation_tokens = Histogram(counts);
 }
 
 void Metrics::set_gauges(int64_t running, int64_t waiting, int64_t pages_total, int64_t pages_used) {
@@ -98,6 +104,16 @@ void Metrics::add_rejected(bool queue_full) {
 void Metrics::observe_ttft(double s) { std::lock_guard<std::mutex> l(mu_); m_.ttft.observe(s); }
 void Metrics::observe_itl(double s) { std::lock_guard<std::mutex> l(mu_); m_.itl.observe(s); }
 void Metrics::observe_e2e(double s) { std::lock_guard<std::mutex> l(mu_); m_.e2e.observe(s); }
+void Metrics::observe_request(double queue_s, double prefill_s, double decode_s, double inference_s, int64_t prompt_tokens,
+                              int64_t generation_tokens) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (queue_s >= 0) m_.queue_time.observe(queue_s);
+  if (prefill_s >= 0) m_.prefill_time.observe(prefill_s);
+  if (decode_s >= 0) m_.decode_time.observe(decode_s);
+  if (inference_s >= 0) m_.inference_time.observe(inference_s);
+  m_.request_prompt_tokens.observe(double(prompt_tokens));
+  m_.request_generation_tokens.observe(double(generation_tokens));
+}
 void Metrics::observe_step(const double* phase_seconds) {
   std::lock_guard<std::mutex> l(mu_);
   for (int i = 0; i < kNumStepPhases; ++i) m_.step_phase[i].observe(phase_seconds[i]);
@@ -193,6 +209,12 @@ std::string render_prometheus(const MetricsSnapshot& m) {
   histogram(out, "kvserve:time_to_first_token_seconds", "Time to first token.", m.ttft);
   histogram(out, "kvserve:inter_token_latency_seconds", "Time between tokens of a sequence.", m.itl);
   histogram(out, "kvserve:e2e_request_latency_seconds", "Request latency from arrival to finish.", m.e2e);
+  histogram(out, "kvserve:request_queue_time_seconds", "Time a request waited before it was first scheduled.", m.queue_time);
+  histogram(out, "kvserve:request_prefill_time_seconds", "Time from a request's first scheduling to its first token.", m.prefill_time);
+  histogram(out, "kvserve:request_decode_time_seconds", "Time from a request's first token to its finish.", m.decode_time);
+  histogram(out, "kvserve:request_inference_time_seconds", "Time from a request's first scheduling to its finish.", m.inference_time);
+  histogram(out, "kvserve:request_prompt_tokens", "Prompt tokens per finished request.", m.request_prompt_tokens);
+  histogram(out, "kvserve:request_generation_tokens", "Generated tokens per finished request (all its choices).", m.request_generation_tokens);
   histogram(out, "kvserve:kv_kept_tokens", "Tokens of KV kept per finished sequence under an eviction policy.", m.kv_kept_tokens);
   if (!m.step_phase.empty()) {
     const char* name = "kvserve:step_phase_seconds";

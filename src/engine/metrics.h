@@ -73,6 +73,10 @@ struct MetricsSnapshot {
   int64_t kv_reindexed_tokens_total = 0;  // positions given back by re-indexing past max_model_len
   int64_t kv_reindex_preemptions_total = 0;  // of those, by preempting at the limit and recomputing
   Histogram ttft{{}}, itl{{}}, e2e{{}};
+  // vLLM's per-request phases (seconds): waiting before first scheduled, scheduled to first
+  // token, first token to finish, scheduled to finish; and its per-request token counts.
+  Histogram queue_time{{}}, prefill_time{{}}, decode_time{{}}, inference_time{{}};
+  Histogram request_prompt_tokens{{}}, request_generation_tokens{{}};
   Histogram kv_kept_tokens{{}};       // per finished sequence under an eviction policy
   std::vector<Histogram> step_phase;  // [kNumStepPhases] seconds per step and phase
   // KV tiers below RAM (kv/tier_manager.h), one entry per store; empty without tiers.
@@ -123,6 +127,9 @@ class Metrics {
   void observe_ttft(double s);
   void observe_itl(double s);
   void observe_e2e(double s);
+  // A finished request's phases (a negative time: it never reached that phase) and token counts.
+  void observe_request(double queue_s, double prefill_s, double decode_s, double inference_s, int64_t prompt_tokens,
+                       int64_t generation_tokens);
   // One step's seconds per phase ([kNumStepPhases], indexed by StepPhase).
   void observe_step(const double* phase_seconds);
   MetricsSnapshot snapshot() const;

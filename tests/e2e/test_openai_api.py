@@ -563,3 +563,29 @@ def test_min_tokens_keeps_seeded_sampling_reproducible(client):
     a, b = chat(client, **kw), chat(client, **kw)
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
     assert a.usage.completion_tokens >= 30 and a.usage.completion_tokens == b.usage.completion_tokens
+
+
+def test_request_phase_histograms_as_vllm(server, client):
+    """vLLM's per-request histograms (an operator's dashboards read them; a black-box test found
+    them missing): queue, prefill, decode and inference time, and prompt / generation tokens per
+    request. One request's phases add up: queue + inference = e2e, prefill + decode = inference."""
+    def h(m, name, what):
+        return m.get(f"kvserve:{name}_{what}", 0.0)
+
+    names = ["request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+             "request_inference_time_seconds", "e2e_request_latency_seconds", "request_prompt_tokens", "request_generation_tokens"]
+    before = server.metrics()
+    r = client.completions.create(model=MODEL_NAME, prompt="Count to ten: one, two,", max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    deadline = time.time() + 5
+    while h(after := server.metrics(), "request_generation_tokens", "count") < h(before, "request_generation_tokens", "count") + 1:
+        assert time.time() < deadline
+        time.sleep(0.02)
+    d = {n: (h(after, n, "count") - h(before, n, "count"), h(after, n, "sum") - h(before, n, "sum")) for n in names}
+    assert all(c == 1 for c, _ in d.values()), d
+    assert d["request_prompt_tokens"][1] == r.usage.prompt_tokens and d["request_generation_tokens"][1] == 12, d
+    sec = {n: d[n][1] for n in names[:5]}
+    assert all(v >= 0 for v in sec.values()), sec
+    assert abs(sec["request_queue_time_seconds"] + sec["request_inference_time_seconds"] - sec["e2e_request_latency_seconds"]) < 0.01, sec
+    assert abs(sec["request_prefill_time_seconds"] + sec["request_decode_time_seconds"] - sec["request_inference_time_seconds"]) < 0.01, sec
+    assert sec["request_decode_time_seconds"] > 0
