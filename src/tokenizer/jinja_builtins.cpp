@@ -150,19 +150,18 @@ std::string py_replace(Interp& in, const std::string& s, const std::string& from
   return out;
 }
 
-bool is_cased_alpha(const std::string& c) { return c.size() == 1 && std::isalpha(static_cast<unsigned char>(c[0])); }
-
-// Python str.title(): a letter after a non-letter is upper-cased, others lower-cased (ASCII letters only).
+// Python's str.title(): a cased character after an uncased one is upper-cased, the others
+// lower-cased (cased: Unicode letters with case, py_is_cased).
 std::string py_title(const std::string& s) {
   std::string out;
   bool prev_cased = false;
   for (auto& c : utf8_chars(s)) {
-    if (is_cased_alpha(c)) {
-      out += prev_cased ? ascii_lower(c) : ascii_upper(c);
+    if (py_is_cased(c)) {
+      out += prev_cased ? py_lower(c) : py_upper(c);
       prev_cased = true;
     } else {
       out += c;
-      prev_cased = c.size() > 1;  // treat non-ASCII letters as cased (approximation)
+      prev_cased = false;
     }
   }
   return out;
@@ -171,7 +170,7 @@ std::string py_title(const std::string& s) {
 std::string py_capitalize(const std::string& s) {
   auto chars = utf8_chars(s);
   std::string out;
-  for (size_t i = 0; i < chars.size(); ++i) out += i == 0 ? ascii_upper(chars[i]) : ascii_lower(chars[i]);
+  for (size_t i = 0; i < chars.size(); ++i) out += i == 0 ? py_upper(chars[i]) : py_lower(chars[i]);
   return out;
 }
 
@@ -185,7 +184,7 @@ std::string jinja_title(const std::string& s) {
       out += c;
       start = true;
     } else {
-      out += start ? ascii_upper(c) : ascii_lower(c);
+      out += start ? py_upper(c) : py_lower(c);
       start = false;
     }
   }
@@ -309,7 +308,7 @@ Value items_of(const Value& v) {
 void sort_values(Interp& in, std::vector<Value>& xs, bool reverse, bool case_sensitive, const std::string& attr) {
   auto key = [&](const Value& v) {
     Value k = attr.empty() ? v : attr_path(in, v, attr);
-    if (!case_sensitive && k.is_string()) return Value(ascii_lower(k.str()));
+    if (!case_sensitive && k.is_string()) return Value(py_lower(k.str()));
     return k;
   };
   in.step(static_cast<int64_t>(xs.size()));
@@ -340,8 +339,8 @@ Value builtin_filter(Interp& in, const std::string& name, const Value& v, CallAr
       default: fail("TypeError", std::string("object of type '") + type_name(v) + "' has no len()");
     }
   }
-  if (name == "upper") return Value(ascii_upper(to_str(v)));
-  if (name == "lower") return Value(ascii_lower(to_str(v)));
+  if (name == "upper") return Value(py_upper(to_str(v)));
+  if (name == "lower") return Value(py_lower(to_str(v)));
   if (name == "capitalize") return Value(py_capitalize(to_str(v)));
   if (name == "title") return Value(jinja_title(to_str(v)));
   if (name == "string") return v.is_string() ? v : Value(to_str(v));
@@ -472,7 +471,7 @@ Value builtin_filter(Interp& in, const std::string& name, const Value& v, CallAr
       in.step();
       bool seen = false;
       for (const auto& y : out)
-        if (equals(x, y) || (x.is_string() && y.is_string() && ascii_lower(x.str()) == ascii_lower(y.str())))
+        if (equals(x, y) || (x.is_string() && y.is_string() && py_lower(x.str()) == py_lower(y.str())))
           seen = true;
       if (!seen) out.push_back(x);
     }
@@ -647,8 +646,8 @@ bool builtin_test(Interp& in, const std::string& name, const Value& v, CallArgs&
       if (equals(v, x)) return true;
     return false;
   }
-  if (name == "lower") return v.is_string() && ascii_lower(v.str()) == v.str();
-  if (name == "upper") return v.is_string() && ascii_upper(v.str()) == v.str();
+  if (name == "lower") return v.is_string() && py_lower(v.str()) == v.str();
+  if (name == "upper") return v.is_string() && py_upper(v.str()) == v.str();
   if (name == "escaped") return false;
   fail("TemplateAssertionError", "No test named '" + name + "'.");
 }
@@ -694,8 +693,8 @@ Value builtin_method(Interp& in, const Value& obj, const std::string& name, Call
     if (name == "split" || name == "rsplit")
       return Value::array(py_split(in, s, a.get(0, "sep"), int_arg(a, 1, "maxsplit", -1), name == "rsplit"));
     if (name == "title") return Value(py_title(s));
-    if (name == "lower") return Value(ascii_lower(s));
-    if (name == "upper") return Value(ascii_upper(s));
+    if (name == "lower") return Value(py_lower(s));
+    if (name == "upper") return Value(py_upper(s));
     if (name == "capitalize") return Value(py_capitalize(s));
     if (name == "replace") {
       if (a.pos.size() < 2) fail("TypeError", "replace expected at least 2 arguments");

@@ -1,11 +1,17 @@
 #include "tokenizer/jinja_value.h"
 
+#include <locale.h>
+
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cwctype>
 #include <limits>
 #include <stdexcept>
+
+#include "tokenizer/utf8.h"
 
 namespace kv::jinja {
 
@@ -203,16 +209,49 @@ std::vector<uint32_t> utf8_starts(const std::string& s) {
   return out;
 }
 
-std::string ascii_lower(std::string s) {
-  for (char& c : s)
-    if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
-  return s;
+// Python's str.lower / str.upper: Unicode's case mapping (glibc's C.UTF-8 tables, simple mappings,
+// plus the one full mapping templates meet, "ß" → "SS"); ASCII text takes the short way.
+namespace {
+locale_t utf8_ctype() {
+  static const locale_t loc = newlocale(LC_CTYPE_MASK, "C.UTF-8", static_cast<locale_t>(nullptr));
+  return loc;
 }
-std::string ascii_upper(std::string s) {
-  for (char& c : s)
-    if (c >= 'a' && c <= 'z') c = static_cast<char>(c - 'a' + 'A');
-  return s;
+template <bool kUpper>
+std::string py_case(std::string s) {
+  bool ascii = true;
+  for (char& c : s) {
+    if (static_cast<unsigned char>(c) >= 0x80) ascii = false;
+    else if (kUpper ? (c >= 'a' && c <= 'z') : (c >= 'A' && c <= 'Z')) c = static_cast<char>(c ^ 0x20);
+  }
+  const locale_t loc = utf8_ctype();
+  if (ascii || !loc) return s;
+  std::string out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size();) {
+    const utf8::Step st = utf8::next(s, i);
+    if (st.kind != utf8::Kind::kValid) {  // not text: kept as it is
+      out.append(s, i, st.n);
+      i += st.n;
+      continue;
+    }
+    if (kUpper && st.cp == 0xDF) out += "SS";
+    else utf8::append(out, static_cast<uint32_t>(kUpper ? towupper_l(static_cast<wint_t>(st.cp), loc) : towlower_l(static_cast<wint_t>(st.cp), loc)));
+    i += st.n;
+  }
+  return out;
 }
+}  // namespace
+
+std::string py_lower(std::string s) { return py_case<false>(std::move(s)); }
+bool py_is_cased(const std::string& ch) {
+  if (ch.size() == 1) return std::isalpha(static_cast<unsigned char>(ch[0])) != 0;
+  const utf8::Step st = utf8::next(ch, 0);
+  const locale_t loc = utf8_ctype();
+  if (st.kind != utf8::Kind::kValid || !loc) return false;
+  const wint_t c = static_cast<wint_t>(st.cp);
+  return iswupper_l(c, loc) || iswlower_l(c, loc) || towupper_l(c, loc) != c || towlower_l(c, loc) != c;
+}
+std::string py_upper(std::string s) { return py_case<true>(std::move(s)); }
 
 // ---- printing ----------------------------------------------------------------------------------------
 

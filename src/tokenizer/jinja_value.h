@@ -126,7 +126,8 @@ std::vector<uint32_t> utf8_starts(const std::string& s);  // byte offset of each
 size_t utf8_length(const std::string& s);
 bool is_py_space(uint32_t cp);
 std::string py_strip(const std::string& s, bool left, bool right, const std::string* chars = nullptr);
-std::string ascii_lower(std::string s);
-std::string ascii_upper(std::string s);
+std::string py_lower(std::string s);  // Python's str.lower / str.upper (Unicode)
+std::string py_upper(std::string s);
+bool py_is_cased(const std::string& ch);  // one UTF-8 character: a letter with case (Python's "cased")
 
 }  // namespace kv::jinja

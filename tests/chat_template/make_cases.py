@@ -303,6 +303,10 @@ TOOL_CONV = [
 
 # Feature probes: (name, template, variables). Rendered with messages=[] unless the variables say otherwise.
 FEATURES = [
+    # Python's case mapping is Unicode's ("ß".upper() is "SS"); the interpreter's was ASCII only (a black-box test)
+    ("unicode_case", "{{ s|upper }}|{{ s|lower }}|{{ s|title }}|{{ s|capitalize }}|{{ s.upper() }}|{{ s.lower() }}|"
+                     "{{ s.title() }}|{{ s.capitalize() }}|{{ 'ÉCOLE' is upper }}{{ 'école' is lower }}",
+     {"s": "straße ÉCOLE élan-vital Ωμέγα"}),
     ("ws_control", "a  {{- 'b' -}}  c\n  {%- if true %}  d {% endif -%}\n\n e", {}),
     ("trim_lstrip", "x\n    {% if true %}\n    y\n    {% endif %}\nz\n", {}),
     ("plus_disables", "x\n    {%+ if true +%}\n    y\n{% endif %}", {}),
