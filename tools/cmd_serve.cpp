@@ -15,6 +15,7 @@
 #include "kernels/matmul.h"
 #include "loaded_model.h"
 #include "server/http_server.h"
+#include "server/http_util.h"
 #include "tokenizer/chat_template.h"
 
 namespace kvtools {
@@ -95,6 +96,8 @@ void run_serve(const ServeOptions& o) {
     chat = std::move(*t);
   }
 
+  if (std::string why = kv::listen_problem(o.host, o.port); !why.empty())
+    fail("cannot listen on " + o.host + ":" + std::to_string(o.port) + ": " + why);
   // Weights and tokenizer only: the engine allocates the KV pool itself from EngineConfig.
   LoadedModel lm = load_model(o.model, o.threads, o.kvo, false, /*with_runtime=*/false);
   auto* file = &lm.file;

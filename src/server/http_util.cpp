@@ -2,13 +2,16 @@
 
 #include <arpa/inet.h>
 #include <dirent.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <string_view>
 
@@ -237,6 +240,33 @@ void raise_listen_backlog(int port) {
     if (addr.ss_family == AF_INET6) bound = ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
     if (bound == port) ::listen(fd, SOMAXCONN);
   }
+}
+
+std::string listen_problem(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0 || !res)
+    return "'" + host + "' is not an address this machine resolves";
+  std::string why = "no usable address";
+  for (addrinfo* a = res; a; a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+    if (fd < 0) continue;
+    int yes = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));  // as bind_exclusive: a TIME_WAIT port is free
+    const int rc = ::bind(fd, a->ai_addr, a->ai_addrlen);
+    const int err = errno;
+    close(fd);
+    if (rc == 0) {
+      why.clear();
+      break;
+    }
+    why = err == EADDRINUSE ? "the port is in use (another server?)" : std::string(std::strerror(err));
+  }
+  freeaddrinfo(res);
+  return why;
 }
 
 bool bind_exclusive(httplib::Server& svr, const std::string& host, int port) {

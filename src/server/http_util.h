@@ -91,6 +91,9 @@ void raise_listen_backlog(int port);
 // SO_REUSEPORT on Linux, with which a second server on a busy port starts and takes a share of
 // its connections. SO_REUSEADDR alone still allows a restart over TIME_WAIT. Raises the backlog.
 bool bind_exclusive(httplib::Server& svr, const std::string& host, int port);
+// Empty when host:port could be listened on now (a probe bind, closed at once), else why not:
+// checked before the weights load, so a taken port is said at once, not after the load.
+std::string listen_problem(const std::string& host, int port);
 
 // The socket of the connection `req` arrived on (its peer and local address), or -1. cpp-httplib
 // 0.11 gives a handler no way to see that its client left while the response is not being

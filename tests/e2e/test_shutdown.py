@@ -437,5 +437,7 @@ def test_a_busy_port_is_refused_not_shared(server):
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         assert p.returncode != 0, p.stderr
         assert "cannot listen on 127.0.0.1:%d" % server.port in p.stderr, p.stderr
+        if cmd[1] == "serve":  # said before the weights load (it came after them; a black-box test)
+            assert "the port is in use" in p.stderr and "loading weights" not in p.stderr, p.stderr
     ids = {requests.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"] for _ in range(20)}
     assert "impostor" not in ids
