@@ -75,6 +75,126 @@ std::string xgrammar_message(std::string msg) {
   return msg;
 }
 
+// ---- which of xgrammar's warnings leave the output's constraint whole ----------------------------
+
+const nlohmann::json* resolve_ref(const nlohmann::json& root, const nlohmann::json& node, int depth = 0) {
+  if (!node.is_object() || depth > 16) return &node;
+  auto ref = node.find("$ref");
+  if (ref == node.end() || !ref->is_string()) return &node;
+  const std::string r = ref->get<std::string>();
+  if (r == "#") return &root;
+  if (r.rfind("#/", 0) != 0) return &node;
+  try {
+    const nlohmann::json& target = root.at(nlohmann::json::json_pointer(r.substr(1)));
+    return resolve_ref(root, target, depth + 1);
+  } catch (const std::exception&) {
+    return &node;
+  }
+}
+
+// The JSON types a schema's values can have, as far as its own keywords say; empty: any.
+std::vector<std::string> value_types(const nlohmann::json& s) {
+  std::vector<std::string> out;
+  auto type_of = [](const nlohmann::json& v) -> std::string {
+    if (v.is_null()) return "null";
+    if (v.is_boolean()) return "boolean";
+    if (v.is_number_integer()) return "integer";
+    if (v.is_number()) return "number";
+    if (v.is_string()) return "string";
+    if (v.is_array()) return "array";
+    return "object";
+  };
+  if (!s.is_object()) return out;
+  if (auto t = s.find("type"); t != s.end()) {
+    if (t->is_string()) out.push_back(t->get<std::string>());
+    else if (t->is_array())
+      for (const auto& e : *t)
+        if (e.is_string()) out.push_back(e.get<std::string>());
+  } else if (auto c = s.find("const"); c != s.end()) {
+    out.push_back(type_of(*c));
+  } else if (auto e = s.find("enum"); e != s.end() && e->is_array()) {
+    for (const auto& v : *e) out.push_back(type_of(v));
+  } else if (s.contains("properties") || s.contains("required") || s.contains("additionalProperties")) {
+    out.push_back("object");
+  } else if (s.contains("items") || s.contains("prefixItems")) {
+    out.push_back("array");
+  }
+  return out;
+}
+
+// Two oneOf branches no value can match both of: their types differ (integer within number), or
+// both are objects requiring a property whose const values differ (a discriminated union, as
+// Pydantic writes one).
+bool disjoint(const nlohmann::json& root, const nlohmann::json& a0, const nlohmann::json& b0) {
+  const nlohmann::json& a = *resolve_ref(root, a0);
+  const nlohmann::json& b = *resolve_ref(root, b0);
+  const auto ta = value_types(a), tb = value_types(b);
+  if (ta.empty() || tb.empty()) return false;
+  auto overlap = [](const std::string& x, const std::string& y) {
+    return x == y || (x == "number" && y == "integer") || (x == "integer" && y == "number");
+  };
+  bool types_meet = false;
+  for (const auto& x : ta)
+    for (const auto& y : tb) types_meet = types_meet || overlap(x, y);
+  if (!types_meet) return true;
+  if (ta != std::vector<std::string>{"object"} || tb != std::vector<std::string>{"object"}) return false;
+  auto props_a = a.find("properties"), props_b = b.find("properties");
+  auto req_a = a.find("required"), req_b = b.find("required");
+  if (props_a == a.end() || props_b == b.end() || req_a == a.end() || req_b == b.end()) return false;
+  auto needs = [](const nlohmann::json& req, const std::string& k) {
+    return req.is_array() && std::find(req.begin(), req.end(), k) != req.end();
+  };
+  auto const_of = [&](const nlohmann::json& p) -> const nlohmann::json* {
+    const nlohmann::json& q = *resolve_ref(root, p);
+    if (!q.is_object()) return nullptr;
+    if (auto c = q.find("const"); c != q.end()) return &*c;
+    if (auto e = q.find("enum"); e != q.end() && e->is_array() && e->size() == 1) return &(*e)[0];
+    return nullptr;
+  };
+  for (const auto& [k, pa] : props_a->items()) {
+    auto pb = props_b->find(k);
+    if (pb == props_b->end() || !needs(*req_a, k) || !needs(*req_b, k)) continue;
+    const nlohmann::json *ca = const_of(pa), *cb = const_of(*pb);
+    if (ca && cb && *ca != *cb) return true;
+  }
+  return false;
+}
+
+// Every oneOf in the schema has branches no two of which a value could match, so treating it as
+// anyOf (what xgrammar does when it cannot prove that itself) generates the same values.
+bool oneofs_disjoint(const nlohmann::json& root, const nlohmann::json& node, int depth = 0) {
+  if (depth > 64) return false;
+  if (node.is_array()) {
+    for (const auto& e : node)
+      if (!oneofs_disjoint(root, e, depth + 1)) return false;
+    return true;
+  }
+  if (!node.is_object()) return true;
+  if (auto o = node.find("oneOf"); o != node.end() && o->is_array())
+    for (size_t i = 0; i < o->size(); ++i)
+      for (size_t j = i + 1; j < o->size(); ++j)
+        if (!disjoint(root, (*o)[i], (*o)[j])) return false;
+  for (const auto& [k, v] : node.items())
+    if (k != "const" && k != "enum" && k != "default" && k != "examples" && !oneofs_disjoint(root, v, depth + 1)) return false;
+  return true;
+}
+
+// xgrammar warnings that leave the constraint whole: a regex's escaped punctuation ("\#" is "#",
+// as in every dialect), and a oneOf it could not prove disjoint that is disjoint by types or a
+// discriminator (oneofs_disjoint).
+bool benign_warning(const std::string& w, const OutputConstraint& c) {
+  static const std::string kEscape = "Escape sequence '\\";  // then the escaped character
+  if (size_t at = w.find(kEscape); at != std::string::npos && at + kEscape.size() < w.size()) {
+    const unsigned char ch = static_cast<unsigned char>(w[at + kEscape.size()]);
+    if (ch < 0x80 && !std::isalnum(ch)) return true;
+  }
+  if (w.find("oneOf") != std::string::npos && c.kind == OutputConstraint::Kind::kJsonSchema) {
+    const nlohmann::json j = nlohmann::json::parse(c.spec, nullptr, false);
+    return !j.is_discarded() && oneofs_disjoint(j, j);
+  }
+  return false;
+}
+
 // vLLM's grammar_is_likely_lark: no line (comments "#" and "//" removed) defines an EBNF rule.
 bool is_lark(const std::string& g) {
   size_t at = 0;
@@ -142,8 +262,11 @@ std::shared_ptr<const CompiledConstraint> ConstraintCompiler::compile(const Outp
   auto checked = [&](auto&& compile_it) {
     XgrammarWarnings warnings;
     auto g = compile_it();
-    if (!warnings.list().empty()) {
-      const std::string why = xgrammar_message(warnings.list().front());
+    std::vector<std::string> real;
+    for (const std::string& w : warnings.list())
+      if (!benign_warning(w, c)) real.push_back(w);
+    if (!real.empty()) {
+      const std::string why = xgrammar_message(real.front());
       {
         std::lock_guard<std::mutex> l(refused_mu_);
         if (refused_.size() >= 4096) refused_.clear();  // a bound, not a policy: a refusal costs a compile to find again
@@ -206,9 +329,6 @@ std::string first_unenforced(const nlohmann::json& node, const std::string& at) 
   if (auto u = node.find("uniqueItems"); u != node.end() && u->is_boolean() && u->get<bool>()) return found("'uniqueItems'");
   if (auto a = node.find("allOf"); a != node.end() && a->is_array() && a->size() > 1)
     return found("'allOf' of " + std::to_string(a->size()) + " schemas");
-  // Keys xgrammar does not keep apart: an object under them may repeat a key ({"x_": 3, "x_": 2}).
-  for (const char* k : {"patternProperties", "propertyNames"})
-    if (node.contains(k)) return found(std::string("'").append(k).append("' (the generated keys could repeat)"));
   for (const char* k : {"anyOf", "oneOf"})
     if (auto a = node.find(k); a != node.end() && a->is_array() && a->empty())
       return found(std::string("an empty '").append(k).append("' (no value could match it)"));

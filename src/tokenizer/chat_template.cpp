@@ -60,16 +60,6 @@ Result<ChatTemplate> ChatTemplate::parse(const std::string& source) {
 Result<std::string> ChatTemplate::render(const std::vector<ChatMessage>& msgs, bool add_generation_prompt,
                                          const std::string& bos_token, const std::string& eos_token,
                                          const nlohmann::ordered_json& extra) const {
-  try {
-    return render_checked(msgs, add_generation_prompt, bos_token, eos_token, extra);
-  } catch (const std::out_of_range& e) {  // a value the interpreter cannot hold (jinja::Value::from_json)
-    return Result<std::string>::error(std::string("chat template: ") + e.what());
-  }
-}
-
-Result<std::string> ChatTemplate::render_checked(const std::vector<ChatMessage>& msgs, bool add_generation_prompt,
-                                                 const std::string& bos_token, const std::string& eos_token,
-                                                 const nlohmann::ordered_json& extra) const {
   jinja::Array arr;
   arr.reserve(msgs.size());
   for (const auto& m : msgs) {
@@ -94,12 +84,8 @@ Result<std::string> ChatTemplate::render_json(const nlohmann::ordered_json& mess
                                               const std::string& bos_token, const std::string& eos_token,
                                               const nlohmann::ordered_json& extra) const {
   if (!messages.is_array()) return Result<std::string>::error("chat template: messages must be a JSON array");
-  try {
-    return render_values(*tmpl_, jinja::Value::from_json(messages), add_generation_prompt, bos_token, eos_token,
-                         jinja::Value::from_json(extra));
-  } catch (const std::out_of_range& e) {
-    return Result<std::string>::error(std::string("chat template: ") + e.what());
-  }
+  return render_values(*tmpl_, jinja::Value::from_json(messages), add_generation_prompt, bos_token, eos_token,
+                       jinja::Value::from_json(extra));
 }
 
 std::vector<std::string> builtin_chat_template_names() {

@@ -70,8 +70,6 @@ class ChatTemplate {
   bool iterates_content() const { return iterates_content_; }
 
  private:
-  Result<std::string> render_checked(const std::vector<ChatMessage>& msgs, bool add_generation_prompt, const std::string& bos_token,
-                                     const std::string& eos_token, const nlohmann::ordered_json& extra) const;
   ChatTemplate() = default;
   std::string source_;
   bool iterates_content_ = false;

@@ -94,11 +94,10 @@ static Value value_from_json(const J& j) {
     case J::value_t::boolean: return Value(j.template get<bool>());
     case J::value_t::number_integer: return Value(j.template get<int64_t>());
     case J::value_t::number_unsigned: {
-      // Python's ints have no bound, the interpreter's do: one past int64 would wrap negative
-      // (12345678901234567890 rendered as -6101065172474983726), so it is refused instead.
+      // Python's ints have no bound, int64 does: one past it wrapped negative here
+      // (12345678901234567890 rendered as -6101065172474983726); it keeps its digits instead.
       const uint64_t u = j.template get<uint64_t>();
-      if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-        throw std::out_of_range("the integer " + std::to_string(u) + " is beyond what the chat template interpreter holds (±2^63); send it as a string");
+      if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return Value::big_int(std::to_string(u), static_cast<double>(u));
       return Value(static_cast<int64_t>(u));
     }
     case J::value_t::number_float: return Value(j.template get<double>());
@@ -127,7 +126,7 @@ const char* type_name(const Value& v) {
     case Value::Kind::kNone: return "NoneType";
     case Value::Kind::kBool: return "bool";
     case Value::Kind::kInt: return "int";
-    case Value::Kind::kFloat: return "float";
+    case Value::Kind::kFloat: return v.big_int_digits() ? "int" : "float";
     case Value::Kind::kString: return "str";
     case Value::Kind::kArray: return v.is_tuple() ? "tuple" : "list";
     case Value::Kind::kObject: return "dict";
@@ -360,7 +359,7 @@ std::string to_str(const Value& v) {
     case Value::Kind::kNone: return "None";
     case Value::Kind::kBool: return v.as_bool() ? "True" : "False";
     case Value::Kind::kInt: return std::to_string(v.as_int());
-    case Value::Kind::kFloat: return format_float(v.as_double());
+    case Value::Kind::kFloat: return v.big_int_digits() ? *v.big_int_digits() : format_float(v.as_double());
     case Value::Kind::kString: return v.str();
     case Value::Kind::kArray: {
       Printing guard(v.identity());
@@ -431,6 +430,10 @@ static void json_dump(std::string& out, const Value& v, int indent, bool sort_ke
     case Value::Kind::kBool: out += v.as_bool() ? "true" : "false"; return;
     case Value::Kind::kInt: out += std::to_string(v.as_int()); return;
     case Value::Kind::kFloat: {
+      if (const std::string* digits = v.big_int_digits()) {
+        out += *digits;
+        return;
+      }
       double d = v.as_double();
       if (std::isnan(d))
         out += "NaN";

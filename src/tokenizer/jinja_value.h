@@ -49,6 +49,14 @@ class Value {
   Value(int64_t i) : kind_(Kind::kInt), i_(i) {}                    // NOLINT
   Value(int i) : kind_(Kind::kInt), i_(i) {}                        // NOLINT
   Value(double f) : kind_(Kind::kFloat), f_(f) {}                   // NOLINT
+  // An integer past int64 (Python's ints have no bound): computed with as a double, printed
+  // (str, tojson) as its exact digits.
+  static Value big_int(std::string digits, double approx) {
+    Value v(approx);
+    v.str_ = std::make_shared<const std::string>(std::move(digits));
+    return v;
+  }
+  const std::string* big_int_digits() const { return kind_ == Kind::kFloat && str_ ? str_.get() : nullptr; }
   Value(std::string s) : kind_(Kind::kString), str_(std::make_shared<const std::string>(std::move(s))) {}  // NOLINT
   Value(const char* s) : kind_(Kind::kString), str_(std::make_shared<const std::string>(s)) {}  // NOLINT
   static Value array(Array a, bool tuple = false);
