@@ -1020,7 +1020,7 @@ void Engine::postprocess(Plan& plan, const float* logits) {
       RequestState& rs = *s.rs;
       const int64_t first = rs.prompt_lp_next - 1;
       if (first < s.n_computed) {  // a run that skipped owed positions: never planned so
-        rs.req.stream->push(StreamEvent{StreamEvent::kError, s.index, "", {}, "", "prompt logprobs lost their positions", 500, {}, {}});
+        rs.req.stream->push(StreamEvent{StreamEvent::kError, s.index, "", {}, "", "prompt logprobs lost their positions", 500, {}, {}, "", -1});
         rs.req.stream->cancel(CancelReason::kError);
       } else {
         const size_t at = rs.prompt_lps.size();
@@ -1091,7 +1091,7 @@ void Engine::postprocess(Plan& plan, const float* logits) {
     const RequestParams& p = rs.req.params;
     const double itl = seconds(e->last_token_time, now) / static_cast<double>(d.out.size());
     const char* reason = nullptr;
-    StreamEvent finish{StreamEvent::kFinish, e->index, "", {}, "", "", 0, {}, {}};
+    StreamEvent finish{StreamEvent::kFinish, e->index, "", {}, "", "", 0, {}, {}, "", -1};
     for (size_t i = 0; i < d.out.size() && !reason; ++i) {
       const int32_t tok = d.out[i];
       StreamEvent ev;
@@ -1592,13 +1592,13 @@ void Engine::record_kv_outcome(Sequence& s) {
 }
 
 void Engine::push_finish(Sequence& s, const char* reason) {
-  s.rs->req.stream->push(StreamEvent{StreamEvent::kFinish, s.index, "", {}, reason, "", 0, {}, {}});
+  s.rs->req.stream->push(StreamEvent{StreamEvent::kFinish, s.index, "", {}, reason, "", 0, {}, {}, "", -1});
   // A request with n > 1 whose children do not exist yet finishes them all at once.
   RequestState& rs = *s.rs;
   if (rs.req.params.n > 1 && !rs.forked) {
     rs.forked = true;
     for (int32_t i = 1; i < rs.req.params.n; ++i) {
-      rs.req.stream->push(StreamEvent{StreamEvent::kFinish, i, "", {}, reason, "", 0, {}, {}});
+      rs.req.stream->push(StreamEvent{StreamEvent::kFinish, i, "", {}, reason, "", 0, {}, {}, "", -1});
       --rs.n_unfinished;
     }
   }
@@ -1638,7 +1638,7 @@ bool Engine::step() {
     const auto t_post = Clock::now();
     if (!st) {
       // A forward failure is a bug or a bad token; fail the affected requests, keep serving.
-      for (auto& it : plan.items) it.seq->rs->req.stream->push(StreamEvent{StreamEvent::kError, it.seq->index, "", {}, "", st.message(), 500, {}, {}});
+      for (auto& it : plan.items) it.seq->rs->req.stream->push(StreamEvent{StreamEvent::kError, it.seq->index, "", {}, "", st.message(), 500, {}, {}, "", -1});
       for (auto& it : plan.items) it.seq->rs->req.stream->cancel(CancelReason::kError);
     } else {
       postprocess(plan, logits_.data());

@@ -336,9 +336,11 @@ std::string first_unenforced(const nlohmann::json& node, const std::string& at) 
   if (node.contains("$ref")) {
     static const char* kAnnotations[] = {"$ref", "description", "title", "default", "examples", "$comment", "deprecated",
                                          "readOnly", "writeOnly", "$defs", "definitions", "$schema", "$id"};
-    for (const auto& [k, v] : node.items())
+    for (auto it = node.begin(); it != node.end(); ++it) {
+      const std::string& k = it.key();  // (clang 14 captures no structured binding in a lambda)
       if (std::find_if(std::begin(kAnnotations), std::end(kAnnotations), [&](const char* a) { return k == a; }) == std::end(kAnnotations))
         return found("'" + k + "' beside '$ref' (only the $ref is applied)");
+    }
   }
   // Required keys: xgrammar generates the listed properties only, so one never listed never comes.
   if (auto req = node.find("required"); req != node.end() && req->is_array()) {

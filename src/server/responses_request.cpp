@@ -285,7 +285,8 @@ ResponsesRequest parse_responses_request(const json& body, const ApiContext& ctx
                                  "tool_choice", "parallel_tool_calls", "max_tool_calls", "text", "metadata", "user",
                                  "safety_identifier", "prompt_cache_key", "service_tier", "cache_salt", "truncation", "reasoning",
                                  "background", "prompt", "conversation", "priority"};
-  for (const auto& [key, v] : body.items()) {
+  for (auto it = body.begin(); it != body.end(); ++it) {
+    const std::string& key = it.key();  // (clang 14 captures no structured binding in a lambda)
     if (std::find_if(std::begin(kKnown), std::end(kKnown), [&](const char* k) { return key == k; }) != std::end(kKnown)) continue;
     std::string hint;
     if (key == "response_format") hint = " In the Responses API it is 'text.format'.";
