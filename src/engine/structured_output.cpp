@@ -92,18 +92,20 @@ const nlohmann::json* resolve_ref(const nlohmann::json& root, const nlohmann::js
   }
 }
 
+// A JSON value's JSON Schema type ("integer" for a whole number, a float like 2.0 included).
+std::string json_type(const nlohmann::json& v) {
+  if (v.is_null()) return "null";
+  if (v.is_boolean()) return "boolean";
+  if (v.is_number_integer() || (v.is_number_float() && std::trunc(v.get<double>()) == v.get<double>())) return "integer";
+  if (v.is_number()) return "number";
+  if (v.is_string()) return "string";
+  if (v.is_array()) return "array";
+  return "object";
+}
+
 // The JSON types a schema's values can have, as far as its own keywords say; empty: any.
 std::vector<std::string> value_types(const nlohmann::json& s) {
   std::vector<std::string> out;
-  auto type_of = [](const nlohmann::json& v) -> std::string {
-    if (v.is_null()) return "null";
-    if (v.is_boolean()) return "boolean";
-    if (v.is_number_integer()) return "integer";
-    if (v.is_number()) return "number";
-    if (v.is_string()) return "string";
-    if (v.is_array()) return "array";
-    return "object";
-  };
   if (!s.is_object()) return out;
   if (auto t = s.find("type"); t != s.end()) {
     if (t->is_string()) out.push_back(t->get<std::string>());
@@ -111,9 +113,9 @@ std::vector<std::string> value_types(const nlohmann::json& s) {
       for (const auto& e : *t)
         if (e.is_string()) out.push_back(e.get<std::string>());
   } else if (auto c = s.find("const"); c != s.end()) {
-    out.push_back(type_of(*c));
+    out.push_back(json_type(*c));
   } else if (auto e = s.find("enum"); e != s.end() && e->is_array()) {
-    for (const auto& v : *e) out.push_back(type_of(v));
+    for (const auto& v : *e) out.push_back(json_type(v));
   } else if (s.contains("properties") || s.contains("required") || s.contains("additionalProperties")) {
     out.push_back("object");
   } else if (s.contains("items") || s.contains("prefixItems")) {
@@ -342,6 +344,16 @@ std::string first_unenforced(const nlohmann::json& node, const std::string& at) 
         return found("'" + k + "' beside '$ref' (only the $ref is applied)");
     }
   }
+  // A pattern in another regex dialect's syntax, read as something else (as guided_regex's).
+  if (auto p = node.find("pattern"); p != node.end() && p->is_string()) {
+    try {
+      refuse_foreign_regex(p->get<std::string>(), "its 'pattern'");
+    } catch (const std::invalid_argument& e) {
+      std::string why = e.what();
+      if (!why.empty() && why.back() == '.') why.pop_back();  // found() goes on with " at <where>"
+      return found(why);
+    }
+  }
   // Required keys: xgrammar generates the listed properties only, so one never listed never comes.
   if (auto req = node.find("required"); req != node.end() && req->is_array()) {
     const auto props = node.find("properties");
@@ -351,16 +363,12 @@ std::string first_unenforced(const nlohmann::json& node, const std::string& at) 
   }
   // An enum or const value the schema's own type excludes (xgrammar generates the value anyway).
   if (auto type = node.find("type"); type != node.end() && (type->is_string() || type->is_array())) {
+    static const char* kTypes[] = {"null", "boolean", "object", "array", "string", "number", "integer"};
     auto allows = [&](const nlohmann::json& v) {
+      const std::string vt = json_type(v);
       auto is = [&](const std::string& t) {
-        if (t == "null") return v.is_null();
-        if (t == "boolean") return v.is_boolean();
-        if (t == "object") return v.is_object();
-        if (t == "array") return v.is_array();
-        if (t == "string") return v.is_string();
-        if (t == "number") return v.is_number();
-        if (t == "integer") return v.is_number_integer() || (v.is_number_float() && std::trunc(v.get<double>()) == v.get<double>());
-        return true;  // an unknown type name: xgrammar says so
+        if (std::find(std::begin(kTypes), std::end(kTypes), t) == std::end(kTypes)) return true;  // unknown: xgrammar says so
+        return t == vt || (t == "number" && vt == "integer");
       };
       if (type->is_string()) return is(type->get<std::string>());
       for (const auto& t : *type)

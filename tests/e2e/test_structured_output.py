@@ -242,6 +242,7 @@ PARTLY_ENFORCED = [
     ("regex \\Z", {"guided_regex": "x\\Z"}, "not recognized"),
     ("regex anchor inside", {"guided_regex": "a$b"}, "middle"),
     ("regex POSIX class", {"guided_regex": "[[:alpha:]]{2}"}, "POSIX"),
+    ("POSIX class in a schema pattern", {"guided_json": _obj({"type": "string", "pattern": "^[[:alpha:]]+$"})}, "POSIX"),
     ("regex \\x{41}", {"guided_regex": "\\x{41}"}, "\\x{"),
     ("response_format without a type", {"response_format": {}}, "response_format.type"),
     ("json_schema without a name", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "integer"}}}}, "name"),
