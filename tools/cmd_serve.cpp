@@ -63,6 +63,7 @@ struct ServeOptions {
   int kv_tier_min_tokens = 32;
   std::string preemption_mode = "recompute";
   std::string speculative_config;
+  int32_t jump_forward_tokens = kv::EngineConfig{}.jump_forward_tokens;
   std::string role = "both";
 };
 
@@ -171,6 +172,7 @@ void run_serve(const ServeOptions& o) {
   }
   ec.tiers.min_pages = std::max(1, (o.kv_tier_min_tokens + o.kvo.block_size - 1) / o.kvo.block_size);
   ec.spec = parse_speculative_option(o.speculative_config);
+  ec.jump_forward_tokens = o.jump_forward_tokens;
   ec.preemption = o.preemption_mode == "swap" ? kv::EngineConfig::Preemption::kSwap : kv::EngineConfig::Preemption::kRecompute;
   if (ec.preemption == kv::EngineConfig::Preemption::kSwap && !ec.tiers.enabled())
     fail("--preemption-mode swap writes pages to a KV tier: give --kv-disk-dir or --kv-redis");
@@ -398,6 +400,11 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--speculative-config", o->speculative_config,
                   "speculative decoding for every request (a request's \"speculative\": false turns it off), vLLM's JSON: "
                   "'{\"method\": \"ngram\"|\"suffix\", \"num_speculative_tokens\": 5, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}'");
+  cmd->add_option("--jump-forward-tokens", o->jump_forward_tokens,
+                  "under structured outputs, the text the constraint forces next goes into one step as a draft of at most "
+                  "this many tokens, verified as any draft (exact); 0: off")
+      ->check(number_in(0, 256))
+      ->capture_default_str();
   cmd->add_option("--preemption-mode", o->preemption_mode, "recompute, or swap: a preempted sequence's pages go to the KV tiers and come back")
       ->check(CLI::IsMember({"recompute", "swap"}))
       ->capture_default_str();

@@ -134,6 +134,7 @@ struct Engine::Sequence {
   SpecStats spec_stats;
   std::vector<int32_t> draft;
   std::vector<int32_t> spec_run;
+  bool draft_forced = false;  // the draft is the constraint's forced text (jump-forward), not a guess
   // Structured output: this choice's walk through the request's constraint (null: none).
   std::unique_ptr<ConstraintMatcher> constraint;
 
@@ -940,38 +941,64 @@ Engine::Sequence* Engine::fork(Sequence& parent, int32_t index) {
 
 int32_t Engine::make_draft(Sequence& s, int32_t k_cap) {
   s.draft.clear();
+  s.draft_forced = false;
   const RequestParams& p = s.rs->req.params;
   // Not for a first token (forks of n > 1 are made from it), nor under a long-context KV policy
-  // (rejected positions would vote in its scores), nor under a structured-output constraint
-  // (a draft would need the constraint's mask at every position).
-  if (!s.spec.enabled() || s.n_generated < 1 || s.evict.active() || s.constraint) return 0;
+  // (rejected positions would vote in its scores).
+  if (s.n_generated < 1 || s.evict.active()) return 0;
+  ConstraintMatcher* constraint = s.constraint && !s.constraint->terminated() ? s.constraint.get() : nullptr;
+  const bool forcing = constraint && cfg_.jump_forward_tokens > 0;
+  if (!s.spec.enabled() && !forcing) return 0;
   const int32_t bs = cfg_.block_size;
   const int64_t n_tok = static_cast<int64_t>(s.tokens.size());
-  int64_t k = std::min<int64_t>({k_cap, s.spec.num_speculative_tokens, p.max_tokens - s.n_generated - 1,
-                                 cfg_.max_model_len - n_tok - 1});
+  // The most tokens a draft may hold here, whatever proposes it.
+  int64_t room = std::min<int64_t>(p.max_tokens - s.n_generated - 1, cfg_.max_model_len - n_tok - 1);
   // Drafts use free pages only: making room for a guess is not worth evicting cached pages.
-  k = std::min<int64_t>(k, (static_cast<int64_t>(s.table.pages.size()) + pool_->n_free()) * bs - s.n_computed - 1);
-  if (pool_g1_) k = std::min<int64_t>(k, (static_cast<int64_t>(s.table_g1.pages.size()) + pool_g1_->n_free()) * bs - s.n_computed - 1);
+  room = std::min<int64_t>(room, (static_cast<int64_t>(s.table.pages.size()) + pool_->n_free()) * bs - s.n_computed - 1);
+  if (pool_g1_) room = std::min<int64_t>(room, (static_cast<int64_t>(s.table_g1.pages.size()) + pool_g1_->n_free()) * bs - s.n_computed - 1);
   // A quantized page is quantized when its last slot is written: a draft must not write it (it
   // may be rejected), so drafts stay inside the page of the run's first token, or the next.
   if (staged_kv_) {
     const int64_t slot = s.n_computed % bs;
-    k = std::min<int64_t>(k, slot == bs - 1 ? bs - 1 : bs - 2 - slot);
+    room = std::min<int64_t>(room, slot == bs - 1 ? bs - 1 : bs - 2 - slot);
   }
-  if (k <= 0) return 0;
-  k = s.spec_stats.worth(static_cast<int32_t>(k), s.spec.draft_cost);  // as long as it pays, from this sequence's record
-  if (k <= 0) return 0;
-  const int32_t* t = s.tokens.data();
-  if (s.spec.method == SpecConfig::Method::kNgram) {
-    ngram_draft(t, n_tok, s.spec, static_cast<int32_t>(k), &s.draft);
-  } else {
-    const SpecConfig& c = s.spec;
-    SuffixDraft best = suffix_draft_self(t, n_tok, c.suffix_max_depth / 2, static_cast<int32_t>(k), c.suffix_min_prob, c.suffix_alpha);
-    if (const SuffixTrie* trie = suffix_cache_ ? suffix_cache_->trie(p.cache_namespace) : nullptr) {
-      SuffixDraft other = trie->propose(t, n_tok, static_cast<int32_t>(k), c.suffix_min_prob, c.suffix_alpha);
-      if (other.score > best.score) best = std::move(other);
+  if (room <= 0) return 0;
+  // Under a constraint, the text it forces next (jump-forward) is the draft whenever there is
+  // such text: it needs no record of acceptance (the model took 70% of such tokens on SmolLM2's
+  // JSON answers, docs/structured_output.md).
+  if (forcing) {
+    const int64_t kmax = std::min<int64_t>({room, k_cap, cfg_.jump_forward_tokens});
+    const std::string text = kmax > 0 ? constraint->forced_text() : std::string();
+    if (!text.empty()) {
+      // The tokenizer's own split (what the model was trained on), less its last token, which the
+      // text that follows may extend (a forced `"age` before an unforced `": `); then only what
+      // the constraint allows from here (a tokenizer's space prefix, a split it does not take).
+      s.draft = tok_.encode(text, /*add_special=*/false, /*parse_special=*/false);
+      if (!s.draft.empty()) s.draft.pop_back();
+      if (static_cast<int64_t>(s.draft.size()) > kmax) s.draft.resize(static_cast<size_t>(kmax));
+      s.draft.resize(static_cast<size_t>(constraint->allowed_prefix(s.draft.data(), static_cast<int32_t>(s.draft.size()))));
     }
-    s.draft = std::move(best.tokens);
+    if (!s.draft.empty()) s.draft_forced = true;
+  }
+  if (s.draft.empty() && s.spec.enabled()) {
+    int64_t k = std::min<int64_t>({room, k_cap, s.spec.num_speculative_tokens});
+    if (k <= 0) return 0;
+    k = s.spec_stats.worth(static_cast<int32_t>(k), s.spec.draft_cost);  // as long as it pays, from this sequence's record
+    if (k <= 0) return 0;
+    const int32_t* t = s.tokens.data();
+    if (s.spec.method == SpecConfig::Method::kNgram) {
+      ngram_draft(t, n_tok, s.spec, static_cast<int32_t>(k), &s.draft);
+    } else {
+      const SpecConfig& c = s.spec;
+      SuffixDraft best = suffix_draft_self(t, n_tok, c.suffix_max_depth / 2, static_cast<int32_t>(k), c.suffix_min_prob, c.suffix_alpha);
+      if (const SuffixTrie* trie = suffix_cache_ ? suffix_cache_->trie(p.cache_namespace) : nullptr) {
+        SuffixDraft other = trie->propose(t, n_tok, static_cast<int32_t>(k), c.suffix_min_prob, c.suffix_alpha);
+        if (other.score > best.score) best = std::move(other);
+      }
+      s.draft = std::move(best.tokens);
+    }
+    // Under a constraint only the part it allows can be accepted.
+    if (constraint) s.draft.resize(static_cast<size_t>(constraint->allowed_prefix(s.draft.data(), static_cast<int32_t>(s.draft.size()))));
   }
   if (s.draft.empty()) return 0;
   const int32_t n = static_cast<int32_t>(s.draft.size());
@@ -1000,8 +1027,12 @@ void Engine::settle_draft(Sequence& s, int32_t n_accepted) {
   };
   truncate(s.table, *pool_);
   if (pool_g1_) truncate(s.table_g1, *pool_g1_);
-  metrics_.add_spec(static_cast<int32_t>(s.draft.size()), n_accepted);
-  s.spec_stats.observe(static_cast<int32_t>(s.draft.size()), n_accepted);
+  if (s.draft_forced) {
+    metrics_.add_jump_forward(static_cast<int32_t>(s.draft.size()), n_accepted);
+  } else {
+    metrics_.add_spec(static_cast<int32_t>(s.draft.size()), n_accepted);
+    s.spec_stats.observe(static_cast<int32_t>(s.draft.size()), n_accepted);
+  }
   s.draft.clear();
   publish(s);
 }

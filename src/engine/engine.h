@@ -83,6 +83,11 @@ struct EngineConfig {
   enum class PromptTails { kOff, kStore, kFetch } tier_prompt_tails = PromptTails::kOff;
   // Speculative decoding of requests that do not choose (engine/speculative.h); off by default.
   SpecConfig spec;
+  // Jump-forward under a structured-output constraint: the tokens of the text the constraint
+  // forces next (the rest of a key, a literal) go into the step as a draft, verified as any
+  // draft, so a choice says them in one step instead of one step each (0: off). Exact: each
+  // position is still drawn from the model's masked distribution.
+  int32_t jump_forward_tokens = 16;
 };
 
 // Staging slots per quantized layer the engine's pool needs: one partly filled page per

@@ -70,6 +70,11 @@ void Metrics::add_spec(int32_t n_draft, int32_t n_accepted) {
   if (static_cast<int32_t>(m_.spec_accepted_per_pos.size()) < n_draft) m_.spec_accepted_per_pos.resize(n_draft, 0);
   for (int32_t i = 0; i < n_accepted; ++i) ++m_.spec_accepted_per_pos[i];
 }
+void Metrics::add_jump_forward(int32_t n_draft, int32_t n_accepted) {
+  std::lock_guard<std::mutex> l(mu_);
+  m_.jump_forward_draft_tokens_total += n_draft;
+  m_.jump_forward_accepted_tokens_total += n_accepted;
+}
 void Metrics::add_tier_loaded_pages(int64_t n) {
   std::lock_guard<std::mutex> l(mu_);
   m_.tier_loaded_pages_total += n;
@@ -230,6 +235,11 @@ std::string render_prometheus(const MetricsSnapshot& m) {
   counter(out, "kvserve:spec_decode_num_draft_tokens_total", "Speculative draft tokens verified.", double(m.spec_draft_tokens_total));
   counter(out, "kvserve:spec_decode_num_accepted_tokens_total", "Speculative draft tokens accepted.",
           double(m.spec_accepted_tokens_total));
+  counter(out, "kvserve:jump_forward_draft_tokens_total",
+          "Tokens a structured-output constraint forced next (jump-forward), put into a step as a draft.",
+          double(m.jump_forward_draft_tokens_total));
+  counter(out, "kvserve:jump_forward_accepted_tokens_total", "Jump-forward draft tokens the model's draw took.",
+          double(m.jump_forward_accepted_tokens_total));
   if (!m.spec_accepted_per_pos.empty()) {
     const char* name = "kvserve:spec_decode_num_accepted_tokens_per_pos_total";
     out += std::string("# HELP ") + name + " Speculative draft tokens accepted, per position in the draft (0 = first).\n# TYPE " +

@@ -100,6 +100,10 @@ struct MetricsSnapshot {
   int64_t spec_draft_tokens_total = 0;
   int64_t spec_accepted_tokens_total = 0;
   std::vector<int64_t> spec_accepted_per_pos;
+  // Jump-forward under structured outputs: the constraint's forced tokens put into a step, and
+  // those the model took (not counted as speculative drafts).
+  int64_t jump_forward_draft_tokens_total = 0;
+  int64_t jump_forward_accepted_tokens_total = 0;
 };
 
 std::string render_prometheus(const MetricsSnapshot& m);
@@ -114,6 +118,7 @@ class Metrics {
                         int64_t window_evictions = 0, int64_t partial_hits = 0);
   void add_preemption();
   void add_spec(int32_t n_draft, int32_t n_accepted);  // one verified draft
+  void add_jump_forward(int32_t n_draft, int32_t n_accepted);  // one verified forced draft
   void add_evicted_tokens(int64_t n);
   void add_reindexed_tokens(int64_t n, bool by_preemption = false);
   void add_tier_loaded_pages(int64_t n);

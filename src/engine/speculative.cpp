@@ -42,7 +42,8 @@ void verify_draft(Sampler& sampler, const float* rows, int32_t n_rows, int32_t n
             if ((*rules.banned)[i] < nv) row_buf[(*rules.banned)[i]] = kept[i];
       }
       tok = sampler.reads_only() ? argmax(row_buf, nv) : sampler.sample(row_buf, nv, history, n_prompt, scratch);
-      if (constraint) constraint->accept(tok);
+      // The next row's mask is the walk's past this token, as it would be a step later unspeculated.
+      if (constraint && (!constraint->accept(tok) || constraint->terminated())) constraint = nullptr;
     } else if (sampler.reads_only()) {
       tok = argmax(lg, nv);  // what sample() returns, without a copy of the row
     } else {
@@ -51,7 +52,6 @@ void verify_draft(Sampler& sampler, const float* rows, int32_t n_rows, int32_t n
     }
     if (on_draw) on_draw(j, seen, tok);
     out->push_back(tok);
-    if (constraint) break;  // no draft under a constraint
     if (!draft || j + 1 >= n_rows || j >= static_cast<int32_t>(draft->size()) || tok != (*draft)[j]) break;
     history.push_back(tok);  // the next row's draw sees the accepted token, as it would unspeculated
   }

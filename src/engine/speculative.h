@@ -38,8 +38,9 @@ class ConstraintMatcher;
 
 // What a request changes in a row before its draw, beyond the sampler's own parameters.
 struct DrawRules {
-  // Structured output (never with a draft): only the tokens it allows; it advances by the token
-  // drawn, and the logprobs see its mask (vLLM applies the grammar's bitmask before its sampler).
+  // Structured output: only the tokens it allows; it advances by each token drawn, so a draft's
+  // row j is masked by the walk past draft[0, j), as unspeculated; the logprobs see its mask
+  // (vLLM applies the grammar's bitmask before its sampler).
   ConstraintMatcher* constraint = nullptr;
   // OpenAI's logit_bias, sorted by id: added to the row the sampler draws from, not to the
   // logprobs' (vLLM's raw logprobs).

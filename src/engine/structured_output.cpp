@@ -464,4 +464,16 @@ bool ConstraintMatcher::complete() const { return impl_->matcher.IsCompleted(); 
 
 bool ConstraintMatcher::terminated() const { return impl_->matcher.IsTerminated(); }
 
+std::string ConstraintMatcher::forced_text() {
+  if (impl_->matcher.IsTerminated() || impl_->matcher.IsCompleted()) return {};
+  return impl_->matcher.FindJumpForwardString();
+}
+
+int32_t ConstraintMatcher::allowed_prefix(const int32_t* toks, int32_t n) {
+  int32_t k = 0;
+  while (k < n && !impl_->matcher.IsTerminated() && impl_->matcher.AcceptToken(toks[k])) ++k;
+  if (k > 0) impl_->matcher.Rollback(k);
+  return k;
+}
+
 }  // namespace kv

@@ -76,6 +76,13 @@ class ConstraintMatcher {
   // An end-of-generation token was accepted: the constraint has nothing more to say (under
   // ignore_eos the choice goes on unconstrained).
   bool terminated() const;
+  // Jump-forward: the text the constraint forces next (the only text it allows from here, e.g.
+  // the rest of a key, or a literal; xgrammar's FindJumpForwardString). Empty when nothing is
+  // forced. The walk does not move.
+  std::string forced_text();
+  // How many of toks[0, n) in a row the constraint allows from here (a draft's part that can
+  // be accepted). The walk does not move.
+  int32_t allowed_prefix(const int32_t* toks, int32_t n);
 
  private:
   struct Impl;

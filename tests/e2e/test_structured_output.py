@@ -392,3 +392,66 @@ def test_a_batch_of_prompts_shares_one_constraint(client):
     assert sorted(c.index for c in r.choices) == list(range(6))
     for c in r.choices:
         assert c.finish_reason == "stop" and c.text in ("sunny", "rainy", "grey"), c.text
+
+
+# Jump-forward (EngineConfig::jump_forward_tokens, on by default): the text a constraint forces
+# next goes into one step as a draft, verified as any draft. The oracle is the same server
+# binary with it off (--jump-forward-tokens 0): every answer, greedy and seeded-sampled, must be
+# the same text with the same log-probabilities, in fewer engine steps. The same holds for
+# n-gram drafts under a constraint (--speculative-config), which are cut to what it allows.
+JUMP_CASES = [
+    ("json_schema", dict(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}, max_tokens=100)),
+    ("json_schema_no_ws", dict(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+                               max_tokens=100, extra_body=NO_WS)),
+    ("regex", dict(messages=[{"role": "user", "content": "When is the meeting?"}], max_tokens=40,
+                   extra_body={"guided_regex": r"The meeting is on (Monday|Tuesday) the [0-9]{1,2}(st|nd|rd|th) of (January|February)\."})),
+    ("choice", dict(messages=[{"role": "user", "content": "Name a famous painting."}], max_tokens=30,
+                    extra_body={"guided_choice": ["The Starry Night by Vincent van Gogh", "The Mona Lisa by Leonardo da Vinci"]})),
+    ("grammar", dict(messages=[{"role": "user", "content": "Report the weather."}], max_tokens=40,
+                     extra_body={"guided_grammar": 'root ::= "Weather report: " sky ", temperature " [0-9]+ " degrees Celsius."\n'
+                                                   'sky ::= "sunny" | "cloudy" | "rainy"'})),
+]
+
+
+def _answers(client, sampled):
+    out = []
+    for name, kw in JUMP_CASES:
+        kw = dict(kw)
+        if sampled:
+            kw.update(temperature=1.0, seed=21, n=2)
+        else:
+            kw.update(temperature=0)
+        r = chat(client, logprobs=True, top_logprobs=2, **kw)
+        for ch in r.choices:
+            lps = [(t.token, round(t.logprob, 4), [(a.token, round(a.logprob, 4)) for a in t.top_logprobs]) for t in ch.logprobs.content]
+            out.append((name, sampled, ch.message.content, ch.finish_reason, lps))
+    return out
+
+
+def test_jump_forward_says_the_same_in_fewer_steps(server, client):
+    steps = "kvserve:step_phase_seconds_count{phase=\"schedule\"}"
+    before = server.metrics()
+    on = _answers(client, False) + _answers(client, True)
+    after = server.metrics()
+    forced = after["kvserve:jump_forward_draft_tokens_total"] - before["kvserve:jump_forward_draft_tokens_total"]
+    taken = after["kvserve:jump_forward_accepted_tokens_total"] - before["kvserve:jump_forward_accepted_tokens_total"]
+    steps_on = after[steps] - before[steps]
+    for extra, label in ((["--jump-forward-tokens", "0"], "off"),
+                         (["--jump-forward-tokens", "0", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'], "ngram")):
+        s = Server("--debug", *extra)
+        try:
+            c = OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60 * SLOWDOWN)
+            other = _answers(c, False) + _answers(c, True)
+            m = s.metrics()
+            c.close()
+            s.wait_clean()
+        finally:
+            s.stop()
+        for a, b in zip(on, other):
+            assert a == b, f"{a[0]} (sampled: {a[1]}) differs with jump-forward on and {label}:\n{a[2]!r}\n{b[2]!r}"
+        assert m["kvserve:jump_forward_draft_tokens_total"] == 0
+        if label == "off":
+            # a forced token taken saves its choice a step; the two choices of n=2 step together,
+            # so at least half as many steps as tokens taken are saved
+            assert m[steps] - steps_on >= 0.5 * taken, (m[steps], steps_on, taken)
+    assert taken >= 0.5 * forced and taken >= 30, (taken, forced)
