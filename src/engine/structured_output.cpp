@@ -257,10 +257,26 @@ std::shared_ptr<const CompiledConstraint> ConstraintCompiler::compile(const Outp
                                 ": the structured-output compiler (xgrammar) would leave part of it out (\"" + why +
                                 "\"), so the output would not keep to it; refused.");
   };
-  if (c.kind == OutputConstraint::Kind::kJsonSchema || c.kind == OutputConstraint::Kind::kRegex || c.kind == OutputConstraint::Kind::kGrammar) {
-    std::lock_guard<std::mutex> l(refused_mu_);
+  const bool may_warn = c.kind == OutputConstraint::Kind::kJsonSchema || c.kind == OutputConstraint::Kind::kRegex ||
+                        c.kind == OutputConstraint::Kind::kGrammar;
+  if (may_warn) {
+    std::unique_lock<std::mutex> l(refused_mu_);
+    refused_cv_.wait(l, [&] { return in_flight_.find(key) == in_flight_.end(); });
     if (auto it = refused_.find(key); it != refused_.end()) refuse(it->second);
+    in_flight_.emplace(key, 1);
   }
+  struct Done {  // the verdict is in (refused_ written, or not): the waiting compiles go on
+    ConstraintCompiler* self;
+    const std::string* key;
+    ~Done() {
+      if (!key) return;
+      {
+        std::lock_guard<std::mutex> l(self->refused_mu_);
+        self->in_flight_.erase(*key);
+      }
+      self->refused_cv_.notify_all();
+    }
+  } done{this, may_warn ? &key : nullptr};
   auto checked = [&](auto&& compile_it) {
     XgrammarWarnings warnings;
     auto g = compile_it();
@@ -271,7 +287,10 @@ std::shared_ptr<const CompiledConstraint> ConstraintCompiler::compile(const Outp
       const std::string why = xgrammar_message(real.front());
       {
         std::lock_guard<std::mutex> l(refused_mu_);
-        if (refused_.size() >= 4096) refused_.clear();  // a bound, not a policy: a refusal costs a compile to find again
+        if (refused_.size() >= 4096) {  // a bound, not a policy: a refusal costs a compile to find again,
+          refused_.clear();             // which warns only if xgrammar's cache forgot the grammar too
+          impl_->compiler.ClearCache();
+        }
         refused_.emplace(key, why);
       }
       refuse(why);

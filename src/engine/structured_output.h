@@ -14,6 +14,7 @@
 // bytes and are never allowed, the end-of-generation ones aside.
 #pragma once
 #include <cstdint>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -54,8 +55,12 @@ class ConstraintCompiler {
   std::unique_ptr<Impl> impl_;  // built at the first compile (the vocabulary's tables take a moment)
   // Constraints xgrammar warned about (it enforces them only in part), by kind and text → the
   // reason: xgrammar's cache compiles a constraint once, so its second compile warns no more.
+  // A compile of a text another thread is compiling waits for that one's verdict (in_flight_):
+  // xgrammar's cache would hand it the same grammar without the warning.
   std::mutex refused_mu_;
+  std::condition_variable refused_cv_;
   std::unordered_map<std::string, std::string> refused_;
+  std::unordered_map<std::string, int> in_flight_;
 };
 
 // One choice's walk through a constraint. Not thread-safe; moves with its sequence.

@@ -8,7 +8,9 @@
 #include <cmath>
 #include <limits>
 #include <regex>
+#include <atomic>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/sampler.h"
@@ -125,6 +127,39 @@ TEST(StructuredOutput, BadConstraintsThrowWithTheLibrarysReason) {
   g.kind = OutputConstraint::Kind::kGrammar;
   g.spec = "root ::= undefined_rule";
   EXPECT_THROW(cc.compile(g), std::invalid_argument);
+}
+
+// A constraint xgrammar enforces only in part (it warns) is refused however many requests bring
+// it at once: xgrammar's cache hands a concurrent compile of the same text the first one's
+// grammar without its warning, so without the wait for the first verdict the others got through.
+// Then a bound on the remembered refusals must not forget one xgrammar still has cached.
+TEST(StructuredOutput, APartlyEnforcedSchemaIsRefusedByConcurrentFirstCompiles) {
+  const kv::Tokenizer* tok = kvtest::smollm2_tokenizer();
+  kv::LlamaModel* model = kvtest::smollm2_model();
+  ASSERT_TRUE(tok && model);
+  ConstraintCompiler cc(*tok, model->config().n_vocab);
+  constexpr int kThreads = 6, kRounds = 8;
+  for (int round = 0; round < kRounds; ++round) {
+    OutputConstraint c;
+    c.kind = OutputConstraint::Kind::kJsonSchema;
+    // pattern beside maxLength: xgrammar keeps the pattern and warns that it drops the length
+    c.spec = R"({"type": "object", "description": "round )" + std::to_string(round) +
+             R"(", "properties": {"code": {"type": "string", "pattern": "^[A-Z]+$", "maxLength": 4}}, "required": ["code"]})";
+    std::atomic<int> go{0}, accepted{0};
+    std::vector<std::thread> ts;
+    for (int i = 0; i < kThreads; ++i)
+      ts.emplace_back([&] {
+        ++go;
+        while (go.load() < kThreads) std::this_thread::yield();
+        try {
+          cc.compile(c);
+          ++accepted;
+        } catch (const std::invalid_argument&) {
+        }
+      });
+    for (auto& t : ts) t.join();
+    EXPECT_EQ(accepted.load(), 0) << "round " << round;
+  }
 }
 
 // The draw under a constraint: greedy takes the best allowed token, sampling draws only allowed
