@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 
@@ -72,6 +73,7 @@ struct RequestState {
   Request req;
   int32_t n_unfinished = 0;
   int32_t completion_tokens = 0;
+  int32_t n_length = 0;     // choices that finished at their length limit (max_tokens, max_model_len)
   int32_t cached_tokens = -1;  // prompt tokens found in the prefix cache at first admission
   int64_t kv_tokens_kept = 0, kv_tokens_evicted = 0, kv_tokens_reindexed = 0;  // KV policy outcome, summed over finished choices
   bool forked = false;      // n > 1: children created after the prompt's prefill
@@ -1193,6 +1195,7 @@ void Engine::postprocess(Plan& plan, const float* logits) {
     if (reason && cfg_.tier_prompt_tails == EngineConfig::PromptTails::kStore) store_prompt_tail(*e);
     if (reason) store_finished_path(*e);
     if (reason) {
+      if (std::strcmp(reason, "length") == 0) ++rs.n_length;
       finish.finish_reason = reason;
       e->rs->req.stream->push(std::move(finish));
     }
@@ -1591,8 +1594,11 @@ void Engine::maybe_finish_request(Sequence& s) {
     u.kv_tokens_evicted = rs.kv_tokens_evicted;
     u.kv_tokens_reindexed = rs.kv_tokens_reindexed;
   }
+  // One reason per request (vLLM's finished_reason): cancelled, else cut by its length limit if
+  // any choice was, else stopped. The metrics and the dashboard's row say the same.
+  const FinishReason reason = aborted ? FinishReason::kAbort : rs.n_length > 0 ? FinishReason::kLength : FinishReason::kStop;
   // Metrics first: a client that sees its response must also see it counted.
-  metrics_.add_finished(why);
+  metrics_.add_finished(reason, why);
   const auto done = Clock::now();
   metrics_.observe_e2e(seconds(rs.req.arrival, done));
   const double unset = -1;
@@ -1601,10 +1607,8 @@ void Engine::maybe_finish_request(Sequence& s) {
                            rs.first_token_at ? seconds(*rs.first_token_at, done) : unset,
                            rs.scheduled_at ? seconds(*rs.scheduled_at, done) : unset, u.prompt_tokens, u.completion_tokens);
   finishing_.emplace_back(rs.req.stream, u);  // done at the end of the step, after the gauges
-  const bool at_length = rs.completion_tokens >= int64_t(rs.req.params.max_tokens) * rs.req.params.n ||
-                         (!goes_past_context(s) && static_cast<int64_t>(s.tokens.size()) >= cfg_.max_model_len);
   dash_.timelines().finished(rs.req.id, rs.req.params.cache_namespace, rs.req.arrival, dash_.since_epoch(Clock::now()),
-                             aborted ? "abort" : at_length ? "length" : "stop", u.prompt_tokens, u.completion_tokens, u.cached_tokens,
+                             finish_reason_name(reason), u.prompt_tokens, u.completion_tokens, u.cached_tokens,
                              rs.req.params.max_tokens * rs.req.params.n, rs.req.params.n);
 }
 
@@ -1626,10 +1630,13 @@ void Engine::push_finish(Sequence& s, const char* reason) {
   s.rs->req.stream->push(StreamEvent{StreamEvent::kFinish, s.index, "", {}, reason, "", 0, {}, {}, "", -1});
   // A request with n > 1 whose children do not exist yet finishes them all at once.
   RequestState& rs = *s.rs;
+  const bool length = std::strcmp(reason, "length") == 0;
+  rs.n_length += length;
   if (rs.req.params.n > 1 && !rs.forked) {
     rs.forked = true;
     for (int32_t i = 1; i < rs.req.params.n; ++i) {
       rs.req.stream->push(StreamEvent{StreamEvent::kFinish, i, "", {}, reason, "", 0, {}, {}, "", -1});
+      rs.n_length += length;
       --rs.n_unfinished;
     }
   }

@@ -96,10 +96,13 @@ void Metrics::add_reindexed_tokens(int64_t n, bool by_preemption) {
 void Metrics::observe_kv_kept(int64_t tokens) { std::lock_guard<std::mutex> l(mu_); m_.kv_kept_tokens.observe(double(tokens)); }
 void Metrics::add_prompt_tokens(int64_t n) { std::lock_guard<std::mutex> l(mu_); m_.prompt_tokens_total += n; }
 void Metrics::add_generation_tokens(int64_t n) { std::lock_guard<std::mutex> l(mu_); m_.generation_tokens_total += n; }
-void Metrics::add_finished(CancelReason aborted) {
+void Metrics::add_finished(FinishReason reason, CancelReason aborted) {
   std::lock_guard<std::mutex> l(mu_);
-  if (aborted != CancelReason::kNone) ++m_.request_aborted_total[static_cast<int>(aborted)];
-  else ++m_.request_success_total;
+  if (aborted != CancelReason::kNone) {
+    ++m_.request_aborted_total[static_cast<int>(aborted)];
+    reason = FinishReason::kAbort;
+  }
+  ++m_.request_success_total[static_cast<int>(reason)];
 }
 void Metrics::add_rejected(bool queue_full) {
   std::lock_guard<std::mutex> l(mu_);
@@ -186,7 +189,17 @@ std::string render_prometheus(const MetricsSnapshot& m) {
           double(m.kv_reindex_preemptions_total));
   counter(out, "kvserve:prompt_tokens_total", "Prompt tokens computed (prefill work: prefix-cache and tier hits are not counted; after a preemption, prompt tokens computed again are, generated tokens computed again are not; vLLM's counts every prompt token once).", double(m.prompt_tokens_total));
   counter(out, "kvserve:generation_tokens_total", "Tokens generated.", double(m.generation_tokens_total));
-  counter(out, "kvserve:request_success_total", "Requests finished normally.", double(m.request_success_total));
+  // vLLM's series: one per finished_reason, each present from the start (a rate over a series that
+  // appears only at its first request misses that request).
+  std::vector<std::pair<const char*, int64_t>> finished;
+  for (FinishReason r : {FinishReason::kStop, FinishReason::kLength, FinishReason::kAbort})
+    finished.push_back({finish_reason_name(r), m.request_success_total[static_cast<int>(r)]});
+  labelled_counter(out, "kvserve:request_success_total",
+                   "Requests finished, by finished_reason (vLLM's): a stop condition (stop: end of text, a stop string or "
+                   "stop_token_ids), the length limit (length: max_tokens or max_model_len; a request of n choices counts "
+                   "once, as length if any of its choices was cut), or cancelled (abort: the causes in "
+                   "kvserve:request_aborted_total).",
+                   "finished_reason", finished);
   std::vector<std::pair<const char*, int64_t>> aborted;
   for (CancelReason r : {CancelReason::kClient, CancelReason::kTimeout, CancelReason::kShutdown, CancelReason::kError})
     aborted.push_back({cancel_reason_name(r), m.request_aborted_total[static_cast<int>(r)]});

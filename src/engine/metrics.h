@@ -47,6 +47,15 @@ inline const char* tail_event_name(TailEvent e) {
   return names[static_cast<int>(e)];
 }
 
+// Why a request finished, as vLLM's finished_reason label spells it (kvserve:request_success_total):
+// its stop condition, its length limit (max_tokens or max_model_len), or cancelled (any CancelReason).
+enum class FinishReason { kStop, kLength, kAbort };
+inline constexpr int kNumFinishReasons = 3;
+inline const char* finish_reason_name(FinishReason r) {
+  static const char* const names[] = {"stop", "length", "abort"};
+  return names[static_cast<int>(r)];
+}
+
 struct MetricsSnapshot {
   int64_t num_requests_running = 0;
   int64_t num_requests_waiting = 0;
@@ -56,7 +65,7 @@ struct MetricsSnapshot {
   int64_t num_preemptions_total = 0;
   int64_t prompt_tokens_total = 0;
   int64_t generation_tokens_total = 0;
-  int64_t request_success_total = 0;
+  int64_t request_success_total[kNumFinishReasons] = {};  // finished requests by FinishReason (aborted ones too, as vLLM)
   int64_t request_rejected_total = 0;        // every refusal at admission
   int64_t request_rejected_queue_full = 0;   // of which 429s: the queue (--max-queue) was full
   int64_t request_aborted_total[kNumCancelReasons] = {};  // by CancelReason
@@ -127,7 +136,9 @@ class Metrics {
   void observe_kv_kept(int64_t tokens);
   void add_prompt_tokens(int64_t n);
   void add_generation_tokens(int64_t n);
-  void add_finished(CancelReason aborted);  // kNone: finished normally
+  // A finished request: counted by reason (kAbort when `aborted` is not kNone, whatever `reason`
+  // says) and, when aborted, by its CancelReason too.
+  void add_finished(FinishReason reason, CancelReason aborted);
   void add_rejected(bool queue_full);
   void observe_ttft(double s);
   void observe_itl(double s);

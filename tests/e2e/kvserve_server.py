@@ -22,6 +22,15 @@ MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 ABORTED_CLIENT = 'kvserve:request_aborted_total{reason="client"}'
 ABORTED_TIMEOUT = 'kvserve:request_aborted_total{reason="timeout"}'
 ABORTED_SHUTDOWN = 'kvserve:request_aborted_total{reason="shutdown"}'
+# kvserve:request_success_total by finished_reason (vLLM's label): stop, length, abort
+FINISHED = 'kvserve:request_success_total{{finished_reason="{}"}}'
+
+
+def succeeded(metrics: dict[str, float]) -> float:
+    """Requests that finished without being cancelled (stop + length), from Server.metrics()."""
+    return sum(metrics.get(FINISHED.format(r), 0.0) for r in ("stop", "length"))
+
+
 MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1"  # the file's stem: the default served name
 MAX_MODEL_LEN = 512
 MAX_N = 4

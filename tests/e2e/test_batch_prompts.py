@@ -13,7 +13,7 @@ import time
 import pytest
 import requests
 
-from kvserve_server import ABORTED_CLIENT, MAX_MODEL_LEN, MODEL_NAME, SLOWDOWN, Server
+from kvserve_server import ABORTED_CLIENT, FINISHED, MAX_MODEL_LEN, MODEL_NAME, SLOWDOWN, Server
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,", "def fib(n):", "1, 2, 3, 4,"]
 
@@ -118,7 +118,7 @@ def test_a_bad_prompt_anywhere_refuses_the_batch_before_anything_runs(server, cl
     r = requests.post(server.url + "/v1/completions", json={"prompt": ["a", [1, 2]]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_type"
     after = server.metrics()
-    for name in ("kvserve:prompt_tokens_total", "kvserve:generation_tokens_total", "kvserve:request_success_total",
+    for name in ("kvserve:prompt_tokens_total", "kvserve:generation_tokens_total", FINISHED.format("stop"), FINISHED.format("length"),
                  "kvserve:engine_steps_total"):
         assert after[name] == before[name], name  # nothing ran
     assert after["kvserve:kv_cache_pages_used"] == 0

@@ -464,6 +464,36 @@ def test_metrics(server, client):
     assert after["kvserve:e2e_request_latency_seconds_count"] == before["kvserve:e2e_request_latency_seconds_count"] + 1
 
 
+def test_request_success_by_finished_reason_as_vllm(server, client):
+    """vLLM's vllm:request_success_total{finished_reason=...}: one series per reason (stop, length,
+    abort), each present before any request, counting requests by the finish_reason the API gave
+    them (the oracle: the response's own finish_reason). The series had no label (a black-box test)."""
+    from kvserve_server import FINISHED
+    text = requests.get(server.url + "/metrics").text
+    assert "# TYPE kvserve:request_success_total counter" in text
+    lines = [ln for ln in text.splitlines() if ln.startswith("kvserve:request_success_total")]
+    assert sorted(ln.rpartition(" ")[0] for ln in lines) == sorted(FINISHED.format(r) for r in ("abort", "length", "stop")), lines
+    before = server.metrics()
+    length = complete(client, max_tokens=3, extra_body={"ignore_eos": True})
+    stop = chat(client, messages=[{"role": "user", "content": "Say OK."}], max_tokens=48)
+    stop2 = complete(client, max_tokens=40, stop=[" "])
+    reasons = [length.choices[0].finish_reason, stop.choices[0].finish_reason, stop2.choices[0].finish_reason]
+    assert reasons == ["length", "stop", "stop"], reasons
+    # n = 2 with both choices cut: one request, counted once.
+    both = complete(client, max_tokens=2, n=2, temperature=0.8, seed=1, extra_body={"ignore_eos": True})
+    assert [c.finish_reason for c in both.choices] == ["length", "length"]
+    deadline = time.time() + 2
+    while (after := server.metrics())[FINISHED.format("length")] < before[FINISHED.format("length")] + 2:
+        assert time.time() < deadline, after
+        time.sleep(0.01)
+    delta = {r: after[FINISHED.format(r)] - before[FINISHED.format(r)] for r in ("stop", "length", "abort")}
+    assert delta == {"stop": 2, "length": 2, "abort": 0}, delta
+    # A client that hangs up mid-stream: finished_reason="abort" (its cause in request_aborted_total).
+    leave_mid_stream(server, "/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 400, "temperature": 0,
+                                                 "ignore_eos": True, "stream": True}, b"data: ")
+    assert server.metrics()[FINISHED.format("abort")] == after[FINISHED.format("abort")] + 1
+
+
 PHASES = ["schedule", "forward_matmul", "forward_attention", "forward_logits", "sample", "postprocess"]
 
 
