@@ -2,6 +2,7 @@
 #include <pthread.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -12,6 +13,7 @@
 #include "common/units.h"
 #include "engine/engine.h"
 #include "gguf/gguf.h"
+#include "kv/redis_store.h"
 #include "kernels/matmul.h"
 #include "loaded_model.h"
 #include "server/http_server.h"
@@ -386,7 +388,20 @@ void add_serve_command(CLI::App& app) {
   CLI::Option* disk_dir = cmd->add_option("--kv-disk-dir", o->kv_disk_dir, "L2 KV tier: keep prefix pages in this directory (survives restarts)");
   CLI::Option* disk_bytes = cmd->add_option("--kv-disk-bytes", o->kv_disk_bytes, "L2 size, e.g. 20GiB (no fraction of RAM; at least one page); over it, pages no stored page continues go first (unreachable ones, then least recently used)")->capture_default_str();
   CLI::Option* redis = cmd->add_option("--kv-redis", o->kv_redis,
-                  "L3 KV tier shared by instances: redis://HOST:PORT (repeat or comma-separate; a Redis Cluster is followed)");
+                  "L3 KV tier shared by instances: redis://HOST:PORT (repeat or comma-separate; a Redis Cluster is followed)")
+      ->check([](const std::string& s) {  // at start, before the weights: "notaurl" was taken as a host
+        size_t n = 0;
+        for (size_t a = 0; a <= s.size();) {
+          const size_t b = std::min(s.find(',', a), s.size());
+          if (b > a) {
+            auto e = kv::RedisStore::parse_address(s.substr(a, b - a));
+            if (!e) return e.message();
+            ++n;
+          }
+          a = b + 1;
+        }
+        return n > 0 ? std::string() : std::string("no address; want redis://HOST[:PORT] (port 6379 by default) or HOST:PORT");
+      });
   CLI::Option* redis_ttl = cmd->add_option("--kv-redis-ttl", o->kv_redis_ttl, "seconds a page stays in Redis after its last write or read (0: no expiry); a prefix's first pages up to 1.5x that, so that a Redis with maxmemory-policy volatile-ttl evicts tails first")->check(number_in(0, 1 << 30))->capture_default_str();
   CLI::Option* redis_timeout = cmd->add_option("--kv-redis-timeout-ms", o->kv_redis_timeout_ms, "Redis connect / command timeout")
       ->check(number_in(1, 60000))

@@ -10,6 +10,7 @@
 #include "commands.h"
 #include "kernels/isa.h"
 #include "kv_version.h"
+#include "server/http_util.h"
 
 namespace kvtools {
 std::string missing_model_hint(const std::string& path) {
@@ -25,24 +26,28 @@ std::vector<std::string> parse_allowed_origins(const std::string& s) {
   const size_t first = s.find_first_not_of(" \t");
   if (first != std::string::npos && s[first] == '[') {
     nlohmann::json j = nlohmann::json::parse(s, nullptr, /*allow_exceptions=*/false);
-    if (!j.is_array()) throw std::invalid_argument("'" + s + "' is not a JSON list of strings");
+    if (!j.is_array()) throw std::invalid_argument("'" + one_line(s) + "' is not a JSON list of strings");
     for (const auto& o : j) {
       if (!o.is_string() || o.get<std::string>().empty())
-        throw std::invalid_argument("'" + s + "' is not a JSON list of strings");
+        throw std::invalid_argument("'" + one_line(s) + "' is not a JSON list of strings");
       out.push_back(o.get<std::string>());
     }
-    return out;
+  } else {
+    size_t i = 0;
+    while (i <= s.size()) {
+      size_t j = s.find(',', i);
+      if (j == std::string::npos) j = s.size();
+      std::string item = s.substr(i, j - i);
+      item.erase(0, item.find_first_not_of(" \t"));
+      item.erase(item.find_last_not_of(" \t") + 1);
+      if (!item.empty()) out.push_back(item);
+      i = j + 1;
+    }
   }
-  size_t i = 0;
-  while (i <= s.size()) {
-    size_t j = s.find(',', i);
-    if (j == std::string::npos) j = s.size();
-    std::string item = s.substr(i, j - i);
-    item.erase(0, item.find_first_not_of(" \t"));
-    item.erase(item.find_last_not_of(" \t") + 1);
-    if (!item.empty()) out.push_back(item);
-    i = j + 1;
-  }
+  // Each one must be able to match a browser's Origin header (CORS compares them exactly): a
+  // garbage value was accepted and allowed nothing, silently.
+  for (const std::string& o : out)
+    if (std::string why = kv::origin_problem(o); !why.empty()) throw std::invalid_argument(why);
   return out;
 }
 }  // namespace kvtools

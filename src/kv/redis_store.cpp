@@ -3,6 +3,7 @@
 #include <hiredis/hiredis.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
@@ -22,18 +23,28 @@ struct ReplyDeleter {
 };
 using Reply = std::unique_ptr<redisReply, ReplyDeleter>;
 
-Result<RedisStore::Endpoint> parse_addr(const std::string& a) {
+constexpr const char* kWantAddress = "want redis://HOST[:PORT] (port 6379 by default) or HOST:PORT";
+
+// An address: redis://HOST[:PORT][/] or HOST:PORT; from_user: an address given to us, whose host
+// must be a host name or an IPv4 address (a bare word like "notaurl" was taken as a host on
+// port 6379 and failed only at the first lookup, as "Redis down"); else Redis's own (a MOVED
+// reply's HOST:PORT). Messages name the address, not the flag.
+Result<RedisStore::Endpoint> parse_addr(const std::string& a, bool from_user) {
+  using R = Result<RedisStore::Endpoint>;
+  std::string shown;  // printable on one line
+  for (unsigned char c : a) shown += c >= 0x20 && c < 0x7f ? static_cast<char>(c) : '?';
   std::string s = a;
-  if (s.rfind("redis://", 0) == 0) s = s.substr(8);
-  if (const size_t scheme = s.find("://"); scheme != std::string::npos)  // http://, rediss:// (TLS), ...
-    return Result<RedisStore::Endpoint>::error("--kv-redis " + a + ": " + s.substr(0, scheme) + ":// is not a plain Redis address; want redis://HOST:PORT");
+  const bool scheme = s.rfind("redis://", 0) == 0;
+  if (scheme) s = s.substr(8);
+  if (const size_t other = s.find("://"); other != std::string::npos)  // http://, rediss:// (TLS), ...
+    return R::error(shown + ": " + shown.substr(0, other) + ":// is not a plain Redis address; " + kWantAddress);
   if (s.find('@') != std::string::npos)  // the message leaves the password out of the log
-    return Result<RedisStore::Endpoint>::error("--kv-redis redis://…@" + s.substr(s.rfind('@') + 1) +
-                                               ": credentials in the address are not supported (no AUTH is sent); use a Redis "
-                                               "without requirepass, reachable only by the servers");
+    return R::error("redis://…@" + shown.substr(shown.rfind('@') + 1) +
+                    ": credentials in the address are not supported (no AUTH is sent); use a Redis "
+                    "without requirepass, reachable only by the servers");
   while (!s.empty() && s.back() == '/') s.pop_back();
   if (const size_t db = s.find_first_of("/?"); db != std::string::npos)  // redis://host:port/3, ?db=2: it said bad port
-    return Result<RedisStore::Endpoint>::error("--kv-redis " + a + ": a database number is not supported (pages go to database 0); want redis://HOST:PORT");
+    return R::error(shown + ": a database number is not supported (pages go to database 0); " + kWantAddress);
   const size_t colon = s.rfind(':');
   RedisStore::Endpoint e;
   e.host = colon == std::string::npos ? s : s.substr(0, colon);
@@ -42,17 +53,25 @@ Result<RedisStore::Endpoint> parse_addr(const std::string& a) {
     try {
       size_t used = 0;
       e.port = std::stoi(s.substr(colon + 1), &used);
-      if (used != s.size() - colon - 1) throw std::invalid_argument("port");
+      if (used != s.size() - colon - 1 || !std::isdigit(static_cast<unsigned char>(s[colon + 1]))) throw std::invalid_argument("port");
     } catch (...) {
-      return Result<RedisStore::Endpoint>::error("--kv-redis " + a + ": bad port");
+      return R::error(shown + ": bad port; " + kWantAddress);
     }
   }
-  if (e.host.empty() || e.port <= 0 || e.port > 65535) return Result<RedisStore::Endpoint>::error("--kv-redis " + a + ": want redis://HOST:PORT");
+  if (e.host.empty() || e.port <= 0 || e.port > 65535) return R::error(shown + ": " + kWantAddress);
+  if (from_user) {
+    if (!scheme && colon == std::string::npos) return R::error("'" + shown + "' is not a Redis address; " + kWantAddress);
+    for (char c : e.host)
+      if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '-' && c != '_')
+        return R::error("'" + shown + "': the host must be a host name or an IPv4 address; " + kWantAddress);
+  }
   return e;
 }
 
 timeval to_tv(int ms) { return timeval{ms / 1000, (ms % 1000) * 1000}; }
 }  // namespace
+
+Result<RedisStore::Endpoint> RedisStore::parse_address(const std::string& address) { return parse_addr(address, /*from_user=*/true); }
 
 uint16_t redis_key_slot(std::string_view key) {
   // Redis Cluster: only the part inside the first {...} is hashed, when non-empty.
@@ -88,8 +107,8 @@ Result<std::unique_ptr<RedisStore>> RedisStore::create(const std::vector<std::st
                                                        int32_t timeout_ms) {
   std::vector<Endpoint> seeds;
   for (const auto& a : addrs) {
-    auto e = parse_addr(a);
-    if (!e) return Result<std::unique_ptr<RedisStore>>::error(e.message());
+    auto e = parse_address(a);
+    if (!e) return Result<std::unique_ptr<RedisStore>>::error("--kv-redis " + e.message());
     seeds.push_back(*e);
   }
   if (seeds.empty()) return Result<std::unique_ptr<RedisStore>>::error("--kv-redis: no address");
@@ -271,7 +290,7 @@ std::vector<std::optional<std::string>> RedisStore::run(const std::vector<std::s
       if (!moved && !ask) {  // OOM, NOAUTH, READONLY, ...: the page is not stored (or not read)
         reply_error(err);
       } else if (collect_redirect && sp != std::string::npos) {
-        auto ep = parse_addr(err.substr(sp + 1));
+        auto ep = parse_addr(err.substr(sp + 1), /*from_user=*/false);
         if (ep) redirects.push_back({i, *ep, ask});
         if (moved) {
           std::lock_guard<std::mutex> l(mu_);

@@ -12,9 +12,9 @@
 // wrote is no proof it is there, so pages written before go through put_missing (EXISTS, then
 // SET what is missing, refresh what is held).
 //
-// Addresses: redis://HOST:PORT (or HOST:PORT). At first use the store asks the first reachable
-// address for CLUSTER SLOTS; if it is a cluster, keys go to their slot's master and MOVED/ASK
-// are followed; otherwise keys are spread over the addresses by their hash.
+// Addresses: redis://HOST[:PORT] (or HOST:PORT; parse_address). At first use the store asks the
+// first reachable address for CLUSTER SLOTS; if it is a cluster, keys go to their slot's master
+// and MOVED/ASK are followed; otherwise keys are spread over the addresses by their hash.
 //
 // Failure: connect and command timeouts (timeout_ms). A node that fails is skipped (a miss, a
 // dropped write, an error counted) until its backoff ends (0.5 s doubling to 8 s), then
@@ -42,6 +42,15 @@ uint16_t redis_key_slot(std::string_view key);  // CRC16-XMODEM mod 16384, {hash
 
 class RedisStore : public PageStore {
  public:
+  struct Endpoint {  // a node
+    std::string host;
+    int port = 0;
+    bool operator<(const Endpoint& o) const { return host != o.host ? host < o.host : port < o.port; }
+  };
+  // One address as --kv-redis takes it: redis://HOST[:PORT][/] or HOST:PORT, HOST a host name or an
+  // IPv4 address; else the reason (it names the address and the forms wanted). create() parses
+  // with it; `kvserve serve` checks its flag with it before the weights load.
+  static Result<Endpoint> parse_address(const std::string& address);
   // Parses the addresses; connects lazily. id.ns_tag is unused (each key carries its own).
   static Result<std::unique_ptr<RedisStore>> create(const std::vector<std::string>& addrs, const PageIdentity& id, int32_t ttl_s,
                                                     int32_t timeout_ms);
@@ -80,11 +89,6 @@ class RedisStore : public PageStore {
 
   // The key a page of namespace tag ns_tag is stored under.
   std::string key(uint64_t ns_tag, const PageHash& h) const;
-  struct Endpoint {
-    std::string host;
-    int port = 0;
-    bool operator<(const Endpoint& o) const { return host != o.host ? host < o.host : port < o.port; }
-  };
 
  private:
   RedisStore(std::vector<Endpoint> seeds, const PageIdentity& id, int32_t ttl_s, int32_t timeout_ms);

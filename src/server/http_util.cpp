@@ -45,6 +45,47 @@ std::string allowed_origin(const std::string& origin, const std::vector<std::str
 }
 }  // namespace
 
+std::string origin_problem(const std::string& origin) {
+  if (origin == "*") return "";
+  const std::string want = "' is not an origin: want * or scheme://host[:port] as a browser sends it (http or https, lower case, "
+                           "no path or trailing slash), e.g. http://localhost:3000";
+  std::string shown;  // the value as given, printable on one line
+  for (unsigned char c : origin) shown += c >= 0x20 && c < 0x7f ? static_cast<char>(c) : '?';
+  const size_t sep = origin.find("://");
+  if (sep == std::string::npos) return "'" + shown + want;
+  const std::string scheme = origin.substr(0, sep);
+  if (scheme != "http" && scheme != "https")
+    return "'" + shown + "': the scheme must be http or https, in lower case (what a browser sends for a web page)";
+  std::string host = origin.substr(sep + 3), port;
+  if (const size_t path = host.find_first_of("/?#"); path != std::string::npos)
+    return path + 1 == host.size() && host[path] == '/'
+               ? "'" + shown + "': no trailing slash (a browser's Origin has none): " + shown.substr(0, shown.size() - 1)
+               : "'" + shown + "': an origin has no path, query or fragment";
+  if (host.find('@') != std::string::npos) return "'" + shown + "': an origin has no user name or password";
+  // The port: after the last ':' outside an IPv6 literal's brackets.
+  const size_t close = host.rfind(']');
+  const size_t colon = host.rfind(':');
+  if (colon != std::string::npos && (close == std::string::npos || colon > close)) {
+    port = host.substr(colon + 1);
+    host.resize(colon);
+    if (port.empty() || port.size() > 5 || port[0] == '0' || port.find_first_not_of("0123456789") != std::string::npos ||
+        std::stoi(port) > 65535)
+      return "'" + shown + "': the port must be a number in [1, 65535] without leading zeros";
+    if ((scheme == "http" && port == "80") || (scheme == "https" && port == "443"))
+      return "'" + shown + "': a browser leaves the default port out of its Origin; write " + scheme + "://" + host;
+  }
+  if (host.empty()) return "'" + shown + want;
+  const bool v6 = host.front() == '[';
+  const std::string_view allowed = v6 ? "[]0123456789abcdef:." : "abcdefghijklmnopqrstuvwxyz0123456789.-_";
+  if (v6 && (host.back() != ']' || host.size() < 3 || host.find('[', 1) != std::string::npos || host.find(']') != host.size() - 1))
+    return "'" + shown + want;
+  for (char c : host)
+    if (allowed.find(c) == std::string_view::npos)
+      return c >= 'A' && c <= 'Z' ? "'" + shown + "': a browser sends the host in lower case; write it so"
+                                  : "'" + shown + want;
+  return "";
+}
+
 void install_cors(httplib::Server& svr, std::vector<std::string> origins) {
   if (origins.empty()) return;
   svr.set_post_routing_handler([origins = std::move(origins)](const httplib::Request& req, httplib::Response& res) {

@@ -41,6 +41,10 @@ void install_json_errors(httplib::Server& svr, size_t max_body_bytes);
 // origin; cors_preflight answers a browser's OPTIONS preflight (204, the methods and headers it may
 // use) and returns true, before any key is checked: a preflight never carries the key.
 void install_cors(httplib::Server& svr, std::vector<std::string> origins);
+// Empty when `origin` is one the comparison above can ever match: "*", or an origin as a browser
+// sends it in its Origin header (scheme://host[:port]: http or https, lower case, no path, no
+// trailing slash, no default port); else why not, in one line (--allowed-origins is refused at start).
+std::string origin_problem(const std::string& origin);
 bool cors_preflight(const httplib::Request& req, httplib::Response& res, const std::vector<std::string>& origins);
 
 // Wraps a handler: ApiError → its status; any other exception → 500. Nothing escapes.

@@ -139,6 +139,47 @@ def test_empty_text_flags_are_refused_at_start():
             assert r.returncode != 0 and f"{flag}: must not be empty" in r.stderr, (cmd, flag, r.stderr)
 
 
+def test_bad_allowed_origins_and_redis_addresses_are_refused_at_start():
+    # `--allowed-origins garbage` and `--kv-redis notaurl` started a server (the first allowed no
+    # page, the second failed every tier lookup; a black-box test). Now each is one line and exit
+    # code 105 (CLI11's validation error) before the weights load. An origin is what a browser's
+    # Origin header can hold, since CORS compares them exactly: "*" or scheme://host[:port].
+    import socket
+    serve, router = ["serve", "-m", MODEL], ["router", "-m", MODEL, "--replica", "http://127.0.0.1:9"]
+    for origins, words in (("garbage", "'garbage' is not an origin: want * or scheme://host[:port]"),
+                           ('["localhost:3000"]', "'localhost:3000' is not an origin"),
+                           ("http://localhost:3000/", "no trailing slash (a browser's Origin has none): http://localhost:3000"),
+                           ("https://example.com/app", "an origin has no path"),
+                           ("ftp://example.com", "the scheme must be http or https"),
+                           ("http://Example.com", "the host in lower case"),
+                           ("http://localhost:80", "leaves the default port out of its Origin; write http://localhost"),
+                           ("http://localhost:99999", "the port must be a number in [1, 65535]"),
+                           ("*, http://a b", "'http://a b' is not an origin")):
+        for cmd in (serve, router):
+            r = run(*cmd, "--allowed-origins", origins, timeout=30)
+            assert r.returncode == 105 and r.stderr.startswith("--allowed-origins: ") and words in r.stderr, (cmd, origins, r.stderr)
+            assert "loading weights" not in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr
+    for addr, words in (("notaurl", "'notaurl' is not a Redis address; want redis://HOST[:PORT] (port 6379 by default) or HOST:PORT"),
+                        ("redis://not a host:6379", "the host must be a host name or an IPv4 address"),
+                        ("127.0.0.1:6379,nope", "'nope' is not a Redis address"),
+                        (",", "no address"),
+                        ("http://127.0.0.1:6379", "http:// is not a plain Redis address")):
+        r = run(*serve, "--kv-redis", addr, timeout=30)
+        assert r.returncode == 105 and r.stderr.startswith("--kv-redis: ") and words in r.stderr, (addr, r.returncode, r.stderr)
+        assert "loading weights" not in r.stderr, r.stderr
+    # What can match (and the forms the Redis tier parses) passes the checks: the start then stops
+    # at the port in use, still before the weights.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = str(taken.getsockname()[1])
+        for flags in (["--allowed-origins", '["*", "http://localhost:3000", "https://[::1]:8443", "http://127.0.0.1"]'],
+                      ["--allowed-origins", "https://example.com, http://a-b.example.org:8080"],
+                      ["--kv-redis", "redis://127.0.0.1:6379", "--kv-redis", "localhost:6380,redis://localhost,redis://h:1/"]):
+            r = run(*serve, "--host", "127.0.0.1", "--port", port, *flags, timeout=30)
+            assert r.returncode != 0 and "cannot listen on 127.0.0.1:" + port in r.stderr, (flags, r.stderr)
+
+
 def test_version_and_an_unknown_command():
     r = run("--version", timeout=10)
     assert r.returncode == 0 and r.stdout.startswith("kvserve git ") and "kernels for this CPU" in r.stdout, r

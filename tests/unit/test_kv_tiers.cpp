@@ -1951,6 +1951,11 @@ TEST_F(KvTierRedis, BadAddressesRejected) {
   EXPECT_FALSE(RedisStore::create({"host:70000"}, kId, 0, 100).is_ok());
   EXPECT_FALSE(RedisStore::create({"redis://:6379"}, kId, 0, 100).is_ok());
   EXPECT_TRUE(RedisStore::create({"redis://localhost"}, kId, 0, 100).is_ok());
+  EXPECT_TRUE(RedisStore::create({"localhost:6379"}, kId, 0, 100).is_ok());
+  // A bare word was a host on port 6379 (`--kv-redis notaurl` started; every lookup then failed).
+  EXPECT_FALSE(RedisStore::create({"notaurl"}, kId, 0, 100).is_ok());
+  EXPECT_FALSE(RedisStore::create({"redis://not a host:6379"}, kId, 0, 100).is_ok());
+  EXPECT_FALSE(RedisStore::create({"host:+6379"}, kId, 0, 100).is_ok());
   // Credentials: refused (no AUTH is sent), and the password is not repeated in the message.
   auto cred = RedisStore::create({"redis://:s3cret@127.0.0.1:6391"}, kId, 0, 100);
   ASSERT_FALSE(cred.is_ok());
