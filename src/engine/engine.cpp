@@ -319,6 +319,8 @@ Rejection Engine::check_request(const Request& req) const {
   return Rejection{};
 }
 
+void Engine::count_rejection() { metrics_.add_rejected(/*queue_full=*/false); }
+
 Rejection Engine::submit(Request req) {
   std::vector<Request> one;
   one.push_back(std::move(req));

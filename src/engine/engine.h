@@ -117,6 +117,10 @@ class Engine {
   // never be queued and is a 400. On a rejection *failed (if given) is the index of the request
   // at fault, -1 when it is the batch (the queue, its size).
   Rejection submit_all(std::vector<Request> reqs, int32_t* failed = nullptr);
+  // A request refused at admission before it reached submit (the server's parser refuses
+  // max_tokens alone past max_model_len): counted as submit counts its 400s
+  // (kvserve:request_rejected_total{reason="invalid"}). Any thread.
+  void count_rejection();
   uint64_t next_request_id() { return next_id_.fetch_add(1); }
 
   void start();  // engine thread runs step() until stop()

@@ -210,8 +210,9 @@ std::string render_prometheus(const MetricsSnapshot& m) {
   // By reason (a user test: an alert on refusals mixed an overload with requests that can never run).
   labelled_counter(out, "kvserve:request_rejected_total",
                    "Requests refused at admission, by reason: the queue was full (queue_full, 429: --max-queue), or the "
-                   "request can never run here (invalid, 400: too long for max_model_len or the KV cache, a batch over "
-                   "--max-num-seqs + --max-queue, a KV policy the server cannot apply).",
+                   "request can never run here (invalid, 400: prompt + max_tokens past max_model_len, max_tokens alone "
+                   "past it included, more KV than the cache holds, a batch over --max-num-seqs + --max-queue, a KV policy "
+                   "the server cannot apply). Other malformed requests are not counted.",
                    "reason", {{"queue_full", m.request_rejected_queue_full}, {"invalid", m.request_rejected_total - m.request_rejected_queue_full}});
   counter(out, "kvserve:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", double(m.prefix_cache_queries_total));
   counter(out, "kvserve:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", double(m.prefix_cache_hits_total));

@@ -14,6 +14,10 @@ struct ApiError {
   std::string type = "invalid_request_error";
   std::string param;  // empty: null
   std::string code;   // empty: null
+  // Refused as longer than max_model_len allows (max_tokens alone past it, found by the parser
+  // before the prompt reaches the engine): an admission refusal, so the server counts it as the
+  // engine counts its own (kvserve:request_rejected_total{reason="invalid"}: Engine::count_rejection).
+  bool too_long = false;
 
   nlohmann::ordered_json to_json() const {
     nlohmann::ordered_json e = {{"message", message}, {"type", type}, {"param", nullptr}, {"code", nullptr}};

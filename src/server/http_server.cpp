@@ -63,6 +63,17 @@ constexpr const char* kRetryAfterSeconds = "5";
 // The cancel reason of why_end's error: its 504 is the deadline, its 503 the shutdown.
 CancelReason end_reason(const ApiError& e) { return e.status == 504 ? CancelReason::kTimeout : CancelReason::kShutdown; }
 
+// parse(): a request parsed; a refusal the parser makes at admission (ApiError::too_long) is
+// counted in the engine's rejections, as the ones Engine::submit makes.
+template <class Parse>
+auto counting_refusals(Engine& engine, Parse&& parse) {
+  try {
+    return parse();
+  } catch (const ApiError& e) {
+    if (e.too_long) engine.count_rejection();
+    throw;
+  }
+}
 
 }  // namespace
 
@@ -539,7 +550,7 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
     throw draining_error();
   }
   nlohmann::json body = parse_json_body(req.body, ctx_);
-  ApiRequest ar = chat ? parse_chat_request(body, ctx_) : parse_completion_request(body, ctx_);
+  ApiRequest ar = counting_refusals(engine_, [&] { return chat ? parse_chat_request(body, ctx_) : parse_completion_request(body, ctx_); });
   const bool prefill = opts_.role == ServerRole::kPrefill;
   if (prefill) {  // the prompt's KV is the product; one token proves the prompt ran
     ar.params.max_tokens = 1;  // echo's max_tokens 0 included
@@ -634,7 +645,7 @@ void HttpServer::handle_responses(const httplib::Request& req, httplib::Response
   PreviousLookup previous;
   if (store_.enabled()) previous = [this, tenant](const std::string& id) { return store_.get(id, tenant); };
   nlohmann::json body = parse_json_body(req.body, ctx_);
-  ResponsesRequest rr = parse_responses_request(body, ctx_, previous);
+  ResponsesRequest rr = counting_refusals(engine_, [&] { return parse_responses_request(body, ctx_, previous); });
   const bool prefill = opts_.role == ServerRole::kPrefill;
   if (prefill) {  // as handle_generate: one token, nothing kept
     rr.chat.params.max_tokens = 1;

@@ -363,10 +363,15 @@ int32_t parse_max_tokens(const Fields& f, const char* name, const ApiContext& ct
                                                                                       : " (0 only with prompt_logprobs: the prompt alone)"));
   const bool past_context = p.kv_policy_set ? p.kv_policy.evicts() : ctx.default_policy_evicts;
   const int64_t cap = past_context ? std::numeric_limits<int32_t>::max() : ctx.max_model_len;
-  if (v->is_number_unsigned() ? v->get<uint64_t>() > static_cast<uint64_t>(cap) : v->get<int64_t>() > cap)
-    value_error(name, past_context ? v->dump() + " is more than " + std::to_string(cap) + "."
-                                   : v->dump() + " is more than this model's maximum context length of " + std::to_string(ctx.max_model_len) +
-                                         " tokens (max_model_len), which the prompt and the completion share.");
+  if (v->is_number_unsigned() ? v->get<uint64_t>() > static_cast<uint64_t>(cap) : v->get<int64_t>() > cap) {
+    if (past_context) value_error(name, v->dump() + " is more than " + std::to_string(cap) + ".");
+    ApiError e = bad_request(std::string("Invalid value for '") + name + "': " + v->dump() +
+                                 " is more than this model's maximum context length of " + std::to_string(ctx.max_model_len) +
+                                 " tokens (max_model_len), which the prompt and the completion share.",
+                             name, "invalid_value");
+    e.too_long = true;  // as Engine::submit's refusal of prompt + max_tokens past it: counted
+    throw e;
+  }
   return static_cast<int32_t>(v->get<int64_t>());
 }
 

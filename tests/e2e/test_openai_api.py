@@ -533,6 +533,33 @@ def test_long_prompt_rejected_with_reason(client):
     assert "maximum context length" in str(e.value)
 
 
+def test_context_length_refusals_count_as_rejected_requests(server, client):
+    """kvserve:request_rejected_total{reason="invalid"} says it counts requests too long for
+    max_model_len. max_tokens alone past it was refused by the parser, before the engine, and went
+    uncounted (a black-box test); prompt + max_tokens past it was counted. Both count now, through
+    chat, completions and responses; a malformed request is not an admission refusal."""
+    import openai
+    invalid = 'kvserve:request_rejected_total{reason="invalid"}'
+    before = server.metrics()[invalid]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, max_tokens=MAX_MODEL_LEN + 1)
+    assert "maximum context length" in str(e.value) and e.value.body["param"] == "max_tokens"
+    assert server.metrics()[invalid] == before + 1
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(client, max_tokens=MAX_MODEL_LEN + 100)
+    assert server.metrics()[invalid] == before + 2
+    with pytest.raises(openai.BadRequestError) as e:  # each fits alone, not together: the engine's refusal
+        complete(client, prompt=[100] * 20, max_tokens=MAX_MODEL_LEN - 10)
+    assert "maximum context length" in str(e.value)
+    assert server.metrics()[invalid] == before + 3
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=MAX_MODEL_LEN + 1)
+    assert server.metrics()[invalid] == before + 4
+    with pytest.raises(openai.BadRequestError):  # malformed, not refused at admission
+        complete(client, temperature=-1)
+    assert server.metrics()[invalid] == before + 4
+
+
 def test_cached_tokens_and_cache_salt(client):
     prompt = "Alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau"
     first = complete(client, prompt=prompt, max_tokens=3, extra_body={"cache_salt": "e2e-salt-a"})
