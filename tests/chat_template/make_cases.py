@@ -402,6 +402,37 @@ FEATURES = [
                      "{{ loop.index }};{% endfor %}", {}),
     ("range_forms", "{{ range(3) | list }}{{ range(1, 4) | list }}{{ range(10, 0, -3) | list }}", {}),
     ("whitespace_tokens", "{{-'a'-}} {%-if 1-%} b {%-endif-%} {{ 1 -1 }}", {}),
+    # jinja2's truncate (leeway 5 by default), lengths in code points (a black-box test found it missing)
+    ("truncate", "[{{ s|truncate(9) }}][{{ s|truncate(9, True) }}][{{ s|truncate(11) }}][{{ s|truncate(11, False, '...', 0) }}]"
+                 "[{{ s|truncate(7, leeway=0) }}][{{ s|truncate(3, killwords=true, leeway=0) }}][{{ s|truncate(3, leeway=0) }}]"
+                 "[{{ u|truncate(8, leeway=0) }}][{{ u|truncate(8, true, '…', 0) }}][{{ u|truncate(12, end='»', leeway=1) }}]"
+                 "[{{ long|truncate }}][{{ long|truncate(leeway=0)|length }}][{{ s|truncate(20) }}][{{ missing|truncate(3) }}]"
+                 "[{{ 'nospacesatall'|truncate(6, leeway=0) }}][{{ '  lead'|truncate(5, leeway=0) }}][{{ s|truncate(14, leeway=none) }}]",
+     {"s": "foo bar baz qux", "u": "héllo wörld ünïcode ☃☃", "long": "word " * 60}),
+    # widths and precisions count code points, as Python's (bytes were counted)
+    ("percent_format", "[{{ '%5s' % 'é' }}][{{ '%-5s|' % 'ü' }}][{{ '%.2s' % 'héllo' }}][{{ '%8s' % '日本' }}]"
+                       "[{{ '%3s' % '日本語テキスト' }}][{{ '%-4r|' % 'é' }}][{{ '%5.1f' % 2.25 }}][{{ '%05d' % -42 }}]"
+                       "[{{ '%+d %+d' % (5, -5) }}][{{ '% d' % 3 }}][{{ '%-6d|' % 7 }}][{{ '%.3d' % 5 }}][{{ '%e' % 12345.678 }}]"
+                       "[{{ '%g' % 0.00001 }}][{{ '%010.3f' % -3.14159 }}][{{ '%s and %s' | format('é', 'ü') }}]"
+                       "[{{ '%10s' | format('ñ') }}][{{ '%d%%' % 50 }}][{{ '%i' % 3.9 }}][{{ '%.0s|' % 'gone' }}]", {}),
+    # Python's str.format with format specs (fill, align, sign, #, 0, width, precision, types)
+    ("str_format_spec", "[{{ '{:>5}'.format('é') }}][{{ '{:<6}|'.format('ab') }}][{{ '{:^7}'.format('日本') }}]"
+                        "[{{ '{:*^9}'.format('mid') }}][{{ '{:─<6}'.format('x') }}][{{ '{:.2}'.format('héllo') }}]"
+                        "[{{ '{:.3f}'.format(3.14159) }}][{{ '{:8.2f}'.format(-2.5) }}][{{ '{:05d}'.format(-42) }}]"
+                        "[{{ '{:+d}'.format(7) }}][{{ '{:=+6d}'.format(5) }}][{{ '{0}-{1}-{0}'.format('a', 'b') }}]"
+                        "[{{ '{name}: {v:>4}'.format(name='k', v=12) }}][{{ '{!r:>6}'.format('é') }}][{{ '{!s:^5}'.format(1) }}]"
+                        "[{{ '{:.3}'.format(100.0) }}][{{ '{:.3}'.format(1.0) }}][{{ '{:.3}'.format(0.0001234) }}]"
+                        "[{{ '{:.0}'.format(5.0) }}][{{ '{:10}'.format(0.1) }}][{{ '{:}'.format(1e16) }}][{{ '{:%}'.format(0.25) }}]"
+                        "[{{ '{:.1%}'.format(0.125) }}][{{ '{:#x} {:X} {:#o} {:b}'.format(255, 255, 8, -5) }}]"
+                        "[{{ '{:#010x}'.format(255) }}][{{ '{:e}'.format(12345.678) }}][{{ '{:10.3E}'.format(-1234.5) }}]"
+                        "[{{ '{:g} {:G} {:.3g}'.format(1e-5, 1e-10, 1234.5) }}][{{ '{}'.format(true) }}][{{ '{:>5}'.format(true) }}]"
+                        "[{{ '{:.2f}'.format(true) }}][{{ '{{}} {}'.format(1) }}][{{ '{:05}'.format('ab') }}][{{ '{:>05}'.format('ab') }}]"
+                        "[{{ '{:<05}'.format(12) }}][{{ '{:08}'.format(1.5) }}][{{ '{: }'.format(3) }}][{{ '{}'.format(none) }}]"
+                        "[{{ '{:f}'.format(5) }}][{{ '{:.1f}'.format(0.25) }}][{{ '{:é>4}'.format('a') }}]", {}),
+    ("err_truncate_length", "{{ 'abcdef'|truncate(2) }}", {}),
+    ("err_str_format_code", "{{ '{:d}'.format(2.5) }}", {}),
+    ("err_str_format_index", "{{ '{1}'.format('a') }}", {}),
+    ("err_str_format_spec_none", "{{ '{:>5}'.format(none) }}", {}),
     # errors
     ("err_raise", "{{ raise_exception('custom failure: ' ~ 42) }}", {}),
     ("err_undefined_attr", "{{ missing.attr }}", {}),
@@ -444,6 +475,10 @@ def main():
               "llama3": ("<|begin_of_text|>", "<|eot_id|>"), "chatml_qwen": ("", "<|im_end|>"),
               "mistral": ("<s>", "</s>"), "phi3": ("<s>", "<|endoftext|>")}
     cases = []
+    # Gemma 3's template reads a system message's content[0]['text'] when it is not a string: an
+    # empty list of parts is an error there (transformers' UndefinedError), an empty user list is not.
+    gemma_parts = [("system_empty_parts", [{"role": "system", "content": []}, {"role": "user", "content": "hi"}]),
+                   ("user_empty_parts", [{"role": "user", "content": []}])]
     for tname in templates:
         bos, eos = tokens[tname]
         for cname, msgs in conversations():
@@ -462,6 +497,12 @@ def main():
                  "extra": extra}
             c.update(render(templates[tname], TOOL_CONV, agp, bos, eos, extra))
             cases.append(c)
+    for cname, msgs in gemma_parts:
+        bos, eos = tokens["gemma3"]
+        c = {"name": f"gemma3/{cname}/gen", "template": "gemma3", "messages": msgs, "add_generation_prompt": True,
+             "bos_token": bos, "eos_token": eos, "extra": {}}
+        c.update(render(templates["gemma3"], msgs, True, bos, eos, {}))
+        cases.append(c)
     for fname, tpl, variables in FEATURES:
         key = "feature_" + fname
         templates[key] = tpl

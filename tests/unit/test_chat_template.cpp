@@ -343,6 +343,47 @@ TEST(ChatTemplate, IntegerEdgesNeverWrap) {
   }
 }
 
+// jinja2's truncate filter (missing: "No filter named 'truncate'"), lengths in code points and
+// jinja2's default leeway of 5. Expected values are jinja2 3.1's, from
+// jinja2.Environment().from_string(SRC).render() for each SRC below.
+TEST(ChatTemplate, TruncateFilterIsJinja2s) {
+  const std::pair<const char*, const char*> ok[] = {
+      {"{{ 'foo bar baz qux'|truncate(9) }}", "foo..."},
+      {"{{ 'héllo wörld'|truncate(8, leeway=0) }}", "héllo..."},
+      {"{{ 'héllo wörld'|truncate(8, True, '…', 0) }}", "héllo w…"},
+      {"{{ 'ééééé'|truncate(4, end='', leeway=0) }}", "éééé"},
+  };
+  expect_renders(ok);
+  auto t = ChatTemplate::parse("{{ 'abcdef'|truncate(2) }}");  // jinja2: AssertionError: expected length >= 3, got 2
+  ASSERT_TRUE(t);
+  auto r = t->render({{"user", "x"}}, false, "", "");
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.message().find("expected length >= 3, got 2"), std::string::npos) << r.message();
+}
+
+// printf-style widths and %s precisions count code points, as Python's: '%5s' % 'é' padded by the
+// bytes, and the width was not applied to %s at all. Expected: Python 3's
+// '%5s|%-4s|%.2s' % ('é', '日本', 'ñandú') and '{:>5}|{:^6}|{:.2}|{:*<4}'.format('é', '日本', 'ñandú', 'ü'),
+// '{:05.1f}|{:+d}|{:.3}'.format(-1.25, 3, 100.0).
+TEST(ChatTemplate, FormatWidthsCountCodePointsAndStrFormatTakesSpecs) {
+  const std::pair<const char*, const char*> ok[] = {
+      {"{{ '%5s|%-4s|%.2s' % ('é', '日本', 'ñandú') }}", "    é|日本  |ña"},
+      {"{{ '{:>5}|{:^6}|{:.2}|{:*<4}'.format('é', '日本', 'ñandú', 'ü') }}", "    é|  日本  |ña|ü***"},
+      {"{{ '{:05.1f}|{:+d}|{:.3}'.format(-1.25, 3, 100.0) }}", "-01.2|+3|1e+02"},
+  };
+  expect_renders(ok);
+  // What str.format here does not implement is an error, never a different text: Python renders
+  // each of these ('1,000', '1.0', '1000', '1', 'x', "'\\xe9'").
+  for (const char* src : {"{{ '{:,}'.format(1000) }}", "{{ '{:z}'.format(1.0) }}", "{{ '{:n}'.format(1000) }}",
+                          "{{ '{:{}}'.format(1, 3) }}", "{{ '{0[0]}'.format('x') }}", "{{ '{!a}'.format('é') }}",
+                          "{{ '{:c}'.format(65) }}", "{{ '%x' % 255 }}"}) {
+    auto t = ChatTemplate::parse(src);
+    ASSERT_TRUE(t) << src;
+    auto r = t->render({{"user", "x"}}, false, "", "");
+    EXPECT_FALSE(r) << src << " -> " << *r;
+  }
+}
+
 // A namespace is the one mutable value, so the one way to build a reference cycle. The render frees every
 // namespace it made, cycles included, whether it succeeds or throws (under ASan, LeakSanitizer checks;
 // the fuzzer found `set ns.n = ns` leaking). How a cycle prints is in the golden features/ns_cycle_* cases.
