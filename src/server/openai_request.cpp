@@ -538,7 +538,8 @@ std::vector<ChatMessage> parse_messages(const Fields& f) {
     std::vector<std::string> parts;
     std::string text = it == m.end() ? std::string() : message_text(*it, role, i, &parts);
     // Templates written before OpenAI's "developer" role know it as "system".
-    out.push_back(ChatMessage{role == "developer" ? "system" : role, std::move(text), std::move(parts), std::move(extra)});
+    out.push_back(ChatMessage{role == "developer" ? "system" : role, std::move(text), std::move(parts), std::move(extra),
+                              it != m.end() && it->is_array()});
   }
   return out;
 }

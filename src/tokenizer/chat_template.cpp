@@ -65,7 +65,7 @@ Result<std::string> ChatTemplate::render(const std::vector<ChatMessage>& msgs, b
   for (const auto& m : msgs) {
     jinja::Object o;
     o.emplace_back("role", jinja::Value(m.role));
-    if (!m.parts.empty() && iterates_content_) {
+    if ((m.given_as_parts || !m.parts.empty()) && iterates_content_) {
       jinja::Array parts;
       for (const auto& p : m.parts) parts.push_back(jinja::Value::object({{"type", jinja::Value("text")}, {"text", jinja::Value(p)}}));
       o.emplace_back("content", jinja::Value::array(std::move(parts)));

@@ -41,6 +41,10 @@ struct ChatMessage {
   // Members the template sees beside role and content, as the client gave them (an object, or
   // null): an assistant turn's tool_calls, a tool result's tool_call_id.
   nlohmann::ordered_json extra = nullptr;
+  // Content was given as a list of parts, even an empty one: a template that loops over content
+  // gets the list ([] included; Gemma 3's then fails on a system message's [0], as transformers'
+  // rendering does), not the empty text.
+  bool given_as_parts = false;
 };
 
 class ChatTemplate {

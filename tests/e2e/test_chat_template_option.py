@@ -173,6 +173,24 @@ def test_content_parts_reach_the_template_as_vllm_passes_them(gemma_chat, gemma_
     assert as_parts["tokens"] == joined["tokens"]
 
 
+def test_an_empty_list_of_parts_renders_as_transformers_renders_it(gemma_chat, gemma_tok):
+    """Content given as [] reached the template as "": Gemma 3's template then rendered a system
+    message of no parts as a "\n\n" prefix, where transformers' rendering (the oracle) fails on
+    its content[0]['text']. Now the list goes through: the same error, a 400; an empty user list
+    renders as transformers renders it."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+    conv = [{"role": "system", "content": []}, {"role": "user", "content": "hi"}]
+    with pytest.raises(Exception, match="has no element 0"):
+        render_jinja_template(conversations=[conv], chat_template=template_source("gemma3"), add_generation_prompt=True,
+                              bos_token="<bos>", eos_token="<eos>")
+    for path, body in (("/tokenize", {"messages": conv}), ("/v1/chat/completions", {"messages": conv, "max_tokens": 2})):
+        r = requests.post(gemma_chat.url + path, json=body, timeout=30)
+        assert r.status_code == 400 and "has no element 0" in r.json()["error"]["message"], (path, r.text)
+    user_only = [{"role": "user", "content": []}]
+    got = requests.post(gemma_chat.url + "/tokenize", json={"messages": user_only}, timeout=30).json()["tokens"]
+    assert got == oracle_ids(gemma_tok, template_source("gemma3"), user_only)
+
+
 def test_input_text_and_refusal_parts_are_text_as_vllm_reads_them(server):
     """vLLM reads "input_text" / "output_text" parts (the Responses API's names) as text, and an
     assistant's "refusal" part as its refusal text; they were refused here as media ("text-only

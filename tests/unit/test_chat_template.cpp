@@ -466,6 +466,31 @@ TEST(ChatTemplate, ContentPartsGoToTemplatesThatLoopOverContent) {
   EXPECT_EQ(*plain->render({m}, false, "", ""), "<a\nb>");
 }
 
+// Content given as an empty list of parts reached the template as the empty string: Gemma 3's
+// template then rendered a system prefix of "\n\n" where transformers' rendering (the oracle:
+// the golden gemma3/system_empty_parts case) fails reading content[0]['text']. The list now goes
+// through as given, [] included; ChatMessage renders as the same messages in JSON do.
+TEST(ChatTemplate, AnEmptyListOfPartsReachesTheTemplateAsAList) {
+  auto gemma = load_chat_template("gemma3");
+  ASSERT_TRUE(gemma);
+  ChatMessage empty_system{"system", "", {}, nullptr, /*given_as_parts=*/true};
+  auto r = gemma->render({empty_system, {"user", "hi"}}, true, "<bos>", "<eos>");
+  ASSERT_FALSE(r) << *r;
+  EXPECT_NE(r.message().find("list object has no element 0"), std::string::npos) << r.message();
+  auto json = gemma->render_json(ojson::parse(R"([{"role": "system", "content": []}, {"role": "user", "content": "hi"}])"), true,
+                                 "<bos>", "<eos>", ojson::object());
+  ASSERT_FALSE(json);
+  EXPECT_EQ(r.message(), json.message());
+  ChatMessage empty_user{"user", "", {}, nullptr, /*given_as_parts=*/true};
+  auto u = gemma->render({empty_user}, true, "<bos>", "<eos>");
+  ASSERT_TRUE(u) << u.message();
+  EXPECT_EQ(*u, "<bos><start_of_turn>user\n<end_of_turn>\n<start_of_turn>model\n");  // transformers' (gemma3/user_empty_parts)
+  // A template that takes content as a string still gets the empty text.
+  auto plain = ChatTemplate::parse("{% for m in messages %}<{{ m.content }}>{% endfor %}");
+  ASSERT_TRUE(plain);
+  EXPECT_EQ(*plain->render({empty_user}, false, "", ""), "<>");
+}
+
 // An integer past int64 wrapped negative in the interpreter (12345678901234567890 rendered as
 // -6101065172474983726, found by a black-box test; jinja2 keeps Python's exact int): it keeps its
 // digits, printed and in tojson, in a message or a template variable.
