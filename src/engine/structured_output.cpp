@@ -295,6 +295,24 @@ std::shared_ptr<const CompiledConstraint> ConstraintCompiler::compile(const Outp
       }
       refuse(why);
     }
+    // A language with no text in it (every rule recurses with no way out: `root ::= a`, `a ::= a
+    // "x"`) compiles, and its first mask allows nothing: the answer would be "" with "stop".
+    // Only the first step is looked at: a dead end further in still ends the answer there.
+    xgrammar::GrammarMatcher first(g);
+    if (!first.IsCompleted()) {
+      std::vector<int32_t> bits(xgrammar::GetBitmaskSize(g.GetTokenizerInfo().GetVocabSize()));
+      DLTensor t{};
+      int64_t shape[1] = {static_cast<int64_t>(bits.size())};
+      t.data = bits.data();
+      t.device = DLDevice{kDLCPU, 0};
+      t.ndim = 1;
+      t.dtype = xgrammar::GetBitmaskDLType();
+      t.shape = shape;
+      first.FillNextTokenBitmask(&t, 0);
+      if (std::all_of(bits.begin(), bits.end(), [](int32_t w) { return w == 0; }))
+        throw std::invalid_argument(std::string("invalid ") + constraint_kind_name(c.kind) +
+                                    ": it matches no text (no token can begin an answer that keeps to it).");
+    }
     return std::make_shared<CompiledConstraint>(std::move(g));
   };
   // Compiles run side by side (xgrammar's compiler is thread-safe, its cache too): one client's

@@ -208,6 +208,9 @@ def test_bad_constraints_are_400s_with_the_reason(server):
         ({"structured_outputs": {"regx": "a+"}}, "unknown field 'regx'"),
         ({"structured_outputs": {}}, "names no constraint"),
         ({"structured_outputs": {"disable_any_whitespace": True}}, "names no constraint"),
+        # a language with no text in it compiled, and answered "" with "stop" (a user test)
+        ({"guided_grammar": 'root ::= a\na ::= a "x"'}, "matches no text"),
+        ({"guided_regex": "[^\\s\\S]"}, "matches no text"),
     ]
     for body, needle in cases:
         r = post(body)
