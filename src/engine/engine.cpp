@@ -972,7 +972,10 @@ int32_t Engine::make_draft(Sequence& s, int32_t k_cap) {
   // JSON answers, docs/structured_output.md).
   if (forcing) {
     const int64_t kmax = std::min<int64_t>({room, k_cap, cfg_.jump_forward_tokens});
-    const std::string text = kmax > 0 ? constraint->forced_text() : std::string();
+    std::string text = kmax > 0 ? constraint->forced_text() : std::string();
+    // A long literal is split only as far as a draft can use (a token is rarely over 24 bytes;
+    // the last token, which the cut may split, is left out below).
+    if (static_cast<int64_t>(text.size()) > 24 * (kmax + 1)) text.resize(static_cast<size_t>(24 * (kmax + 1)));
     if (!text.empty()) {
       // The tokenizer's own split (what the model was trained on), less its last token, which the
       // text that follows may extend (a forced `"age` before an unforced `": `); then only what
