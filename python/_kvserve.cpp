@@ -136,9 +136,12 @@ class PyEngine {
   PyEngine(const std::string& model, const std::string& kv_cache_dtype, const std::string& kv_cache_memory, int block_size,
            bool enable_prefix_caching, int max_num_seqs, int max_num_batched_tokens, int max_model_len, int max_n, int threads,
            const std::string& kv_cache_dtype_layers, const std::string& act_quant, const std::string& served_model_name, bool quiet,
-           const std::string& speculative_config, const std::string& chat_template, bool past_trained_context) {
+           const std::string& speculative_config, const std::string& chat_template, bool past_trained_context,
+           int jump_forward_tokens) {
     // Before the model loads: as the CLI's ranges (0 = the default: every core, the model's context).
     if (threads < 0 || threads > 256) fail("threads must be in [0, 256] (0 or None: every core), got " + std::to_string(threads));
+    if (jump_forward_tokens < 0 || jump_forward_tokens > 256)  // serve's --jump-forward-tokens range
+      fail("jump_forward_tokens must be in [0, 256] (0: off), got " + std::to_string(jump_forward_tokens));
     if (max_model_len < 0 || max_model_len > (1 << 24))  // serve's --max-model-len range
       fail("max_model_len must be in [0, " + std::to_string(1 << 24) + "] (0 or None: the model's context), got " + std::to_string(max_model_len));
     if (!act_quant.empty()) {
@@ -181,6 +184,7 @@ class PyEngine {
         !w.empty())
       std::fprintf(stderr, "kvserve: warning: %s\n", w.c_str());
     ec.max_n = max_n;
+    ec.jump_forward_tokens = jump_forward_tokens;
     ec.max_queue = 1 << 30;  // one call submits all its prompts; the engine queues them
     if (!speculative_config.empty()) {  // vLLM's speculative_config, as --speculative-config
       nlohmann::json j = nlohmann::json::parse(speculative_config, nullptr, false);
@@ -579,12 +583,13 @@ PYBIND11_MODULE(_kvserve, m) {
   });
   py::class_<PyEngine>(m, "Engine")
       .def(py::init<const std::string&, const std::string&, const std::string&, int, bool, int, int, int, int, int, const std::string&,
-                    const std::string&, const std::string&, bool, const std::string&, const std::string&, bool>(),
+                    const std::string&, const std::string&, bool, const std::string&, const std::string&, bool, int>(),
            py::arg("model"), py::arg("kv_cache_dtype") = "auto", py::arg("kv_cache_memory") = "1GiB", py::arg("block_size") = 16,
            py::arg("enable_prefix_caching") = true, py::arg("max_num_seqs") = 64, py::arg("max_num_batched_tokens") = 512,
            py::arg("max_model_len") = 0, py::arg("max_n") = 16, py::arg("threads") = 0, py::arg("kv_cache_dtype_layers") = "",
            py::arg("act_quant") = "", py::arg("served_model_name") = "", py::arg("quiet") = false,
-           py::arg("speculative_config") = "", py::arg("chat_template") = "", py::arg("past_trained_context") = false)
+           py::arg("speculative_config") = "", py::arg("chat_template") = "", py::arg("past_trained_context") = false,
+           py::arg("jump_forward_tokens") = kv::EngineConfig{}.jump_forward_tokens)
       .def("close", &PyEngine::close)
       .def_property_readonly("model_name", &PyEngine::model_name)
       .def_property_readonly("max_model_len", &PyEngine::max_model_len)

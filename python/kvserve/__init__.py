@@ -270,6 +270,7 @@ _ENGINE_ARGS = {
     "kv_cache_dtype", "kv_cache_memory", "block_size", "enable_prefix_caching", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "max_n", "threads", "kv_cache_dtype_layers",
     "act_quant", "served_model_name", "quiet", "speculative_config", "chat_template", "past_trained_context",
+    "jump_forward_tokens",
 }
 
 
@@ -326,6 +327,9 @@ class LLM:
     threads (default: the machine's cores). quiet: no loading lines on stderr.
     speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 5} or
     {"method": "suffix"} (drafts from the text itself; outputs unchanged, docs/speculative.md).
+    jump_forward_tokens: under structured outputs, the text the constraint forces next goes into
+    one step as a draft of at most this many tokens (16; 0: off; outputs unchanged,
+    docs/structured_output.md), as serve's --jump-forward-tokens.
     A max_model_len past the model's training context (the GGUF's context_length) prints one
     warning on stderr, as serve's --max-model-len; past_trained_context=True (serve's
     --past-trained-context) says it is meant and drops it.

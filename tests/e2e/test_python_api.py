@@ -697,6 +697,28 @@ def test_structured_outputs_as_vllm_takes_them(llm, client):
         llm.generate(["x"], SamplingParams(max_tokens=2, structured_outputs={"regex": "a"}))
 
 
+def test_jump_forward_can_be_turned_off_and_changes_nothing(llm):
+    """jump_forward_tokens (serve's --jump-forward-tokens): 0 turns it off, and the outputs of a
+    constrained request are the same either way (text and logprobs, seeded sampling); a value
+    outside serve's range is a ValueError before the weights load."""
+    from kvserve import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 15}, "population": {"type": "integer"}},
+              "required": ["city", "population"], "additionalProperties": False}
+    sp = SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=60, logprobs=2,
+                        structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    off = LLM(MODEL, kv_cache_memory="48MiB", max_model_len=MAX_MODEL_LEN, quiet=True, jump_forward_tokens=0)
+    try:
+        a = llm.generate(["A city and its population as JSON:"], sp)[0].outputs
+        b = off.generate(["A city and its population as JSON:"], sp)[0].outputs
+    finally:
+        off.close()
+    assert [(o.text, o.token_ids, o.finish_reason) for o in a] == [(o.text, o.token_ids, o.finish_reason) for o in b]
+    assert [o.logprobs for o in a] == [o.logprobs for o in b]
+    with pytest.raises(ValueError, match="jump_forward_tokens"):
+        LLM(MODEL, quiet=True, jump_forward_tokens=300)
+
+
 def test_logit_bias_as_vllm_takes_it(llm):
     sys.path.insert(0, os.path.join(ROOT, "tests", "reference"))
     import tokenizer_ref
