@@ -3,7 +3,8 @@
 
 The same server binary runs twice per repeat, with its default (--jump-forward-tokens 16) and
 with --jump-forward-tokens 0, in alternating order. Each run answers the same chat requests
-constrained by a JSON schema (greedy, so both runs must give the same texts: checked), first one
+constrained by a JSON schema (greedy, or seeded at --temperature: either way both runs must give
+the same texts, checked), first one
 at a time (1 user), then --users at once. Reported per setting: generated tokens per second of
 wall time over the whole run (prefill and HTTP included, as a client sees it), engine steps, and
 the jump-forward counters (forced tokens put into steps, and those the model took).
@@ -46,9 +47,9 @@ WHO = ["a pirate", "a cat", "a teacher from Paris", "a student", "a dog", "a kin
        "a child", "a chef", "a robot", "a farmer", "a painter", "a pilot", "a baker", "a nurse"]
 
 
-def ask(port: int, model: str, who: str, max_tokens: int, no_ws: bool) -> dict:
+def ask(port: int, model: str, who: str, max_tokens: int, no_ws: bool, temperature: float = 0.0, seed: int = 0) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": f"Describe {who} as JSON."}], "max_tokens": max_tokens,
-            "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}}
+            "temperature": temperature, "seed": seed, "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}}
     if no_ws:
         body["structured_outputs"] = {"disable_any_whitespace": True}
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
@@ -58,7 +59,7 @@ def ask(port: int, model: str, who: str, max_tokens: int, no_ws: bool) -> dict:
     return {"text": out["choices"][0]["message"]["content"], "tokens": out["usage"]["completion_tokens"]}
 
 
-def workload(port: int, model: str, prompts: list[str], users: int, max_tokens: int, no_ws: bool) -> dict:
+def workload(port: int, model: str, prompts: list[str], users: int, max_tokens: int, no_ws: bool, temperature: float) -> dict:
     results: list[dict | None] = [None] * len(prompts)
     nxt = iter(range(len(prompts)))
     lock = threading.Lock()
@@ -69,7 +70,7 @@ def workload(port: int, model: str, prompts: list[str], users: int, max_tokens: 
                 i = next(nxt, None)
             if i is None:
                 return
-            results[i] = ask(port, model, prompts[i], max_tokens, no_ws)
+            results[i] = ask(port, model, prompts[i], max_tokens, no_ws, temperature, seed=1000 + i)
 
     m0 = scrape_metrics(port)
     t0 = time.perf_counter()
@@ -105,7 +106,8 @@ def plot(res: dict, path: Path) -> bool:
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
     ax.set_xticks(range(len(users)), [f"{u} user{'s' if u > 1 else ''}" for u in users])
     ax.set_ylabel("generated tok/s (wall, medians)")
-    ax.set_title(f"JSON-schema answers, {Path(res['model']).name}, greedy")
+    t = res["params"]["temperature"]
+    ax.set_title(f"JSON-schema answers, {Path(res['model']).name}, " + ("greedy" if t == 0 else f"T={t:g}, seeded"), fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -121,6 +123,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--users", type=int, default=4, help="concurrent users of the second workload (the first is 1)")
     ap.add_argument("--max-tokens", type=int, default=120)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy; above: sampled with a seed per request (the texts must still match)")
     ap.add_argument("--whitespace", choices=["none", "any"], default="none",
                     help="none: disable_any_whitespace (the JSON's layout is forced too); any: vLLM's default")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "jump_forward_bench.json")
@@ -141,7 +145,7 @@ def main() -> int:
             srv.start(120)
             try:
                 for users in (1, a.users):
-                    r = workload(port, srv.model_id, prompts, users, a.max_tokens, a.whitespace == "none")
+                    r = workload(port, srv.model_id, prompts, users, a.max_tokens, a.whitespace == "none", a.temperature)
                     texts[(setting, users)] = r.pop("texts")
                     r["repeat"] = rep
                     runs[setting].append(r)

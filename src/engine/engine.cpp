@@ -577,10 +577,14 @@ bool Engine::schedule(Plan* plan) {
   };
   // Speculative drafts only while the decode batch stays narrow (memory-bound): decodes plus
   // drafts within max_batch_tokens of the server's configuration (the oldest draft first).
-  int64_t spec_room = 0;
+  int64_t spec_room = 0, n_decoding = 0;
+  for (const auto& sp : running_) n_decoding += sp->to_compute() == 1;
+  // Jump-forward drafts of several sequences fill the last matmul row tile their decodes start,
+  // and start no other: there a token is worth 1/n of a step, and a new tile costs about a third
+  // of one (SmolLM2, 4 → 5 rows). Alone, a token is worth the whole step: drafts may go on.
+  int64_t tile_room = n_decoding <= 1 ? budget
+                                      : (n_decoding + kMatmulRowTile - 1) / kMatmulRowTile * kMatmulRowTile - n_decoding;
   if (cfg_.spec.max_batch_tokens > 0) {
-    int64_t n_decoding = 0;
-    for (const auto& sp : running_) n_decoding += sp->to_compute() == 1;
     spec_room = std::max<int64_t>(0, cfg_.spec.max_batch_tokens - n_decoding);
   } else {
     spec_room = budget;
@@ -603,7 +607,9 @@ bool Engine::schedule(Plan* plan) {
       ok = room();
     }
     if (!ok) break;  // s was preempted and removed; everything after it was too
-    const int32_t k = make_draft(s, static_cast<int32_t>(std::min<int64_t>(spec_room, budget - 1)));
+    const int32_t k = make_draft(s, static_cast<int32_t>(std::min<int64_t>(spec_room, budget - 1)), static_cast<int32_t>(n_decoding),
+                                 static_cast<int32_t>(std::min<int64_t>(tile_room, budget - 1)));
+    if (s.draft_forced) tile_room -= k;
     plan->items.push_back({&s, 1 + k, true, k > 0});
     budget -= 1 + k;
     spec_room -= k;
@@ -944,7 +950,7 @@ Engine::Sequence* Engine::fork(Sequence& parent, int32_t index) {
 
 // ---- Speculative decoding (engine/speculative.h) ---------------------------------------------
 
-int32_t Engine::make_draft(Sequence& s, int32_t k_cap) {
+int32_t Engine::make_draft(Sequence& s, int32_t k_cap, int32_t n_decoding, int32_t forced_cap) {
   s.draft.clear();
   s.draft_forced = false;
   const RequestParams& p = s.rs->req.params;
@@ -973,7 +979,7 @@ int32_t Engine::make_draft(Sequence& s, int32_t k_cap) {
   // (SmolLM2 took 70% of such tokens greedy, 20-40% sampled at temperature 1), so its length
   // follows this sequence's record as a speculative draft's does (SpecStats::worth).
   if (forcing) {
-    const int64_t kmax = std::min<int64_t>({room, k_cap, cfg_.jump_forward_tokens});
+    const int64_t kmax = std::min<int64_t>({room, k_cap, forced_cap, cfg_.jump_forward_tokens});
     std::string text = kmax > 0 ? constraint->forced_text() : std::string();
     // A long literal is split only as far as a draft can use (a token is rarely over 24 bytes;
     // the last token, which the cut may split, is left out below).
@@ -987,7 +993,12 @@ int32_t Engine::make_draft(Sequence& s, int32_t k_cap) {
       if (static_cast<int64_t>(s.draft.size()) > kmax) s.draft.resize(static_cast<size_t>(kmax));
       s.draft.resize(static_cast<size_t>(constraint->allowed_prefix(s.draft.data(), static_cast<int32_t>(s.draft.size()))));
       if (!s.draft.empty()) {
-        const int32_t k = s.forced_stats.worth(static_cast<int32_t>(s.draft.size()), cfg_.spec.draft_cost);
+        // What a draft row costs against what a token is worth grows with the batch: with a row
+        // costing draft_cost of a one-sequence step, n sequences step in 1 + (n − 1)·draft_cost
+        // of it and a token is worth 1/n of that (4 users: 0.63 against 0.3 alone).
+        const double c = cfg_.spec.draft_cost, n = std::max<int32_t>(1, n_decoding);
+        const float cost = static_cast<float>(n * c / (1.0 + (n - 1.0) * c));
+        const int32_t k = s.forced_stats.worth(static_cast<int32_t>(s.draft.size()), cost);
         s.draft.resize(static_cast<size_t>(k));
         if (k == 0) return 0;  // forced text the model does not take: no guess of another kind either
       }

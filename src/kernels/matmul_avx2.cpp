@@ -208,6 +208,7 @@ inline void store_rows(const __m256 (&acc)[R][2], float* y, int64_t n_out, int64
 
 // Rows per tile_nib in a batch (3 measured the same; 6 slower).
 constexpr int kNibRows = 4;
+static_assert(kNibRows == kMatmulRowTile, "the engine sizes drafts by this tile (matmul.h)");
 
 // The nibble formats whose int16 sums take a whole block (all but Q5_0) keep the first tile's
 // unpacked weight vectors (uw: 16 vectors a block, after isum's nb · 2 · kNibRows), and the

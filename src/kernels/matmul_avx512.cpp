@@ -253,6 +253,7 @@ void run(const QWeights& w, const QAct& a, int64_t n_rows, int64_t g0, int64_t g
   // Two-level: 16-output strips (4 rows × 2 groups × 2 levels of accumulators would spill).
   constexpr int64_t kRowChunk = 64;
   constexpr int kRT = 4;  // rows per tile (two-level: 5, 6 and 8 measured no faster)
+  static_assert(kRT == kMatmulRowTile, "the engine sizes drafts by this tile (matmul.h)");
   for (int64_t rc = 0; rc < n_rows; rc += kRowChunk) {
     const int64_t re = std::min(n_rows, rc + kRowChunk);
     if constexpr (T) {
