@@ -36,6 +36,20 @@ class CompiledConstraint {
   xgrammar::CompiledGrammar grammar;
 };
 
+namespace {
+// The tokens `m` allows next into bits (xgrammar's bitmask: bit v % 32 of word v / 32 = token v).
+void fill_bitmask(xgrammar::GrammarMatcher& m, std::vector<int32_t>& bits) {
+  DLTensor t{};
+  int64_t shape[1] = {static_cast<int64_t>(bits.size())};
+  t.data = bits.data();
+  t.device = DLDevice{kDLCPU, 0};
+  t.ndim = 1;
+  t.dtype = xgrammar::GetBitmaskDLType();
+  t.shape = shape;
+  m.FillNextTokenBitmask(&t, 0);
+}
+}  // namespace
+
 struct ConstraintCompiler::Impl {
   xgrammar::GrammarCompiler compiler;
   explicit Impl(const xgrammar::TokenizerInfo& info)
@@ -301,14 +315,7 @@ std::shared_ptr<const CompiledConstraint> ConstraintCompiler::compile(const Outp
     xgrammar::GrammarMatcher first(g);
     if (!first.IsCompleted()) {
       std::vector<int32_t> bits(xgrammar::GetBitmaskSize(g.GetTokenizerInfo().GetVocabSize()));
-      DLTensor t{};
-      int64_t shape[1] = {static_cast<int64_t>(bits.size())};
-      t.data = bits.data();
-      t.device = DLDevice{kDLCPU, 0};
-      t.ndim = 1;
-      t.dtype = xgrammar::GetBitmaskDLType();
-      t.shape = shape;
-      first.FillNextTokenBitmask(&t, 0);
+      fill_bitmask(first, bits);
       if (std::all_of(bits.begin(), bits.end(), [](int32_t w) { return w == 0; }))
         throw std::invalid_argument(std::string("invalid ") + constraint_kind_name(c.kind) +
                                     ": it matches no text (no token can begin an answer that keeps to it).");
@@ -450,16 +457,7 @@ struct ConstraintMatcher::Impl {
       : compiled(std::move(c)),
         matcher(compiled->grammar),
         bits(xgrammar::GetBitmaskSize(compiled->grammar.GetTokenizerInfo().GetVocabSize())) {}
-  void fill() {
-    DLTensor t{};
-    int64_t shape[1] = {static_cast<int64_t>(bits.size())};
-    t.data = bits.data();
-    t.device = DLDevice{kDLCPU, 0};
-    t.ndim = 1;
-    t.dtype = xgrammar::GetBitmaskDLType();
-    t.shape = shape;
-    matcher.FillNextTokenBitmask(&t, 0);
-  }
+  void fill() { fill_bitmask(matcher, bits); }
 };
 
 ConstraintMatcher::ConstraintMatcher(std::shared_ptr<const CompiledConstraint> c) : impl_(std::make_unique<Impl>(std::move(c))) {}
