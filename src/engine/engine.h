@@ -205,9 +205,9 @@ class Engine {
   bool copy_partial_page(Sequence& s, const PrefixMatch& m);
   // Speculative decoding: s.draft for this step (at most k_cap tokens, none when s cannot
   // speculate); then, after the verification forward, the accepted prefix's bookkeeping.
-  // k_cap: the most draft tokens of any kind; n_decoding: the step's decoding sequences;
-  // forced_cap: the most jump-forward tokens (the room left in the decodes' last row tile).
-  int32_t make_draft(Sequence& s, int32_t k_cap, int32_t n_decoding, int32_t forced_cap);
+  // k_cap: the most draft tokens (max_batch_tokens' room and the decodes' last row tile's);
+  // n_decoding: the step's decoding sequences.
+  int32_t make_draft(Sequence& s, int32_t k_cap, int32_t n_decoding);
   void settle_draft(Sequence& s, int32_t n_accepted);
   void loop();
   // KV dashboard (kv_snapshot.h): this step's runs into the timelines; a snapshot when one is due.
