@@ -67,6 +67,18 @@ if [[ -n "$QUICK" ]]; then dir="$dir-quick"; light=ON; targets=(kvserve); fi
 if [[ "$light" == ON && -f "${BUILD_DIR:-build}/libkv_xgrammar.a" ]]; then
   xgrammar=(-DKV_XGRAMMAR_LIB="$(cd "${BUILD_DIR:-build}" && pwd)/libkv_xgrammar.a")
 fi
+# TSan: cpp-httplib compiled in from Debian's source of the installed version, instrumented like
+# the rest; the uninstrumented libcpp-httplib.so's inlined atomics and guarded statics are
+# invisible to TSan, which then reported races between two of its worker threads now and then.
+httplib=()
+if [[ "$kind" == tsan ]]; then
+  if inc="$(bash scripts/fetch_httplib_source.sh)"; then
+    httplib=(-DKV_HTTPLIB_INCLUDE="$inc")
+  else
+    echo "== tsan: WARNING: no cpp-httplib source; linking the uninstrumented library" >&2
+    httplib=(-DKV_HTTPLIB_INCLUDE=)
+  fi
+fi
 # SAN_FUZZ=1 (make test, with asan): the libFuzzer targets are built in the same tree (the library
 # gets libFuzzer's coverage instrumentation too) and run_fuzz.sh runs them before the e2e tests,
 # instead of compiling the same sources a second time.
@@ -74,7 +86,7 @@ if [[ -n "${SAN_FUZZ:-}" && "$kind" == asan ]]; then fuzz=ON; targets+=(fuzz_ggu
 echo "== $kind: building $dir (-fsanitize=$san, light $light, fuzz targets $fuzz)"
 mkdir -p "$dir"
 CXX="$CXX" cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DKV_SANITIZE="$san" -DKV_SANITIZE_LIGHT="$light" \
-      -DKV_FUZZ="$fuzz" -DKV_PYTHON=OFF -DKV_BUILD_BENCH=OFF "${xgrammar[@]}" > "$dir/configure.log" 2>&1 \
+      -DKV_FUZZ="$fuzz" -DKV_PYTHON=OFF -DKV_BUILD_BENCH=OFF "${xgrammar[@]}" "${httplib[@]}" > "$dir/configure.log" 2>&1 \
   || { cat "$dir/configure.log"; exit 1; }
 cmake --build "$dir" -j"$JOBS" --target "${targets[@]}"
 if [[ "$fuzz" == ON ]]; then
